@@ -1,0 +1,140 @@
+"""The facts everything else stands on: model shapes, accelerators, network profiles.
+
+Kept as plain data so the planner stays a set of pure functions and a user can read, in
+one place, every number a plan depends on. Imports nothing of ours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied_embeddings: bool = False
+    seq_len: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+
+# Shapes copied from the official configs (Meta's params.json / HF config.json).
+PRESETS: dict[str, ModelShape] = {
+    # Llama 2 (Touvron et al. 2023): 7B, 13B, 70B.
+    "llama2-7b": ModelShape(32, 4096, 11008, 32, 32, 32000, seq_len=4096),
+    "llama2-13b": ModelShape(40, 5120, 13824, 40, 40, 32000, seq_len=4096),
+    "llama2-70b": ModelShape(80, 8192, 28672, 64, 8, 32000, seq_len=4096),
+    # Llama 3 / 3.1 (Dubey et al. 2024): 128K vocabulary, rope theta 500000.
+    "llama3-8b": ModelShape(32, 4096, 14336, 32, 8, 128256, seq_len=8192, rope_theta=500000.0),
+    "llama3-70b": ModelShape(80, 8192, 28672, 64, 8, 128256, seq_len=8192, rope_theta=500000.0),
+    "llama3-405b": ModelShape(126, 16384, 53248, 128, 8, 128256, seq_len=8192, rope_theta=500000.0),
+    # CPU-sized presets for the local target, tests and benchmarks.
+    "tiny": ModelShape(4, 128, 352, 4, 2, 512, seq_len=128),
+    "micro": ModelShape(2, 64, 176, 4, 2, 256, seq_len=64),
+    "small-50m": ModelShape(8, 512, 1408, 8, 8, 32000, seq_len=256),
+}
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    memory_gb: float  # GB = 1e9 bytes, as vendors quote it
+    peak_tflops: float  # dense bf16 (fp16 where bf16 is absent), per device
+    usd_per_hour: float  # a typical on-demand list price per device; recipes override it
+    bf16: bool = True
+    is_gpu: bool = True
+
+
+# Names spelled as SkyPilot spells them. Peaks are dense (no sparsity) tensor-core figures from
+# the vendors' data sheets; prices are representative on-demand list prices (override per recipe).
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in [
+        Accelerator("B200", 180, 2250, 6.00),
+        Accelerator("H200", 141, 989, 4.00),
+        Accelerator("H100", 80, 989, 3.00),
+        Accelerator("H100-MEGA", 80, 989, 3.20),
+        Accelerator("GH200", 96, 989, 3.50),
+        Accelerator("A100-80GB", 80, 312, 1.80),
+        Accelerator("A100", 40, 312, 1.30),
+        Accelerator("L40S", 48, 362, 1.10),
+        Accelerator("L4", 24, 121, 0.70),
+        Accelerator("A10G", 24, 70, 1.00),
+        Accelerator("A10", 24, 125, 0.75),
+        Accelerator("V100-32GB", 32, 125, 2.50, bf16=False),
+        Accelerator("V100", 16, 125, 2.50, bf16=False),
+        Accelerator("T4", 16, 65, 0.35, bf16=False),
+        # The local target: one "device" is one process on the host CPU. Memory is a budget per rank.
+        Accelerator("cpu", 8, 0.05, 0.0, is_gpu=False),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Network:
+    name: str
+    description: str
+    node_gbps: float  # expected all-reduce bus bandwidth between nodes, GB/s (1e9 bytes)
+    nccl_env: dict[str, str] = field(default_factory=dict)
+    sky_network_tier: str | None = None
+
+
+# NCCL settings per fabric. Bandwidths are conservative bus bandwidths for a ring all-reduce;
+# the runtime's preflight measures the real figure and compares it with these.
+NETWORKS: dict[str, Network] = {
+    n.name: n
+    for n in [
+        Network(
+            "best",
+            "the fastest fabric the cluster offers (InfiniBand/RoCE on SLURM, SkyPilot network_tier: best)",
+            40.0,
+            {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB"},
+            sky_network_tier="best",
+        ),
+        Network(
+            "infiniband",
+            "InfiniBand or RoCE with GPUDirect RDMA",
+            40.0,
+            {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB", "NCCL_IB_TIMEOUT": "22", "NCCL_IB_RETRY_CNT": "7"},
+            sky_network_tier="best",
+        ),
+        Network(
+            "efa",
+            "AWS Elastic Fabric Adapter (libfabric)",
+            40.0,
+            {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "simple", "NCCL_IB_DISABLE": "1"},
+            sky_network_tier="best",
+        ),
+        Network(
+            "tcp",
+            "plain Ethernet sockets",
+            2.0,
+            {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "^lo,docker", "NCCL_NSOCKS_PERTHREAD": "4", "NCCL_SOCKET_NTHREADS": "2"},
+            sky_network_tier="standard",
+        ),
+        Network("loopback", "one machine (local target, tests)", 0.2, {}, sky_network_tier=None),
+    ]
+}
+
+# Failure rate: Llama 3 training saw 419 unexpected interruptions in 54 days on 16,384 GPUs
+# (Dubey et al. 2024, sec. 3.3.4) -> 54*24*16384/419 = ~50,700 GPU-hours between failures.
+GPU_MTBF_HOURS = 50_700.0
+# Aggregate checkpoint write bandwidth per node to shared storage, GB/s (a parallel FS, conservative).
+STORAGE_GBPS_PER_NODE = 2.0
+
+
+def parse_accelerator(spec: str) -> tuple[str, int]:
+    """`H100:8` -> ("H100", 8); `H100` -> ("H100", 1). Raises ValueError with the reason."""
+    name, _, count = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise ValueError("accelerator name is empty")
+    if count == "":
+        return name, 1
+    if not count.strip().isdigit() or int(count) < 1:
+        raise ValueError(f"count {count!r} after ':' must be a positive whole number, e.g. H100:8")
+    return name, int(count)

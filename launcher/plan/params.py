@@ -1,0 +1,32 @@
+"""Exact parameter counts from a model's shape."""
+from __future__ import annotations
+
+from ..catalog import ModelShape
+
+
+def layer_params(s: ModelShape, architecture: str = "llama") -> int:
+    """Parameters of one transformer block."""
+    head_dim = s.hidden // s.heads
+    if architecture == "gpt":
+        # GPT-2 style: fused QKV with bias, output proj with bias, 2-matrix GeLU MLP with biases, 2 LayerNorms (w+b).
+        attn = 3 * s.hidden * s.hidden + 3 * s.hidden + s.hidden * s.hidden + s.hidden
+        mlp = 2 * s.hidden * s.ffn_hidden + s.ffn_hidden + s.hidden
+        return attn + mlp + 4 * s.hidden
+    # Llama: q, o are h x h; k, v are h x (kv_heads * head_dim); SwiGLU has three h x f matrices; two RMSNorm weights.
+    attn = 2 * s.hidden * s.hidden + 2 * s.hidden * s.kv_heads * head_dim
+    mlp = 3 * s.hidden * s.ffn_hidden
+    return attn + mlp + 2 * s.hidden
+
+
+def embedding_params(s: ModelShape, architecture: str = "llama") -> int:
+    """Token embedding plus output head (once when tied) plus final norm (and GPT's learned positions)."""
+    emb = s.vocab * s.hidden
+    head = 0 if s.tied_embeddings else s.vocab * s.hidden
+    if architecture == "gpt":
+        return emb + head + s.seq_len * s.hidden + 2 * s.hidden
+    return emb + head + s.hidden
+
+
+def count_params(s: ModelShape, architecture: str = "llama") -> int:
+    """Llama 2 7B -> 6,738,415,616; Llama 3 8B -> 8,030,261,248 (matches the released checkpoints)."""
+    return s.layers * layer_params(s, architecture) + embedding_params(s, architecture)
