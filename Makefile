@@ -1,0 +1,41 @@
+# One venv, installed once per change of pyproject.toml. torch==2.13.0 first: a bare `torch` pulls a
+# multi-GB CUDA build, while 2.13.0 (CPU) lies on this machine's disk.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench clean lint
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	# DeepSpeed ships an sdist whose setup.py imports torch: build it against the torch above.
+	$(PIP) install -q -c constraints.txt --no-build-isolation deepspeed
+	$(PIP) install -q -c constraints.txt -e '.[all,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The whole suite. pytest's exit code 5 (no tests collected) is not a pass: it means nothing ran.
+test: install
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+demo: install
+	@echo "== plan: Llama 3 70B on 8 nodes x 8 H100"
+	$(VENV)/bin/dtlaunch plan recipes/llama70b.yaml
+	@echo "== render: the SLURM job script and the SkyPilot task for it"
+	$(VENV)/bin/dtlaunch render recipes/llama70b.yaml --target slurm -o rendered/llama70b-slurm -q
+	@echo "== up: train recipes/tiny.yaml on this machine (2 CPU ranks, torchrun), then resume it"
+	rm -rf runs/tiny
+	$(VENV)/bin/dtlaunch up recipes/tiny.yaml --target local --set training.steps=20
+	$(VENV)/bin/dtlaunch up recipes/tiny.yaml --target local --set training.steps=40
+	$(VENV)/bin/dtlaunch plot runs/tiny
+
+bench: install
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) rendered runs .pytest_cache

@@ -1,0 +1,302 @@
+"""The sharp edges we know, as data: each rule has an id, a severity, a check, a message and a fix.
+
+Rules run over a Recipe and its Plan before anything is queued, so a user does not wait hours in a
+queue for a job that was never going to work. Pure: no I/O except the optional path check.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from .catalog import ACCELERATORS
+from .plan import Plan
+from .plan.memory import GB, TORCH_FAMILY, ZERO_FAMILY
+from .recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    severity: str  # error | warning | info
+    field: str
+    message: str
+    fix: str
+
+    def to_dict(self) -> dict:
+        return dict(rule=self.rule, severity=self.severity, field=self.field, message=self.message, fix=self.fix)
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    severity: str
+    field: str
+    summary: str
+    check: Callable[[Recipe, Plan], Optional[tuple[str, str]]]  # -> (message, fix) when the rule fires
+
+
+RULES: list[Rule] = []
+
+
+def rule(id: str, severity: str, field: str, summary: str):
+    def deco(fn):
+        RULES.append(Rule(id, severity, field, summary, fn))
+        return fn
+
+    return deco
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB"
+
+
+@rule("fp16-loss-scaling", "error", "parallelism.loss_scaling", "fp16 without loss scaling")
+def _fp16(r: Recipe, p: Plan):
+    if r.parallelism.precision == "fp16" and r.parallelism.loss_scaling == "none":
+        return ("fp16 without loss scaling: small gradients underflow to zero and training silently stalls",
+                "set parallelism.loss_scaling: dynamic, or use precision: bf16")
+
+
+@rule("bf16-unsupported", "error", "parallelism.precision", "bf16 on a GPU without bf16")
+def _bf16(r: Recipe, p: Plan):
+    dev = r.resources.device()
+    if r.parallelism.precision == "bf16" and dev.is_gpu and not dev.bf16:
+        return (f"{dev.name} has no bf16 tensor cores", "use precision: fp16 (with loss scaling) or a newer GPU")
+
+
+@rule("fp32-on-bf16-gpu", "warning", "parallelism.precision", "fp32 training on a bf16-capable GPU")
+def _fp32(r: Recipe, p: Plan):
+    dev = r.resources.device()
+    if r.parallelism.precision == "fp32" and dev.is_gpu and dev.bf16:
+        return (f"fp32 on {dev.name} runs at a fraction of the bf16 tensor-core peak and doubles activation memory",
+                "use precision: bf16")
+
+
+@rule("does-not-fit", "error", "parallelism.strategy", "the chosen layout does not fit in GPU memory")
+def _fit(r: Recipe, p: Plan):
+    m = p.memory
+    if not m.fits:
+        what = "DDP keeps a full copy of weights, grads and optimizer on every GPU; " if p.strategy == "ddp" else ""
+        return (f"{p.strategy} needs {_gb(m.total)} per GPU but the {p.accelerator} has {_gb(m.gpu)} ({what}"
+                f"states {_gb(m.params + m.grads + m.optimizer)}, activations {_gb(m.activations)})",
+                "use strategy: auto, or shard more (fsdp/zero3), enable activation_checkpointing, offload, "
+                "add GPUs, or lower micro_batch/seq_len")
+
+
+@rule("layout-world-size", "error", "parallelism", "tensor x pipeline x data must equal the GPU count")
+def _world(r: Recipe, p: Plan):
+    lay = p.layout
+    if lay.tp * lay.pp * lay.dp != p.world_size:
+        return (f"tensor {lay.tp} x pipeline {lay.pp} x data {lay.dp} = {lay.tp * lay.pp * lay.dp}, "
+                f"but the job has {p.world_size} GPUs ({p.nodes} nodes x {p.gpus_per_node})",
+                "make tensor*pipeline*data equal nodes*GPUs per node, or set data: auto")
+
+
+@rule("batch-divisible", "error", "training.global_batch", "global batch divisible by micro_batch x dp")
+def _batch(r: Recipe, p: Plan):
+    mb, dp = p.layout.micro_batch, p.layout.dp
+    if r.training.global_batch is not None and r.training.global_batch % (mb * dp):
+        return (f"global_batch {r.training.global_batch} is not a multiple of micro_batch {mb} x data-parallel {dp} = {mb * dp}",
+                f"use a global_batch such as {max(1, r.training.global_batch // (mb * dp)) * mb * dp} or change micro_batch")
+    if (r.training.global_batch is not None and isinstance(r.parallelism.grad_accum, int)
+            and r.training.global_batch != mb * dp * r.parallelism.grad_accum):
+        return (f"global_batch {r.training.global_batch} != micro_batch {mb} x dp {dp} x grad_accum {r.parallelism.grad_accum}",
+                "set grad_accum: auto, or make the three agree")
+
+
+@rule("batch-too-small", "error", "training.global_batch", "global batch smaller than one micro-batch per rank")
+def _small(r: Recipe, p: Plan):
+    mb, dp = p.layout.micro_batch, p.layout.dp
+    if r.training.global_batch is not None and r.training.global_batch < mb * dp:
+        return (f"global_batch {r.training.global_batch} < micro_batch x dp = {mb * dp}: some ranks would get no data",
+                f"raise global_batch to at least {mb * dp}")
+
+
+@rule("heads-tp", "error", "parallelism.tensor", "attention heads divisible by tensor parallel degree")
+def _heads(r: Recipe, p: Plan):
+    s = r.model.shape()
+    t = p.layout.tp
+    if s is not None and t > 1 and (s.heads % t or s.kv_heads % t):
+        return (f"tensor {t} does not divide heads {s.heads} / kv_heads {s.kv_heads}",
+                "use a tensor degree that divides both (often 8, 4 or 2)")
+
+
+@rule("tp-across-nodes", "warning", "parallelism.tensor", "tensor parallelism wider than a node")
+def _tp_nodes(r: Recipe, p: Plan):
+    if p.layout.tp > p.gpus_per_node:
+        return (f"tensor {p.layout.tp} > {p.gpus_per_node} GPUs per node: every layer all-reduces over the network",
+                "keep tensor <= GPUs per node; use pipeline across nodes")
+
+
+@rule("pipeline-layers", "error", "parallelism.pipeline", "more pipeline stages than layers")
+def _pp(r: Recipe, p: Plan):
+    s = r.model.shape()
+    if s is not None and p.layout.pp > s.layers:
+        return (f"pipeline {p.layout.pp} > {s.layers} layers", "lower pipeline")
+
+
+@rule("runtime-tp-pp", "warning", "parallelism", "tensor/pipeline parallel training is planned, not run, by this runtime")
+def _tp_runtime(r: Recipe, p: Plan):
+    if p.layout.tp > 1 or p.layout.pp > 1:
+        return ("dtlaunch's runtime trains with data parallelism (DDP/FSDP2/ZeRO); tensor and pipeline degrees are for "
+                "planning here", "use your own TP/PP training script with `dtlaunch render`, or tensor: 1, pipeline: 1")
+
+
+@rule("offload-ddp", "error", "parallelism.offload", "offload with DDP")
+def _offload_ddp(r: Recipe, p: Plan):
+    if r.parallelism.strategy == "ddp" and r.parallelism.offload in ("optimizer", "params"):
+        return ("DDP cannot offload: every rank holds the whole model and optimizer on its GPU",
+                "use zero2/zero3 (offload: optimizer) or fsdp (offload: params)")
+
+
+@rule("offload-params-stage", "error", "parallelism.offload", "parameter offload needs full sharding")
+def _offload_params(r: Recipe, p: Plan):
+    if r.parallelism.offload == "params" and r.parallelism.strategy in ("zero1", "zero2", "fsdp_grad_op"):
+        return (f"{r.parallelism.strategy} keeps whole parameters on every GPU, so they cannot be offloaded",
+                "use zero3 or fsdp for offload: params, or offload: optimizer")
+
+
+@rule("fsdp-optimizer-offload", "warning", "parallelism.offload", "FSDP2 offloads params, grads and optimizer together")
+def _fsdp_off(r: Recipe, p: Plan):
+    if r.parallelism.offload == "optimizer" and r.parallelism.strategy in ("fsdp", "hybrid"):
+        return ("FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together; dtlaunch uses it",
+                "say offload: params to be explicit, or use zero2/zero3 for optimizer-only offload")
+
+
+@rule("long-seq-no-ac", "error", "parallelism.activation_checkpointing", "activation checkpointing off on a long sequence that does not fit")
+def _ac(r: Recipe, p: Plan):
+    if (r.parallelism.activation_checkpointing == "none" and p.seq_len >= 4096 and not p.memory.fits
+            and p.memory.activations > 0.3 * p.memory.gpu):
+        return (f"activations need {_gb(p.memory.activations)} at seq_len {p.seq_len} with checkpointing off",
+                "set activation_checkpointing: selective or full (or auto)")
+
+
+@rule("tiny-batch-many-gpus", "warning", "training.micro_batch", "many GPUs with a tiny per-GPU batch")
+def _tiny_batch(r: Recipe, p: Plan):
+    tokens = p.layout.micro_batch * p.seq_len
+    if p.world_size >= 64 and tokens < 4096:
+        return (f"{tokens} tokens per GPU per micro-step on {p.world_size} GPUs: communication dominates, utilisation will be low",
+                "raise micro_batch or seq_len, or use fewer GPUs")
+
+
+@rule("checkpoint-dir-multinode", "error", "checkpoint.dir", "no checkpoint dir on a multi-node job")
+def _ckpt_dir(r: Recipe, p: Plan):
+    if p.nodes > 1 and not r.checkpoint.dir:
+        return ("a multi-node job without checkpoint.dir loses all progress on the first failure or requeue",
+                "set checkpoint.dir to a shared filesystem path, e.g. /shared/ckpt/{run_id}")
+
+
+@rule("checkpoint-dir-relative", "warning", "checkpoint.dir", "relative checkpoint dir on a multi-node job")
+def _ckpt_rel(r: Recipe, p: Plan):
+    d = r.checkpoint.dir
+    if p.nodes > 1 and d and not (d.startswith("/") or d.startswith("~") or "://" in d):
+        return (f"{d!r} is relative: each node resolves it against its own working directory",
+                "use an absolute path on a filesystem every node shares")
+
+
+@rule("async-keep", "error", "checkpoint.keep", "keep < 2 with async checkpointing")
+def _async_keep(r: Recipe, p: Plan):
+    if r.checkpoint.async_ and r.checkpoint.keep < 2:
+        return ("with async checkpointing the newest checkpoint may still be in flight; keep: 1 would delete the only complete one",
+                "set checkpoint.keep: 2 or more")
+
+
+@rule("no-checkpoint-before-end", "warning", "checkpoint.every", "no checkpoint before the run ends")
+def _every(r: Recipe, p: Plan):
+    if p.checkpoint_every > p.steps:
+        return (f"checkpoint every {p.checkpoint_every} steps but the run has {p.steps}: a crash loses everything",
+                f"set checkpoint.every below {p.steps}")
+
+
+@rule("sequence-parallel-no-tp", "warning", "parallelism.sequence_parallel", "sequence parallel without tensor parallel")
+def _sp(r: Recipe, p: Plan):
+    if r.parallelism.sequence_parallel and p.layout.tp == 1:
+        return ("sequence_parallel splits activations across the tensor-parallel group, which has size 1 here",
+                "set tensor > 1 or sequence_parallel: false")
+
+
+@rule("hybrid-single-node", "warning", "parallelism.strategy", "hybrid sharding on one node")
+def _hybrid(r: Recipe, p: Plan):
+    if r.parallelism.strategy == "hybrid" and p.nodes == 1:
+        return ("hybrid shards within a node and replicates across nodes; on one node it is plain fsdp", "use strategy: fsdp")
+
+
+@rule("deepspeed-launcher-strategy", "error", "parallelism.launcher", "the deepspeed launcher needs a ZeRO strategy")
+def _ds_launcher(r: Recipe, p: Plan):
+    if r.parallelism.launcher == "deepspeed" and p.strategy not in ZERO_FAMILY:
+        return (f"launcher: deepspeed runs DeepSpeed engines, but the strategy is {p.strategy}",
+                "use strategy zero1/zero2/zero3, or launcher: torchrun")
+
+
+@rule("backend-strategy", "warning", "parallelism.backend", "strategy outside the chosen backend family")
+def _backend(r: Recipe, p: Plan):
+    s = r.parallelism.strategy
+    if s != "auto" and ((r.parallelism.backend == "deepspeed" and s in TORCH_FAMILY)
+                        or (r.parallelism.backend == "torch" and s in ZERO_FAMILY)):
+        return (f"strategy {s} with backend {r.parallelism.backend}: the strategy wins",
+                f"set backend: {'deepspeed' if s in ZERO_FAMILY else 'torch'} to say what you mean")
+
+
+@rule("secret-in-env", "error", "env", "a secret name also given a value in env")
+def _secret_env(r: Recipe, p: Plan):
+    both = sorted(set(r.secrets) & set(r.env))
+    if both:
+        return (f"{', '.join(both)} listed in secrets and given a value in env: the value would be written into job files",
+                "remove it from env; export it in the submitting shell instead")
+
+
+@rule("secret-looking-env", "warning", "env", "an env value that looks like a secret")
+def _secretish(r: Recipe, p: Plan):
+    words = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "CREDENTIALS"}
+    sus = [k for k in r.env if words & set(k.upper().split("_")) or k.upper().endswith(("API_KEY", "ACCESS_KEY"))]
+    if sus:
+        return (f"{', '.join(sus)} look like credentials; env values are written into rendered files",
+                "move them to `secrets:` (names only) and export them when you submit")
+
+
+@rule("cpu-multi-node", "warning", "resources.accelerator", "CPU accelerator across nodes")
+def _cpu_nodes(r: Recipe, p: Plan):
+    if not r.resources.device().is_gpu and p.nodes > 1 and r.targets.default == "sky":
+        return ("cpu:N on the cloud trains on CPUs", "use a GPU accelerator such as H100:8")
+
+
+@rule("mfu-optimistic", "warning", "resources.mfu", "an optimistic MFU assumption")
+def _mfu(r: Recipe, p: Plan):
+    if r.resources.mfu > 0.65:
+        return (f"mfu {r.resources.mfu} is above what large runs report (0.35-0.55); time and cost will be underestimated",
+                "use 0.4 unless you have measured more")
+
+
+@rule("data-path", "warning", "training.data.path", "the data file does not exist here")
+def _data_path(r: Recipe, p: Plan):
+    d = r.training.data
+    if d.source == "file" and d.path and "{" not in d.path and not os.path.exists(os.path.expanduser(d.path)):
+        return (f"{d.path} does not exist on this machine", "check the path; it must exist on every node of the job")
+
+
+@rule("slurm-time-short", "warning", "targets.slurm.signal_seconds", "the preemption signal leaves no time")
+def _slurm_signal(r: Recipe, p: Plan):
+    t = r.targets.slurm
+    if t.signal_seconds < 2 * p.checkpoint_write_seconds:
+        return (f"USR2 comes {t.signal_seconds} s before the time limit but a checkpoint takes ~{p.checkpoint_write_seconds:.0f} s",
+                f"set targets.slurm.signal_seconds to at least {int(3 * p.checkpoint_write_seconds) + 30}")
+
+
+def validate(recipe: Recipe, plan: Plan, rules: Iterable[Rule] = RULES) -> list[Finding]:
+    out = []
+    for rl in rules:
+        hit = rl.check(recipe, plan)
+        if hit:
+            msg, fix = hit
+            out.append(Finding(rl.id, rl.severity, rl.field, msg, fix))
+    order = {"error": 0, "warning": 1, "info": 2}
+    return sorted(out, key=lambda f: order[f.severity])
+
+
+def has_errors(findings: Iterable[Finding]) -> bool:
+    return any(f.severity == "error" for f in findings)
+
+
+def known_accelerators() -> list[str]:
+    return list(ACCELERATORS)
