@@ -417,6 +417,9 @@ def _format_errors(err: ValidationError, source: str, lines: dict[tuple, int]) -
             msg = msg[len("Value error, "):]
         elif "input" in e and typ.endswith("_type") or typ.endswith("_parsing"):
             msg = f"{msg} (got {e.get('input')!r})"
+            fix = _TYPE_FIX.get(typ.split("_")[0])
+        if fix is None:
+            fix = f"see the `{loc[-1] if loc else 'recipe'}` entry of `dtlaunch schema` for what this field accepts"
         out.append({"file": source, "line": line, "field": path, "message": msg, "fix": fix})
     # Several union branches report the same field; keep the first message per field.
     seen, uniq = set(), []
@@ -425,6 +428,18 @@ def _format_errors(err: ValidationError, source: str, lines: dict[tuple, int]) -
             seen.add(o["field"])
             uniq.append(o)
     return uniq
+
+
+_TYPE_FIX = {
+    "int": "give a whole number, e.g. 8",
+    "float": "give a number, e.g. 0.4",
+    "bool": "give true or false",
+    "string": "give a text value (quote it if it looks like a number)",
+    "dict": "give a mapping of key: value lines",
+    "model": "give a mapping of key: value lines",
+    "list": "give a list, e.g. [A, B]",
+    "tuple": "give a list of two numbers, e.g. [0.9, 0.95]",
+}
 
 
 def _set_path(data: dict, dotted: str, value: Any) -> None:

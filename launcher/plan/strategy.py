@@ -84,7 +84,7 @@ def choose(ctx: Context, base: Layout, strategy: str, backend: str, ac: str, off
     """Pick the layout: the first (strategy, checkpointing, offload) that fits, with the reasons."""
     reasons: list[str] = []
     tps = [base.tp]
-    if not tp_fixed and base.tp == 1:
+    if strategy == "auto" and not tp_fixed and base.tp == 1:
         t = _largest_tp(ctx)
         if t > 1:
             if ctx.n_params > TP_PARAM_THRESHOLD:
@@ -99,7 +99,7 @@ def choose(ctx: Context, base: Layout, strategy: str, backend: str, ac: str, off
     last: tuple[Layout, Memory] | None = None
     for tp in tps:
         pps = [base.pp]
-        if not pp_fixed and base.pp == 1 and ctx.nodes > 1 and tp > 1:
+        if strategy == "auto" and not pp_fixed and base.pp == 1 and ctx.nodes > 1 and tp > 1:
             pps = [1] + [p for p in range(2, ctx.nodes + 1) if ctx.nodes % p == 0 and (ctx.shape is None or ctx.shape.layers >= p)]
         for pp in pps:
             dp = max(world // (tp * pp), 1)

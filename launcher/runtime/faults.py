@@ -1,0 +1,102 @@
+"""Test-only fault injection, so that crash, hang and divergence paths are exercised by real runs.
+
+Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key=value`:
+
+    exit:rank=1:step=7[:code=3]        rank 1 exits with `code` (default 1) at the start of step 7
+    sigkill:rank=1:step=7              rank 1 SIGKILLs itself at the start of step 7 (no cleanup at all)
+    hang:rank=1:step=5                 rank 1 sleeps forever at the start of step 5 (peers time out)
+    skip_collective:rank=1:step=5      rank 1 skips the per-step agreement collective once (collectives pair off by one)
+    desync_step:rank=1:step=5          rank 1's step counter jumps by one (an off-by-one divergence)
+    kill_in_checkpoint:rank=0:step=10  SIGKILL after the checkpoint's tmp dir is written, before it is committed
+    signal:rank=0:step=6[:sig=USR2]    the rank sends itself a signal at the start of the step (preemption tests)
+
+`rank` defaults to every rank; `attempt` (default 0) restricts the fault to that torchrun restart count,
+so a restarted job does not crash again at the same step. Each fault fires once per process.
+Never set this in production; it exists for tests and drills.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .failures import ConfigError
+
+KINDS = ("exit", "sigkill", "hang", "skip_collective", "desync_step", "kill_in_checkpoint", "signal")
+ENV = "DTLAUNCH_FAULT"
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int
+    rank: Optional[int] = None
+    attempt: int = 0
+    params: dict = field(default_factory=dict)
+    fired: bool = False
+
+
+def parse(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in text.split(";"))):
+        kind, *kvs = item.split(":")
+        if kind not in KINDS:
+            raise ConfigError(f"{ENV}: unknown fault {kind!r}", fix=f"one of: {', '.join(KINDS)}")
+        opts = {}
+        for kv in kvs:
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise ConfigError(f"{ENV}: expected key=value, got {kv!r} in {item!r}")
+            opts[k.strip()] = v.strip()
+        if "step" not in opts:
+            raise ConfigError(f"{ENV}: fault {item!r} needs step=N")
+        try:
+            step = int(opts.pop("step"))
+            rank = int(opts.pop("rank")) if "rank" in opts else None
+            attempt = int(opts.pop("attempt", "0"))
+        except ValueError:
+            raise ConfigError(f"{ENV}: step, rank and attempt must be whole numbers in {item!r}") from None
+        faults.append(Fault(kind, step, rank, attempt, opts))
+    return faults
+
+
+class Faults:
+    """The faults active for this process; `hit(kind, step)` says whether to misbehave now."""
+
+    def __init__(self, rank: int, restart_count: int, text: Optional[str] = None):
+        self.rank = rank
+        self.restart_count = restart_count
+        raw = os.environ.get(ENV, "") if text is None else text
+        self.faults = [f for f in parse(raw) if (f.rank is None or f.rank == rank) and f.attempt == restart_count]
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def hit(self, kind: str, step: int) -> Optional[Fault]:
+        for f in self.faults:
+            if f.kind == kind and f.step == step and not f.fired:
+                f.fired = True
+                print(f"dtlaunch: FAULT INJECTION rank {self.rank}: {kind} at step {step} (t={time.time():.3f})",
+                      file=sys.stderr, flush=True)
+                return f
+        return None
+
+    def at_step_start(self, step: int) -> None:
+        """The crash-type faults, applied at the start of a step."""
+        if (f := self.hit("exit", step)) is not None:
+            os._exit(int(f.params.get("code", 1)))
+        if self.hit("sigkill", step) is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.hit("hang", step) is not None:
+            while True:
+                time.sleep(3600)
+        if (f := self.hit("signal", step)) is not None:
+            name = f.params.get("sig", "USR2").upper()
+            os.kill(os.getpid(), getattr(signal, name if name.startswith("SIG") else "SIG" + name))
+
+    def in_checkpoint(self, step: int) -> None:
+        if self.hit("kill_in_checkpoint", step) is not None:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,178 @@
+"""A Llama-family decoder in plain torch, built from `recipe.model.shape()`.
+
+Plain modules (one `TransformerBlock` per layer) so that FSDP2 can shard per block and activation
+checkpointing can wrap a block or just the SwiGLU tail. The parameter set is exactly what
+`launcher.plan.params.count_params` counts, so the planner's memory figures describe this model.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ...catalog import ModelShape
+
+AC_MODES = ("none", "selective", "full")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: bf16 squares lose too much precision for the mean.
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the rotary angles, (seq, head_dim/2), always fp32."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    ang = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) as Meta's reference does; x is (batch, seq, heads, head_dim)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    c = cos[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    s = sin[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        if s.hidden % s.heads or s.heads % s.kv_heads:
+            raise ValueError(f"hidden {s.hidden} must divide by heads {s.heads}, and heads by kv_heads {s.kv_heads}")
+        self.heads, self.kv_heads = s.heads, s.kv_heads
+        self.head_dim = s.hidden // s.heads
+        self.wq = nn.Linear(s.hidden, s.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(s.hidden, s.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(s.hidden, s.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(s.heads * self.head_dim, s.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        if self.kv_heads != self.heads:  # GQA: each kv head serves heads/kv_heads query heads
+            rep = self.heads // self.kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _swiglu_down(w2: nn.Linear, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return w2(F.silu(a) * b)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU. `selective` recomputes w2(silu(w1 x) * w3 x) from the saved (w1 x, w3 x) in backward."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.w1 = nn.Linear(s.hidden, s.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(s.ffn_hidden, s.hidden, bias=False)
+        self.w3 = nn.Linear(s.hidden, s.ffn_hidden, bias=False)
+        self.recompute = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.w1(x), self.w3(x)
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(_swiglu_down, self.w2, a, b, use_reentrant=False)
+        return _swiglu_down(self.w2, a, b)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.attention_norm = RMSNorm(s.hidden, s.norm_eps)
+        self.attention = Attention(s)
+        self.ffn_norm = RMSNorm(s.hidden, s.norm_eps)
+        self.feed_forward = FeedForward(s)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, shape: ModelShape, activation_checkpointing: str = "none"):
+        super().__init__()
+        if activation_checkpointing not in AC_MODES:
+            raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {activation_checkpointing!r}")
+        self.shape = shape
+        self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden)
+        self.layers = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.layers))
+        self.norm = RMSNorm(shape.hidden, shape.norm_eps)
+        self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        if shape.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.full_checkpoint = activation_checkpointing == "full"
+        for layer in self.layers:
+            layer.feed_forward.recompute = activation_checkpointing == "selective"
+        # Rotary tables are derived data, not state: non-persistent so checkpoints hold parameters only.
+        cos, sin = rope_tables(shape.hidden // shape.heads, shape.seq_len, shape.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if not self.output.weight.is_meta:
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise in place; also the second half of meta-device construction (after `to_empty`)."""
+        cos, sin = rope_tables(self.shape.hidden // self.shape.heads, self.shape.seq_len, self.shape.rope_theta,
+                               device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        std = 0.02
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        # GPT-2/Llama practice: residual projections scaled down by depth so the residual stream stays O(1).
+        out_std = std / math.sqrt(2 * self.shape.layers)
+        for layer in self.layers:
+            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1, layer.feed_forward.w3):
+                nn.init.normal_(lin.weight, std=std)
+            for lin in (layer.attention.wo, layer.feed_forward.w2):
+                nn.init.normal_(lin.weight, std=out_std)
+            layer.attention_norm.reset_parameters()
+            layer.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.shape.tied_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.shape.seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's seq_len {self.shape.seq_len}")
+        h = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos, self.rope_sin
+        for layer in self.layers:
+            if self.full_checkpoint and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def build_model(shape: ModelShape, activation_checkpointing: str = "none", device: Optional[str | torch.device] = None) -> Llama:
+    """Build on `device`; "meta" allocates nothing (for presets too big for one host, and for counting)."""
+    if device is None:
+        return Llama(shape, activation_checkpointing)
+    with torch.device(device):
+        return Llama(shape, activation_checkpointing)

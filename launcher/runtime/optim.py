@@ -1,0 +1,53 @@
+"""Optimizer and learning-rate schedule from the recipe; the same objects for every strategy.
+
+The schedule is a pure function of the step (LambdaLR), so a resumed run computes the same rate
+as an uninterrupted one from the saved step alone.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_factor(step: int, *, steps: int, warmup: int, schedule: str, lr: float, min_lr: float) -> float:
+    """Multiplier of the peak rate after `step` optimizer steps: linear warmup, then the decay."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or steps <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    floor = min_lr / lr if lr > 0 else 0.0
+    if schedule == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on norms and other 1-D parameters (the usual GPT/Llama practice)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, training, *, cpu_adam: bool = False) -> torch.optim.Optimizer:
+    groups = param_groups(model, training.weight_decay)
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=training.lr, momentum=0.9)
+    if cpu_adam:  # DeepSpeed's vectorised CPU Adam: the only fast optimizer for offloaded states
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=training.lr, betas=tuple(training.betas), adamw_mode=True)
+    # foreach=False keeps the update elementwise-identical however parameters are grouped or sharded.
+    return torch.optim.AdamW(groups, lr=training.lr, betas=tuple(training.betas), eps=1e-8, foreach=False)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, training, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    def f(step: int) -> float:
+        return lr_factor(step, steps=steps, warmup=training.warmup_steps, schedule=training.schedule,
+                         lr=training.lr, min_lr=training.min_lr)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, f)

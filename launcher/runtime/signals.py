@@ -1,0 +1,45 @@
+"""Preemption: the handler only records the signal; the training loop acts at the next step boundary.
+
+Checkpointing inside a signal handler fails intermittently (it can interrupt a collective or a write),
+so the handler sets a flag, and all ranks agree on it (MAX over ranks) before saving: a signal that
+reached only some ranks (SLURM sends USR2 to the batch shell's children) still stops everyone together.
+USR1 is left alone: NCCL uses it.
+"""
+from __future__ import annotations
+
+import signal
+from typing import Iterable, Optional
+
+DEFAULT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+class PreemptionFlag:
+    def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS):
+        self.signals = tuple(signals)
+        self.received: Optional[str] = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "PreemptionFlag":
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal API's signature
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    @property
+    def local(self) -> bool:
+        """Whether this rank received a signal (the agreed value comes from the step collective)."""
+        return self.received is not None
+
+    def __enter__(self) -> "PreemptionFlag":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()

@@ -1,0 +1,35 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ROOT / "recipes"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_state(tmp_path, monkeypatch):
+    """Each test gets its own job registry, so tests never see each other's (or the user's) jobs."""
+    monkeypatch.setenv("DTLAUNCH_HOME", str(tmp_path / "state"))
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """Run the real `dtlaunch` entry point in-process; returns (exit_code, stdout, stderr)."""
+    from launcher.cli import main
+
+    def run(*args):
+        old = sys.argv
+        sys.argv = ["dtlaunch", *map(str, args)]
+        code = 0
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            sys.argv = old
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

@@ -1,0 +1,124 @@
+"""The CLI as a user runs it: fast paths import nothing heavy, JSON contract, rendered scripts execute safely."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko")
+PY = sys.executable
+
+
+@pytest.mark.parametrize("args", [
+    ["--help"],
+    ["plan", "recipes/llama70b.yaml"],
+    ["plan", "recipes/llama70b.yaml", "--json"],
+    ["validate", "recipes/llama70b.yaml", "recipes/tiny.yaml"],
+    ["render", "recipes/tiny.yaml", "--target", "local", "-o", "{tmp}/r", "-q"],
+])
+def test_fast_commands_import_nothing_heavy(args, tmp_path):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    code = (
+        "import sys\n"
+        "from launcher.cli import main\n"
+        f"sys.argv = ['dtlaunch'] + {args!r}\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        "print('HEAVY=' + ','.join(heavy), file=sys.stderr)\n"
+    )
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY=\n" in r.stderr or r.stderr.rstrip().endswith("HEAVY="), r.stderr
+
+
+def test_plan_json_contract(run_cli):
+    code, out, _ = run_cli("plan", "recipes/llama70b.yaml", "--json")
+    assert code == 0
+    d = json.loads(out)
+    for k, t in {"params": int, "world_size": int, "dp": int, "tp": int, "pp": int, "strategy": str,
+                 "reasons": list, "memory": dict, "candidates": list, "time": dict, "cost": dict,
+                 "checkpoint": dict}.items():
+        assert isinstance(d[k], t), k
+    for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu", "fits"):
+        assert k in d["memory"]
+        assert all(k in c["memory"] for c in d["candidates"])
+    m = d["memory"]
+    assert m["total"] == pytest.approx(sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers")), abs=8)
+    assert m["fits"] and m["total"] <= m["gpu"]
+    assert d["params"] == 70_553_706_496 and d["world_size"] == 64
+    assert set(d["time"]) >= {"flops_per_step", "step_seconds", "total_hours"} and d["cost"]["usd"] > 0
+    assert d["checkpoint"]["every_steps"] >= 1
+
+
+def test_plan_table_shows_choice_and_reasons(run_cli):
+    code, out, _ = run_cli("plan", "recipes/llama70b.yaml")
+    assert code == 0
+    assert "* fsdp" in out or "* hybrid" in out
+    assert "why:" in out and "fits:" in out and "cost: $" in out
+
+
+def test_render_writes_plan_and_launch_script(run_cli, tmp_path):
+    code, out, _ = run_cli("render", "recipes/tiny.yaml", "--target", "local", "-o", tmp_path / "r")
+    assert code == 0
+    files = {p.name for p in (tmp_path / "r").iterdir()}
+    assert {"plan.json", "recipe.yaml", "launch.sh"} <= files
+    doc = json.loads((tmp_path / "r" / "plan.json").read_text())
+    assert doc["plan"]["strategy"] == "fsdp" and doc["recipe"]["name"] == "tiny"
+
+
+def test_bad_flag_and_unknown_target_are_clear(run_cli):
+    code, _, err = run_cli("render", "recipes/tiny.yaml", "--target", "moon")
+    assert code == 2 and "moon" in err and "Traceback" not in err
+    code, _, err = run_cli("plan", "recipes/nope.yaml")
+    assert code == 2 and "file not found" in err
+
+
+def _stub_python(tmp_path: Path) -> Path:
+    """A stand-in interpreter that records its argv, one per line (a real executable, not a mock of our code)."""
+    stub = tmp_path / "fakepython"
+    stub.write_text(f"#!/bin/sh\nif [ \"$1\" = -c ]; then exec {sys.executable} \"$@\"; fi\n"
+                    "for a in \"$@\"; do printf '%s\\n' \"$a\"; done > \"$DTLAUNCH_RUN_DIR/argv\"\n"
+                    "env > \"$DTLAUNCH_RUN_DIR/env\"\n")
+    stub.chmod(0o755)
+    return stub
+
+
+def test_rendered_launch_script_quotes_hostile_values(run_cli, tmp_path):
+    marker = tmp_path / "pwned"
+    recipe = tmp_path / "evil.yaml"
+    recipe.write_text(
+        f'name: "x; touch {marker}"\n'
+        "model: {preset: micro}\n"
+        "resources: {accelerator: 'cpu:2', network: loopback}\n"
+        "training: {steps: 2}\n"
+        f"env: {{EVIL: '$(touch {marker})', QUOTE: \"it's \\\"quoted\\\" `touch {marker}`\"}}\n"
+    )
+    out = tmp_path / "r with space"
+    code, _, err = run_cli("render", recipe, "--target", "local", "-o", out, "-q")
+    assert code == 0, err
+    env = dict(os.environ, DTLAUNCH_PYTHON=str(_stub_python(tmp_path)))
+    r = subprocess.run(["bash", str(out / "launch.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not marker.exists()
+    argv = (out / "argv").read_text().splitlines()
+    assert argv[:2] == ["-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in argv and "--rdzv-backend=c10d" in argv
+    assert argv[argv.index("--plan") + 1] == str(out / "plan.json")
+    endpoint = next(a for a in argv if a.startswith("--rdzv-endpoint="))
+    assert endpoint.startswith("--rdzv-endpoint=127.0.0.1:") and int(endpoint.rsplit(":", 1)[1]) > 0
+    job_env = dict(line.split("=", 1) for line in (out / "env").read_text().splitlines() if "=" in line)
+    assert job_env["EVIL"] == f"$(touch {marker})"
+    assert job_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert (out / "exit_code").read_text().strip() == "0"
+
+
+def test_secret_values_never_written(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "s3cr3t-value-123")
+    recipe = tmp_path / "s.yaml"
+    recipe.write_text("name: s\nmodel: {preset: micro}\nresources: {accelerator: 'cpu:2'}\n"
+                      "training: {steps: 2}\nsecrets: [WANDB_API_KEY]\n")
+    code, _, _ = run_cli("render", recipe, "--target", "local", "-o", tmp_path / "r", "-q")
+    assert code == 0
+    for f in (tmp_path / "r").iterdir():
+        assert "s3cr3t-value-123" not in f.read_text()

@@ -1,0 +1,111 @@
+"""The memory model against its sources: the ZeRO paper's worked example and Korthikanti et al.'s Table 2."""
+import pytest
+
+from launcher.catalog import ModelShape
+from launcher.plan import make_plan
+from launcher.plan.memory import Layout, activation_bytes_per_layer, model_states
+from launcher.recipe import load_text
+
+GB = 1e9
+
+
+def states_gb(strategy, n=7.5e9, dp=64):
+    p, g, o = model_states(n, Layout(strategy=strategy, dp=dp, precision="bf16"))
+    return (p + g + o) / GB
+
+
+def test_zero_paper_worked_example():
+    # Rajbhandari et al. 2019, Figure 1: 7.5B parameters, Nd = 64, K = 12.
+    assert states_gb("ddp") == pytest.approx(120, abs=0.05)
+    assert states_gb("zero1") == pytest.approx(31.4, abs=0.05)
+    assert states_gb("zero2") == pytest.approx(16.6, abs=0.05)
+    assert states_gb("zero3") == pytest.approx(1.88, abs=0.005)
+
+
+def test_zero_example_through_a_recipe():
+    """The same numbers come out of a params-only recipe on 64 GPUs, through the whole planner."""
+    for strategy, expected in (("ddp", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.88)):
+        r = load_text(f"""
+name: zero-example
+model: {{params: 7500000000}}
+parallelism: {{strategy: {strategy}, offload: none}}
+resources: {{accelerator: "A100:8", nodes: 8}}
+training: {{steps: 10, global_batch: 64}}
+""")
+        m = make_plan(r).memory
+        assert (m.params + m.grads + m.optimizer) / GB == pytest.approx(expected, rel=0.01)
+
+
+def test_fsdp_full_shard_equals_zero3_states_and_grad_op_keeps_unsharded_weights():
+    n, d = 7e9, 8
+    full = sum(model_states(n, Layout(strategy="fsdp", dp=d)))
+    z3 = sum(model_states(n, Layout(strategy="zero3", dp=d)))
+    grad_op = sum(model_states(n, Layout(strategy="fsdp_grad_op", dp=d)))
+    assert full == pytest.approx(16 * n / d)
+    assert z3 == pytest.approx(16 * n / d)
+    assert grad_op == pytest.approx(16 * n / d + 2 * n)  # + the bf16 weights kept between forward and backward
+
+
+def test_offload_moves_optimizer_then_params_off_the_gpu():
+    n, d = 7e9, 8
+    p, g, o = model_states(n, Layout(strategy="zero3", dp=d, offload="optimizer"))
+    assert o == 0 and p > 0
+    p, g, o = model_states(n, Layout(strategy="zero3", dp=d, offload="params"))
+    assert o == 0 and p == 0
+
+
+# ----- activations: Korthikanti et al. 2022, Table 2 (GPT layer), independent restatement of the formulas
+GPT = ModelShape(layers=96, hidden=12288, ffn_hidden=4 * 12288, heads=96, kv_heads=96, vocab=51200, seq_len=2048)
+s, b, h, a = 2048, 1, 12288, 96
+
+
+@pytest.mark.parametrize("t,sp,ac,expected", [
+    (1, False, "none", s * b * h * (34 + 5 * a * s / h)),
+    (8, False, "none", s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))),
+    (8, True, "none", s * b * h / 8 * (34 + 5 * a * s / h)),
+    (8, False, "selective", s * b * h * (10 + 24 / 8)),
+    (8, True, "selective", s * b * h * 34 / 8),
+    (1, False, "full", 2 * s * b * h),
+    (8, True, "full", 2 * s * b * h / 8),
+])
+def test_korthikanti_table2(t, sp, ac, expected):
+    assert activation_bytes_per_layer(GPT, "gpt", s, b, t, sp, ac) == pytest.approx(expected)
+
+
+def test_korthikanti_gpt3_175b_reduction():
+    """The paper's headline: TP+SP+selective needs ~5x less than TP alone for GPT-3 175B-like layers."""
+    tp_only = activation_bytes_per_layer(GPT, "gpt", s, b, 8, False, "none")
+    best = activation_bytes_per_layer(GPT, "gpt", s, b, 8, True, "selective")
+    assert 4 < tp_only / best < 6
+
+
+def test_llama_layer_derivation():
+    """Llama with SDPA: 8sbh replicated + (4sbh + 4sbh g/a + 8sbf) split + fp32 lse 4asb, no s^2 terms."""
+    sh = ModelShape(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256)
+    S, B, H, F, A, G = 8192, 1, 4096, 14336, 32, 8
+    expected = 8 * S * B * H + 4 * S * B * H + 4 * S * B * H * G / A + 8 * S * B * F + 4 * A * S * B
+    assert activation_bytes_per_layer(sh, "llama", S, B, 1, False, "none") == pytest.approx(expected)
+    sel = activation_bytes_per_layer(sh, "llama", S, B, 1, False, "selective")
+    assert expected - sel == pytest.approx(4 * S * B * F)
+    # flash attention never stores the s x s scores: far below a GPT layer of the same width at long s
+    gpt_like = activation_bytes_per_layer(sh, "gpt", S, B, 1, False, "none")
+    assert activation_bytes_per_layer(sh, "llama", S, B, 1, False, "none") < gpt_like / 5
+
+
+def test_activation_orderings():
+    sh = ModelShape(layers=32, hidden=4096, ffn_hidden=11008, heads=32, kv_heads=32, vocab=32000)
+    f = lambda t=1, sp=False, ac="none": activation_bytes_per_layer(sh, "llama", 4096, 1, t, sp, ac)  # noqa: E731
+    assert f(ac="full") < f(ac="selective") < f()
+    assert f(t=8, sp=True) < f(t=8) < f()
+    assert activation_bytes_per_layer(sh, "llama", 4096, 2, 1, False, "none") == pytest.approx(2 * f())
+
+
+def test_pipeline_first_stage_holds_all_layers_worth():
+    """1F1B: the first stage keeps pp micro-batches of L/pp layers = L layers' worth (paper sec. 4.2.3)."""
+    from launcher.plan.memory import activations
+
+    sh = ModelShape(layers=32, hidden=4096, ffn_hidden=11008, heads=32, kv_heads=32, vocab=32000)
+    one = activations(sh, "llama", 4096, Layout(strategy="ddp", dp=1, pp=1, microbatches=8))
+    four = activations(sh, "llama", 4096, Layout(strategy="ddp", dp=1, pp=4, microbatches=8))
+    logits = 6 * 4096 * 32000
+    assert four - logits == pytest.approx(one - logits)

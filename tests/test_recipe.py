@@ -1,0 +1,100 @@
+"""Recipe loading: every error names file, line and field, says what is wrong and how to fix it."""
+import pytest
+
+from launcher.errors import RecipeError
+from launcher.recipe import load, load_text
+
+GOOD = """name: r
+model:
+  preset: tiny
+training:
+  steps: 10
+"""
+
+
+def problems(text, **kw):
+    with pytest.raises(RecipeError) as e:
+        load_text(text, "r.yaml", **kw)
+    return e.value.problems
+
+
+def test_good_recipe_loads_with_defaults():
+    r = load_text(GOOD)
+    assert r.parallelism.strategy == "auto" and r.resources.nodes == 1 and r.model.shape().layers == 4
+
+
+def test_unknown_key_suggests_the_right_one_with_line():
+    [p] = problems(GOOD.replace("  steps: 10", "  steps: 10\n  micro_bach: 2"))
+    assert p["line"] == 6 and p["field"] == "training.micro_bach"
+    assert "did you mean 'micro_batch'" in p["message"]
+    assert "allowed keys" in p["fix"]
+
+
+def test_unknown_top_level_section():
+    [p] = problems(GOOD + "resource:\n  nodes: 2\n")
+    assert "did you mean 'resources'" in p["message"] and p["line"] == 6
+
+
+def test_wrong_type_names_field_and_line():
+    [p] = problems(GOOD.replace("steps: 10", "steps: ten"))
+    assert p["field"] == "training.steps" and p["line"] == 5
+
+
+def test_negative_numbers_and_bad_accelerator():
+    ps = problems(GOOD + "resources:\n  nodes: -1\n  accelerator: H10:8\n")
+    fields = {p["field"]: p for p in ps}
+    assert "resources.nodes" in fields and fields["resources.nodes"]["line"] == 7
+    assert "did you mean 'H100'" in fields["resources.accelerator"]["message"]
+
+
+def test_unknown_preset_lists_known_ones():
+    [p] = problems(GOOD.replace("preset: tiny", "preset: llama3-7b"))
+    assert "llama3-8b" in p["message"] and p["line"] == 3
+
+
+def test_missing_required_sections():
+    ps = problems("name: x\n")
+    assert {p["field"] for p in ps} == {"model", "training"}
+    assert all("add `" in p["fix"] for p in ps)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "empty"),
+    ("name: [unclosed\n", "YAML syntax error"),
+    ("- a\n- b\n", "must be a mapping"),
+    ("just a string", "must be a mapping"),
+])
+def test_malformed_files(text, needle):
+    [p] = problems(text)
+    assert needle in p["message"]
+
+
+def test_binary_and_missing_files(tmp_path):
+    b = tmp_path / "x.yaml"
+    b.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    with pytest.raises(RecipeError) as e:
+        load(b)
+    assert "binary" in str(e.value) or "NUL" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load(tmp_path / "nope.yaml")
+    assert "file not found" in str(e.value)
+
+
+def test_overrides_are_yaml_typed_and_validated():
+    r = load_text(GOOD, overrides=["training.steps=7", "resources.nodes=2", "env.FOO=bar"])
+    assert r.training.steps == 7 and r.resources.nodes == 2 and r.env == {"FOO": "bar"}
+    ps = problems(GOOD, overrides=["training.stepz=7"])
+    assert "did you mean 'steps'" in ps[0]["message"]
+
+
+def test_secrets_are_names_only():
+    [p] = problems(GOOD + "secrets: ['WANDB_API_KEY=abc123']\n")
+    assert "names only" in p["message"]
+
+
+def test_schema_is_json_schema(run_cli):
+    import json
+
+    code, out, _ = run_cli("schema")
+    s = json.loads(out)
+    assert code == 0 and "model" in s["properties"] and s["additionalProperties"] is False

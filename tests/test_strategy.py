@@ -1,0 +1,90 @@
+"""The `strategy: auto` decision rules on several models and cluster sizes."""
+from launcher.plan import make_plan
+from launcher.recipe import load_text
+
+
+def plan_for(model: str, accel: str, nodes: int = 1, extra: str = "", training: str = "micro_batch: 1, steps: 10"):
+    return make_plan(load_text(f"""
+name: t
+model: {{{model}}}
+parallelism: {{strategy: auto{extra}}}
+resources: {{accelerator: "{accel}", nodes: {nodes}}}
+training: {{{training}}}
+"""))
+
+
+def test_small_model_uses_ddp():
+    p = plan_for("params: 1000000000, seq_len: 2048", "H100:8")
+    assert p.strategy == "ddp" and p.memory.fits
+    assert p.layout.activation_checkpointing == "none" and p.layout.offload == "none"
+    assert any("ddp" in r and "fits" in r for r in p.reasons)
+
+
+def test_7b_on_a100s_shards_the_optimizer_before_the_weights():
+    # DDP needs 16 B/param = 108 GB for 6.7B; grad-op keeps 2 B/param of weights + sharded rest.
+    p = plan_for("preset: llama2-7b, seq_len: 2048", "A100-80GB:8")
+    assert p.strategy == "fsdp_grad_op" and p.memory.fits
+    assert any(r.startswith("ddp needs") for r in p.reasons)
+
+
+def test_deepspeed_family_names_zero_stages():
+    p = plan_for("preset: llama2-13b, seq_len: 2048", "A100-80GB:8", extra=", backend: deepspeed")
+    assert p.strategy in ("zero2", "zero3") and p.memory.fits
+
+
+def test_70b_needs_full_sharding_and_checkpointing():
+    p = plan_for("preset: llama3-70b, seq_len: 8192", "H100:8", nodes=8)
+    assert p.strategy in ("fsdp", "hybrid") and p.memory.fits
+    assert p.layout.activation_checkpointing in ("selective", "full")
+    assert p.layout.tp == 1  # 70.6B is under the TP threshold
+
+
+def test_405b_gets_tensor_parallel_within_the_node():
+    p = plan_for("preset: llama3-405b, seq_len: 8192", "H100:8", nodes=16)
+    assert p.layout.tp == 8
+    assert p.layout.tp * p.layout.pp * p.layout.dp == p.world_size
+    assert p.memory.fits
+    assert any("tensor parallel 8" in r for r in p.reasons)
+
+
+def test_nothing_fits_says_so():
+    p = plan_for("preset: llama3-405b, seq_len: 8192", "L4:1")
+    assert not p.memory.fits
+    assert "nothing fits" in p.reasons[-1]
+
+
+def test_more_gpus_shrink_sharded_memory():
+    small = plan_for("preset: llama2-13b, seq_len: 4096", "A100-80GB:8", nodes=1, extra=", activation_checkpointing: full")
+    big = plan_for("preset: llama2-13b, seq_len: 4096", "A100-80GB:8", nodes=4, extra=", activation_checkpointing: full")
+    assert big.memory.total <= small.memory.total
+
+
+def test_explicit_strategy_is_respected_even_if_it_does_not_fit():
+    p = plan_for("preset: llama2-70b", "A100:8")
+    q = make_plan(load_text("""
+name: t
+model: {preset: llama2-70b}
+parallelism: {strategy: ddp}
+resources: {accelerator: "A100:8"}
+training: {steps: 10}
+"""))
+    assert q.strategy == "ddp" and not q.memory.fits
+    assert p.strategy != "ddp"
+
+
+def test_batch_split_and_time_and_cost():
+    p = plan_for("preset: llama3-8b, seq_len: 8192", "H100:8", nodes=2,
+                 training="micro_batch: 1, global_batch: 256, steps: 100")
+    assert p.grad_accum * p.layout.micro_batch * p.layout.dp == 256
+    assert p.tokens_per_step == 256 * 8192
+    # 6N + attention flops per token, at the assumed MFU over 16 H100s
+    flops = (6 * p.params + 12 * 32 * 4096 * 8192) * 256 * 8192
+    assert p.flops_per_step == flops
+    assert p.usd > 0 and p.step_seconds > 0
+
+
+def test_checkpoint_interval_follows_young_daly():
+    """More GPUs -> shorter MTBF -> checkpoint more often (in time)."""
+    a = plan_for("preset: llama3-8b", "H100:8", nodes=1, training="micro_batch: 1, global_batch: 64, steps: 100000")
+    b = plan_for("preset: llama3-8b", "H100:8", nodes=16, training="micro_batch: 1, global_batch: 1024, steps: 100000")
+    assert b.checkpoint_every * b.step_seconds < a.checkpoint_every * a.step_seconds
