@@ -41,8 +41,12 @@ def cli():
 @click.argument("recipe_path", metavar="RECIPE")
 @OVERRIDE
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (a stable contract).")
-def plan(recipe_path, overrides, as_json):
+@click.option("--sweep", "sweeps", multiple=True, metavar="KEY=V1,V2",
+              help="Plan every combination, one line each, e.g. --sweep resources.nodes=1,2,4 (repeatable).")
+def plan(recipe_path, overrides, as_json, sweeps):
     """Show per-GPU memory for each strategy, the chosen one and why, step time, total time and cost."""
+    if sweeps:
+        return _plan_sweep(recipe_path, overrides, sweeps, as_json)
     recipe, p = _load(recipe_path, overrides)
     d = p.to_dict()
     if as_json:
@@ -81,6 +85,26 @@ def plan(recipe_path, overrides, as_json):
     con.print(f"cost: ${p.usd:,.0f} ({p.world_size} x {p.total_hours:,.1f} h x ${recipe.resources.device().usd_per_hour}/h)")
     con.print(f"checkpoint: every {p.checkpoint_every} steps (write ~{p.checkpoint_write_seconds:.1f} s"
               + (", Young/Daly)" if recipe.checkpoint.every == "auto" else ")"))
+
+
+def _plan_sweep(recipe_path, overrides, sweeps, as_json):
+    from .plan import make_plan
+    from .recipe import load
+    from .sweep import expand
+
+    rows = []
+    for combo in expand(sweeps):
+        p = make_plan(load(recipe_path, list(overrides) + combo))
+        d = p.to_dict()
+        rows.append({"overrides": combo, **d})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        m = r["memory"]
+        click.echo(f"{' '.join(r['overrides']):50s} {r['strategy']:13s} tp={r['tp']} pp={r['pp']} dp={r['dp']:<5d} "
+                   f"ac={r['activation_checkpointing']:9s} {m['total'] / 1e9:7.1f} GB {'fits' if m['fits'] else 'NO FIT'} "
+                   f"{r['time']['total_hours']:10.1f} h ${r['cost']['usd']:,.0f}")
 
 
 @cli.command()

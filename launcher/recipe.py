@@ -343,7 +343,7 @@ class Recipe(_Strict):
 # ----------------------------------------------------------------------------- loading
 
 
-class _LineLoader(yaml.SafeLoader):
+class _LineLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml when present: 5-10x faster
     """SafeLoader that remembers the line of every mapping key, by field path."""
 
 
@@ -475,8 +475,12 @@ def load_text(text: str, source: str = "<recipe>", overrides: Optional[list[str]
     if "\x00" in text:
         fail("this is not a text YAML file (it contains NUL bytes)", fix="point dtlaunch at a recipe .yaml file")
     try:
-        node = yaml.compose(text, Loader=_LineLoader)
-        data = yaml.load(text, Loader=yaml.SafeLoader)
+        loader = _LineLoader(text)
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         problem = getattr(e, "problem", None) or str(e)

@@ -192,7 +192,7 @@ count() {{ [ -f "$1" ] && wc -l < "$1" || echo 0; }}
 # ---- setup lines from the recipe (targets.slurm.setup), run as written
 {setup}
 
-# ---- rendezvous: the first node of the allocation, never localhost
+# ---- rendezvous: the first node of the allocation (no loopback fallback: each node would form its own world)
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 [ -n "$MASTER_ADDR" ] || fail {exitcodes.PREFLIGHT} "could not derive MASTER_ADDR from SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
@@ -268,22 +268,8 @@ def _notes(recipe: Recipe) -> list[str]:
 # ----------------------------------------------------------------------------- sweeps (array jobs)
 
 
-def expand_sweep(sweep: Sequence[str]) -> list[list[str]]:
-    """["training.lr=1e-3,3e-3", "training.steps=10,20"] -> the cartesian product as override lists:
-    [["training.lr=1e-3", "training.steps=10"], ...]. Pure; the CLI's `--sweep KEY=V1,V2` feeds it."""
-    import itertools
-
-    axes = []
-    for item in sweep:
-        key, sep, vals = item.partition("=")
-        if not sep or not key.strip() or not vals:
-            raise DtlaunchError(f"--sweep {item!r}: expected KEY=V1,V2,... e.g. training.lr=1e-3,3e-3")
-        axes.append([f"{key.strip()}={v}" for v in vals.split(",")])
-    return [list(combo) for combo in itertools.product(*axes)] if axes else [[]]
-
-
 def render_slurm_array(items: Sequence[tuple[Recipe, Plan]], *, python: Optional[str] = None) -> Artifacts:
-    """One array job for a sweep: task i reads task-i/plan.json. All tasks must share the allocation
+    """One array job for a sweep (override sets from launcher.sweep.expand): task i reads task-i/plan.json. All tasks must share the allocation
     (nodes, devices, targets.slurm), since an array has one set of #SBATCH lines."""
     from . import common_files
 

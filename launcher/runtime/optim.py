@@ -41,8 +41,7 @@ def build_optimizer(model: torch.nn.Module, training, *, cpu_adam: bool = False)
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=training.lr, betas=tuple(training.betas), adamw_mode=True)
-    # foreach=False keeps the update elementwise-identical however parameters are grouped or sharded.
-    return torch.optim.AdamW(groups, lr=training.lr, betas=tuple(training.betas), eps=1e-8, foreach=False)
+    return torch.optim.AdamW(groups, lr=training.lr, betas=tuple(training.betas), eps=1e-8)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, training, steps: int) -> torch.optim.lr_scheduler.LambdaLR:

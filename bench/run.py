@@ -1,0 +1,70 @@
+"""`make bench`: run every benchmark, write bench/results.json, bench/results.md and PNG plots.
+
+`--quick` is the smoke version CI runs so the benchmarks keep working; it never fails for slowness,
+only for a benchmark that crashes.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from common import machine, save  # noqa: E402
+
+# name -> module; each module has run(quick) -> {"ratio", "target", "meets", "detail"}
+BENCHMARKS = ["trainer_overhead", "peak_memory", "checkpoint_stall", "recovery", "cli_latency", "planner_scale", "goodput"]
+
+
+def markdown(results: dict) -> str:
+    rows = ["| benchmark | ratio | target | meets |", "|---|---|---|---|"]
+    for name, r in results["benchmarks"].items():
+        if "error" in r:
+            rows.append(f"| {name} | error | | no |")
+            continue
+        rows.append(f"| {name} | {r['ratio']:.3f} | {r['target']} | {'yes' if r['meets'] else 'no'} |")
+    m = results["machine"]
+    rows.append(f"\nMeasured on {m['cpus']} CPUs, Python {m['python']}, commit {m['commit']}, {m['date']}.")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smoke run: fewer repeats, smaller sizes")
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--out", default=str(HERE))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"machine": machine(), "quick": args.quick, "benchmarks": {}}
+    failed = False
+    for name in args.only or BENCHMARKS:
+        if not (HERE / f"{name}.py").exists():
+            continue
+        mod = importlib.import_module(name)
+        try:
+            kwargs = {"quick": args.quick}
+            if "plot_path" in mod.run.__code__.co_varnames:
+                kwargs["plot_path"] = str(out / f"{name}.png")
+            if name == "goodput" and "checkpoint_stall" in results["benchmarks"]:
+                sync = results["benchmarks"]["checkpoint_stall"].get("detail", {}).get("write_seconds_at_scale")
+                if sync:
+                    kwargs["write_s"] = sync
+            results["benchmarks"][name] = mod.run(**kwargs)
+        except Exception as e:  # one broken benchmark must not hide the others' figures
+            traceback.print_exc()
+            results["benchmarks"][name] = {"error": f"{type(e).__name__}: {e}"}
+            failed = True
+    save(results, out / "results.json")
+    (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

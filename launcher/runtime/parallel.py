@@ -1,0 +1,273 @@
+"""Wrapping a model for a strategy: DDP, FSDP2 (full, grad-op, hybrid) or DeepSpeed ZeRO 1/2/3.
+
+Every strategy is driven through the same small `Engine` surface (micro-step, optimizer step,
+state for checkpoints), so the training loop has no per-strategy branches. Gradients are reduced
+once per optimizer step: DDP `no_sync` and FSDP2 `set_requires_gradient_sync(False)` on the non-final
+micro-steps, DeepSpeed by its own gradient_accumulation_steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .failures import ConfigError
+from .optim import build_optimizer, build_scheduler
+
+TORCH_STRATEGIES = ("ddp", "fsdp", "fsdp_grad_op", "hybrid")
+DEEPSPEED_STRATEGIES = ("zero1", "zero2", "zero3")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Layout:
+    """What the runtime really runs: the plan's choices adjusted to the actual world size."""
+
+    strategy: str
+    precision: str
+    activation_checkpointing: str
+    offload: str
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    shard: int = 0  # hybrid: ranks per sharding group
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world_size
+
+    @property
+    def family(self) -> str:
+        """The checkpoint format family: DCP for the torch strategies, DeepSpeed's own for ZeRO."""
+        return "deepspeed" if self.strategy in DEEPSPEED_STRATEGIES else "dcp"
+
+
+def resolve_layout(plan: dict, world_size: int) -> tuple[Layout, list[str]]:
+    """The plan's layout for `world_size` ranks, keeping the global batch; notes say what changed."""
+    notes = []
+    strategy = plan["strategy"]
+    if strategy not in TORCH_STRATEGIES + DEEPSPEED_STRATEGIES:
+        raise ConfigError(f"strategy {strategy!r} is not supported by the runtime")
+    if plan.get("tp", 1) > 1 or plan.get("pp", 1) > 1:
+        raise ConfigError(f"the plan uses tensor={plan.get('tp')} pipeline={plan.get('pp')}; the dtlaunch runtime "
+                          f"trains data-parallel layouts only", fix="set parallelism.tensor: 1 and pipeline: 1")
+    micro, ga = plan["micro_batch"], plan["grad_accum"]
+    planned_world = plan["dp"]
+    global_batch = micro * ga * planned_world
+    if plan.get("global_batch") and plan["global_batch"] != global_batch:
+        notes.append(f"global batch is {global_batch} (micro_batch {micro} x grad_accum {ga} x dp {planned_world}), "
+                     f"not the requested {plan['global_batch']}")
+    if world_size != planned_world:
+        if global_batch % (micro * world_size) == 0:
+            new_ga = global_batch // (micro * world_size)
+            notes.append(f"running on {world_size} ranks instead of the planned {planned_world}: grad_accum {ga} -> "
+                         f"{new_ga} keeps the global batch at {global_batch}")
+            ga = new_ga
+        else:
+            raise ConfigError(f"global batch {global_batch} cannot be split into micro-batches of {micro} over "
+                              f"{world_size} ranks", fix="run on a world size that divides the global batch, "
+                              "or change training.micro_batch")
+    shard = int(plan.get("shard") or world_size)
+    if strategy == "hybrid":
+        shard = min(shard, world_size)
+        if world_size % shard:
+            raise ConfigError(f"hybrid sharding groups of {shard} do not divide {world_size} ranks")
+    return Layout(strategy, plan["precision"], plan["activation_checkpointing"], plan.get("offload", "none"),
+                  micro, ga, world_size, shard), notes
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
+class Engine:
+    """One optimizer step = `grad_accum` calls of `micro_step`, then `step()`."""
+
+    layout: Layout
+    model: nn.Module  # what forward runs through (wrapped)
+    module: nn.Module  # the bare model (parameter names match the checkpoint and export)
+    optimizer: Any
+    scheduler: Any
+
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self) -> dict:
+        raise NotImplementedError
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+class TorchEngine(Engine):
+    """DDP and FSDP2, with torch.optim and an optional GradScaler for fp16."""
+
+    def __init__(self, module: nn.Module, layout: Layout, training, steps: int, device: torch.device, is_gpu: bool,
+                 loss_scaling: str = "dynamic"):
+        import torch.distributed as dist
+
+        self.layout, self.module, self.device = layout, module, device
+        self.grad_clip = training.grad_clip
+        distributed = dist.is_available() and dist.is_initialized()
+        self.autocast_dtype = None
+        if layout.strategy == "ddp":
+            module.to(device)
+            if distributed:
+                from torch.nn.parallel import DistributedDataParallel as DDP
+
+                self.model = DDP(module, device_ids=[device] if is_gpu else None, gradient_as_bucket_view=True)
+            else:
+                self.model = module
+            if layout.precision != "fp32":
+                self.autocast_dtype = DTYPES[layout.precision]
+        else:
+            self.model = shard_fsdp2(module, layout, device, is_gpu)
+        self.optimizer = build_optimizer(module, training)
+        self.scheduler = build_scheduler(self.optimizer, training, steps)
+        self.scaler = None
+        if layout.precision == "fp16" and loss_scaling == "dynamic":
+            self.scaler = _make_scaler(device, fsdp=layout.strategy != "ddp")
+
+    def _sync_context(self, last: bool):
+        if self.layout.strategy == "ddp":
+            return contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def micro_step(self, inputs, targets, last):
+        with self._sync_context(last):
+            if self.autocast_dtype is not None:
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                    logits = self.model(inputs)
+            else:
+                logits = self.model(inputs)
+            loss = cross_entropy(logits, targets)
+            scaled = loss / self.layout.grad_accum
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            scaled.backward()
+        return loss.detach()
+
+    def step(self) -> dict:
+        skipped = False
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm = None
+        if self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            norm = float(norm)
+        if self.scaler is not None:
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < before
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": norm, "skipped": skipped,
+                "loss_scale": self.scaler.get_scale() if self.scaler is not None else None}
+
+
+def _make_scaler(device: torch.device, fsdp: bool):
+    """GradScaler; for FSDP2 the sharded variant, which all-reduces found-inf so every rank skips together."""
+    if fsdp:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def shard_fsdp2(module: nn.Module, layout: Layout, device: torch.device, is_gpu: bool) -> nn.Module:
+    """fully_shard each block, then the root (embeddings, final norm, head), on a 1-D or 2-D (HSDP) mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(f"{layout.strategy} needs a process group", fix="start the job with torchrun (even for 1 rank)")
+    world = dist.get_world_size()
+    if layout.strategy == "hybrid":
+        mesh = init_device_mesh(device.type, (world // layout.shard, layout.shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    mp = MixedPrecisionPolicy()
+    if layout.precision != "fp32":
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[layout.precision], reduce_dtype=torch.float32)
+    offload: OffloadPolicy = OffloadPolicy()
+    if layout.offload in ("params", "optimizer"):
+        if not is_gpu:
+            raise ConfigError("FSDP2 CPU offload (CPUOffloadPolicy) needs a GPU: it pins host memory, which fails "
+                              "on a CPU-only machine", fix="set parallelism.offload: none for CPU runs")
+        offload = CPUOffloadPolicy()
+    reshard = layout.strategy != "fsdp_grad_op"
+    meta = module.output.weight.is_meta  # materialised after sharding, so that no rank holds the full model
+    if not meta and not isinstance(offload, CPUOffloadPolicy):
+        module.to(device)
+    for block in module.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    if meta:
+        module.to_empty(device="cpu" if isinstance(offload, CPUOffloadPolicy) else device)
+        module.init_weights()
+    return module
+
+
+class DeepSpeedEngine(Engine):
+    """ZeRO 1/2/3 through deepspeed.initialize, with the config from launcher.render.deepspeed."""
+
+    def __init__(self, module: nn.Module, layout: Layout, recipe, plan: dict, steps: int, is_gpu: bool):
+        try:
+            import deepspeed
+        except ImportError:
+            raise ConfigError(f"strategy {layout.strategy} needs DeepSpeed, which is not installed",
+                              fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)") from None
+        from ..render.deepspeed import deepspeed_config
+
+        self.layout, self.module = layout, module
+        cfg = deepspeed_config(recipe, {**plan, "offload": layout.offload}, dp=layout.world_size,
+                               grad_accum=layout.grad_accum, is_gpu=is_gpu)
+        self.config = cfg
+        offload_opt = "offload_optimizer" in cfg["zero_optimization"]
+        optimizer = build_optimizer(module, recipe.training, cpu_adam=offload_opt and recipe.training.optimizer == "adamw")
+        scheduler = build_scheduler(optimizer, recipe.training, steps)
+        self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+
+    def micro_step(self, inputs, targets, last):
+        self.model.set_gradient_accumulation_boundary(last)
+        logits = self.model(inputs)
+        loss = cross_entropy(logits, targets)
+        self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        self.model.step()  # only updates at the accumulation boundary
+        return loss.detach()
+
+    def step(self) -> dict:
+        norm = self.model.get_global_grad_norm()
+        skipped = False
+        opt = self.model.optimizer
+        if hasattr(opt, "overflow"):
+            skipped = bool(opt.overflow)
+        scale = getattr(opt, "cur_scale", None) if self.layout.precision == "fp16" else None
+        return {"grad_norm": float(norm) if norm is not None and math.isfinite(float(norm)) else None,
+                "skipped": skipped, "loss_scale": scale}
+
+    @property
+    def lr(self) -> float:
+        return float(self.model.get_lr()[0])
+
+
+def wrap_model(module: nn.Module, layout: Layout, recipe, plan: dict, steps: int, device: torch.device,
+               is_gpu: bool) -> Engine:
+    """The engine for `layout.strategy`: the one place that knows which library runs which strategy."""
+    if layout.strategy in DEEPSPEED_STRATEGIES:
+        return DeepSpeedEngine(module, layout, recipe, plan, steps, is_gpu)
+    return TorchEngine(module, layout, recipe.training, steps, device, is_gpu, recipe.parallelism.loss_scaling)
