@@ -50,20 +50,28 @@ if [[ ${#need_base[@]} -eq 0 && ${#need_dbd[@]} -eq 0 ]]; then
     exit 0
 fi
 
-# policy-rc.d: install ours only if none exists, and restore the previous state
-# on any exit (including a failed apt-get), so the host is not left with
-# services permanently forbidden.
+# policy-rc.d: ours for the duration of the install, whatever was there
+# before (an existing one might allow starts); the previous state is restored
+# on any exit, including a failed apt-get, so the host is not left with
+# services permanently forbidden or a foreign policy lost.
 POLICY=/usr/sbin/policy-rc.d
-created_policy=0
-cleanup() {
-    if [[ $created_policy == 1 ]]; then rm -f "$POLICY"; fi
+BACKUP=$POLICY.install-slurm-backup
+had_policy=0
+restore_policy() {
+    rm -f "$POLICY"
+    if [[ $had_policy == 1 ]]; then mv -f "$BACKUP" "$POLICY"; fi
 }
-trap cleanup EXIT
-if [[ ! -e $POLICY ]]; then
-    printf '#!/bin/sh\n# temporary, from dtlaunch scripts/install-slurm.sh\nexit 101\n' >"$POLICY"
-    chmod 755 "$POLICY"
-    created_policy=1
+if [[ -e $POLICY ]]; then
+    had_policy=1
+    cp -p "$POLICY" "$BACKUP"
 fi
+trap restore_policy EXIT
+printf '#!/bin/sh\n# temporary, from dtlaunch scripts/install-slurm.sh\nexit 101\n' >"$POLICY.tmp"
+chmod 755 "$POLICY.tmp"
+mv -f "$POLICY.tmp" "$POLICY"
+
+daemon_pids() { pgrep -x 'slurmctld|slurmd|slurmdbd|munged|mariadbd|mysqld' || true; }
+mapfile -t before < <(daemon_pids)
 
 t0=$SECONDS
 apt-get update -q
@@ -78,11 +86,13 @@ fi
 
 # A postinst may still have managed to start something despite policy-rc.d
 # (some call the daemon directly).  Our private instances need the default
-# ports and sockets free, so report it loudly rather than kill things we did
-# not start ourselves.
-for d in slurmctld slurmd slurmdbd munged mariadbd; do
-    if pgrep -x "$d" >/dev/null; then
-        echo "install-slurm.sh: warning: a system '$d' is running (pid $(pgrep -x "$d" | tr '\n' ' '))" >&2
+# ports and sockets free, so report it loudly rather than kill something we
+# did not start.  Only daemons that appeared during this install count:
+# private clusters from slurm-local.sh may legitimately be running already.
+mapfile -t after < <(daemon_pids)
+for pid in "${after[@]}"; do
+    if [[ " ${before[*]} " != *" $pid "* ]]; then
+        echo "install-slurm.sh: warning: the install started $(ps -o comm= -p "$pid" || echo '?') (pid $pid)" >&2
     fi
 done
 echo "install-slurm.sh: done in $((SECONDS - t0))s"

@@ -286,7 +286,7 @@ port_in_use() { [[ -n $(ss -Hltn "sport = :$1" 2>/dev/null) ]]; }
 
 check_ports_free() {
     command -v ss >/dev/null || return 0
-    local p ports=("$CTLD_PORT")
+    local p i ports=("$CTLD_PORT")
     [[ $ACCOUNTING == dbd ]] && ports+=("$DBD_PORT" "$DB_PORT")
     for (( i = 1; i <= NODES; i++ )); do ports+=("$(( SLURMD_PORT_BASE + i ))"); done
     for p in "${ports[@]}"; do
@@ -540,7 +540,7 @@ on_start_failure() {
     if (( rc != 0 )); then
         echo "slurm-local: start failed (rc=$rc); last log lines:" >&2
         local f
-        for f in "$ROOT"/log/*.log; do
+        for f in "$ROOT"/log/*.log "$ROOT"/log/*.out; do
             [[ -s $f ]] || continue
             echo "== $f" >&2
             tail -5 "$f" >&2
@@ -718,18 +718,23 @@ EOF
 /usr/bin/srun /bin/hostname
 EOF
     # What torchrun's c10d rendezvous does: the first node listens on its own
-    # name, the others connect to that name.
+    # name, the others connect to that name.  The port is an ephemeral one
+    # passed through the shared output dir, so that two clusters on one host
+    # (or a busy port) cannot make this test flaky.
     cat >"$dir/tcp.sh" <<'EOF'
 #!/bin/bash
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
+export PORT_FILE=$PWD/tcp.port.$SLURM_JOB_ID
 srun python3 -c '
 import os, socket, time
-addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+addr, port_file = os.environ["MASTER_ADDR"], os.environ["PORT_FILE"]
 me = socket.gethostname()
 if os.environ["SLURM_PROCID"] == "0":
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((addr, port)); s.listen(1); s.settimeout(30)
+    s = socket.socket()
+    s.bind((addr, 0)); s.listen(1); s.settimeout(30)
+    port = s.getsockname()[1]
+    with open(port_file + ".tmp", "w") as f: f.write(str(port))
+    os.rename(port_file + ".tmp", port_file)
     c, peer = s.accept()
     print(f"server on {me} bound {addr}={socket.gethostbyname(addr)}:{port} got {c.recv(100).decode()!r}", flush=True)
     c.sendall(b"ack"); c.close()
@@ -737,8 +742,9 @@ else:
     deadline = time.time() + 30
     while True:
         try:
+            port = int(open(port_file).read())
             c = socket.create_connection((addr, port), timeout=5); break
-        except OSError:
+        except (OSError, ValueError):
             if time.time() > deadline: raise
             time.sleep(0.1)
     c.sendall(f"hello from {me}".encode())
@@ -757,9 +763,11 @@ EOF
     j_rq=$(sbatch --parsable -J st-requeue -N1 -n1 --requeue --open-mode=append -o "$dir/requeue.out" "$dir/requeue.sh")
     j_one=$(sbatch --parsable -J st-one -N1 -n1 -o "$dir/one.out" "$dir/one.sh")
     j_noexp=$(sbatch --parsable -J st-noexport -N1 -n1 --export=NONE -o "$dir/noexport.out" "$dir/noexport.sh")
+    # The multi-node jobs are pinned to node1,node2 so that the expected
+    # output does not depend on SLURM_LOCAL_NODES or on placement.
     if (( NODES >= 2 )); then
-        j_two=$(sbatch --parsable -J st-two -N2 --ntasks-per-node=1 -o "$dir/two.out" "$dir/two.sh")
-        j_tcp=$(sbatch --parsable -J st-tcp -N2 --ntasks-per-node=1 -o "$dir/tcp.out" "$dir/tcp.sh")
+        j_two=$(sbatch --parsable -J st-two -N2 -w node1,node2 --ntasks-per-node=1 -o "$dir/two.out" "$dir/two.sh")
+        j_tcp=$(sbatch --parsable -J st-tcp -N2 -w node1,node2 --ntasks-per-node=1 -D "$dir" -o "$dir/tcp.out" "$dir/tcp.sh")
     fi
     echo "selftest: jobs one=$j_one noexport=$j_noexp two=${j_two:-skipped} tcp=${j_tcp:-skipped} requeue=$j_rq (output in $dir)"
 
