@@ -418,6 +418,8 @@ EOF
         cat >"$ROOT/db/my.cnf" <<EOF
 [mysqld]
 datadir=$ROOT/db/data
+# Private temp dir: concurrent clusters sharing /tmp clashed on MariaDB's temp tables.
+tmpdir=$ROOT/db/tmp
 socket=$ROOT/db/mysqld.sock
 pid-file=$ROOT/run/mariadbd.pid
 log-error=$ROOT/log/mariadbd.log
@@ -578,7 +580,7 @@ do_start() {
     mkdir -p "$ROOT"
     touch "$ROOT/$MARKER"
     mkdir -p "$ROOT"/{etc,log,run,state,spool,munge}
-    [[ $ACCOUNTING == dbd ]] && mkdir -p "$ROOT/db"
+    [[ $ACCOUNTING == dbd ]] && mkdir -p "$ROOT/db/tmp"
     # munged checks that everyone can traverse to its socket; a umask-077
     # parent (mktemp -d) would otherwise break it.
     chmod 755 "$ROOT" "$ROOT/munge"

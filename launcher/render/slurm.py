@@ -110,8 +110,10 @@ def step_script(recipe: Recipe, plan: dict) -> str:
 
     torchrun must not get USR2 (its default action would kill it and orphan the workers), and a worker
     that exits 42 after checkpointing must not be restarted by torchrun. So torchrun starts with USR2
-    ignored (inherited through exec; the workers install their own handler), and on USR2/TERM this
-    wrapper signals the workers, waits for them to exit, then stops torchrun before it can restart them.
+    ignored (inherited through exec; the workers install their own handler), and on USR2 this wrapper
+    signals the workers, waits for them to exit, then stops torchrun before it can restart them, and
+    exits 42. TERM is not a preemption here: srun --kill-on-bad-exit sends it to the healthy nodes when
+    another node failed, so it must not turn a crash into "requeue me"; torchrun handles TERM itself.
     """
     cmd = torchrun_command(
         python=Sh("$PYTHON"), nnodes=Sh("$SLURM_NNODES"), nproc_per_node=str(plan["gpus_per_node"]),
@@ -126,17 +128,17 @@ PREEMPT=0
 # USR2 is ignored in torchrun (and inherited by its workers until they install their own handler).
 ( trap '' USR2; exec {join(cmd)} ) &
 TORCHRUN=$!
-forward() {{
+preempt() {{
   PREEMPT=1
-  echo "dtlaunch[$(hostname)]: $1: forwarding to the training processes, then stopping torchrun" >&2
-  pkill -"$1" -P "$TORCHRUN" 2>/dev/null || true
+  echo "dtlaunch[$(hostname)]: USR2: forwarding to the training processes, then stopping torchrun" >&2
+  pkill -USR2 -P "$TORCHRUN" 2>/dev/null || true
   # Wait for the workers to checkpoint and exit (PREEMPTED={exitcodes.PREEMPTED}), then stop torchrun so
   # that it does not restart them.
   while pgrep -P "$TORCHRUN" >/dev/null 2>&1; do sleep 0.1; done
   kill -TERM "$TORCHRUN" 2>/dev/null || true
 }}
-trap 'forward USR2' USR2
-trap 'forward TERM' TERM
+trap preempt USR2
+trap 'echo "dtlaunch[$(hostname)]: TERM: torchrun stops its workers" >&2' TERM
 rc=0
 while :; do
   wait "$TORCHRUN"; rc=$?
