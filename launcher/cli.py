@@ -143,12 +143,24 @@ def validate(recipe_paths, overrides, fmt):
     sys.exit(1 if failed else 0)
 
 
-def _render(recipe_path, overrides, target):
+SWEEP = click.option("--sweep", "sweeps", multiple=True, metavar="KEY=V1,V2",
+                     help="SLURM: one array task per combination, e.g. --sweep training.seed=1,2,3 (repeatable).")
+
+
+def _render(recipe_path, overrides, target, sweeps=()):
     from .render import render as do_render
 
     recipe, p = _load(recipe_path, overrides)
     target = target or recipe.targets.default
-    return recipe, p, do_render(recipe, p, target)
+    if not sweeps:
+        return recipe, p, do_render(recipe, p, target)
+    if target != "slurm":
+        raise DtlaunchError("--sweep renders a SLURM array job; use --target slurm (or run one `up` per setting)")
+    from .render.slurm import render_slurm_array
+    from .sweep import expand
+
+    items = [_load(recipe_path, list(overrides) + combo) for combo in expand(sweeps)]
+    return recipe, p, render_slurm_array(items)
 
 
 @cli.command()
@@ -157,10 +169,11 @@ def _render(recipe_path, overrides, target):
               help="Default: the recipe's targets.default.")
 @click.option("-o", "--out", "out_dir", default=None, help="Output directory (default: rendered/<job name>-<target>).")
 @OVERRIDE
+@SWEEP
 @click.option("--quiet", "-q", is_flag=True, help="Only list the files written.")
-def render(recipe_path, target, out_dir, overrides, quiet):
+def render(recipe_path, target, out_dir, overrides, sweeps, quiet):
     """Write the artifacts a user can run by hand (never submits)."""
-    recipe, p, art = _render(recipe_path, overrides, target)
+    recipe, p, art = _render(recipe_path, overrides, target, sweeps)
     out = art.write(out_dir or Path("rendered") / f"{art.job_name}-{art.target}")
     for rel, content in art.files.items():
         if not quiet and rel != "plan.json":
@@ -178,14 +191,15 @@ def render(recipe_path, target, out_dir, overrides, quiet):
 @click.option("--dry-run", is_flag=True, help="Render and print the submit command without submitting.")
 @click.option("--detach/--wait", default=None, help="Return after submitting, or stream logs until the job ends.")
 @click.option("--force", is_flag=True, help="Submit even if validate finds errors.")
-def up(recipe_path, target, overrides, out_dir, dry_run, detach, force):
+@SWEEP
+def up(recipe_path, target, overrides, out_dir, dry_run, detach, force, sweeps):
     """Validate, render and submit a job; record it so status/logs/down can follow it."""
     from .targets import backend
     from .targets.registry import Registry
     from .validate import has_errors
     from .validate import validate as run_rules
 
-    recipe, p, art = _render(recipe_path, overrides, target)
+    recipe, p, art = _render(recipe_path, overrides, target, sweeps)
     findings = run_rules(recipe, p)
     for f in findings:
         click.echo(f"{f.severity} [{f.rule}] {f.field}: {f.message}\n    fix: {f.fix}", err=True)
@@ -196,6 +210,8 @@ def up(recipe_path, target, overrides, out_dir, dry_run, detach, force):
             Path("rendered") / f"{art.job_name}-{art.target}")
     out = art.write(out_dir)
     if dry_run:
+        click.echo(f"# ---- {out / art.entrypoint}")
+        click.echo(art.files[art.entrypoint].rstrip("\n"))
         click.echo(f"dry run: wrote {out}; would run in it: {' '.join(art.submit_command)}")
         return
     be = backend(art.target)

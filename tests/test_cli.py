@@ -122,3 +122,25 @@ def test_secret_values_never_written(run_cli, tmp_path, monkeypatch):
     assert code == 0
     for f in (tmp_path / "r").iterdir():
         assert "s3cr3t-value-123" not in f.read_text()
+
+
+def test_sweep_renders_one_plan_per_array_task(run_cli, tmp_path):
+    code, out, err = run_cli("render", "recipes/tiny.yaml", "-t", "slurm", "--sweep", "training.seed=1,2",
+                             "--sweep", "training.lr=0.001,0.002", "-o", tmp_path / "a", "-q")
+    assert code == 0, err
+    seeds_lrs = set()
+    for i in range(4):
+        d = json.loads((tmp_path / "a" / f"task-{i}" / "plan.json").read_text())["recipe"]["training"]
+        seeds_lrs.add((d["seed"], d["lr"]))
+    assert seeds_lrs == {(1, 0.001), (1, 0.002), (2, 0.001), (2, 0.002)}
+    assert "#SBATCH --array=0-3" in (tmp_path / "a" / "job.sbatch").read_text()
+    code, _, err = run_cli("render", "recipes/tiny.yaml", "-t", "local", "--sweep", "training.seed=1,2")
+    assert code == 2 and "--target slurm" in err
+
+
+def test_plan_sweep_lists_every_combination(run_cli):
+    code, out, _ = run_cli("plan", "recipes/llama3-8b.yaml", "--sweep", "resources.nodes=1,2",
+                           "--sweep", "parallelism.strategy=ddp,fsdp", "--json")
+    rows = json.loads(out)
+    assert code == 0 and len(rows) == 4
+    assert {(r["world_size"], r["strategy"]) for r in rows} == {(8, "ddp"), (8, "fsdp"), (16, "ddp"), (16, "fsdp")}
