@@ -81,7 +81,7 @@ def resources(recipe: Recipe) -> dict:
     return out
 
 
-def envs(recipe: Recipe, plan: dict) -> dict[str, str]:
+def envs(recipe: Recipe) -> dict[str, str]:
     env = job_env(recipe)
     env.update({"DTLAUNCH_TARGET": "sky", "DTLAUNCH_RECIPE_HASH": recipe.digest(), "DTLAUNCH_PORT": str(DEFAULT_PORT)})
     return env
@@ -100,6 +100,9 @@ def setup_script(recipe: Recipe, plan: Plan) -> str:
     ]
     if plan.strategy in ZERO_FAMILY or recipe.parallelism.launcher == "deepspeed":
         lines.append(join(["pip", "install", "deepspeed>=0.15"]))
+    if recipe.parallelism.launcher == "deepspeed" and recipe.resources.nodes > 1:
+        # The head-only launch reaches the other nodes with pdsh over SkyPilot's ssh keys.
+        lines.append("command -v pdsh >/dev/null || { sudo apt-get update -q && sudo apt-get install -y -q pdsh; }")
     lines += list(recipe.targets.sky.setup)  # the user's own shell lines (module load, apt, ...), verbatim
     return "\n".join(lines) + "\n"
 
@@ -133,16 +136,44 @@ def torchrun_run(recipe: Recipe, plan: dict, job_dir: str) -> str:
         python="python", nnodes=Sh("$SKYPILOT_NUM_NODES"), nproc_per_node=_nproc(recipe, plan),
         rdzv_endpoint=Sh("$MASTER_ADDR:$PORT"), rdzv_id=Sh("$DTLAUNCH_RUN_ID"),
         max_restarts=recipe.targets.sky.max_restarts, plan_path=Sh("$JOB_DIR/plan.json"),
-        run_dir=Sh("$DTLAUNCH_RUN_DIR"), extra=(flag("--node-rank", Sh("$SKYPILOT_NODE_RANK")),),
+        run_dir=Sh("$DTLAUNCH_RUN_DIR"),
+        # A survivor of a dead node waits this long to re-rendezvous, then fails so SkyPilot can recover
+        # the whole job (torchrun's default is 600 s of idle GPUs).
+        # No --node-rank: torch ignores it with c10d ("only used for static rdzv_backend"), ranks are
+        # assigned at rendezvous (field lessons: rendezvous address).
+        extra=(f"--rdzv-conf=join_timeout={recipe.training.init_timeout_seconds}",),
     )
-    return "\n".join(_preamble(recipe, job_dir) + [join(cmd)]) + "\n"
+    return "\n".join(_preamble(recipe, job_dir) + [
+        'STARTED="$DTLAUNCH_RUN_DIR/.started.$SKYPILOT_NODE_RANK"',
+        'touch "$STARTED"',
+        join(cmd),
+        "rc=$?",
+        *_restartable_code(),
+        'exit "$rc"',
+    ]) + "\n"
+
+
+def _restartable_code() -> list[str]:
+    """torchrun exits 1 whatever its workers' codes were, which would hide PREEMPTED/HANG from SkyPilot's
+    `recover_on_exit_codes`. The runtime also records each rank's code in RUN_DIR/status/rank-N.json:
+    when this attempt's ranks ended with a restartable code, exit with it."""
+    codes = "|".join(str(c) for c in exitcodes.RESTARTABLE)
+    return [
+        'if [ "$rc" -ne 0 ]; then',
+        '  for f in "$DTLAUNCH_RUN_DIR"/status/rank-*.json; do',
+        f'    if [ "$f" -nt "$STARTED" ] && grep -qE \'"code": ({codes})[^0-9]\' "$f"; then',
+        f'      rc="$(grep -oE \'"code": ({codes})\' "$f" | grep -oE \'[0-9]+$\')"',
+        "    fi",
+        "  done",
+        "fi",
+    ]
 
 
 def deepspeed_run(recipe: Recipe, plan: dict, job_dir: str) -> str:
     """Head-only DeepSpeed: rank 0 writes the hostfile and `.deepspeed_env` (the runner forwards only
     some variables to other nodes) and starts everyone over SkyPilot's ssh; other nodes exit 0.
     DTLAUNCH_DEEPSPEED_NO_SSH=1 instead runs `deepspeed --no_ssh --node_rank` on every node."""
-    names = list(envs(recipe, plan)) + ["DTLAUNCH_RUN_ID", "DTLAUNCH_RUN_DIR", "MASTER_ADDR"] + list(recipe.secrets)
+    names = list(envs(recipe)) + ["DTLAUNCH_RUN_ID", "DTLAUNCH_RUN_DIR", "MASTER_ADDR"] + list(recipe.secrets)
     ds_args: list[Word] = [
         flag("--hostfile", Sh("$HOSTFILE")), flag("--master_addr", Sh("$MASTER_ADDR")), flag("--master_port", Sh("$PORT")),
         "--no_local_rank", "--module", TRAIN_MODULE,
@@ -150,13 +181,15 @@ def deepspeed_run(recipe: Recipe, plan: dict, job_dir: str) -> str:
     ]
     lines = _preamble(recipe, job_dir) + [
         f"NPROC={quote(_nproc(recipe, plan))}",
-        'HOSTFILE="$DTLAUNCH_RUN_DIR/hostfile"',
+        'HOSTFILE="$DTLAUNCH_RUN_DIR/hostfile.$SKYPILOT_NODE_RANK"',
         'echo "$SKYPILOT_NODE_IPS" | awk -v n="$NPROC" \'NF {print $1 " slots=" n}\' > "$HOSTFILE"',
         "umask 077  # .deepspeed_env may hold secret values: owner-only",
-        ": > .deepspeed_env",
+        'ENVFILE="$(mktemp .deepspeed_env.XXXXXX)"  # written whole, then renamed: readers never see half',
         f"for k in {' '.join(names)}; do",
-        '  if [ -n "${!k+x}" ]; then printf \'%s=%s\\n\' "$k" "${!k}" >> .deepspeed_env; fi',
+        '  if [ -n "${!k+x}" ]; then printf \'%s=%s\\n\' "$k" "${!k}" >> "$ENVFILE"; fi',
         "done",
+        'mv -f "$ENVFILE" .deepspeed_env',
+        "umask 022",
         'if [ "${DTLAUNCH_DEEPSPEED_NO_SSH:-0}" = "1" ]; then',
         "  " + join(["deepspeed", "--no_ssh", flag("--node_rank", Sh("$SKYPILOT_NODE_RANK")), *ds_args]),
         'elif [ "$SKYPILOT_NODE_RANK" = "0" ]; then',
@@ -179,7 +212,7 @@ def render_sky(recipe: Recipe, plan: Plan, files: dict[str, str]) -> Artifacts:
     else:  # the rendered directory is the workdir (submit_command runs in it)
         task["workdir"] = "."
         job_dir = '"$PWD"'
-    task["envs"] = envs(recipe, pd)
+    task["envs"] = envs(recipe)
     if recipe.secrets:
         task["secrets"] = {name: None for name in recipe.secrets}  # names only; values come from --secret
     task["setup"] = setup_script(recipe, plan)
