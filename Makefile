@@ -31,7 +31,9 @@ demo: install
 	@echo "== up: train recipes/tiny.yaml on this machine (2 CPU ranks, torchrun), then resume it"
 	rm -rf runs/tiny
 	$(VENV)/bin/dtlaunch up recipes/tiny.yaml --target local --set training.steps=20
-	$(VENV)/bin/dtlaunch up recipes/tiny.yaml --target local --set training.steps=40
+	@echo "== up again with more steps: resumes from the step-20 checkpoint"
+	$(VENV)/bin/dtlaunch up recipes/tiny.yaml --target local --set training.steps=30
+	$(VENV)/bin/dtlaunch status
 	$(VENV)/bin/dtlaunch plot runs/tiny
 
 bench: install
