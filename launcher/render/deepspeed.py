@@ -63,6 +63,10 @@ def deepspeed_config(recipe, plan: dict[str, Any], *, dp: Optional[int] = None, 
         "steps_per_print": 1 << 30,  # the runtime logs; DeepSpeed's own prints would interleave
         "wall_clock_breakdown": False,
     }
+    if "offload_optimizer" in zero and not is_gpu:
+        # On a CPU-only machine the states are on the host anyway: torch's AdamW does the same work
+        # without DeepSpeedCPUAdam's JIT build (minutes on a small machine). GPUs use DeepSpeedCPUAdam.
+        cfg["zero_force_ds_cpu_optimizer"] = False
     precision = plan.get("precision", "bf16")
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}

@@ -166,12 +166,18 @@ def init_distributed(recipe=None, *, init_timeout_s: Optional[float] = None, tim
     import torch
     import torch.distributed as dist
 
-    from ... import catalog
+    from .. import catalog
 
     proc = detect(env)
     is_gpu = torch.cuda.is_available()
     net = catalog.NETWORKS.get(recipe.resources.network) if recipe is not None else None
     env_set = job_environment(net.nccl_env if net else {}, proc.local_world_size, is_gpu, env)
+    if proc.source != "torchrun":
+        # Libraries that read torchrun's variables (DeepSpeed needs LOCAL_RANK) see the same world.
+        env_set.update({k: v for k, v in {
+            "RANK": str(proc.rank), "WORLD_SIZE": str(proc.world_size), "LOCAL_RANK": str(proc.local_rank),
+            "LOCAL_WORLD_SIZE": str(proc.local_world_size), "MASTER_ADDR": proc.master_addr,
+            "MASTER_PORT": str(proc.master_port)}.items() if k not in env})
     env.update(env_set)
     _apply_threads()
     if recipe is not None:
@@ -185,27 +191,30 @@ def init_distributed(recipe=None, *, init_timeout_s: Optional[float] = None, tim
         device = torch.device("cpu")
         backend = "gloo"
     world = World(proc, backend, device, is_gpu, env_set=env_set)
-    if proc.world_size > 1 or proc.source != "single":
-        if not dist.is_initialized():
-            kwargs = {}
-            if init_timeout_s:
-                kwargs["timeout"] = datetime.timedelta(seconds=init_timeout_s)
-            if proc.source in ("slurm", "skypilot"):
-                kwargs.update(init_method=f"tcp://{proc.master_addr}:{proc.master_port}", rank=proc.rank,
-                              world_size=proc.world_size)
-            if is_gpu:
-                kwargs["device_id"] = device
-            try:
-                dist.init_process_group(backend, **kwargs)
-            except Exception as e:  # rendezvous failures are environment problems, not bugs
-                from .failures import PreflightError
+    if not dist.is_initialized():
+        kwargs = {}
+        if init_timeout_s:
+            kwargs["timeout"] = datetime.timedelta(seconds=init_timeout_s)
+        if proc.source in ("slurm", "skypilot"):
+            kwargs.update(init_method=f"tcp://{proc.master_addr}:{proc.master_port}", rank=proc.rank,
+                          world_size=proc.world_size)
+        elif proc.source == "single":
+            # A plain `python -m launcher.train`: a world of one with an in-process store, so every
+            # strategy (FSDP2, DeepSpeed) and DCP run unchanged, and no port is needed.
+            kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+        if is_gpu:
+            kwargs["device_id"] = device
+        try:
+            dist.init_process_group(backend, **kwargs)
+        except Exception as e:  # rendezvous failures are environment problems, not bugs
+            from .failures import PreflightError
 
-                raise PreflightError(f"rank {proc.rank} could not join the process group at "
-                                     f"{proc.master_addr}:{proc.master_port} ({proc.source}): {e}",
-                                     fix="check that MASTER_ADDR resolves to the head node from every node") from None
-        # Checkpoint collectives get their own gloo group with the long timeout: a big save may
-        # legitimately take minutes, and async saves must not interleave with training collectives.
-        world.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=init_timeout_s or 1800))
+            raise PreflightError(f"rank {proc.rank} could not join the process group at "
+                                 f"{proc.master_addr}:{proc.master_port} ({proc.source}): {e}",
+                                 fix="check that MASTER_ADDR resolves to the head node from every node") from None
+    # Checkpoint collectives get their own gloo group with the long timeout: a big save may
+    # legitimately take minutes, and async saves must not interleave with training collectives.
+    world.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=init_timeout_s or 1800))
     if verbose and proc.rank == 0:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(env_set.items())) or "nothing (all already set)"
         print(f"dtlaunch: world {proc.world_size} via {proc.source}, backend {backend}, "

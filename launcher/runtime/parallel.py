@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +121,10 @@ class TorchEngine(Engine):
             if distributed:
                 from torch.nn.parallel import DistributedDataParallel as DDP
 
-                self.model = DDP(module, device_ids=[device] if is_gpu else None, gradient_as_bucket_view=True)
+                # broadcast_buffers=False: the only buffers are the derived RoPE tables; syncing them would
+                # add a broadcast to every forward.
+                self.model = DDP(module, device_ids=[device] if is_gpu else None, gradient_as_bucket_view=True,
+                                 broadcast_buffers=False)
             else:
                 self.model = module
             if layout.precision != "fp32":
@@ -192,6 +195,9 @@ def shard_fsdp2(module: nn.Module, layout: Layout, device: torch.device, is_gpu:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if layout.offload in ("params", "optimizer") and not is_gpu:
+        raise ConfigError("FSDP2 CPU offload (CPUOffloadPolicy) needs a GPU: it pins host memory, which fails "
+                          "on a CPU-only machine", fix="set parallelism.offload: none for CPU runs")
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(f"{layout.strategy} needs a process group", fix="start the job with torchrun (even for 1 rank)")
     world = dist.get_world_size()
@@ -202,12 +208,7 @@ def shard_fsdp2(module: nn.Module, layout: Layout, device: torch.device, is_gpu:
     mp = MixedPrecisionPolicy()
     if layout.precision != "fp32":
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[layout.precision], reduce_dtype=torch.float32)
-    offload: OffloadPolicy = OffloadPolicy()
-    if layout.offload in ("params", "optimizer"):
-        if not is_gpu:
-            raise ConfigError("FSDP2 CPU offload (CPUOffloadPolicy) needs a GPU: it pins host memory, which fails "
-                              "on a CPU-only machine", fix="set parallelism.offload: none for CPU runs")
-        offload = CPUOffloadPolicy()
+    offload: OffloadPolicy = CPUOffloadPolicy() if layout.offload in ("params", "optimizer") else OffloadPolicy()
     reshard = layout.strategy != "fsdp_grad_op"
     meta = module.output.weight.is_meta  # materialised after sharding, so that no rank holds the full model
     if not meta and not isinstance(offload, CPUOffloadPolicy):
@@ -230,14 +231,25 @@ class DeepSpeedEngine(Engine):
         except ImportError:
             raise ConfigError(f"strategy {layout.strategy} needs DeepSpeed, which is not installed",
                               fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)") from None
+        from deepspeed.accelerator import get_accelerator
+
         from ..render.deepspeed import deepspeed_config
 
+        acc = get_accelerator()
+        if layout.precision == "fp16" and not acc.is_fp16_supported():
+            raise ConfigError(f"DeepSpeed does not support fp16 on its {acc.device_name()} accelerator",
+                              fix="use parallelism.precision: bf16 or fp32 here (fp16 needs a GPU), "
+                                  "or a torch strategy (ddp/fsdp) whose GradScaler works on CPU")
+        if layout.precision == "bf16" and not acc.is_bf16_supported():
+            raise ConfigError(f"DeepSpeed does not support bf16 on its {acc.device_name()} accelerator",
+                              fix="use parallelism.precision: fp16 (with loss scaling) or fp32")
         self.layout, self.module = layout, module
         cfg = deepspeed_config(recipe, {**plan, "offload": layout.offload}, dp=layout.world_size,
                                grad_accum=layout.grad_accum, is_gpu=is_gpu)
         self.config = cfg
-        offload_opt = "offload_optimizer" in cfg["zero_optimization"]
-        optimizer = build_optimizer(module, recipe.training, cpu_adam=offload_opt and recipe.training.optimizer == "adamw")
+        # DeepSpeedCPUAdam only pays off when the model computes on a GPU and its states live on the host.
+        cpu_adam = "offload_optimizer" in cfg["zero_optimization"] and is_gpu and recipe.training.optimizer == "adamw"
+        optimizer = build_optimizer(module, recipe.training, cpu_adam=cpu_adam)
         scheduler = build_scheduler(optimizer, recipe.training, steps)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)

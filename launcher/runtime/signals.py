@@ -8,6 +8,7 @@ USR1 is left alone: NCCL uses it.
 from __future__ import annotations
 
 import signal
+import time
 from typing import Iterable, Optional
 
 DEFAULT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
@@ -17,6 +18,7 @@ class PreemptionFlag:
     def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS):
         self.signals = tuple(signals)
         self.received: Optional[str] = None
+        self.received_at: Optional[float] = None  # monotonic time of the first signal
         self._previous: dict[int, object] = {}
 
     def install(self) -> "PreemptionFlag":
@@ -32,6 +34,7 @@ class PreemptionFlag:
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal API's signature
         if self.received is None:
             self.received = signal.Signals(signum).name
+            self.received_at = time.monotonic()
 
     @property
     def local(self) -> bool:

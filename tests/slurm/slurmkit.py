@@ -25,8 +25,8 @@ def sbatch(out: Path, *extra) -> str:
     return p.stdout.strip().split(";")[0]
 
 
-def sh(*argv, check=True, timeout=60, cwd=None) -> subprocess.CompletedProcess:
-    p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+def sh(*argv, check=True, timeout=60, cwd=None, env=None) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
     if check and p.returncode != 0:
         raise AssertionError(f"{argv} failed ({p.returncode}): {p.stdout}\n{p.stderr}")
     return p

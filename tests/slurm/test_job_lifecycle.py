@@ -1,11 +1,12 @@
-"""The job script's lifecycle on real SLURM + srun + torchrun: 2-node rendezvous, USR2 -> checkpoint ->
-requeue -> resume, `scontrol requeue` -> resume, a crashing rank restarted by torchrun without a requeue.
+"""The whole job on real SLURM + srun + torchrun + the real runtime (`python -m launcher.train`): 2-node
+rendezvous, USR2 -> checkpoint -> requeue -> resume, `scontrol requeue` -> resume, a crashing rank
+restarted by torchrun without a requeue.
 
-The training module is a small stand-in (STUB below, put first on PYTHONPATH, which the job inherits
-through sbatch's --export=ALL) that keeps the runtime's contract: it resumes from a checkpoint in
-$DTLAUNCH_RUN_DIR, and on USR2/TERM it checkpoints and exits 42. It is a stand-in for launcher.train
-only, so that these tests pin the shell logic independently of the training code; everything else
-(sbatch, slurmctld, srun, torchrun, gloo, signals) is real.
+Nothing is stubbed: the rendered job.sbatch/step.sh start launcher.train on node1 and node2 (one CPU
+rank each, gloo), and every assertion reads what the runtime and the script leave in the run dir
+$SUBMIT_DIR/jobs/$SLURM_JOB_ID: metrics.jsonl (steps and events), checkpoints/, status/, the ledgers.
+"Nothing lost" is checked against one uninterrupted reference job of the same deterministic plan: the
+losses an interrupted job logs after resuming equal the reference's at the same steps.
 """
 from __future__ import annotations
 
@@ -16,68 +17,84 @@ from pathlib import Path
 
 import pytest
 
-from slurmkit import render_to, sbatch, sh, squeue_state, wait_for, wait_gone
+from launcher.runtime.ckptdir import complete_steps
+from launcher.runtime.metrics import read_metrics
+from slurmkit import render_to, sh, squeue_state, wait_for, wait_gone
 
-STUB = r'''
-import json, os, signal, sys, time
-import torch.distributed as dist
-got = []
-signal.signal(signal.SIGUSR2, lambda s, f: got.append("USR2"))
-signal.signal(signal.SIGTERM, lambda s, f: got.append("TERM"))
-rank, run = int(os.environ["RANK"]), os.environ["DTLAUNCH_RUN_DIR"]
-dist.init_process_group("gloo")
-t = __import__("torch").ones(1); dist.all_reduce(t)
-ck = os.path.join(run, "stub-ckpt")
-step = int(open(ck).read()) if os.path.exists(ck) else 0
-restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-def log(**kw):
-    print(f"rank {rank}: {kw}", flush=True)
-    if rank == 0:
-        with open(os.path.join(run, "stub-events.jsonl"), "a") as f:
-            f.write(json.dumps({"t": time.time(), **kw}) + "\n")
-log(event="start", step=step, world=int(t.item()), restart=restart, host=os.uname().nodename,
-    run_id=os.environ["DTLAUNCH_RUN_ID"], attempt=os.environ.get("SLURM_RESTART_COUNT", "0"))
-crash = os.environ.get("STUB_CRASH_RANK_AT")
-while step < int(os.environ.get("STUB_STEPS", "20")):
-    time.sleep(0.25)
-    flag = torch_flag = __import__("torch").tensor([1.0 if got else 0.0]); dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
-        if rank == 0: open(ck, "w").write(str(step))
-        log(event="preempted", step=step)
-        dist.destroy_process_group()
-        sys.exit(42)
-    step += 1
-    log(event="step", step=step)
-    if rank == 0 and step % 2 == 0: open(ck, "w").write(str(step))
-    if crash and rank == 1 and restart == 0 and step == int(crash):
-        os._exit(3)
-log(event="done", step=step)
-dist.barrier()
-dist.destroy_process_group()
-'''
+STEPS, EVERY = 20, 5
+TOL = 1e-5
 
 
-@pytest.fixture
-def job_dir(tmp_path, partition, monkeypatch):
-    stub = tmp_path / "stub" / "launcher"
-    stub.mkdir(parents=True)
-    (stub / "__init__.py").write_text("")
-    (stub / "train.py").write_text(STUB)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "stub"))
-    out = tmp_path / "job"
-    render_to(out, "tiny", [f"targets.slurm.partition={partition}", "resources.nodes=2",
-                            "targets.slurm.max_requeues=2", "targets.slurm.max_restarts=2"])
-    return out
+def overrides(partition: str) -> list[str]:
+    return [f"targets.slurm.partition={partition}", "resources.nodes=2", "resources.accelerator=cpu:1",
+            f"training.steps={STEPS}", f"checkpoint.every={EVERY}", "training.deterministic=true",
+            "targets.slurm.max_requeues=2", "targets.slurm.max_restarts=2"]
 
 
-def events(out: Path, job: str) -> list[dict]:
-    p = out / "jobs" / job / "stub-events.jsonl"
-    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+class Job:
+    """One submitted job: its id, submit dir and run dir, and readers for what it left there."""
+
+    def __init__(self, out: Path, fault: str | None = None):
+        env = {k: v for k, v in os.environ.items() if k != "DTLAUNCH_FAULT"}
+        if fault:
+            env["DTLAUNCH_FAULT"] = fault  # the job inherits it: sbatch's default --export=ALL
+        p = sh("sbatch", "--parsable", "job.sbatch", cwd=out, env=env)
+        self.out, self.id = out, p.stdout.strip().split(";")[0]
+        self.run = out / "jobs" / self.id
+
+    def metrics(self) -> list[dict]:
+        return read_metrics(self.run) if (self.run / "metrics.jsonl").exists() else []
+
+    def steps(self, after: float = 0.0) -> list[dict]:
+        return [r for r in self.metrics() if "event" not in r and "loss" in r and r["time"] > after]
+
+    def events(self, name: str) -> list[dict]:
+        return [r for r in self.metrics() if r.get("event") == name]
+
+    def max_step(self) -> int:
+        return max((r["step"] for r in self.steps()), default=0)
+
+    def ledger(self, name: str) -> list[str]:
+        p = self.run / name
+        return p.read_text().splitlines() if p.exists() else []
+
+    def status(self) -> dict[int, dict]:
+        return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in (self.run / "status").glob("rank-*.json")}
+
+    def logs(self) -> str:
+        return "".join(p.read_text() for p in sorted((self.run / "logs").glob("attempt-*.log")))
+
+    def done(self, timeout: float = 240) -> None:
+        try:
+            wait_gone(self.id, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- job logs ---\n{self.logs()[-4000:]}") from None
+
+    def explain(self) -> str:
+        out = self.out / f"tiny-{self.id}.out"
+        return f"--- {out.name} ---\n{out.read_text()[-6000:] if out.exists() else '(missing)'}"
 
 
-def ledger(out: Path, job: str, name: str) -> list[str]:
-    p = out / "jobs" / job / name
-    return p.read_text().splitlines() if p.exists() else []
+def submit(out: Path, partition: str, fault: str | None = None) -> Job:
+    render_to(out, "tiny", overrides(partition))
+    return Job(out, fault)
+
+
+def assert_completed(job: Job, attempts: int) -> None:
+    assert job.ledger("state") == ["COMPLETED"], job.explain()
+    assert (job.run / "finished").exists()
+    assert len(job.ledger("attempts")) == attempts, job.ledger("attempts")
+    end = job.events("end")
+    assert [e["step"] for e in end] == [STEPS], job.explain()
+    st = job.status()
+    assert sorted(st) == [0, 1] and all(s["code"] == 0 and s["step"] == STEPS for s in st.values()), st
+    assert complete_steps(job.run / "checkpoints")[-1] == STEPS
+
+
+def assert_same_losses(records: list[dict], reference: dict[int, float]) -> None:
+    assert records, "no steps logged"
+    for r in records:
+        assert abs(r["loss"] - reference[r["step"]]) <= TOL, (r["step"], r["loss"], reference[r["step"]])
 
 
 def release_after_requeue(job: str, requeued_at: float) -> None:
@@ -87,62 +104,104 @@ def release_after_requeue(job: str, requeued_at: float) -> None:
     sh("scontrol", "update", f"JobId={job}", "StartTime=now")
 
 
-def test_two_nodes_rendezvous_and_complete(job_dir):
-    job = sbatch(job_dir)
-    wait_gone(job, 120)
-    ev = events(job_dir, job)
-    start = ev[0]
-    assert start["world"] == 4 and start["run_id"] == job  # 2 nodes x 2 ranks met at node1
-    assert ev[-1] == {**ev[-1], "event": "done", "step": 20}
-    assert ledger(job_dir, job, "state") == ["COMPLETED"] and (job_dir / "jobs" / job / "finished").exists()
-    assert len(ledger(job_dir, job, "attempts")) == 1 and ledger(job_dir, job, "exit_codes") == ["0 0 none"]
-    out = (job_dir / f"tiny-{job}.out").read_text()
-    assert f"rendezvous node1:{20000 + int(job) % 20000}" in out
-    assert (job_dir / "jobs" / job / "logs" / "attempt-0.log").read_text().strip()
+@pytest.fixture(scope="module")
+def reference(slurm, tmp_path_factory) -> Job:
+    """One uninterrupted 2-node job: test 1 checks it, the others compare their losses against it."""
+    job = submit(tmp_path_factory.mktemp("reference"), slurm["SLURM_LOCAL_PARTITION"])
+    t0 = time.time()
+    job.done()
+    print(f"\nreference job {job.id}: {time.time() - t0:.1f}s")
+    return job
 
 
-def test_usr2_to_batch_shell_checkpoints_requeues_and_resumes(job_dir):
+@pytest.fixture(scope="module")
+def ref_losses(reference) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in reference.steps()}
+
+
+def test_two_nodes_rendezvous_and_complete(reference):
+    job = reference
+    start, = job.events("start")
+    assert start["world_size"] == 2 and start["attempt"] == 0, start
+    pre, = job.events("preflight")
+    assert pre["ok"] and pre["hosts"] == 2, pre  # one rank on node1, one on node2
+    assert "rendezvous: 2 ranks on 2 host(s): node1, node2" in job.logs()
+    out = (job.out / f"tiny-{job.id}.out").read_text()
+    assert f"rendezvous node1:{20000 + int(job.id) % 20000}" in out
+    assert [r["step"] for r in job.steps()] == list(range(1, STEPS + 1))
+    assert not job.events("resume") and not job.events("preempt")
+    export, = job.events("export")
+    assert export["step"] == STEPS and Path(export["path"]).is_file() and Path(export["path"]).stat().st_size > 0
+    assert complete_steps(job.run / "checkpoints") == [STEPS - EVERY, STEPS]  # keep=2
+    assert_completed(job, attempts=1)
+    assert job.ledger("exit_codes") == ["0 0 none"] and job.ledger("requeues") == [] == job.ledger("failures")
+
+
+def test_usr2_to_batch_shell_checkpoints_requeues_and_resumes(tmp_path, partition, ref_losses):
     """What a time limit does (--signal=B:USR2@N), without waiting for one: USR2 to the batch shell."""
-    job = sbatch(job_dir)
-    wait_for(lambda: any(e.get("step", 0) >= 5 for e in events(job_dir, job)), 90, "step 5")
-    sh("scancel", "--signal=USR2", "--batch", job)
-    wait_for(lambda: ledger(job_dir, job, "requeues"), 60, "the script to requeue itself")
+    job = submit(tmp_path, partition)
+    wait_for(lambda: job.max_step() >= 3, 180, "step 3")
+    sh("scancel", "--signal=USR2", "--batch", job.id)
+    wait_for(lambda: job.ledger("requeues"), 90, "the script to requeue itself")
     requeued_at = time.time()
-    assert ledger(job_dir, job, "exit_codes")[0] == "0 42 USR2"
-    saved = next(e["step"] for e in events(job_dir, job) if e["event"] == "preempted")
-    release_after_requeue(job, requeued_at)
-    wait_gone(job, 120)
-    ev = events(job_dir, job)
-    resumed = [e for e in ev if e["event"] == "start"][1]
-    assert resumed["step"] == saved and resumed["attempt"] == "1" and resumed["run_id"] == job
-    assert ev[-1]["event"] == "done" and ev[-1]["step"] == 20
-    assert ledger(job_dir, job, "state") == ["COMPLETED"] and len(ledger(job_dir, job, "attempts")) == 2
+    assert job.ledger("exit_codes")[0] == "0 42 USR2", job.explain()
+    pre, = job.events("preempt")
+    saved = pre["step"]
+    assert 3 <= saved < STEPS and pre["signal"] == "SIGUSR2", pre
+    assert saved in complete_steps(job.run / "checkpoints")
+    st = job.status()
+    assert sorted(st) == [0, 1] and {s["code"] for s in st.values()} == {42}, st
+    release_after_requeue(job.id, requeued_at)
+    job.done()
+    resumed, = job.events("resume")
+    assert resumed["step"] == saved and resumed["world_size"] == 2, resumed
+    assert [e["attempt"] for e in job.events("start")] == [0, 0]  # torchrun restart count: a new allocation
+    assert [a.split()[0] for a in job.ledger("attempts")] == ["0", "1"]  # SLURM_RESTART_COUNT
+    # Nothing lost, nothing redone: steps 1..saved, then saved+1..STEPS, with the reference's losses.
+    assert [r["step"] for r in job.steps()] == list(range(1, STEPS + 1))
+    assert_same_losses(job.steps(after=resumed["time"]), ref_losses)
+    assert job.ledger("exit_codes") == ["0 42 USR2", "1 0 none"]
+    assert_completed(job, attempts=2)
 
 
-def test_scontrol_requeue_resumes_from_checkpoint(job_dir):
-    job = sbatch(job_dir)
-    wait_for(lambda: any(e.get("step", 0) >= 6 for e in events(job_dir, job)), 90, "step 6")
-    sh("scontrol", "requeue", job)
+def test_scontrol_requeue_resumes_from_checkpoint(tmp_path, partition, ref_losses):
+    job = submit(tmp_path, partition)
+    wait_for(lambda: job.max_step() >= EVERY + 2, 180, f"step {EVERY + 2}")
+    sh("scontrol", "requeue", job.id)
     t_requeue = time.time()
-    release_after_requeue(job, t_requeue)
-    resumed = wait_for(lambda: [e for e in events(job_dir, job) if e["event"] == "start"][1:], 90, "the resumed start")[0]
-    first_step = wait_for(lambda: [e for e in events(job_dir, job) if e["t"] > resumed["t"] and e["event"] == "step"],
-                          60, "the first resumed step")[0]
-    print(f"scontrol requeue -> resumed step {first_step['step']}: {first_step['t'] - t_requeue:.1f}s")
-    wait_gone(job, 120)
-    ev = events(job_dir, job)
-    before = max(e["step"] for e in ev if e["event"] == "step" and e["t"] < t_requeue)
-    assert resumed["step"] >= before - 2  # at most the steps since the last checkpoint (every 2) are redone
-    assert resumed["attempt"] == "1" and ev[-1]["event"] == "done" and ev[-1]["step"] == 20
-    assert ledger(job_dir, job, "state") == ["COMPLETED"]
+    release_after_requeue(job.id, t_requeue)
+    resumed = wait_for(lambda: job.events("resume"), 180, "the resume event")[0]
+    first = wait_for(lambda: job.steps(after=resumed["time"]), 120, "the first resumed step")[0]
+    # The requeue SIGTERMs the steps; the runtime may still finish a step (and save it) before it stops.
+    before = max(r["step"] for r in job.steps() if r["time"] < resumed["time"])
+    saved_on_term = [e["step"] for e in job.events("preempt")]
+    print(f"\nscontrol requeue: attempt 0 reached step {before} (checkpoint on SIGTERM: {saved_on_term or 'none'}), "
+          f"resumed from step {resumed['step']}; first resumed step {first['step']} logged "
+          f"{first['time'] - t_requeue:.1f}s after the requeue (incl. the >= 3 s before the hold is released)")
+    job.done()
+    # The newest complete checkpoint: at most checkpoint.every steps are redone.
+    assert EVERY <= resumed["step"] and before - EVERY <= resumed["step"] <= before, (before, resumed)
+    assert all(s == resumed["step"] for s in saved_on_term), (saved_on_term, resumed)
+    assert first["step"] == resumed["step"] + 1
+    after = job.steps(after=resumed["time"])
+    assert [r["step"] for r in after] == list(range(resumed["step"] + 1, STEPS + 1))
+    assert_same_losses(after, ref_losses)
+    assert [a.split()[0] for a in job.ledger("attempts")] == ["0", "1"]
+    assert_completed(job, attempts=2)
 
 
-def test_crashing_rank_is_restarted_by_torchrun_without_requeue(job_dir, monkeypatch):
-    monkeypatch.setenv("STUB_CRASH_RANK_AT", "4")
-    job = sbatch(job_dir)
-    wait_gone(job, 120)
-    starts = [e for e in events(job_dir, job) if e["event"] == "start"]
-    assert [s["restart"] for s in starts] == [0, 1] and {s["attempt"] for s in starts} == {"0"}
-    assert events(job_dir, job)[-1]["event"] == "done"
-    assert ledger(job_dir, job, "requeues") == [] and ledger(job_dir, job, "failures") == []
-    assert ledger(job_dir, job, "state") == ["COMPLETED"]
+def test_crashing_rank_is_restarted_by_torchrun_without_requeue(tmp_path, partition, ref_losses):
+    crash_at = EVERY + 3  # the checkpoint at EVERY is committed by then
+    job = submit(tmp_path, partition, fault=f"exit:rank=1:step={crash_at}:code=3")
+    job.done()
+    assert [e["attempt"] for e in job.events("start")] == [0, 1], job.explain()  # TORCHELASTIC_RESTART_COUNT
+    resumed, = job.events("resume")
+    assert resumed["step"] == EVERY, resumed
+    assert f"FAULT INJECTION rank 1: exit at step {crash_at}" in job.logs()
+    assert_same_losses(job.steps(after=resumed["time"]), ref_losses)
+    assert [r["step"] for r in job.steps(after=resumed["time"])] == list(range(EVERY + 1, STEPS + 1))
+    # Inside the same allocation: no requeue, SLURM_RESTART_COUNT stayed 0, one attempt.
+    assert job.ledger("requeues") == [] and job.ledger("failures") == []
+    assert [a.split()[0] for a in job.ledger("attempts")] == ["0"]
+    assert job.ledger("exit_codes") == ["0 0 none"]
+    assert_completed(job, attempts=1)

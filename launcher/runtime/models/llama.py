@@ -132,8 +132,6 @@ class Llama(nn.Module):
         cos, sin = rope_tables(shape.hidden // shape.heads, shape.seq_len, shape.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if not self.output.weight.is_meta:
-            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -170,9 +168,16 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def build_model(shape: ModelShape, activation_checkpointing: str = "none", device: Optional[str | torch.device] = None) -> Llama:
-    """Build on `device`; "meta" allocates nothing (for presets too big for one host, and for counting)."""
-    if device is None:
-        return Llama(shape, activation_checkpointing)
-    with torch.device(device):
-        return Llama(shape, activation_checkpointing)
+def build_model(shape: ModelShape, activation_checkpointing: str = "none",
+                device: Optional[str | torch.device] = "cpu") -> Llama:
+    """Build on `device`; "meta" allocates nothing (for presets too big for one host, and for counting).
+
+    Always constructed on meta and then initialised by `init_weights`, so a model materialised later
+    (after sharding) gets exactly the weights an eagerly built one would, from the same seed.
+    """
+    with torch.device("meta"):
+        model = Llama(shape, activation_checkpointing)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model

@@ -1,0 +1,103 @@
+"""Checkpoint stall: how long the training loop is blocked by a checkpoint, sync vs async (DCP
+`async_save`), and how fast the sync save writes compared with plain torch.save of the same state.
+
+Workload: the `small-50m` preset (~58M params; ~0.7 GB of fp32 weights + AdamW moments), FSDP2 on 2
+CPU ranks, seq 128, one sequence per rank per step, a checkpoint every EVERY steps. Blocking time of the
+checkpoint after step k = (end of step k+1 - end of step k) - step k+1's own step time: exactly the
+time spent between the steps, from metrics.jsonl. The sync write time and bytes come from the
+checkpoint event and the committed directory. Baseline: bench/minimal_loops.py --mode save, which
+torch.save()s + fsyncs the same FSDP2 model+optimizer state dict (each rank its own shards, as DCP
+writes them) to the same disk.
+
+Targets: async blocking <= 0.2 x sync blocking (the ratio in the table), and sync save throughput
+>= 0.8 x torch.save's (in detail; `meets` requires both).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import _torchrun as T
+from common import result, stats
+
+TARGET = 0.2
+THROUGHPUT_TARGET = 0.8
+
+
+def _recipe(preset: str, every: int, steps: int, asynchronous: bool) -> dict:
+    return T.recipe(model={"preset": preset, "seq_len": 128}, parallelism={"strategy": "fsdp"},
+                    training={"micro_batch": 1, "global_batch": 2, "steps": steps, "log_every": 1, "warmup_steps": 1,
+                              "data": {"source": "synthetic", "num_tokens": 200000}},
+                    checkpoint={"every": every, "keep": 1, "async": asynchronous, "export": "none"})
+
+
+def _dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def _analyse(run: T.Run, every: int) -> dict:
+    ms = run.metrics()
+    recs = {m["step"]: m for m in ms if "step" in m and "loss" in m}
+    ckpts = [e for e in ms if e.get("event") == "checkpoint" and e.get("reason") == "interval"]
+    steps = sorted(recs)
+    ck_steps = [s for s in steps if s % every == 0 and s + 1 in recs]
+    blocking = [(recs[s + 1]["time"] - recs[s]["time"]) - recs[s + 1]["step_time_s"] for s in ck_steps]
+    # steps not right after a checkpoint, past warm-up: the undisturbed step time
+    normal = [recs[s]["step_time_s"] for s in steps if s > 2 and (s - 1) % every != 0]
+    base = statistics.median(normal)
+    # async: how much slower the steps after the checkpoint ran while the background write competed for the CPU
+    slow = [sum(max(0.0, recs[s + j]["step_time_s"] - base) for j in range(1, every) if s + j in recs) for s in ck_steps]
+    final = max(p for p in (run.run_dir / "checkpoints").glob("step-*") if p.is_dir())
+    return {"blocking_s": blocking, "write_s": [e["seconds"] for e in ckpts], "step_s": base,
+            "background_slowdown_s": slow, "bytes": _dir_bytes(final)}
+
+
+def run(quick: bool = False) -> dict:
+    preset = "tiny" if quick else "small-50m"
+    every, n_ckpt = 3, 2
+    steps = every * n_ckpt + 1
+    repeat = 1 if quick else 2
+    base = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    res = {"sync": [], "async": [], "torch_save": []}
+    for i in range(repeat):
+        for mode in ("sync", "async"):
+            r = T.ours(_recipe(preset, every, steps, mode == "async"), base / f"{mode}-{i}", hwm=False).check()
+            res[mode].append(_analyse(r, every))
+        d = base / f"torchsave-{i}"
+        T.minimal(["--mode", "save", "--preset", preset, "--seq-len", "128", "--micro-batch", "1", "--repeat",
+                   "1" if quick else "3"], d).check()
+        res["torch_save"].append(json.loads((d / "minimal-0.json").read_text()))
+    sync_block = stats([x for r in res["sync"] for x in r["blocking_s"]])
+    async_block = stats([x for r in res["async"] for x in r["blocking_s"]])
+    sync_write = stats([x for r in res["sync"] for x in r["write_s"]])
+    ours_bytes = statistics.median(r["bytes"] for r in res["sync"])
+    ts_secs = stats([x for r in res["torch_save"] for x in r["save_seconds"]])
+    ts_bytes = statistics.median(r["bytes_total"] for r in res["torch_save"])
+    ours_tp = ours_bytes / sync_write["median"]
+    ts_tp = ts_bytes / ts_secs["median"]
+    ratio = async_block["median"] / sync_block["median"]
+    tp_ratio = ours_tp / ts_tp
+    meets = ratio <= TARGET and tp_ratio >= THROUGHPUT_TARGET
+    print(f"checkpoint_stall ({preset}): loop blocked {sync_block['median']:.2f}s sync vs {async_block['median']:.2f}s "
+          f"async -> {ratio:.3f} (target <= {TARGET}); sync save {ours_bytes / 1e6:.0f} MB in {sync_write['median']:.2f}s "
+          f"= {ours_tp / 1e6:.0f} MB/s vs torch.save {ts_bytes / 1e6:.0f} MB in {ts_secs['median']:.2f}s = "
+          f"{ts_tp / 1e6:.0f} MB/s -> {tp_ratio:.3f} (target >= {THROUGHPUT_TARGET})")
+    detail = {"preset": preset, "every_steps": every, "sync_blocking_s": sync_block, "async_blocking_s": async_block,
+              "sync_write_seconds": sync_write["median"], "sync_write_s": sync_write, "checkpoint_bytes": ours_bytes,
+              "sync_throughput_MBps": ours_tp / 1e6, "torch_save_seconds": ts_secs, "torch_save_bytes": ts_bytes,
+              "torch_save_throughput_MBps": ts_tp / 1e6, "throughput_ratio": tp_ratio,
+              "throughput_target": THROUGHPUT_TARGET, "throughput_meets": tp_ratio >= THROUGHPUT_TARGET,
+              "async_background_slowdown_s": stats([x for r in res["async"] for x in r["background_slowdown_s"]]),
+              "step_seconds_sync_runs": [r["step_s"] for r in res["sync"]]}
+    if not quick:
+        # The goodput simulation's write time: a 70B model's checkpoint (fp32 weights + AdamW moments, as the
+        # planner counts it) written by 8 nodes in parallel, each at the sync throughput measured here on one
+        # node (2 ranks writing to the local disk). An assumption: cluster storage per node ~ this disk.
+        from launcher.plan.cost import checkpoint_write_seconds
+
+        detail["write_seconds_at_scale"] = checkpoint_write_seconds(70_000_000_000, "bf16", "adamw", 8, ours_tp / 1e9)
+        detail["write_seconds_at_scale_assumption"] = ("70B params x 12 B (checkpoint_bytes) / (8 nodes x measured sync "
+                                                       "throughput of one node's local disk)")
+    return result(ratio, TARGET, meets, **detail)

@@ -1,0 +1,52 @@
+"""The in-job runtime, usable on its own from a user's training script:
+
+    from launcher.runtime import init_distributed, wrap_model, Checkpointer, PreemptionFlag, build_dataloader
+
+    world = init_distributed(recipe)                      # process group, timeouts, NCCL/OMP environment
+    layout, _ = resolve_layout(plan, world.world_size)    # the plan's strategy at this world size
+    engine = wrap_model(model, layout, recipe, plan, steps, world.device, world.is_gpu)
+    ...
+
+or all of it at once with `Trainer(recipe, plan, run_dir).run()` (what `python -m launcher.train` does).
+Names are imported lazily so `import launcher.runtime` stays cheap until something is used.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "init_distributed": ".dist",
+    "set_collective_timeout": ".dist",
+    "shutdown": ".dist",
+    "World": ".dist",
+    "wrap_model": ".parallel",
+    "resolve_layout": ".parallel",
+    "Layout": ".parallel",
+    "Engine": ".parallel",
+    "Checkpointer": ".checkpoint",
+    "export_model": ".checkpoint",
+    "PreemptionFlag": ".signals",
+    "build_dataloader": ".data",
+    "build_model": ".models",
+    "Trainer": ".loop",
+    "Metrics": ".metrics",
+    "read_metrics": ".metrics",
+    "ConfigError": ".failures",
+    "HangError": ".failures",
+    "PreflightError": ".failures",
+    "Preempted": ".failures",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'launcher.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(mod, __name__), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

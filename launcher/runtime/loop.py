@@ -1,0 +1,288 @@
+"""The training loop: assemble the parts, resume, train, checkpoint, stop cleanly.
+
+Each step ends with one small collective that every rank must reach with the same step number: it
+carries the loss for logging, the preemption flag (so all ranks stop together), and each rank's step,
+so an off-by-one divergence - which timeouts cannot see - ends the job at once with HANG.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import catalog, exitcodes
+from ..plan.cost import checkpoint_bytes
+from . import preflight as preflight_mod
+from .checkpoint import Checkpointer, export_model
+from .ckptdir import expand_dir
+from .data import Batches, build_dataloader, rescale_position
+from .dist import World, init_distributed, set_collective_timeout
+from .failures import ConfigError, HangError, Preempted, PreflightError
+from .faults import Faults
+from .metrics import Metrics
+from .models import build_model
+from .parallel import Engine, resolve_layout, wrap_model
+from .signals import PreemptionFlag
+
+# Build on the meta device (and materialise shard by shard) above this many parameters.
+META_INIT_PARAMS = 1_000_000_000
+
+
+def enable_determinism() -> None:
+    """Bit-reproducible kernels: a restarted run must end with the same weights as an uninterrupted one."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+class Watchdog:
+    """Backstop for what no collective timeout catches: a rank stuck outside communication.
+
+    Exits with HANG when no step finishes within `limit` seconds, or when a signal (SIGTERM from
+    torchrun tearing the world down after a peer failed, or a preemption) was received and no step
+    boundary follows within `grace` seconds: a stuck rank would otherwise ignore torchrun's SIGTERM
+    (the handler only sets a flag) and delay the restart until torchrun's SIGKILL 30 s later.
+    """
+
+    def __init__(self, limit: float, grace: float, rank: int, flag: Optional[PreemptionFlag] = None):
+        self.limit, self.grace, self.rank, self.flag = limit, grace, rank, flag
+        self.step = 0
+        self.armed = False
+        self.last = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="dtlaunch-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int) -> None:
+        self.step, self.last, self.armed = step, time.monotonic(), True
+
+    def pause(self) -> None:
+        self.armed = False
+
+    def _exit(self, why: str) -> None:
+        print(f"dtlaunch: rank {self.rank}: {why} (last completed step {self.step}): exiting with HANG "
+              f"({exitcodes.HANG})", file=sys.stderr, flush=True)
+        os._exit(exitcodes.HANG)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            if not self.armed:
+                continue
+            now = time.monotonic()
+            if now - self.last > self.limit:
+                self._exit(f"no progress for {self.limit:.0f}s")
+            sig_at = self.flag.received_at if self.flag is not None else None
+            if sig_at is not None and now - max(sig_at, self.last) > self.grace:
+                self._exit(f"received {self.flag.received} but reached no step boundary within {self.grace:.0f}s")
+
+
+@dataclass
+class Agreement:
+    step: int
+    stop: bool
+    loss: float
+    signalled: tuple = ()  # ranks that received a preemption signal
+
+
+class Trainer:
+    """Runs one recipe's plan to completion (or to preemption). Collective: every rank runs it."""
+
+    def __init__(self, recipe, plan: dict, run_dir: str | os.PathLike, *, recipe_hash: Optional[str] = None,
+                 world: Optional[World] = None):
+        self.recipe, self.plan, self.run_dir = recipe, plan, Path(run_dir)
+        self.recipe_hash = recipe_hash or recipe.digest()
+        self.world = world
+        self.step = 0  # optimizer steps completed
+        self.engine: Optional[Engine] = None
+
+    # ------------------------------------------------------------------ assembly
+
+    def _setup(self) -> None:
+        rec, plan = self.recipe, self.plan
+        tr = rec.training
+        if tr.deterministic:
+            enable_determinism()
+        self.world = self.world or init_distributed(rec)
+        w = self.world
+        self.faults = Faults(w.rank, w.proc.restart_count)
+        self.metrics = Metrics(self.run_dir, enabled=w.is_main, total_steps=plan["steps"], is_gpu=w.is_gpu)
+        self.layout, notes = resolve_layout(plan, w.world_size)
+        for n in notes:
+            self.metrics.log(n)
+        shape = rec.model.shape()
+        if shape is None:
+            raise ConfigError("the runtime needs a model shape (a preset or layers/hidden/...), not only `params`",
+                              fix="set model.preset, e.g. tiny")
+        if rec.model.architecture != "llama":
+            raise ConfigError(f"the runtime implements the llama architecture, not {rec.model.architecture!r}")
+        self.shape = shape
+        self.seq_len = plan["seq_len"]
+        self.total_steps = plan["steps"]
+        self.every = int(plan["checkpoint"]["every_steps"])
+        self.ckpt_root = expand_dir(rec.checkpoint.dir, self.run_dir, os.environ.get("DTLAUNCH_RUN_ID"))
+        self.metrics.event("start", world_size=w.world_size, strategy=self.layout.strategy,
+                           precision=self.layout.precision, grad_accum=self.layout.grad_accum,
+                           global_batch=self.layout.global_batch, attempt=w.proc.restart_count)
+        if tr.preflight:
+            self._preflight()
+        set_collective_timeout(w, tr.timeout_seconds)
+        torch.manual_seed(tr.seed)  # the same initial weights on every rank and every attempt
+        meta = plan["params"] > META_INIT_PARAMS and self.layout.family == "dcp" and self.layout.strategy != "ddp"
+        module = build_model(shape, self.layout.activation_checkpointing, device="meta" if meta else "cpu")
+        self.engine = wrap_model(module, self.layout, rec, plan, self.total_steps, w.device, w.is_gpu)
+        ds_config = getattr(self.engine, "config", None)
+        if ds_config is not None and w.is_main:  # what deepspeed.initialize really got, for the record
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
+        self.batches: Batches = build_dataloader(
+            tr.data, vocab=shape.vocab, seq_len=self.seq_len, micro_batch=self.layout.micro_batch,
+            grad_accum=self.layout.grad_accum, rank=w.rank, world_size=w.world_size, seed=tr.seed,
+            device=w.device, is_gpu=w.is_gpu)
+        static_meta = {
+            "recipe_hash": self.recipe_hash, "strategy": self.layout.strategy, "family": self.layout.family,
+            "precision": self.layout.precision, "grad_accum": self.layout.grad_accum,
+            "global_batch": self.layout.global_batch, "micro_batch": self.layout.micro_batch,
+            "dp": w.world_size, "tp": plan.get("tp", 1), "pp": plan.get("pp", 1), "seed": tr.seed,
+            "shape": {k: getattr(shape, k) for k in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab",
+                                                     "tied_embeddings")},
+        }
+        self.checkpointer = Checkpointer(
+            self.ckpt_root, self.engine, rank=w.rank, world_size=w.world_size, keep=rec.checkpoint.keep,
+            async_save=rec.checkpoint.async_, meta=static_meta, group=w.checkpoint_group, faults=self.faults,
+            log=self.metrics.log, event=self.metrics.event)
+
+    def _preflight(self) -> None:
+        w, rec = self.world, self.recipe
+        net = catalog.NETWORKS[rec.resources.network]
+        size = checkpoint_bytes(self.plan["params"], self.layout.precision, rec.training.optimizer)
+        rep = preflight_mod.run(world=w, network=net, checkpoint_dir=self.ckpt_root, checkpoint_bytes=size,
+                                keep=rec.checkpoint.keep, min_allreduce_fraction=rec.training.min_allreduce_fraction)
+        for line in rep.lines:
+            self.metrics.log(f"preflight: {line}")
+        self.metrics.event("preflight", ok=not rep.failures, failures=rep.failures, **rep.figures)
+        if rep.failures:
+            raise PreflightError("preflight failed before any training step:\n  - " + "\n  - ".join(rep.failures),
+                                 fix="fix the nodes or the recipe (training.preflight: false skips these checks)")
+
+    # ------------------------------------------------------------------ resume
+
+    def _resume(self) -> None:
+        cp = self.checkpointer
+        cp.prepare()
+        latest = cp.latest()
+        if latest is None:
+            self.metrics.log(f"no checkpoint in {self.ckpt_root}: starting from step 0")
+            return
+        t0 = time.time()
+        saved = cp.load(latest)
+        self.step = int(saved["step"])
+        pos, warn = rescale_position(saved["data"], self.layout.global_batch)
+        self.batches.seek(pos)
+        warnings = list(saved["warnings"]) + ([warn] if warn else [])
+        changed = f"; changed: {', '.join(warnings)}" if warnings else ""
+        self.metrics.log(f"resumed from step {self.step} ({saved['path']}, saved by {saved.get('world_size')} ranks "
+                         f"with {saved.get('strategy')}, data epoch {pos.epoch} batch {pos.step_in_epoch}, "
+                         f"{time.time() - t0:.2f}s){changed}")
+        for wmsg in warnings:
+            self.metrics.log(f"WARNING: resuming with a different layout: {wmsg}")
+        self.metrics.event("resume", step=self.step, path=saved["path"], from_world_size=saved.get("world_size"),
+                           world_size=self.world.world_size, warnings=warnings, data=pos.to_dict())
+
+    # ------------------------------------------------------------------ the step
+
+    def _agree(self, step: int, flag: Optional[str], loss: torch.Tensor) -> Agreement:
+        """One all-gather of (step, preempt flag, loss) per step; raises HangError if steps differ."""
+        w = self.world
+        local = torch.stack([torch.tensor(float(step), dtype=torch.float64), torch.tensor(1.0 if flag else 0.0,
+                             dtype=torch.float64), loss.detach().to("cpu", torch.float64)]).to(w.device)
+        if not w.distributed or self.faults.hit("skip_collective", step):
+            rows = local.view(1, -1)
+        else:
+            parts = [torch.empty_like(local) for _ in range(w.world_size)]
+            dist.all_gather(parts, local)
+            rows = torch.stack(parts)
+        steps = rows[:, 0].long().tolist()
+        if min(steps) != max(steps):
+            raise HangError(f"ranks disagree on the step number (per rank: {steps}); this rank is at step {step}",
+                            fix="a rank skipped or repeated work; restart from the last checkpoint", step=step)
+        signalled = tuple(int(r) for r in torch.nonzero(rows[:, 1] > 0).flatten().tolist())
+        return Agreement(step, bool(signalled), float(rows[:, 2].mean()), signalled)
+
+    def _train_step(self) -> tuple[torch.Tensor, dict]:
+        micro = self.batches.next_step()
+        total = torch.zeros((), dtype=torch.float32, device=self.world.device)
+        for i, (x, y) in enumerate(micro):
+            total += self.engine.micro_step(x, y, last=i == len(micro) - 1).float()
+        info = self.engine.step()
+        return total / len(micro), info
+
+    def _save(self, blocking: bool, reason: str) -> None:
+        self.watchdog.pause()
+        self.checkpointer.save(self.step, self.batches.position.to_dict(), blocking=blocking, reason=reason)
+        if blocking:
+            self.checkpointer.wait()
+
+    def run(self) -> int:
+        self._setup()
+        self._resume()
+        tr = self.recipe.training
+        w = self.world
+        tokens_per_step = self.layout.global_batch * self.seq_len
+        flag = PreemptionFlag().install()
+        self.watchdog = Watchdog(2 * tr.timeout_seconds + 60, max(5.0, tr.timeout_seconds), w.rank, flag)
+        last_saved = self.step if self.step else None
+        self.watchdog.beat(self.step)
+        try:
+            while self.step < self.total_steps:
+                self.current = self.step + 1
+                self.faults.at_step_start(self.current)
+                t0 = time.perf_counter()
+                lr = self.engine.lr  # the rate this step uses (the scheduler advances inside the step)
+                loss, info = self._train_step()
+                self.step += 1
+                if self.faults.hit("desync_step", self.step):
+                    self.step += 1
+                agreed = self._agree(self.step, flag.received, loss)
+                dt = time.perf_counter() - t0
+                if agreed.loss != agreed.loss:  # NaN
+                    self.metrics.log(f"WARNING: loss is NaN at step {self.step}")
+                if self.step % tr.log_every == 0 or self.step == self.total_steps or agreed.stop:
+                    extra = {k: v for k, v in info.items() if k != "grad_norm" and v not in (None, False)}
+                    self.metrics.step(self.step, loss=agreed.loss, lr=lr, tokens=tokens_per_step,
+                                      step_time=dt, grad_norm=info.get("grad_norm"), extra=extra)
+                self.checkpointer.poll()
+                if agreed.stop and self.step < self.total_steps:
+                    who = f"rank{'s' if len(agreed.signalled) > 1 else ''} {', '.join(map(str, agreed.signalled))}"
+                    self.metrics.log(f"preemption signal ({flag.received or 'a signal'} on {who}) at step {self.step}: "
+                                     f"saving a checkpoint, then exiting with {exitcodes.PREEMPTED}")
+                    self._save(blocking=True, reason="preempt")
+                    self.metrics.event("preempt", step=self.step, signal=flag.received, ranks=list(agreed.signalled))
+                    raise Preempted(f"preempted at step {self.step}; checkpoint written, resubmit to resume",
+                                    step=self.step)
+                if self.step % self.every == 0 and self.step < self.total_steps:
+                    self._save(blocking=False, reason="interval")
+                    last_saved = self.step
+                self.watchdog.beat(self.step)
+            self.watchdog.pause()
+            if last_saved != self.step:
+                self._save(blocking=True, reason="final")
+            self.checkpointer.wait()
+            out = export_model(self.engine, self.run_dir, self.recipe.checkpoint.export, w.rank)
+            if out is not None:
+                self.metrics.log(f"exported the trained weights to {out}")
+                self.metrics.event("export", path=str(out), step=self.step)
+            self.metrics.event("end", step=self.step)
+            self.metrics.log(f"done: {self.step} steps")
+        finally:
+            flag.uninstall()
+            self.watchdog.pause()
+            self.metrics.close()
+        return exitcodes.OK

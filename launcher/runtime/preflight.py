@@ -1,0 +1,130 @@
+"""Checks before the first training step, so a broken node fails in seconds with a clear message
+instead of hours later: everyone reached rendezvous, the fabric delivers the bandwidth it should,
+the checkpoint directory has room, and (on GPU nodes) /dev/shm is big enough for NCCL.
+
+All ranks take part; rank 0 decides and reports, and the verdict is shared so that every rank
+exits with PREFLIGHT together.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# NCCL needs shared memory for intra-node transport; Docker's 64 MB default breaks it.
+MIN_SHM_BYTES = 1 << 30
+
+
+@dataclass
+class Report:
+    lines: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    figures: dict = field(default_factory=dict)
+
+
+def bus_bandwidth_gbps(nbytes: int, seconds: float, world: int) -> float:
+    """Ring all-reduce bus bandwidth (NCCL-tests convention): algbw * 2(n-1)/n, in GB/s."""
+    if seconds <= 0 or world < 2:
+        return 0.0
+    return nbytes / seconds * 2 * (world - 1) / world / 1e9
+
+
+def measure_allreduce(device: torch.device, nbytes: int, iters: int = 5) -> float:
+    """Seconds per all-reduce of `nbytes` (after a warm-up), the max over ranks."""
+    t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(t)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(t)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt)
+
+
+def run(*, world, network, checkpoint_dir: Path, checkpoint_bytes: float, keep: int,
+        min_allreduce_fraction: float) -> Report:
+    """Collective. Returns rank 0's report (other ranks get the shared failures)."""
+    rep = Report()
+    rank, n = world.rank, world.world_size
+    distributed = world.distributed
+    # 1. Rendezvous: every rank is here, and we learn the hosts.
+    me = {"rank": rank, "host": socket.gethostname(), "local_rank": world.proc.local_rank, "pid": os.getpid()}
+    everyone = [None] * n
+    if distributed:
+        dist.all_gather_object(everyone, me)
+    else:
+        everyone = [me]
+    hosts = sorted({e["host"] for e in everyone})
+    ranks = sorted(e["rank"] for e in everyone)
+    if ranks != list(range(n)):
+        rep.failures.append(f"rendezvous: expected ranks 0..{n - 1}, got {ranks}")
+    rep.lines.append(f"rendezvous: {n} ranks on {len(hosts)} host(s): {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''}")
+    rep.figures["hosts"] = len(hosts)
+    # 2. All-reduce bandwidth vs the network profile.
+    if distributed and n > 1:
+        nbytes = (256 << 20) if world.is_gpu else (16 << 20)
+        secs = measure_allreduce(world.device, nbytes)
+        bw = bus_bandwidth_gbps(nbytes, secs, n)
+        expected = network.node_gbps
+        frac = bw / expected if expected else 0.0
+        rep.figures.update(allreduce_gbps=round(bw, 3), expected_gbps=expected, allreduce_fraction=round(frac, 3))
+        msg = (f"all-reduce {nbytes >> 20} MB: {secs * 1e3:.1f} ms, bus bandwidth {bw:.2f} GB/s = {frac:.0%} of the "
+               f"'{network.name}' profile's {expected:g} GB/s")
+        if min_allreduce_fraction > 0 and frac < min_allreduce_fraction:
+            rep.failures.append(msg + f", below the required {min_allreduce_fraction:.0%} "
+                                       f"(training.min_allreduce_fraction); check the fabric / NCCL settings")
+        else:
+            rep.lines.append(msg)
+    # 3. Disk for checkpoints (rank 0 looks; on a shared FS that is everyone's view).
+    if rank == 0:
+        probe = checkpoint_dir
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+        rep.figures.update(checkpoint_free_bytes=free, checkpoint_bytes=int(checkpoint_bytes))
+        need = checkpoint_bytes * (keep + 1)
+        line = f"checkpoint dir {checkpoint_dir}: {free / 1e9:.2f} GB free, one checkpoint ~{checkpoint_bytes / 1e9:.3f} GB"
+        if free < checkpoint_bytes:
+            rep.failures.append(line + ": not enough room for a single checkpoint")
+        elif free < need:
+            rep.lines.append(line + f" (WARNING: keep={keep} needs ~{need / 1e9:.2f} GB)")
+        else:
+            rep.lines.append(line)
+    # 4. /dev/shm on GPU nodes (each node's rank with local_rank 0 would see its own; rank 0 reports its own).
+    shm = _shm_bytes()
+    if shm is not None:
+        rep.figures["shm_bytes"] = shm
+        if world.is_gpu and shm < MIN_SHM_BYTES:
+            rep.failures.append(f"/dev/shm is {shm / 2**20:.0f} MB; NCCL needs >= {MIN_SHM_BYTES >> 20} MB "
+                                f"(docker: --shm-size=16g or --ipc=host)")
+        else:
+            rep.lines.append(f"/dev/shm: {shm / 2**30:.1f} GB" + ("" if world.is_gpu else " (CPU run: not needed)"))
+    # Share rank 0's verdict plus any rank's local failures.
+    if distributed:
+        allf: list = [None] * n
+        dist.all_gather_object(allf, rep.failures)
+        merged = []
+        for r, fs in enumerate(allf):
+            for f in fs or []:
+                merged.append(f if r == 0 else f"rank {r}: {f}")
+        rep.failures = list(dict.fromkeys(merged))
+    return rep
+
+
+def _shm_bytes() -> Optional[int]:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize

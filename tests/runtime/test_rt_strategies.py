@@ -1,0 +1,143 @@
+"""Every strategy trains the tiny Llama for real on 2 gloo ranks under torchrun, loss going down.
+
+fp32 for every strategy, bf16 for the main ones (activation checkpointing variants are folded into
+these cases so recomputation runs in real worlds without extra runs), fp16 with the torch loss
+scalers (GradScaler for DDP, ShardedGradScaler for FSDP2) on the smaller `micro` preset because fp16
+matmuls are slow on CPU. DeepSpeed's fp16 needs a GPU: that case must be a clear CONFIG error.
+
+The matrix runs in ONE torchrun world (tests/runtime/multi_train.py, the public library API);
+`python -m launcher.train` itself is exercised by every other multi-process test and by the
+ZeRO/fp16 error case below.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+
+import pytest
+
+from launcher import catalog, exitcodes
+from launcher.plan.params import count_params
+from launcher.runtime import ckptdir
+from rt_harness import (TORCHRUN, free_port, kill_tree, load_safetensors, recipe_dict, run_torchrun, torchrun_env,
+                        write_plan)
+from pathlib import Path
+
+STEPS = 20
+CASES = [
+    # (strategy, precision, activation checkpointing, offload)
+    ("ddp", "fp32", "none", "none"),
+    ("fsdp", "fp32", "none", "none"),
+    ("fsdp_grad_op", "fp32", "selective", "none"),
+    ("hybrid", "fp32", "full", "none"),
+    ("zero1", "fp32", "none", "none"),
+    ("zero2", "fp32", "none", "optimizer"),
+    ("zero3", "fp32", "none", "params"),
+    ("ddp", "bf16", "selective", "none"),
+    ("fsdp", "bf16", "full", "none"),
+    ("zero2", "bf16", "none", "none"),
+    ("zero3", "bf16", "selective", "none"),
+]
+FP16 = ["ddp", "fsdp"]
+FP16_STEPS = 10
+
+
+def _case_recipe(name: str) -> dict:
+    kind, strategy, precision, ac, offload = name.split(":")
+    if kind == "fp16":
+        return recipe_dict(model={"preset": "micro", "seq_len": 64},
+                           parallelism={"strategy": strategy, "precision": "fp16", "loss_scaling": "dynamic"},
+                           training={"steps": FP16_STEPS}, checkpoint={"every": FP16_STEPS})
+    return recipe_dict(parallelism={"strategy": strategy, "precision": precision, "activation_checkpointing": ac,
+                                    "offload": offload},
+                       training={"steps": STEPS}, checkpoint={"every": 10})
+
+
+NAMES = [f"main:{s}:{p}:{a}:{o}" for s, p, a, o in CASES] + [f"fp16:{s}:fp16:none:none" for s in FP16]
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Run every case in one 2-rank torchrun world; returns {name: run_dir} and the log."""
+    root = tmp_path_factory.mktemp("matrix")
+    cases, dirs = [], {}
+    for i, name in enumerate(NAMES):
+        d = root / f"case{i:02d}"
+        cases.append({"plan": str(write_plan(d, _case_recipe(name))), "run_dir": str(d)})
+        dirs[name] = d
+    (root / "cases.json").write_text(json.dumps(cases))
+    port = free_port()
+    cmd = [TORCHRUN, "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           "--max-restarts=0", str(Path(__file__).with_name("multi_train.py")), str(root / "cases.json")]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=torchrun_env())
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    secs = time.monotonic() - t0
+    (root / "torchrun.log").write_text(proc.stdout + "\n----- stderr -----\n" + proc.stderr)
+    print(f"\nstrategy matrix: {len(NAMES)} cases in one torchrun world, {secs:.1f}s, rc {proc.returncode}")
+    return dirs, proc
+
+
+def _result(matrix, name):
+    dirs, proc = matrix
+    d = dirs[name]
+    r = d / "result-rank0.json"
+    assert r.exists(), f"case not run (the world died earlier):\n{proc.stderr[-3000:]}"
+    res = json.loads(r.read_text())
+    assert res["code"] == 0, res["error"]
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    return d, res, [m for m in rows if "loss" in m]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,precision,ac,offload", CASES,
+                         ids=[f"{s}-{p}-ac_{a}" + (f"-offload_{o}" if o != "none" else "") for s, p, a, o in CASES])
+def test_strategy_trains(matrix, strategy, precision, ac, offload):
+    d, res, rows = _result(matrix, f"main:{strategy}:{precision}:{ac}:{offload}")
+    losses = {m["step"]: m["loss"] for m in rows}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(v) for v in losses.values())
+    first, last = losses[1], sum(losses[s] for s in (STEPS - 2, STEPS - 1, STEPS)) / 3
+    assert first > 6.0  # ~ln(512): an untrained model
+    assert last < first - 1.5, f"loss did not fall enough: {first:.3f} -> {last:.3f}"
+    assert ckptdir.complete_steps(d / "checkpoints") == [10, 20]
+    weights = load_safetensors(d / "model.safetensors")
+    assert sum(t.numel() for t in weights.values()) == count_params(catalog.PRESETS["tiny"])
+    assert all(str(t.dtype) == "torch.float32" for t in weights.values())
+    if strategy.startswith("zero"):
+        zero = json.loads((d / "deepspeed_config.json").read_text())["zero_optimization"]
+        assert zero["stage"] == int(strategy[-1])
+        assert ("offload_optimizer" in zero) == (offload != "none")
+        assert ("offload_param" in zero) == (offload == "params")
+    print(f"\n{strategy}/{precision}/ac={ac}/offload={offload}: loss {first:.3f} -> {last:.3f} ({res['seconds']}s)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", FP16)
+def test_fp16_with_loss_scaling_trains_without_nan(matrix, strategy):
+    d, res, rows = _result(matrix, f"fp16:{strategy}:fp16:none:none")
+    assert len(rows) == FP16_STEPS
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    assert all(r.get("loss_scale") for r in rows)  # the scaler was active
+    weights = load_safetensors(d / "model.safetensors")
+    assert all(bool(t.isfinite().all()) for t in weights.values())
+    print(f"\nfp16 {strategy}: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, scale {rows[-1]['loss_scale']}")
+
+
+@pytest.mark.slow
+def test_deepspeed_fp16_on_cpu_is_a_config_error(run_dir):
+    """DeepSpeed's CPU accelerator has no fp16: the job must say so (exit CONFIG), not crash."""
+    rec = recipe_dict(parallelism={"strategy": "zero2", "precision": "fp16"}, training={"steps": 2})
+    res = run_torchrun(write_plan(run_dir, rec), run_dir)
+    assert exitcodes.CONFIG in res.worker_codes, res.output[-3000:]
+    assert "DeepSpeed does not support fp16" in res.stderr
+    assert res.stderr.count("Traceback (most recent call last)") == 1  # torchrun's own report, none from workers
+    assert not (run_dir / "metrics.jsonl").exists() or not res.losses()

@@ -1,0 +1,388 @@
+"""Single-process tests of the runtime's pure parts: model size, DeepSpeed config, checkpoint
+selection, data order, fault parsing, environment detection."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from launcher import catalog
+from launcher.plan import make_plan
+from launcher.plan.params import count_params
+from launcher.recipe import load_text
+from launcher.runtime import ckptdir
+from launcher.runtime.data import DataPosition, GlobalOrderSampler, SyntheticTokens, TokenDataset, rescale_position
+from launcher.runtime.dist import detect, first_slurm_host, job_environment
+from launcher.runtime.failures import ConfigError
+from launcher.runtime.faults import Faults, parse
+from launcher.runtime.models import build_model
+
+from rt_harness import recipe_dict
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@pytest.mark.parametrize("preset", sorted(catalog.PRESETS))
+def test_param_count_matches_planner_on_meta(preset):
+    shape = catalog.PRESETS[preset]
+    model = build_model(shape, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == count_params(shape)
+
+
+def test_tied_embeddings_count_once():
+    shape = catalog.ModelShape(2, 64, 176, 4, 2, 256, tied_embeddings=True, seq_len=32)
+    model = build_model(shape, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == count_params(shape)
+
+
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_activation_checkpointing_gives_identical_gradients(ac):
+    """Recomputation must change memory, never results."""
+    shape = catalog.PRESETS["micro"]
+    torch.manual_seed(0)
+    ref = build_model(shape, "none")
+    torch.manual_seed(0)
+    ckp = build_model(shape, ac)
+    x = torch.randint(0, shape.vocab, (2, 32))
+    for m in (ref, ckp):
+        m(x).float().pow(2).mean().backward()
+    for (n, a), (_, b) in zip(ref.named_parameters(), ckp.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), n
+
+
+def test_meta_model_materialises_like_a_real_one():
+    shape = catalog.PRESETS["micro"]
+    torch.manual_seed(3)
+    real = build_model(shape)
+    torch.manual_seed(3)
+    meta = build_model(shape, device="meta")
+    meta.to_empty(device="cpu")
+    meta.init_weights()
+    x = torch.randint(0, shape.vocab, (1, 16))
+    assert torch.equal(real(x), meta(x))
+
+
+def test_causal_attention_does_not_look_ahead():
+    shape = catalog.PRESETS["micro"]
+    torch.manual_seed(0)
+    m = build_model(shape).eval()
+    x = torch.randint(0, shape.vocab, (1, 20))
+    y = x.clone()
+    y[0, 15:] = (y[0, 15:] + 1) % shape.vocab
+    with torch.no_grad():
+        assert torch.allclose(m(x)[0, :15], m(y)[0, :15], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- DeepSpeed config
+
+
+def _plan_for(**over):
+    rec = load_text(yaml.safe_dump(recipe_dict(**over)))
+    return rec, make_plan(rec).to_dict()
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_deepspeed_config_is_accepted_by_deepspeed(strategy, precision):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is part of the runtime test environment")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from launcher.plan.memory import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
+    from launcher.render.deepspeed import deepspeed_config
+
+    rec, plan = _plan_for(parallelism={"strategy": strategy, "precision": precision})
+    assert deepspeed_config(rec, plan)["train_batch_size"] == 16 and plan["dp"] == 2
+    # The parser checks train_batch = micro * accumulation * world, and outside a process group its
+    # world is 1: parse the config the runtime would build on one rank (the 2-rank one is parsed by
+    # deepspeed.initialize in the multi-process tests).
+    cfg = deepspeed_config(rec, plan, dp=1, grad_accum=4)
+    parsed = DeepSpeedConfig(cfg)  # the same parser deepspeed.initialize uses; raises on a bad config
+    assert parsed.zero_optimization_stage == int(strategy[-1])
+    assert parsed.train_batch_size == 16
+    assert parsed.train_micro_batch_size_per_gpu == 4 and parsed.gradient_accumulation_steps == 4
+    assert parsed.gradient_clipping == rec.training.grad_clip
+    assert parsed.bfloat16_config.enabled == (precision == "bf16")
+    assert parsed.float16_config.enabled == (precision == "fp16")
+    if precision == "fp16":
+        assert parsed.float16_config.loss_scale == 0  # dynamic
+    zc = parsed.zero_config
+    assert zc.reduce_bucket_size == DS_REDUCE_BUCKET and zc.allgather_bucket_size == DS_ALLGATHER_BUCKET
+
+
+def test_deepspeed_config_offload_and_static_loss_scale():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from launcher.render.deepspeed import deepspeed_config
+
+    rec, plan = _plan_for(parallelism={"strategy": "zero3", "precision": "fp16", "offload": "params",
+                                       "loss_scaling": "none"})
+    parsed = DeepSpeedConfig(deepspeed_config(rec, plan, dp=1, grad_accum=4))
+    assert parsed.zero_config.offload_optimizer.device == "cpu"
+    assert parsed.zero_config.offload_param.device == "cpu"
+    assert parsed.float16_config.loss_scale == 1.0
+    assert parsed.train_batch_size == 16
+    # CPU-only: torch's AdamW may hold the offloaded states (no DeepSpeedCPUAdam JIT build); GPU: DeepSpeed's.
+    assert parsed.zero_force_ds_cpu_optimizer is False
+    assert "zero_force_ds_cpu_optimizer" not in deepspeed_config(rec, plan, is_gpu=True)
+
+
+def test_deepspeed_config_needs_no_torch():
+    """render/ is pure: importing it must not pull in torch (the CLI and planner stay light)."""
+    code = "import sys, launcher.render.deepspeed; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ----------------------------------------------------------------------------- checkpoint directory protocol
+
+
+def _fake_ckpt(root: Path, step: int, state: str) -> Path:
+    """state: complete | tmp | renamed (renamed but no marker)."""
+    p = ckptdir.tmp_path(root, step)
+    p.mkdir(parents=True)
+    (p / "__0_0.distcp").write_bytes(b"x" * 10)
+    if state in ("complete", "renamed"):
+        if state == "complete":
+            ckptdir.commit(root, step, {"step": step})
+        else:
+            os.rename(p, ckptdir.final_path(root, step))
+    return root / (ckptdir.step_name(step) + (".tmp" if state == "tmp" else ""))
+
+
+def test_only_marked_checkpoints_are_selected(tmp_path):
+    root = tmp_path / "ck"
+    _fake_ckpt(root, 5, "complete")
+    _fake_ckpt(root, 10, "complete")
+    _fake_ckpt(root, 15, "tmp")
+    _fake_ckpt(root, 20, "renamed")
+    assert ckptdir.complete_steps(root) == [5, 10]
+    assert ckptdir.latest_complete(root) == 10
+    assert json.loads((root / "step-00000010" / "meta.json").read_text())["step"] == 10
+    assert ckptdir.latest_complete(tmp_path / "missing") is None
+
+
+def test_commit_writes_marker_last_and_replaces_a_dead_attempt(tmp_path):
+    root = tmp_path / "ck"
+    _fake_ckpt(root, 7, "renamed")  # an attempt died between rename and marker
+    p = ckptdir.tmp_path(root, 7)
+    p.mkdir()
+    (p / "data").write_text("new")
+    final = ckptdir.commit(root, 7, {"step": 7})
+    assert ckptdir.is_complete(final) and (final / "data").read_text() == "new"
+    assert not (final / "__0_0.distcp").exists()
+    assert not p.exists()
+
+
+def test_prune_keeps_newest_and_spares_the_save_in_flight(tmp_path):
+    root = tmp_path / "ck"
+    for s in (2, 4, 6, 8):
+        _fake_ckpt(root, s, "complete")
+    _fake_ckpt(root, 3, "tmp")  # stale
+    _fake_ckpt(root, 10, "tmp")  # in flight
+    ckptdir.prune(root, keep=2, in_flight=10)
+    assert ckptdir.complete_steps(root) == [6, 8]
+    assert not (root / "step-00000003.tmp").exists()
+    assert (root / "step-00000010.tmp").exists()
+
+
+def test_clean_partials_at_startup(tmp_path):
+    root = tmp_path / "ck"
+    _fake_ckpt(root, 4, "complete")
+    _fake_ckpt(root, 8, "tmp")
+    _fake_ckpt(root, 12, "renamed")
+    removed = {p.name for p in ckptdir.clean_partials(root)}
+    assert removed == {"step-00000008.tmp", "step-00000012"}
+    assert ckptdir.complete_steps(root) == [4]
+
+
+def test_checkpoint_dir_template(tmp_path):
+    assert ckptdir.expand_dir(None, tmp_path, None) == tmp_path / "checkpoints"
+    assert ckptdir.expand_dir("/ck/{run_id}/x", tmp_path, "r42") == Path("/ck/r42/x")
+    with pytest.raises(ConfigError, match="DTLAUNCH_RUN_ID"):
+        ckptdir.expand_dir("/ck/{run_id}", tmp_path, None)
+
+
+# ----------------------------------------------------------------------------- data order
+
+
+def _global_batches(world: int, micro: int, global_batch: int, steps: int, epoch: int = 0, start: int = 0):
+    ds = TokenDataset(SyntheticTokens(20000, 512, 0), 64, 512)
+    out = []
+    samplers = [GlobalOrderSampler(ds, world, r, global_batch, seed=3) for r in range(world)]
+    for s in samplers:
+        s.set_epoch(epoch)
+        s.start_step = start
+    streams = [list(iter(s)) for s in samplers]
+    per_rank = global_batch // world
+    for k in range(steps):
+        out.append(sorted(i for st in streams for i in st[k * per_rank:(k + 1) * per_rank]))
+    return out
+
+
+def test_global_batches_do_not_depend_on_world_size():
+    one = _global_batches(1, 4, 16, 5)
+    two = _global_batches(2, 4, 16, 5)
+    four = _global_batches(4, 2, 16, 5)
+    assert one == two == four
+    assert all(len(b) == 16 for b in one)
+
+
+def test_resuming_mid_epoch_continues_with_the_next_batch():
+    full = _global_batches(2, 4, 16, 6)
+    resumed = _global_batches(1, 4, 16, 3, start=3)
+    assert resumed == full[3:6]
+
+
+def test_epochs_differ_and_repeat_with_the_seed():
+    assert _global_batches(2, 4, 16, 2, epoch=0) != _global_batches(2, 4, 16, 2, epoch=1)
+    assert _global_batches(2, 4, 16, 2, epoch=1) == _global_batches(2, 4, 16, 2, epoch=1)
+
+
+def test_position_rescaling():
+    pos, warn = rescale_position(DataPosition(2, 6, 16).to_dict(), 16)
+    assert (pos.epoch, pos.step_in_epoch, warn) == (2, 6, None)
+    pos, warn = rescale_position(DataPosition(0, 6, 16).to_dict(), 32)
+    assert pos.step_in_epoch == 3 and warn is None
+    pos, warn = rescale_position(DataPosition(0, 5, 16).to_dict(), 32)
+    assert pos.step_in_epoch == 2 and "trained on twice" in warn
+
+
+def test_synthetic_data_is_deterministic_and_learnable():
+    a, b = SyntheticTokens(5000, 512, 1), SyntheticTokens(5000, 512, 1)
+    assert torch.equal(a.tokens, b.tokens)
+    # A bigram chain: each token has at most 3 successors.
+    t = a.tokens.long()
+    succ = {}
+    for x, y in zip(t[:-1].tolist(), t[1:].tolist()):
+        succ.setdefault(x, set()).add(y)
+    assert max(len(s) for s in succ.values()) <= 3
+
+
+def test_file_tokens_uint16_bin_npy_and_bytes(tmp_path):
+    from launcher.runtime.data import FileTokens
+
+    vals = torch.arange(1000, dtype=torch.int64) % 300
+    (tmp_path / "t.bin").write_bytes(vals.to(torch.int16).numpy().astype("<u2").tobytes())
+    ft = FileTokens(tmp_path / "t.bin", "uint16")
+    assert len(ft) == 1000 and torch.equal(ft.window(10, 5), vals[10:15])
+    np = pytest.importorskip("numpy")
+    np.save(tmp_path / "t.npy", vals.numpy().astype(np.uint32))
+    fn = FileTokens(tmp_path / "t.npy", "uint16")  # the .npy header wins over the recipe's dtype
+    assert len(fn) == 1000 and torch.equal(fn.window(990, 10), vals[990:])
+    (tmp_path / "t.txt").write_bytes(b"hello world")
+    fb = FileTokens(tmp_path / "t.txt", "bytes")
+    assert fb.window(0, 5).tolist() == list(b"hello")
+    with pytest.raises(ConfigError, match="not found"):
+        FileTokens(tmp_path / "nope.bin", "uint16")
+
+
+def test_out_of_vocab_tokens_are_a_config_error(tmp_path):
+    from launcher.runtime.data import FileTokens
+
+    (tmp_path / "t.txt").write_bytes(bytes(range(200, 256)) * 4)
+    ds = TokenDataset(FileTokens(tmp_path / "t.txt", "bytes"), 16, 128)
+    with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+        ds[0]
+
+
+# ----------------------------------------------------------------------------- faults, environment
+
+
+def test_fault_parsing_and_selection():
+    fs = parse("exit:rank=1:step=7:code=3; sigkill:step=2:attempt=1")
+    assert [(f.kind, f.rank, f.step, f.attempt) for f in fs] == [("exit", 1, 7, 0), ("sigkill", None, 2, 1)]
+    assert fs[0].params == {"code": "3"}
+    f = Faults(rank=1, restart_count=0, text="desync_step:rank=1:step=5;hang:rank=0:step=5")
+    assert f.hit("desync_step", 4) is None and f.hit("desync_step", 5) is not None
+    assert f.hit("desync_step", 5) is None  # fires once
+    assert f.hit("hang", 5) is None  # another rank's fault
+    assert not Faults(rank=1, restart_count=1, text="exit:rank=1:step=7")  # only on attempt 0
+    with pytest.raises(ConfigError, match="unknown fault"):
+        parse("explode:step=1")
+    with pytest.raises(ConfigError, match="step=N"):
+        parse("exit:rank=1")
+
+
+def test_detect_torchrun_slurm_skypilot_and_single():
+    t = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h0",
+                "MASTER_PORT": "1234", "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert (t.source, t.rank, t.world_size, t.local_rank, t.local_world_size, t.restart_count) == ("torchrun", 3, 8, 1, 4, 2)
+    s = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+                "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_NTASKS_PER_NODE": "4"})
+    assert (s.source, s.rank, s.world_size, s.master_addr, s.master_port, s.local_world_size) == \
+        ("slurm", 5, 8, "gpu07", 24242, 4)
+    k = detect({"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2\n", "SKYPILOT_NUM_NODES": "2"})
+    assert (k.source, k.rank, k.world_size, k.master_addr) == ("skypilot", 1, 2, "10.0.0.1")
+    assert detect({}).source == "single"
+    assert first_slurm_host("node1,node2") == "node1" and first_slurm_host("a[3,5-9]") == "a3"
+
+
+def test_job_environment_respects_what_is_set():
+    env = job_environment({"NCCL_IB_DISABLE": "0"}, local_world_size=2, is_gpu=True,
+                          env={"NCCL_IB_DISABLE": "1", "TORCH_NCCL_BLOCKING_WAIT": "1"})
+    assert "NCCL_IB_DISABLE" not in env and "TORCH_NCCL_BLOCKING_WAIT" not in env
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert "TORCH_FR_BUFFER_SIZE" in env and int(env["OMP_NUM_THREADS"]) >= 1
+    cpu = job_environment({"NCCL_IB_DISABLE": "0"}, local_world_size=2, is_gpu=False, env={})
+    assert set(cpu) == {"OMP_NUM_THREADS"}
+
+
+def test_light_modules_do_not_import_torch():
+    code = "import sys, launcher, launcher.recipe, launcher.plan, launcher.runtime; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_lr_schedule():
+    from launcher.runtime.optim import lr_factor
+
+    kw = dict(steps=100, warmup=10, lr=1.0, min_lr=0.1)
+    assert lr_factor(0, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert lr_factor(9, schedule="cosine", **kw) == pytest.approx(1.0)
+    assert lr_factor(100, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert lr_factor(55, schedule="linear", **kw) == pytest.approx(0.55)
+    assert lr_factor(70, schedule="constant", **kw) == 1.0
+
+
+def test_plot_metrics(tmp_path):
+    from launcher.plot import PlotError, plot_metrics
+
+    with pytest.raises(PlotError, match="no metrics"):
+        plot_metrics(tmp_path)
+    lines = [{"event": "start", "time": 1}]
+    lines += [{"step": s, "loss": 6 - s / 10, "tokens_per_s": 1000} for s in range(1, 11)]
+    lines += [{"event": "preempt", "step": 10}, {"event": "resume", "step": 10}]
+    lines += [{"step": s, "loss": 6 - s / 10, "tokens_per_s": 900} for s in range(9, 21)]  # re-logged steps
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n{torn")
+    out = plot_metrics(tmp_path / "metrics.jsonl")
+    assert out == tmp_path / "loss.png" and out.read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"event": "start"}) + "\n")
+    with pytest.raises(PlotError, match="no logged steps"):
+        plot_metrics(tmp_path / "empty.jsonl")
+
+
+def test_fsdp2_cpu_offload_on_a_cpu_machine_is_a_config_error():
+    from launcher.runtime.parallel import Layout, shard_fsdp2
+
+    lay = Layout("fsdp", "fp32", "none", "params", micro_batch=1, grad_accum=1, world_size=2)
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        shard_fsdp2(build_model(catalog.PRESETS["micro"]), lay, torch.device("cpu"), is_gpu=False)
+
+
+def test_layout_keeps_the_global_batch_on_another_world_size():
+    from launcher.runtime.parallel import resolve_layout
+
+    _, plan = _plan_for()
+    lay, notes = resolve_layout(plan, 1)
+    assert (lay.grad_accum, lay.global_batch) == (4, 16) and "grad_accum 2 -> 4" in notes[0]
+    with pytest.raises(ConfigError, match="cannot be split"):
+        resolve_layout(plan, 3)
+    with pytest.raises(ConfigError, match="data-parallel layouts only"):
+        resolve_layout({**plan, "tp": 2}, 2)
