@@ -65,6 +65,13 @@ def _bf16(r: Recipe, p: Plan):
         return (f"{dev.name} has no bf16 tensor cores", "use precision: fp16 (with loss scaling) or a newer GPU")
 
 
+@rule("deepspeed-fp16-cpu", "error", "parallelism.precision", "DeepSpeed fp16 on CPU")
+def _ds_fp16_cpu(r: Recipe, p: Plan):
+    if r.parallelism.precision == "fp16" and p.strategy in ZERO_FAMILY and not r.resources.device().is_gpu:
+        return ("DeepSpeed's CPU accelerator has no fp16 support: the job would stop at start-up",
+                "use precision: bf16 or fp32 on cpu, or a GPU accelerator")
+
+
 @rule("fp32-on-bf16-gpu", "warning", "parallelism.precision", "fp32 training on a bf16-capable GPU")
 def _fp32(r: Recipe, p: Plan):
     dev = r.resources.device()

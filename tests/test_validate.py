@@ -46,6 +46,7 @@ def test_base_is_clean():
     (["parallelism.sequence_parallel=true"], "sequence-parallel-no-tp"),
     (["parallelism.launcher=deepspeed"], "deepspeed-launcher-strategy"),
     (["resources.mfu=0.9"], "mfu-optimistic"),
+    (["resources.accelerator=cpu:2", "parallelism.strategy=zero2", "parallelism.precision=fp16"], "deepspeed-fp16-cpu"),
     (["training.data.source=file", "training.data.path=/nonexistent/tokens.bin"], "data-path"),
 ])
 def test_rule_fires(overrides, rule):
