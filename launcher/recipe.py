@@ -258,6 +258,11 @@ class SlurmTarget(_Strict):
     extra_sbatch: list[str] = Field(default_factory=list)
     setup: list[str] = Field(default_factory=list, description="shell lines run before training, e.g. module load")
 
+    @field_validator("time", mode="before")
+    @classmethod
+    def _minutes(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # `time: 90` means 90 minutes
+
     @field_validator("time")
     @classmethod
     def _time(cls, v: str) -> str:

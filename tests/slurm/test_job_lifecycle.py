@@ -205,3 +205,23 @@ def test_crashing_rank_is_restarted_by_torchrun_without_requeue(tmp_path, partit
     assert [a.split()[0] for a in job.ledger("attempts")] == ["0"]
     assert job.ledger("exit_codes") == ["0 0 none"]
     assert_completed(job, attempts=1)
+
+
+def test_real_time_limit_signal_checkpoints_and_requeues(tmp_path, partition):
+    """A real `--time` limit: slurmctld sends `--signal=B:USR2@N` to the batch shell (up to 30 s early, on
+    its 30 s tick), the runtime checkpoints at the next step and exits 42, and the script requeues the job.
+    The job is cancelled after the requeue: resuming is what the tests above prove."""
+    render_to(tmp_path, "tiny", overrides(partition) + [
+        "training.steps=2000", "targets.slurm.time=2", "targets.slurm.signal_seconds=60"])
+    t0 = time.time()
+    job = Job(tmp_path)
+    try:
+        wait_for(lambda: job.ledger("requeues"), 150, "the time-limit signal to requeue the job")
+        print(f"\ntime-limit USR2 -> checkpoint -> requeue after {time.time() - t0:.1f}s")
+        assert job.ledger("exit_codes")[0] == "0 42 USR2", job.explain()
+        pre, = job.events("preempt")
+        assert pre["signal"] == "SIGUSR2" and 0 < pre["step"] < 2000, pre
+        assert pre["step"] in complete_steps(job.run / "checkpoints")
+        wait_for(lambda: "PENDING" in squeue_state(job.id), 60, "the requeued job to be pending again")
+    finally:
+        sh("scancel", job.id, check=False)
