@@ -28,6 +28,7 @@ demo: install
 	$(VENV)/bin/dtlaunch plan recipes/llama70b.yaml
 	@echo "== render: the SLURM job script and the SkyPilot task for it"
 	$(VENV)/bin/dtlaunch render recipes/llama70b.yaml --target slurm -o rendered/llama70b-slurm -q
+	$(VENV)/bin/dtlaunch render recipes/llama70b.yaml --target sky -o rendered/llama70b-sky -q
 	@echo "== up: train recipes/tiny.yaml on this machine (2 CPU ranks, torchrun), then resume it"
 	rm -rf runs/tiny
 	$(VENV)/bin/dtlaunch up recipes/tiny.yaml --target local --set training.steps=20
