@@ -10,7 +10,7 @@ import shlex
 import pytest
 
 from sky_harness import Cluster, free_port
-from sky_helpers import RECIPES, has_deepspeed_render, render_to
+from sky_helpers import RECIPES, render_to
 
 TINY = next(p for p in RECIPES if p.name == "tiny.yaml")
 TASK_ID = "sky-2026-11-21-10-00-00-123456_tiny_7"
@@ -59,8 +59,6 @@ EVIL_ENV = "$(touch {m})`touch {m}`"
 
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_shell_metacharacters_in_recipe_values_are_never_executed(tmp_path, launcher):
-    if launcher == "deepspeed" and not has_deepspeed_render():
-        pytest.skip("launcher/render/deepspeed.py is not written yet")
     marker = tmp_path / "pwned"
     text = TINY.read_text().replace("name: tiny", f"name: {EVIL_NAME.format(m=marker)!r}")
     text += f"env:\n  EVIL: {EVIL_ENV.format(m=marker)!r}\n"
@@ -82,8 +80,6 @@ def test_shell_metacharacters_in_recipe_values_are_never_executed(tmp_path, laun
 
 
 def test_deepspeed_no_ssh_runs_every_node(tmp_path):
-    if not has_deepspeed_render():
-        pytest.skip("launcher/render/deepspeed.py is not written yet")
     _, _, out = render_to(tmp_path, TINY, ["resources.nodes=2", "parallelism.strategy=zero2", "parallelism.launcher=deepspeed"])
     c = Cluster(out, task_id=TASK_ID, ips=("127.0.0.1", "127.0.0.2"), stubs=("pip", "sudo", "python", "deepspeed"))
     assert c.wait(c.start({"DTLAUNCH_DEEPSPEED_NO_SSH": "1"}), timeout=30) == [0, 0]
