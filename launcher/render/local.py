@@ -26,7 +26,7 @@ def launch_script(recipe: Recipe, plan: dict, python: str | None = None) -> str:
         + 'PYTHON="${DTLAUNCH_PYTHON:-}"\n'
         + f'if [ -z "$PYTHON" ]; then PYTHON={shlex.quote(py)}; fi\n'
         + exports(env) + "\n"
-        + 'export DTLAUNCH_RUN_ID="${{DTLAUNCH_RUN_ID:-$(basename "$HERE")}}"\n'
+        + 'export DTLAUNCH_RUN_ID="${DTLAUNCH_RUN_ID:-$(basename "$HERE")}"\n'
         + 'export DTLAUNCH_RUN_DIR="${DTLAUNCH_RUN_DIR:-$HERE}"\n'
         # A free port, not 29500: another job on this machine may hold it (shared notes, pitfall 9).
         + 'PORT="${DTLAUNCH_PORT:-$("$PYTHON" -c \'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])\')}"\n'
