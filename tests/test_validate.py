@@ -47,6 +47,15 @@ def test_base_is_clean():
     (["parallelism.launcher=deepspeed"], "deepspeed-launcher-strategy"),
     (["resources.mfu=0.9"], "mfu-optimistic"),
     (["resources.accelerator=cpu:2", "parallelism.strategy=zero2", "parallelism.precision=fp16"], "deepspeed-fp16-cpu"),
+    (["parallelism.tensor=2"], "runtime-tp-pp"),
+    (["parallelism.tensor=16", "resources.nodes=2", "training.global_batch=16"], "tp-across-nodes"),
+    (["parallelism.pipeline=8"], "pipeline-layers"),
+    (["parallelism.strategy=fsdp", "parallelism.offload=optimizer"], "fsdp-optimizer-offload"),
+    (["resources.nodes=2", "checkpoint.dir=ckpt/run", "training.global_batch=16"], "checkpoint-dir-relative"),
+    (["parallelism.strategy=hybrid"], "hybrid-single-node"),
+    (["parallelism.strategy=zero2"], "backend-strategy"),
+    (["resources.accelerator=cpu:2", "resources.nodes=2", "targets.default=sky"], "cpu-multi-node"),
+    (["model.preset=llama3-70b", "parallelism.strategy=fsdp", "targets.slurm.signal_seconds=1"], "slurm-time-short"),
     (["training.data.source=file", "training.data.path=/nonexistent/tokens.bin"], "data-path"),
 ])
 def test_rule_fires(overrides, rule):
