@@ -21,7 +21,6 @@ TINY = next(p for p in RECIPES if p.name == "tiny.yaml")
 
 @pytest.mark.slow
 def test_submit_without_credentials_fails_fast_with_sky_check(tmp_path):
-    pytest.importorskip("sky")
     _, art, out = render_to(tmp_path, TINY, ["resources.nodes=2"])
     with pytest.raises(BackendError) as ei:
         backend("sky").submit(art, str(out), wait=False)

@@ -96,7 +96,7 @@ def test_deepspeed_launcher_without_ssh_trains(tmp_path, record_property):
     `deepspeed --no_ssh --node_rank $SKYPILOT_NODE_RANK` against the same hostfile (the head-only
     variant needs SkyPilot's passwordless ssh between VMs, which only a cloud cluster has).
     The two "nodes" get distinct loopback addresses: DeepSpeed rejects a hostfile listing one host twice."""
-    pytest.importorskip("deepspeed")
+    import deepspeed  # noqa: F401 - part of the test environment
     ov = _overrides(tmp_path, steps=10) + ["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"]
     _, art, out = render_to(tmp_path, TINY, ov)
     c = Cluster(out, task_id=TASK_ID, ips=("127.0.0.1", "127.0.0.2"))
