@@ -214,11 +214,11 @@ def up(recipe_path, target, overrides, out_dir, dry_run, detach, force, sweeps):
         click.echo(art.files[art.entrypoint].rstrip("\n"))
         click.echo(f"dry run: wrote {out}; would run in it: {' '.join(art.submit_command)}")
         return
+    wait = (not detach) if detach is not None else art.target == "local"
     be = backend(art.target)
-    rec = be.submit(art, str(out), wait=not detach)
+    rec = be.submit(art, str(out), wait=wait)
     Registry().add(rec)
     click.echo(f"submitted {rec.name} ({art.target} job {rec.job_id}); files in {rec.run_dir}")
-    wait = (not detach) if detach is not None else art.target == "local"
     if wait and hasattr(be, "wait"):
         rc = be.wait(rec)
         click.echo(f"{rec.name}: {be.status(rec)['state']} (exit code {rc})")

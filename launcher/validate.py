@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from .catalog import ACCELERATORS
 from .plan import Plan
 from .plan.memory import GB, TORCH_FAMILY, ZERO_FAMILY
 from .recipe import Recipe
@@ -304,6 +303,3 @@ def validate(recipe: Recipe, plan: Plan, rules: Iterable[Rule] = RULES) -> list[
 def has_errors(findings: Iterable[Finding]) -> bool:
     return any(f.severity == "error" for f in findings)
 
-
-def known_accelerators() -> list[str]:
-    return list(ACCELERATORS)

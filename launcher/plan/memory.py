@@ -173,11 +173,6 @@ def activations(shape: ModelShape, arch: str, seq: int, lay: Layout) -> float:
     return total + logits
 
 
-def activations_params_only(n: float, seq: int, lay: Layout) -> float:
-    """Without a shape we cannot size activations; report zero and let the plan say so."""
-    return 0.0
-
-
 def buffers(shape: ModelShape | None, arch: str, n: float, lay: Layout, is_gpu: bool, states_and_acts: float) -> float:
     """Transient and fixed memory beyond states and activations, documented term by term.
 
@@ -210,7 +205,7 @@ def breakdown(shape: ModelShape | None, arch: str, n_params: int, seq: int, lay:
     """The whole per-GPU picture for one layout."""
     n = n_params / (lay.tp * lay.pp)  # [ZeRO]/Megatron: TP and PP divide the parameters of each GPU
     p, g, o = model_states(n, lay)
-    a = activations(shape, arch, seq, lay) if shape is not None else activations_params_only(n, seq, lay)
+    a = activations(shape, arch, seq, lay) if shape is not None else 0.0  # unknown without a shape; the plan says so
     b = buffers(shape, arch, n, lay, is_gpu, p + g + o + a)
     total = p + g + o + a + b
     return Memory(p, g, o, a, b, total, gpu_bytes, total <= gpu_bytes)

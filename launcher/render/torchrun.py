@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .shell import Sh, Word, flag
+from .shell import Word, flag
 
 TRAIN_MODULE = "launcher.train"
 
@@ -28,6 +28,3 @@ def torchrun_command(*, python: Word, nnodes: Word, nproc_per_node: Word, rdzv_e
         cmd += ["--run-dir", run_dir]
     return cmd
 
-
-def is_expression(w: Word) -> bool:
-    return isinstance(w, Sh)
