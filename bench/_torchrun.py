@@ -71,7 +71,7 @@ def write_plan(run_dir: Path, rec: dict) -> Path:
     r = load_text(yaml.safe_dump(rec), source="<bench recipe>")
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "plan.json"
-    path.write_text(planfile.dumps(r, make_plan(r).to_dict()))
+    path.write_text(planfile.dumps(r, make_plan(r)))
     return path
 
 

@@ -97,7 +97,7 @@ def run(quick: bool = False) -> dict:
         # node (2 ranks writing to the local disk). An assumption: cluster storage per node ~ this disk.
         from launcher.plan.cost import checkpoint_write_seconds
 
-        detail["write_seconds_at_scale"] = checkpoint_write_seconds(70_000_000_000, "bf16", "adamw", 8, ours_tp / 1e9)
+        detail["write_seconds_at_scale"] = checkpoint_write_seconds(70_000_000_000, "adamw", 8, ours_tp / 1e9)
         detail["write_seconds_at_scale_assumption"] = ("70B params x 12 B (checkpoint_bytes) / (8 nodes x measured sync "
                                                        "throughput of one node's local disk)")
     return result(ratio, TARGET, meets, **detail)

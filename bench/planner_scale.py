@@ -5,7 +5,7 @@ import time
 
 from launcher.catalog import PRESETS
 from launcher.plan import make_plan
-from launcher.plan.memory import ALL_STRATEGIES
+from launcher.strategies import STRATEGY_NAMES as ALL_STRATEGIES
 from launcher.recipe import load_text
 
 from common import result

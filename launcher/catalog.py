@@ -83,8 +83,11 @@ class Network:
     sky_network_tier: str | None = None
 
 
-# NCCL settings per fabric. Bandwidths are conservative bus bandwidths for a ring all-reduce;
-# the runtime's preflight measures the real figure and compares it with these.
+# NCCL settings per fabric: only what differs from NCCL's own detection. NCCL picks interfaces, GPUDirect
+# levels and protocols itself, and overriding them has broken jobs: NCCL_SOCKET_IFNAME bypasses its
+# interface selection (and can pick a veth or docker bridge), NCCL_PROTO is a debugging knob, and
+# FI_EFA_USE_DEVICE_RDMA=1 makes libfabric abort on EFA instances without RDMA read (g5, g6, ...).
+# Bandwidths are conservative ring all-reduce bus bandwidths; preflight measures the real figure.
 NETWORKS: dict[str, Network] = {
     n.name: n
     for n in [
@@ -92,28 +95,28 @@ NETWORKS: dict[str, Network] = {
             "best",
             "the fastest fabric the cluster offers (InfiniBand/RoCE on SLURM, SkyPilot network_tier: best)",
             40.0,
-            {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB"},
+            {},
             sky_network_tier="best",
         ),
         Network(
             "infiniband",
             "InfiniBand or RoCE with GPUDirect RDMA",
             40.0,
-            {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB", "NCCL_IB_TIMEOUT": "22", "NCCL_IB_RETRY_CNT": "7"},
+            {"NCCL_IB_TIMEOUT": "22"},  # retransmission timeout 4.096us * 2^22: rides out congestion at scale
             sky_network_tier="best",
         ),
         Network(
             "efa",
-            "AWS Elastic Fabric Adapter (libfabric)",
+            "AWS Elastic Fabric Adapter (libfabric, aws-ofi-nccl)",
             40.0,
-            {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "simple", "NCCL_IB_DISABLE": "1"},
+            {"FI_PROVIDER": "efa"},
             sky_network_tier="best",
         ),
         Network(
             "tcp",
             "plain Ethernet sockets",
             2.0,
-            {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "^lo,docker", "NCCL_NSOCKS_PERTHREAD": "4", "NCCL_SOCKET_NTHREADS": "2"},
+            {"NCCL_IB_DISABLE": "1", "NCCL_NSOCKS_PERTHREAD": "4", "NCCL_SOCKET_NTHREADS": "2"},
             sky_network_tier="standard",
         ),
         Network("loopback", "one machine (local target, tests)", 0.2, {}, sky_network_tier=None),
@@ -128,13 +131,14 @@ STORAGE_GBPS_PER_NODE = 2.0
 
 
 def parse_accelerator(spec: str) -> tuple[str, int]:
-    """`H100:8` -> ("H100", 8); `H100` -> ("H100", 1). Raises ValueError with the reason."""
-    name, _, count = spec.partition(":")
-    name = name.strip()
-    if not name:
-        raise ValueError("accelerator name is empty")
-    if count == "":
+    """`H100:8` -> ("H100", 8); `H100` -> ("H100", 1). Strict, as SkyPilot spells it: no spaces, ASCII digits,
+    no empty count. Raises ValueError with the reason."""
+    name, sep, count = spec.partition(":")
+    if not name or name != name.strip():
+        raise ValueError(f"{spec!r}: the accelerator name is empty or has spaces; write TYPE:COUNT, e.g. H100:8")
+    if not sep:
         return name, 1
-    if not count.strip().isdigit() or int(count) < 1:
-        raise ValueError(f"count {count!r} after ':' must be a positive whole number, e.g. H100:8")
+    if not (count.isascii() and count.isdigit()) or not 1 <= int(count) <= 1024:
+        raise ValueError(f"{spec!r}: the count after ':' must be a whole number from 1 to 1024 in ASCII digits, "
+                         "with no spaces, e.g. H100:8")
     return name, int(count)

@@ -9,41 +9,58 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from . import __version__
-from .errors import RecipeError
+from .errors import Problem, RecipeError
+from .plan import Plan
 from .recipe import Recipe
 
 FORMAT = 1
+MAX_BYTES = 16 << 20
 
 
-def build(recipe: Recipe, plan_dict: dict[str, Any]) -> dict[str, Any]:
+def build(recipe: Recipe, plan: Plan) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "dtlaunch_version": __version__,
         "recipe_hash": recipe.digest(),
         "recipe": recipe.to_dict(),
-        "plan": plan_dict,
+        "plan": plan.to_dict(),
     }
 
 
-def dumps(recipe: Recipe, plan_dict: dict[str, Any]) -> str:
-    return json.dumps(build(recipe, plan_dict), indent=2, sort_keys=True) + "\n"
+def dumps(recipe: Recipe, plan: Plan) -> str:
+    return json.dumps(build(recipe, plan), indent=2, sort_keys=True) + "\n"
 
 
-def read(path: str | Path) -> tuple[Recipe, dict[str, Any], dict[str, Any]]:
-    """(recipe, plan dict, whole document). Errors name the file and what to do."""
+def _fail(path: Path, message: str, field: str = "(file)") -> RecipeError:
+    return RecipeError([Problem(str(path), field, message, "write it with `dtlaunch render RECIPE -o DIR`")])
+
+
+def read(path: str | Path) -> tuple[Recipe, Plan, dict[str, Any]]:
+    """(recipe, plan, whole document). Errors name the file and what to do."""
     p = Path(path)
     try:
-        doc = json.loads(p.read_text())
+        with open(p, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
     except FileNotFoundError:
-        raise RecipeError([{"file": str(p), "line": None, "field": "(file)", "message": "plan file not found",
-                            "fix": "write it with `dtlaunch render RECIPE -o DIR`"}]) from None
+        raise _fail(p, "plan file not found") from None
+    except OSError as e:
+        raise _fail(p, f"cannot read the plan file: {e.strerror}") from None
+    if len(raw) > MAX_BYTES:
+        raise _fail(p, f"over {MAX_BYTES:,} bytes: not a plan file")
+    try:
+        doc = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RecipeError([{"file": str(p), "line": None, "field": "(file)", "message": f"not a plan file: {e}",
-                            "fix": "write it with `dtlaunch render RECIPE -o DIR`"}]) from None
+        raise _fail(p, f"not a plan file: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise RecipeError([{"file": str(p), "line": None, "field": "format",
-                            "message": f"unsupported plan file format {doc.get('format') if isinstance(doc, dict) else None!r}",
-                            "fix": f"re-render it with this dtlaunch ({__version__})"}])
-    recipe = Recipe.model_validate(doc["recipe"])
-    return recipe, doc["plan"], doc
+        found = doc.get("format") if isinstance(doc, dict) else None
+        raise RecipeError([Problem(str(p), "format", f"unsupported plan file format {found!r}",
+                                   f"re-render it with this dtlaunch ({__version__})")])
+    try:
+        recipe = Recipe.model_validate(doc["recipe"])
+        plan = Plan.from_dict(doc["plan"])
+    except (ValidationError, KeyError, TypeError, ValueError) as e:
+        raise _fail(p, f"the plan file is damaged or from another dtlaunch version: {str(e).splitlines()[0]}") from None
+    return recipe, plan, doc

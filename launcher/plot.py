@@ -7,40 +7,24 @@ display needed on a cluster head node).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
-METRICS_FILE = "metrics.jsonl"
+from .errors import DtlaunchError
+from .jobenv import METRICS_FILE, metrics_path, read_metrics
 
 
-class PlotError(Exception):
-    """No metrics to plot (a wrong path, or a run that never logged a step)."""
-
-
-def _read(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn last line from a killed run
-    return out
-
-
-def metrics_path(run_dir_or_jsonl: str | Path) -> Path:
-    p = Path(run_dir_or_jsonl)
-    if p.is_dir():
-        p = p / METRICS_FILE
-    if not p.is_file():
-        raise PlotError(f"no metrics at {p} (expected RUN_DIR/{METRICS_FILE})")
-    return p
+class PlotError(DtlaunchError):
+    """No metrics to plot (a wrong path, or a run that never logged a step): the user's to fix."""
 
 
 def plot_metrics(run_dir_or_jsonl: str | Path, out_png: Optional[str | Path] = None) -> Path:
     """Write the loss curve (and tokens/s) to `out_png` (default: next to metrics.jsonl, loss.png)."""
     src = metrics_path(run_dir_or_jsonl)
-    records = _read(src)
+    if not src.is_file():
+        raise PlotError(f"no metrics at {src} (expected RUN_DIR/{METRICS_FILE}); is this a run directory? "
+                        "`dtlaunch status` lists each job's run directory")
+    records = read_metrics(src)
     by_step: dict[int, dict] = {}
     for r in records:
         if "loss" in r and "step" in r:

@@ -1,12 +1,16 @@
 """Sweeps: `--sweep KEY=V1,V2` options expanded into override sets (their cartesian product).
 
-Used by `plan --sweep` (compare layouts in one call) and by SLURM array jobs (one task per set).
+Used by `plan --sweep` (compare layouts in one call) and by SLURM array jobs (one task per set). The
+product is counted before it is built, and capped: a sweep is a handful of experiments, not a search.
 """
 from __future__ import annotations
 
 import itertools
+import math
 
 from .errors import DtlaunchError
+
+MAX_COMBINATIONS = 1000
 
 
 def expand(sweeps: list[str] | tuple[str, ...]) -> list[list[str]]:
@@ -16,6 +20,11 @@ def expand(sweeps: list[str] | tuple[str, ...]) -> list[list[str]]:
         key, sep, values = item.partition("=")
         vals = [v.strip() for v in values.split(",")] if sep else []
         if not key.strip() or not vals or any(v == "" for v in vals):
-            raise DtlaunchError(f"--sweep {item!r}: expected KEY=V1,V2,..., e.g. --sweep resources.nodes=1,2,4")
+            raise DtlaunchError(f"--sweep {item[:200]!r}: expected KEY=V1,V2,...",
+                                fix="e.g. --sweep resources.nodes=1,2,4")
         axes.append([f"{key.strip()}={v}" for v in vals])
+    n = math.prod(len(a) for a in axes)
+    if n > MAX_COMBINATIONS:
+        raise DtlaunchError(f"the sweep has {n:,} combinations; at most {MAX_COMBINATIONS:,} are allowed",
+                            fix="sweep fewer values, or split the sweep into several runs")
     return [list(combo) for combo in itertools.product(*axes)] if axes else [[]]

@@ -1,7 +1,7 @@
 """The job's entry point: `python -m launcher.train --plan PLAN.json [--run-dir DIR]` (under torchrun,
 srun or SkyPilot). It trains exactly the resolved plan that `dtlaunch plan` showed.
 
-Every ending maps to one exit code from launcher.exitcodes, with a one-paragraph message instead of a
+Every ending maps to one exit code from launcher.jobenv.ExitCode, with a one-paragraph message instead of a
 traceback for anything a user can act on. torchrun itself exits 1 whenever a worker fails, so each rank
 also records its code in RUN_DIR/status/rank-NNNNN.json for wrappers that decide requeue vs give up.
 """
@@ -16,11 +16,9 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from . import exitcodes
+from . import jobenv
 from .errors import DtlaunchError
-
-CODE_NAMES = {exitcodes.OK: "OK", exitcodes.FAILED: "FAILED", exitcodes.CONFIG: "CONFIG", exitcodes.PREEMPTED: "PREEMPTED",
-              exitcodes.HANG: "HANG", exitcodes.PREFLIGHT: "PREFLIGHT"}
+from .jobenv import ExitCode
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, the exported model and checkpoints (by default) go; "
                         "default: $DTLAUNCH_RUN_DIR, else the plan file's directory")
+    p.add_argument("--check", action="store_true",
+                   help="check that this machine can run the plan (imports, versions, plan, data, checkpoint "
+                        "directory), print one line, and exit: 0 ok, 2 not (the job scripts run it before torchrun)")
     # The deepspeed launcher appends --local_rank=N unless started with --no_local_rank; the rank comes
     # from the environment either way.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -42,15 +43,30 @@ def _rank() -> int:
     return 0
 
 
-def write_status(run_dir: Path, rank: int, code: int, message: str, step: Optional[int]) -> None:
+def status_dir(run_dir: Path) -> Path:
+    """Where this attempt's ranks report how they ended: $DTLAUNCH_STATUS, set per attempt by the job scripts."""
+    return Path(os.environ.get(jobenv.STATUS) or run_dir / "status" / "manual")
+
+
+def write_status(run_dir: Path, rank: int, code: int, message: str, step: Optional[int],
+                 start_step: Optional[int] = None) -> None:
+    """Two records per rank: a JSON one for people (run_dir/status/rank-N.json, the latest), and a one-line
+    "CODE STEP START_STEP" file in this attempt's status directory for the job scripts, which pick the job's
+    exit code (and whether a time-limited allocation made progress) from it with nothing but `read`."""
     try:
         d = run_dir / "status"
         d.mkdir(parents=True, exist_ok=True)
-        rec = {"rank": rank, "code": code, "name": CODE_NAMES.get(code, str(code)), "message": message, "step": step,
-               "time": time.time(), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+        rec = {"rank": rank, "code": code, "name": ExitCode.name_of(code), "message": message, "step": step,
+               "start_step": start_step, "time": time.time(), "attempt": os.environ.get(jobenv.ATTEMPT),
+               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
         tmp = d / f".rank-{rank:05d}.json.tmp"
         tmp.write_text(json.dumps(rec, indent=2) + "\n")
         os.replace(tmp, d / f"rank-{rank:05d}.json")
+        a = status_dir(run_dir)
+        a.mkdir(parents=True, exist_ok=True)
+        tmp = a / f".rank-{rank:05d}.code.tmp"
+        tmp.write_text(f"{int(code)} {int(step or 0)} {int(start_step or 0)}\n")
+        os.replace(tmp, a / f"rank-{rank:05d}.code")
     except OSError:
         pass  # the exit code still tells the story
 
@@ -63,17 +79,17 @@ def classify(exc: BaseException, step: Optional[int], timeout_s: Optional[float]
     if isinstance(exc, DtlaunchError):
         return exc.exit_code, str(exc)
     if is_timeout(exc):
-        return exitcodes.HANG, (f"a collective timed out {where} (training.timeout_seconds={timeout_s}): another rank "
+        return ExitCode.HANG, (f"a collective timed out {where} (training.timeout_seconds={timeout_s}): another rank "
                                 f"stopped responding or diverged. Underlying error: {str(exc).splitlines()[0][:300]}")
     if is_comm_error(exc):
         text = str(exc)
         mismatch = any(m in text for m in ("preamble", "mismatch", "EnforceNotMet"))
-        code = exitcodes.HANG if mismatch else exitcodes.FAILED
+        code = ExitCode.HANG if mismatch else ExitCode.FAILED
         what = "ranks issued mismatched collectives (divergence)" if mismatch else "communication with a peer failed"
         return code, f"{what} {where}: {text.splitlines()[0][:300]}"
     if isinstance(exc, KeyboardInterrupt):
-        return exitcodes.FAILED, f"interrupted {where}"
-    return exitcodes.FAILED, f"training failed {where}: {type(exc).__name__}: {exc}"
+        return ExitCode.FAILED, f"interrupted {where}"
+    return ExitCode.FAILED, f"training failed {where}: {type(exc).__name__}: {exc}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -85,8 +101,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         recipe, plan, doc = planfile.read(args.plan)
     except DtlaunchError as e:
         print(f"dtlaunch: rank {rank}: cannot read the plan:\n{e}", file=sys.stderr, flush=True)
-        return exitcodes.CONFIG
-    run_dir = Path(args.run_dir or os.environ.get("DTLAUNCH_RUN_DIR") or Path(args.plan).resolve().parent)
+        return ExitCode.CONFIG
+    run_dir = Path(args.run_dir or os.environ.get(jobenv.RUN_DIR) or Path(args.plan).resolve().parent)
+    if args.check:
+        return _check(recipe, plan, run_dir)
     for k, v in recipe.env.items():  # the recipe's plain environment, unless the launcher already set it
         os.environ.setdefault(k, v)
     from .runtime.loop import Trainer
@@ -96,23 +114,39 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = trainer.run()
         message = "finished"
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
-        step = getattr(trainer, "current", None)
+        step = trainer.current
         code, message = classify(exc, step, recipe.training.timeout_seconds)
-        if code == exitcodes.FAILED and not isinstance(exc, (DtlaunchError, KeyboardInterrupt)):
+        if code == ExitCode.FAILED and not isinstance(exc, (DtlaunchError, KeyboardInterrupt)):
             traceback.print_exc()  # an unexpected error is a bug: keep the traceback for the report
-        label = CODE_NAMES.get(code, str(code))
+        label = ExitCode.name_of(code)
         print(f"dtlaunch: rank {rank}: exit {code} ({label}): {message}", file=sys.stderr, flush=True)
-        write_status(run_dir, rank, code, message, step)
+        write_status(run_dir, rank, code, message, step, trainer.start_step)
         sys.stdout.flush()
         sys.stderr.flush()
         # No destroy_process_group on failure: peers may be gone (it would hang), and C++ teardown of a
         # live group can abort the process, replacing our exit code with SIGABRT.
         os._exit(code)
-    write_status(run_dir, rank, code, message, trainer.step)
+    write_status(run_dir, rank, code, message, trainer.step, trainer.start_step)
     from .runtime.dist import shutdown
 
     shutdown()
     return code
+
+
+def _check(recipe, plan, run_dir: Path) -> int:
+    try:
+        from .runtime.check import check
+
+        summary = check(recipe, plan, run_dir)
+    except DtlaunchError as e:
+        print(f"dtlaunch: this node cannot run the plan: {e}", file=sys.stderr, flush=True)
+        return ExitCode.CONFIG
+    except ImportError as e:
+        print(f"dtlaunch: this node cannot run the plan: {e} (install dtlaunch[train] in the job's environment)",
+              file=sys.stderr, flush=True)
+        return ExitCode.CONFIG
+    print(f"dtlaunch: check ok: {summary}", flush=True)
+    return ExitCode.OK
 
 
 def _exit(code: int) -> None:

@@ -105,7 +105,7 @@ def test_pipeline_first_stage_holds_all_layers_worth():
     from launcher.plan.memory import activations
 
     sh = ModelShape(layers=32, hidden=4096, ffn_hidden=11008, heads=32, kv_heads=32, vocab=32000)
-    one = activations(sh, "llama", 4096, Layout(strategy="ddp", dp=1, pp=1, microbatches=8))
-    four = activations(sh, "llama", 4096, Layout(strategy="ddp", dp=1, pp=4, microbatches=8))
+    one = activations(sh, "llama", 4096, Layout(strategy="ddp", dp=1, pp=1, grad_accum=8))
+    four = activations(sh, "llama", 4096, Layout(strategy="ddp", dp=1, pp=4, grad_accum=8))
     logits = 6 * 4096 * 32000
     assert four - logits == pytest.approx(one - logits)

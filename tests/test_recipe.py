@@ -25,37 +25,37 @@ def test_good_recipe_loads_with_defaults():
 
 def test_unknown_key_suggests_the_right_one_with_line():
     [p] = problems(GOOD.replace("  steps: 10", "  steps: 10\n  micro_bach: 2"))
-    assert p["line"] == 6 and p["field"] == "training.micro_bach"
-    assert "did you mean 'micro_batch'" in p["message"]
-    assert "allowed keys" in p["fix"]
+    assert p.line == 6 and p.field == "training.micro_bach"
+    assert "did you mean 'micro_batch'" in p.message
+    assert "allowed keys" in p.fix
 
 
 def test_unknown_top_level_section():
     [p] = problems(GOOD + "resource:\n  nodes: 2\n")
-    assert "did you mean 'resources'" in p["message"] and p["line"] == 6
+    assert "did you mean 'resources'" in p.message and p.line == 6
 
 
 def test_wrong_type_names_field_and_line():
     [p] = problems(GOOD.replace("steps: 10", "steps: ten"))
-    assert p["field"] == "training.steps" and p["line"] == 5
+    assert p.field == "training.steps" and p.line == 5
 
 
 def test_negative_numbers_and_bad_accelerator():
     ps = problems(GOOD + "resources:\n  nodes: -1\n  accelerator: H10:8\n")
-    fields = {p["field"]: p for p in ps}
-    assert "resources.nodes" in fields and fields["resources.nodes"]["line"] == 7
-    assert "did you mean 'H100'" in fields["resources.accelerator"]["message"]
+    fields = {p.field: p for p in ps}
+    assert "resources.nodes" in fields and fields["resources.nodes"].line == 7
+    assert "did you mean 'H100'" in fields["resources.accelerator"].message
 
 
 def test_unknown_preset_lists_known_ones():
     [p] = problems(GOOD.replace("preset: tiny", "preset: llama3-7b"))
-    assert "llama3-8b" in p["message"] and p["line"] == 3
+    assert "llama3-8b" in p.message and p.line == 3
 
 
 def test_missing_required_sections():
     ps = problems("name: x\n")
-    assert {p["field"] for p in ps} == {"model", "training"}
-    assert all("add `" in p["fix"] for p in ps)
+    assert {p.field for p in ps} == {"model", "training"}
+    assert all("add `" in p.fix for p in ps)
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -66,7 +66,7 @@ def test_missing_required_sections():
 ])
 def test_malformed_files(text, needle):
     [p] = problems(text)
-    assert needle in p["message"]
+    assert needle in p.message
 
 
 def test_binary_and_missing_files(tmp_path):
@@ -84,12 +84,12 @@ def test_overrides_are_yaml_typed_and_validated():
     r = load_text(GOOD, overrides=["training.steps=7", "resources.nodes=2", "env.FOO=bar"])
     assert r.training.steps == 7 and r.resources.nodes == 2 and r.env == {"FOO": "bar"}
     ps = problems(GOOD, overrides=["training.stepz=7"])
-    assert "did you mean 'steps'" in ps[0]["message"]
+    assert "did you mean 'steps'" in ps[0].message
 
 
 def test_secrets_are_names_only():
     [p] = problems(GOOD + "secrets: ['WANDB_API_KEY=abc123']\n")
-    assert "names only" in p["message"]
+    assert "names only" in p.message
 
 
 def test_schema_is_json_schema(run_cli):

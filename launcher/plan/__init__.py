@@ -1,15 +1,21 @@
-"""Recipe -> Plan: what fits, which strategy and why, how long and how much. Pure, no I/O."""
+"""Recipe -> Plan: what fits, which strategy and why, how long and how much. Pure, no I/O.
+
+The Plan is the typed seam between the layers: `render` and the runtime take a Plan, and the plan file
+a job reads is `Plan.to_dict()` (the `plan --json` contract), read back with `Plan.from_dict`.
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
 
 from ..recipe import Recipe
+from ..strategies import STRATEGIES, offload_for
 from . import cost
-from .memory import ALL_STRATEGIES, Layout, Memory
+from .layout import Layout
+from .memory import Memory
 from .params import count_params
-from .strategy import Context, choose, grad_accum_for, offload_for
+from .strategy import Context, Request, choose, grad_accum_for
 
 
 @dataclass
@@ -23,16 +29,15 @@ class Plan:
     accelerator: str
     layout: Layout
     global_batch: int
-    grad_accum: int
     seq_len: int
-    steps: int
+    steps: Optional[int]  # None: the recipe gives no training length (memory and strategy only)
     tokens_per_step: int
     reasons: list[str]
     memory: Memory
     candidates: list[tuple[str, Memory]]
     flops_per_step: float
     step_seconds: float
-    usd: float
+    usd: Optional[float]
     checkpoint_every: int
     checkpoint_write_seconds: float
     notes: list[str] = field(default_factory=list)
@@ -42,8 +47,12 @@ class Plan:
         return self.layout.strategy
 
     @property
-    def total_hours(self) -> float:
-        return self.steps * self.step_seconds / 3600
+    def grad_accum(self) -> int:
+        return self.layout.grad_accum
+
+    @property
+    def total_hours(self) -> Optional[float]:
+        return None if self.steps is None else self.steps * self.step_seconds / 3600
 
     def to_dict(self) -> dict[str, Any]:
         """The `plan --json` contract (users script against it; keep keys stable)."""
@@ -58,13 +67,14 @@ class Plan:
             "tp": lay.tp,
             "pp": lay.pp,
             "strategy": lay.strategy,
-            "shard": lay.shard or lay.dp,
+            "shard": lay.shard_group,
             "precision": lay.precision,
             "activation_checkpointing": lay.activation_checkpointing,
             "offload": lay.offload,
             "sequence_parallel": lay.sequence_parallel,
+            "optimizer": lay.optimizer,
             "micro_batch": lay.micro_batch,
-            "grad_accum": self.grad_accum,
+            "grad_accum": lay.grad_accum,
             "global_batch": self.global_batch,
             "seq_len": self.seq_len,
             "steps": self.steps,
@@ -78,17 +88,41 @@ class Plan:
                 "step_seconds": self.step_seconds,
                 "total_hours": self.total_hours,
             },
-            "cost": {"usd": round(self.usd, 2)},
+            "cost": {"usd": None if self.usd is None else round(self.usd, 2)},
             "checkpoint": {"every_steps": self.checkpoint_every, "write_seconds": self.checkpoint_write_seconds},
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        """The inverse of to_dict (what a job reads from plan.json). KeyError/TypeError on a malformed dict."""
+        spec = STRATEGIES.get(d["strategy"]) if isinstance(d.get("strategy"), str) else None
+        hybrid = spec is not None and spec.replicate_across_nodes
+        layout = Layout(
+            strategy=d["strategy"], dp=int(d["dp"]), tp=int(d.get("tp", 1)), pp=int(d.get("pp", 1)),
+            shard=int(d["shard"]) if hybrid and d.get("shard") else None, precision=d["precision"],
+            activation_checkpointing=d["activation_checkpointing"], offload=d.get("offload", "none"),
+            micro_batch=int(d["micro_batch"]), grad_accum=int(d["grad_accum"]),
+            sequence_parallel=bool(d.get("sequence_parallel", False)), optimizer=d.get("optimizer", "adamw"),
+        )
+        return cls(
+            params=int(d["params"]), world_size=int(d["world_size"]), nodes=int(d["nodes"]),
+            gpus_per_node=int(d["gpus_per_node"]), accelerator=d["accelerator"], layout=layout,
+            global_batch=int(d["global_batch"]), seq_len=int(d["seq_len"]),
+            steps=None if d.get("steps") is None else int(d["steps"]), tokens_per_step=int(d["tokens_per_step"]),
+            reasons=list(d.get("reasons", [])), memory=Memory.from_dict(d["memory"]),
+            candidates=[(c["strategy"], Memory.from_dict(c["memory"])) for c in d.get("candidates", [])],
+            flops_per_step=float(d["time"]["flops_per_step"]), step_seconds=float(d["time"]["step_seconds"]),
+            usd=d["cost"].get("usd"), checkpoint_every=int(d["checkpoint"]["every_steps"]),
+            checkpoint_write_seconds=float(d["checkpoint"]["write_seconds"]), notes=list(d.get("notes", [])),
+        )
+
 
 def make_plan(recipe: Recipe) -> Plan:
-    m, par, res, tr = recipe.model, recipe.parallelism, recipe.resources, recipe.training
-    shape = m.shape()
-    arch = m.architecture
-    n = count_params(shape, arch) if shape is not None else int(m.params)
-    seq = m.seq()
+    model, par, res, tr = recipe.model, recipe.parallelism, recipe.resources, recipe.training
+    shape = model.shape()
+    arch = model.architecture
+    n = count_params(shape, arch) if shape is not None else int(model.params)
+    seq = model.seq()
     dev = res.device()
     world = res.world_size
     notes = []
@@ -99,36 +133,49 @@ def make_plan(recipe: Recipe) -> Plan:
     grad_accum, global_batch = grad_accum_for(tr.global_batch, tr.micro_batch, dp, par.grad_accum)
     base = Layout(
         strategy="ddp", dp=dp, tp=tp, pp=pp, precision=par.precision, micro_batch=tr.micro_batch,
-        microbatches=grad_accum, sequence_parallel=par.sequence_parallel, optimizer=tr.optimizer,
-        shard=res.per_node if par.strategy == "hybrid" else 0,
+        grad_accum=grad_accum, sequence_parallel=par.sequence_parallel, optimizer=tr.optimizer,
+        shard=res.per_node if par.strategy == "hybrid" else None,
     )
     ctx = Context(shape, arch, n, seq, dev.memory_gb * 1e9, dev.is_gpu, res.per_node, res.nodes)
     fields_set = par.model_fields_set
-    lay, reasons = choose(ctx, base, par.strategy, par.backend, par.activation_checkpointing, par.offload,
-                          tp_fixed="tensor" in fields_set, pp_fixed="pipeline" in fields_set)
+    req = Request(par.strategy, par.backend, par.activation_checkpointing, par.offload,
+                  tp_fixed="tensor" in fields_set, pp_fixed="pipeline" in fields_set)
+    lay, reasons = choose(ctx, base, req)
     if lay.dp != dp:  # the search changed tp/pp: re-derive the batch split
         grad_accum, global_batch = grad_accum_for(tr.global_batch, tr.micro_batch, lay.dp, par.grad_accum)
+        lay = replace(lay, grad_accum=grad_accum)
     mem = ctx.memory(lay)
     candidates = []
-    for s in ALL_STRATEGIES:
-        c = Layout(**{**lay.__dict__, "strategy": s, "offload": offload_for(s, lay.offload),
-                      "shard": (lay.shard or res.per_node) if s == "hybrid" else 0})
-        candidates.append((s, ctx.memory(c)))
+    for s, sp in STRATEGIES.items():
+        c = replace(lay, strategy=s.value, offload=offload_for(s, lay.offload),
+                    shard=(lay.shard or res.per_node) if sp.replicate_across_nodes else None)
+        candidates.append((s.value, ctx.memory(c)))
     tokens_per_step = global_batch * seq
-    steps = tr.steps if tr.steps is not None else math.ceil(tr.tokens / tokens_per_step)
+    if tr.steps is not None:
+        steps: Optional[int] = tr.steps
+    elif tr.tokens is not None:
+        steps = math.ceil(tr.tokens / tokens_per_step)
+    else:
+        steps = None
+        notes.append("no training length (training.steps or training.tokens): time and cost need one")
     flops = cost.flops_per_token(n, shape, seq) * tokens_per_step
     step_s = cost.step_seconds(flops, world, dev.peak_tflops, res.mfu, lay.activation_checkpointing)
-    write_s = cost.checkpoint_write_seconds(n, par.precision, tr.optimizer, res.nodes, res.storage_gbps_per_node)
+    write_s = cost.checkpoint_write_seconds(n, tr.optimizer, res.nodes, res.storage_gbps_per_node)
     if isinstance(recipe.checkpoint.every, int):
         every = recipe.checkpoint.every
     else:
         interval = cost.young_daly_interval(write_s, res.gpu_mtbf_hours * 3600 / world)
-        every = max(1, min(steps, round(interval / step_s))) if step_s > 0 else steps
-    usd = steps * step_s / 3600 * world * dev.usd_per_hour
+        every = max(1, round(interval / step_s)) if step_s > 0 else 1
+        if steps is not None:
+            every = min(steps, every)
+    usd = None if steps is None else steps * step_s / 3600 * world * dev.usd_per_hour
     return Plan(
         params=n, world_size=world, nodes=res.nodes, gpus_per_node=res.per_node, accelerator=dev.name,
-        layout=lay, global_batch=global_batch, grad_accum=grad_accum, seq_len=seq, steps=steps,
+        layout=lay, global_batch=global_batch, seq_len=seq, steps=steps,
         tokens_per_step=tokens_per_step, reasons=reasons, memory=mem, candidates=candidates,
         flops_per_step=flops, step_seconds=step_s, usd=usd, checkpoint_every=every,
         checkpoint_write_seconds=write_s, notes=notes,
     )
+
+
+__all__ = ["Plan", "Layout", "Memory", "make_plan"]

@@ -24,15 +24,15 @@ def step_seconds(flops_per_step: float, world: int, peak_tflops: float, mfu: flo
     return flops_per_step * recompute_factor(ac) / (world * peak_tflops * 1e12 * mfu)
 
 
-def checkpoint_bytes(n_params: int, precision: str, optimizer: str) -> float:
+def checkpoint_bytes(n_params: int, optimizer: str) -> float:
     """What a full training checkpoint writes: fp32 weights plus optimizer moments (12 bytes/param for AdamW)."""
     moments = 8 if optimizer == "adamw" else 4
     return n_params * (4 + moments)
 
 
-def checkpoint_write_seconds(n_params: int, precision: str, optimizer: str, nodes: int, storage_gbps_per_node: float) -> float:
+def checkpoint_write_seconds(n_params: int, optimizer: str, nodes: int, storage_gbps_per_node: float) -> float:
     """Every node writes its shards in parallel (DCP / DeepSpeed each rank writes its own files)."""
-    return checkpoint_bytes(n_params, precision, optimizer) / (nodes * storage_gbps_per_node * 1e9)
+    return checkpoint_bytes(n_params, optimizer) / (nodes * storage_gbps_per_node * 1e9)
 
 
 def young_daly_interval(write_seconds: float, mtbf_seconds: float) -> float:

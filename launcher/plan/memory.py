@@ -13,16 +13,12 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..catalog import ModelShape
+from ..deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
+from ..jobenv import GB
+from ..strategies import Family
+from .layout import Layout
 from .params import embedding_params, layer_params
 
-GB = 1e9
-TORCH_FAMILY = ("ddp", "fsdp", "fsdp_grad_op", "hybrid")
-ZERO_FAMILY = ("zero1", "zero2", "zero3")
-ALL_STRATEGIES = ("ddp", "fsdp_grad_op", "fsdp", "hybrid", "zero1", "zero2", "zero3")
-
-# DeepSpeed buffer sizes that launcher/render/deepspeed.py writes into the config (elements).
-DS_REDUCE_BUCKET = 200_000_000
-DS_ALLGATHER_BUCKET = 200_000_000
 # CUDA context, cuBLAS workspace and NCCL's own buffers on a GPU: ~1 GB measured on H100s with NCCL 2.2x.
 GPU_CONTEXT_BYTES = 1.0 * GB
 CPU_CONTEXT_BYTES = 0.2 * GB
@@ -30,24 +26,6 @@ CPU_CONTEXT_BYTES = 0.2 * GB
 FRAGMENTATION = 0.05
 # DDP's gradient buckets (bucket_cap_mb=25), with gradient_as_bucket_view=True there is no full copy.
 DDP_BUCKET_BYTES = 2 * 25 * 2**20
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How one model replica is split and trained; everything the memory model needs."""
-
-    strategy: str
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    shard: int = 0  # hybrid: size of the sharding group (GPUs per node); 0 = dp
-    precision: str = "bf16"
-    activation_checkpointing: str = "none"
-    offload: str = "none"
-    micro_batch: int = 1
-    microbatches: int = 1  # per optimizer step (grad_accum); bounds pipeline in-flight batches
-    sequence_parallel: bool = False
-    optimizer: str = "adamw"
 
 
 @dataclass(frozen=True)
@@ -63,6 +41,11 @@ class Memory:
 
     def to_dict(self) -> dict:
         return {k: int(round(v)) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Memory":
+        return cls(*(float(d[k]) for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu")),
+                   bool(d["fits"]))
 
 
 def optimizer_state_bytes(precision: str, optimizer: str = "adamw") -> int:
@@ -81,33 +64,26 @@ def model_states(n: float, lay: Layout) -> tuple[float, float, float]:
     mixed = lay.precision in ("bf16", "fp16")
     w16 = 2 if mixed else 4
     opt = optimizer_state_bytes(lay.precision, lay.optimizer)
-    d = lay.dp
-    s = lay.strategy
-    if s == "ddp":
-        # torch autocast keeps fp32 params and grads, and the fp32 params double as the master copy, so the
-        # optimizer holds moments only: 4+4+8 = 16 bytes, the same total as [ZeRO]'s 2+2+12.
-        p, g, o = 4 * n, 4 * n, (opt - (4 if mixed else 0)) * n
-    elif s == "zero1":
-        p, g, o = w16 * n, w16 * n, opt * n / d
-    elif s == "zero2":
-        p, g, o = w16 * n, w16 * n / d, opt * n / d
-    elif s == "zero3":
-        p, g, o = w16 * n / d, w16 * n / d, opt * n / d
-    elif s in ("fsdp", "hybrid", "fsdp_grad_op"):
-        shard = d if s != "hybrid" or not lay.shard else min(lay.shard, d)
-        moments = opt - (4 if mixed else 0)
-        p, g, o = 4 * n / shard, 4 * n / shard, moments * n / shard
-        if s == "fsdp_grad_op":
-            # reshard_after_forward=False keeps the unsharded (param_dtype) weights from forward to backward.
-            p += w16 * n
+    sp = lay.spec
+    if sp.family is Family.TORCH:
+        # torch keeps fp32 params and grads (autocast, or FSDP2's sharded fp32 master), and the fp32 params
+        # double as the master copy, so the optimizer holds moments only: 4+4+8 = 16 bytes, [ZeRO]'s 2+2+12.
+        weight, grad, optim = 4, 4, opt - (4 if mixed else 0)
     else:
-        raise ValueError(f"unknown strategy {s}")
+        weight, grad, optim = w16, w16, opt
+    group = lay.shard_group
+    p = weight * n / (group if "params" in sp.shards else 1)
+    g = grad * n / (group if "grads" in sp.shards else 1)
+    o = optim * n / (group if "optimizer" in sp.shards else 1)
+    if sp.reshard_after_forward is False:
+        # reshard_after_forward=False keeps the unsharded (param_dtype) weights from forward to backward.
+        p += w16 * n
     if lay.offload in ("optimizer", "params"):
         o = 0.0  # ZeRO-Offload / FSDP2 CPUOffloadPolicy keep optimizer state in host memory
     if lay.offload == "params":
-        if s == "zero3":
+        if sp.family is Family.DEEPSPEED:
             p = 0.0  # ZeRO-Infinity offload_param: only gathered layers live on the GPU (in buffers)
-        elif s in ("fsdp", "hybrid"):
+        else:
             p, g = 0.0, 0.0  # FSDP2 CPUOffloadPolicy moves sharded params and grads to the host
     return p, g, o
 
@@ -155,14 +131,14 @@ def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: 
 def activations(shape: ModelShape, arch: str, seq: int, lay: Layout) -> float:
     """All activations of one pipeline stage, per GPU, at peak.
 
-    Pipeline: with 1F1B the first stage holds min(pp, microbatches) micro-batches in flight, each with its
+    Pipeline: with 1F1B the first stage holds min(pp, grad_accum) micro-batches in flight, each with its
     L/pp layers [MLM3 sec. 4.2.3]. Full recompute re-materialises one layer at a time during backward, so one
     full layer is added on top. Logits: the bf16 output 2sbV plus the fp32 copy the loss keeps 4sbV, split by t
     (vocabulary-parallel head).
     """
     act_bytes = 4 if lay.precision == "fp32" else 2
     layers_per_stage = math.ceil(shape.layers / lay.pp)
-    in_flight = min(lay.pp, max(lay.microbatches, 1)) if lay.pp > 1 else 1
+    in_flight = min(lay.pp, max(lay.grad_accum, 1)) if lay.pp > 1 else 1
     per = activation_bytes_per_layer(shape, arch, seq, lay.micro_batch, lay.tp, lay.sequence_parallel,
                                      lay.activation_checkpointing, act_bytes)
     total = per * layers_per_stage * in_flight
@@ -188,12 +164,12 @@ def buffers(shape: ModelShape | None, arch: str, n: float, lay: Layout, is_gpu: 
         unit = max(layer_params(shape, arch), embedding_params(shape, arch) / 2) / lay.tp
     else:
         unit = n / 40  # a typical block is ~1/40 of a model
-    s = lay.strategy
-    if s == "ddp":
+    sp = lay.spec
+    if not sp.sharded:  # DDP
         comm = DDP_BUCKET_BYTES
-    elif s in ("zero1", "zero2"):
+    elif sp.family is Family.DEEPSPEED and "params" not in sp.shards:  # ZeRO-1/2
         comm = (DS_REDUCE_BUCKET + DS_ALLGATHER_BUCKET) * w16
-    elif s == "fsdp_grad_op":
+    elif sp.reshard_after_forward is False:
         comm = unit * 4  # one unit's unsharded fp32 gradient before reduce-scatter
     else:  # fsdp, hybrid, zero3
         comm = 2 * unit * w16 + unit * 4

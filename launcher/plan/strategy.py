@@ -1,23 +1,30 @@
 """The decision rules for `strategy: auto`, each choice with its reasons.
 
-Rules, in order (the usual practice, e.g. the ZeRO paper sec. 5 and PyTorch's FSDP guidance):
-1. DDP (ZeRO-1 in the DeepSpeed family) if everything fits: least communication.
-2. FSDP grad-op / ZeRO-2 if the optimizer state does not fit.
-3. FSDP full shard / ZeRO-3 if the parameters do not; across nodes, hybrid sharding if it also fits.
-4. Then activation checkpointing (selective, then full).
-5. Then CPU offload (optimizer, then parameters).
-6. Tensor parallelism inside a node for models over ~80B parameters or when a layer does not fit,
-   then pipeline parallelism across nodes.
+Candidates are tried in one flat order, and the first that fits wins (the usual practice, e.g. the ZeRO
+paper sec. 5 and PyTorch's FSDP guidance):
+1. the least sharding first: DDP (ZeRO-1 in the DeepSpeed family), then grad-op sharding / ZeRO-2, then full
+   sharding / ZeRO-3;
+2. for each of those, activation checkpointing off, then selective, then full;
+3. then CPU offload (optimizer, then parameters);
+4. tensor parallelism inside a node for models over ~80B parameters (or when nothing else fits), then
+   pipeline parallelism across nodes.
+A full-sharding choice on several nodes is then promoted to hybrid sharding when that also fits.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 from ..catalog import ModelShape
-from .memory import GB, Layout, Memory, breakdown
+from ..jobenv import gb
+from ..strategies import SEARCH_ORDER, Family, StrategyName, offload_for, spec
+from .layout import Layout
+from .memory import Memory, breakdown
 
 TP_PARAM_THRESHOLD = 80e9  # Megatron/Llama practice: beyond ~70B, TP within the node pays for itself
+MAX_TP = 8  # one NVLink domain
 
 
 @dataclass(frozen=True)
@@ -37,26 +44,19 @@ class Context:
         return breakdown(self.shape, self.arch, self.n_params, self.seq, lay, self.gpu_bytes, self.is_gpu)
 
 
-def family(backend: str) -> list[str]:
-    return ["zero1", "zero2", "zero3"] if backend == "deepspeed" else ["ddp", "fsdp_grad_op", "fsdp"]
+@dataclass(frozen=True)
+class Request:
+    """What the recipe asks for; "auto" leaves the choice to the search."""
+
+    strategy: str
+    backend: str
+    activation_checkpointing: str
+    offload: str
+    tp_fixed: bool
+    pp_fixed: bool
 
 
-def offload_for(strategy: str, offload: str) -> str:
-    """The offload a strategy can really do: DDP none; FSDP2 offloads params+grads+optimizer together."""
-    if strategy == "ddp":
-        return "none"
-    if strategy in ("fsdp", "hybrid", "fsdp_grad_op") and offload == "optimizer":
-        return "params" if strategy != "fsdp_grad_op" else "none"
-    if strategy in ("zero1", "zero2", "fsdp_grad_op") and offload == "params":
-        return "optimizer" if strategy != "fsdp_grad_op" else "none"
-    return offload
-
-
-def _gb(x: float) -> str:
-    return f"{x / GB:.1f} GB"
-
-
-def _describe(lay: Layout) -> str:
+def describe(lay: Layout) -> str:
     extra = []
     if lay.activation_checkpointing != "none":
         extra.append(f"{lay.activation_checkpointing} activation checkpointing")
@@ -67,10 +67,21 @@ def _describe(lay: Layout) -> str:
     return lay.strategy + (f" ({', '.join(extra)})" if extra else "")
 
 
-def _largest_tp(ctx: Context) -> int:
+def divisors(n: int) -> list[int]:
+    """All divisors of n in O(sqrt n): `nodes` may be large, and each divisor is a pipeline candidate."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
+
+
+def largest_tp(ctx: Context) -> int:
     """The largest TP degree within a node that divides the attention heads (and kv heads)."""
     best = 1
-    for t in range(1, min(ctx.per_node, 8) + 1):
+    for t in range(1, min(ctx.per_node, MAX_TP) + 1):
         if ctx.per_node % t:
             continue
         if ctx.shape is not None and (ctx.shape.heads % t or ctx.shape.kv_heads % t):
@@ -79,61 +90,82 @@ def _largest_tp(ctx: Context) -> int:
     return best
 
 
-def choose(ctx: Context, base: Layout, strategy: str, backend: str, ac: str, offload: str,
-           tp_fixed: bool, pp_fixed: bool) -> tuple[Layout, list[str]]:
-    """Pick the layout: the first (strategy, checkpointing, offload) that fits, with the reasons."""
+def model_parallel_degrees(ctx: Context, base: Layout, req: Request) -> tuple[list[tuple[int, int]], list[str]]:
+    """(tp, pp) pairs to try, in order, and why."""
     reasons: list[str] = []
     tps = [base.tp]
-    if strategy == "auto" and not tp_fixed and base.tp == 1:
-        t = _largest_tp(ctx)
-        if t > 1:
-            if ctx.n_params > TP_PARAM_THRESHOLD:
-                reasons.append(f"{ctx.n_params / 1e9:.0f}B parameters > {TP_PARAM_THRESHOLD / 1e9:.0f}B: tensor parallel {t} within each node")
-                tps = [t]
-            else:
-                tps = [1, t]
-    strategies = [strategy] if strategy != "auto" else family(backend)
-    acs = [ac] if ac != "auto" else ["none", "selective", "full"]
-    offloads = [offload] if offload != "auto" else ["none", "optimizer", "params"]
-    world = base.dp * base.tp * base.pp
-    last: tuple[Layout, Memory] | None = None
+    if req.strategy == "auto" and not req.tp_fixed and base.tp == 1:
+        t = largest_tp(ctx)
+        if t > 1 and ctx.n_params > TP_PARAM_THRESHOLD:
+            reasons.append(f"{ctx.n_params / 1e9:.0f}B parameters > {TP_PARAM_THRESHOLD / 1e9:.0f}B: "
+                           f"tensor parallel {t} within each node")
+            tps = [t]
+        elif t > 1:
+            tps = [1, t]
+    pairs = []
     for tp in tps:
         pps = [base.pp]
-        if strategy == "auto" and not pp_fixed and base.pp == 1 and ctx.nodes > 1 and tp > 1:
-            pps = [1] + [p for p in range(2, ctx.nodes + 1) if ctx.nodes % p == 0 and (ctx.shape is None or ctx.shape.layers >= p)]
-        for pp in pps:
-            dp = max(world // (tp * pp), 1)
-            shaped = replace(base, tp=tp, pp=pp, dp=dp)
-            if (tp, pp) != (tps[0], pps[0]):
-                reasons.append(f"nothing fits at tp={last[0].tp} pp={last[0].pp}; trying tp={tp} pp={pp}" if last else f"trying tp={tp} pp={pp}")
-            for off in offloads:
-                for a in acs:
-                    tried = []
-                    for s in strategies:
-                        lay = replace(shaped, strategy=s, activation_checkpointing=a, offload=offload_for(s, off))
-                        if s == "hybrid" and not lay.shard:
-                            lay = replace(lay, shard=ctx.per_node)
-                        mem = ctx.memory(lay)
-                        last = (lay, mem)
-                        if mem.fits:
-                            if strategy == "auto" and s in ("fsdp",) and ctx.nodes > 1 and dp > ctx.per_node:
-                                hyb = replace(lay, strategy="hybrid", shard=max(ctx.per_node // (tp * pp), 1))
-                                if hyb.shard > 1 and ctx.memory(hyb).fits:
-                                    reasons.append(f"hybrid sharding also fits ({_gb(ctx.memory(hyb).total)}): shard inside each node, "
-                                                   f"replicate across nodes, so parameter all-gathers stay on the node's fast links")
-                                    lay = hyb
-                                    mem = ctx.memory(hyb)
-                            reasons.extend(tried)
-                            reasons.append(f"{_describe(lay)} fits: {_gb(mem.total)} of {_gb(mem.gpu)} per GPU")
-                            return lay, reasons
-                        tried.append(f"{_describe(lay)} needs {_gb(mem.total)} > {_gb(mem.gpu)} "
-                                     f"(states {_gb(mem.params + mem.grads + mem.optimizer)}, activations {_gb(mem.activations)})")
-                    if len(strategies) > 1 or len(acs) > 1:
-                        reasons.extend(tried)
-    assert last is not None
-    reasons.append(f"nothing fits: the smallest layout tried, {_describe(last[0])}, needs {_gb(last[1].total)} per GPU; "
-                   f"add GPUs or nodes, raise tensor/pipeline, or lower micro_batch or seq_len")
-    return last[0], reasons
+        if req.strategy == "auto" and not req.pp_fixed and base.pp == 1 and ctx.nodes > 1 and tp > 1:
+            layers = ctx.shape.layers if ctx.shape is not None else ctx.nodes
+            pps = [p for p in divisors(ctx.nodes) if p <= layers]
+        pairs += [(tp, pp) for pp in pps]
+    return pairs, reasons
+
+
+def candidates(ctx: Context, base: Layout, req: Request, tp: int, pp: int) -> Iterator[Layout]:
+    """Every layout at this (tp, pp), cheapest first: offload, then checkpointing, then sharding vary."""
+    strategies = [req.strategy] if req.strategy != "auto" else [s.value for s in SEARCH_ORDER[Family(req.backend)]]
+    acs = [req.activation_checkpointing] if req.activation_checkpointing != "auto" else ["none", "selective", "full"]
+    offloads = [req.offload] if req.offload != "auto" else ["none", "optimizer", "params"]
+    dp = max((base.dp * base.tp * base.pp) // (tp * pp), 1)
+    for off, ac, s in itertools.product(offloads, acs, strategies):
+        shard = (base.shard or ctx.per_node) if spec(s).replicate_across_nodes else None
+        yield replace(base, tp=tp, pp=pp, dp=dp, strategy=s, activation_checkpointing=ac,
+                      offload=offload_for(s, off), shard=shard)
+
+
+def prefer_hybrid(ctx: Context, lay: Layout, req: Request) -> tuple[Layout, list[str]]:
+    """Full sharding across nodes -> hybrid (shard inside a node, replicate across nodes) when that fits too:
+    the parameter all-gathers then stay on the node's fast links."""
+    if req.strategy != "auto" or lay.strategy != StrategyName.FSDP or ctx.nodes == 1 or lay.dp <= ctx.per_node:
+        return lay, []
+    hyb = replace(lay, strategy=StrategyName.HYBRID.value, shard=max(ctx.per_node // (lay.tp * lay.pp), 1))
+    mem = ctx.memory(hyb)
+    if hyb.shard_group <= 1 or not mem.fits:
+        return lay, []
+    return hyb, [f"hybrid sharding also fits ({gb(mem.total)}): shard inside each node, replicate across nodes, "
+                 f"so parameter all-gathers stay on the node's fast links"]
+
+
+def choose(ctx: Context, base: Layout, req: Request) -> tuple[Layout, list[str]]:
+    """The first layout that fits, with the reasons; or the smallest one tried and 'nothing fits'."""
+    pairs, reasons = model_parallel_degrees(ctx, base, req)
+    smallest: tuple[Layout, Memory] | None = None
+    for i, (tp, pp) in enumerate(pairs):
+        tried: list[str] = []
+        group_best: tuple[Layout, Memory] | None = None
+        for lay in candidates(ctx, base, req, tp, pp):
+            mem = ctx.memory(lay)
+            if mem.fits:
+                lay, why = prefer_hybrid(ctx, lay, req)
+                mem = ctx.memory(lay)
+                return lay, reasons + tried + why + [f"{describe(lay)} fits: {gb(mem.total)} of {gb(mem.gpu)} per GPU"]
+            tried.append(f"{describe(lay)} needs {gb(mem.total)} > {gb(mem.gpu)} "
+                         f"(states {gb(mem.params + mem.grads + mem.optimizer)}, activations {gb(mem.activations)})")
+            if group_best is None or mem.total < group_best[1].total:
+                group_best = (lay, mem)
+        assert group_best is not None
+        if smallest is None or group_best[1].total < smallest[1].total:
+            smallest = group_best
+        if i + 1 < len(pairs):  # summarise this degree and move on; the last one's attempts are listed in full
+            reasons.append(f"nothing fits at tp={tp} pp={pp} (smallest: {describe(group_best[0])} needs "
+                           f"{gb(group_best[1].total)}); trying tp={pairs[i + 1][0]} pp={pairs[i + 1][1]}")
+        else:
+            reasons += tried
+    assert smallest is not None
+    reasons.append(f"nothing fits: the smallest layout tried, {describe(smallest[0])}, needs {gb(smallest[1].total)} "
+                   f"per GPU; add GPUs or nodes, raise tensor/pipeline, or lower micro_batch or seq_len")
+    return smallest[0], reasons
 
 
 def grad_accum_for(global_batch: int | None, micro_batch: int, dp: int, grad_accum) -> tuple[int, int]:

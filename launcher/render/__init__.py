@@ -8,42 +8,27 @@ import yaml
 from .. import planfile
 from ..errors import DtlaunchError
 from ..plan import Plan
-from ..plan.memory import ZERO_FAMILY
 from ..recipe import Recipe
+from ..strategies import TARGET_NAMES, TARGETS, TargetName, load_attr
 from .artifacts import Artifacts
-
-TARGETS = ("local", "slurm", "sky")
 
 
 def common_files(recipe: Recipe, plan: Plan) -> dict[str, str]:
     """What every target ships: the resolved plan the job reads, the recipe as resolved, DeepSpeed's config."""
-    pd = plan.to_dict()
     files = {
-        "plan.json": planfile.dumps(recipe, pd),
+        "plan.json": planfile.dumps(recipe, plan),
         "recipe.yaml": "# The recipe as dtlaunch resolved it (defaults filled in).\n"
         + yaml.safe_dump(recipe.to_dict(), sort_keys=False),
     }
-    if plan.strategy in ZERO_FAMILY:
-        from .deepspeed import deepspeed_config
+    if plan.layout.spec.zero_stage is not None:
+        from ..deepspeed_config import deepspeed_config
 
-        files["ds_config.json"] = json.dumps(deepspeed_config(recipe, pd), indent=2) + "\n"
+        files["ds_config.json"] = json.dumps(deepspeed_config(recipe, plan), indent=2) + "\n"
     return files
 
 
 def render(recipe: Recipe, plan: Plan, target: str) -> Artifacts:
-    if target not in TARGETS:
-        raise DtlaunchError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
-    files = common_files(recipe, plan)
-    pd = plan.to_dict()
-    if target == "local":
-        from .local import launch_script
-
-        files["launch.sh"] = launch_script(recipe, pd)
-        return Artifacts("local", recipe.job_name, files, "launch.sh", ["bash", "launch.sh"], {"launch.sh"})
-    if target == "slurm":
-        from .slurm import render_slurm
-
-        return render_slurm(recipe, plan, files)
-    from .sky import render_sky
-
-    return render_sky(recipe, plan, files)
+    if target not in TARGET_NAMES:
+        raise DtlaunchError(f"unknown target {target!r}", fix=f"use one of {', '.join(TARGET_NAMES)}")
+    renderer = load_attr(TARGETS[TargetName(target)].renderer)
+    return renderer(recipe, plan, common_files(recipe, plan))

@@ -1,6 +1,7 @@
-"""What `render` produces: files a user can run by hand, and the exact command that submits them.
+"""What `render` produces: files a user can run by hand, and a typed request saying how they are submitted.
 
-Like TorchX's dry-run request: rendering never submits. A target's `submit` takes these as they are.
+Like TorchX's dry-run request (`submit_dryrun` -> `schedule(dryrun_info)`): rendering never submits, and a
+target's backend submits exactly the request it is handed, without re-reading the files it describes.
 """
 from __future__ import annotations
 
@@ -9,35 +10,142 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Union
+
+from ..errors import DtlaunchError
+
+if TYPE_CHECKING:
+    from ..recipe import SlurmTarget
+
+
+@dataclass(frozen=True)
+class LocalRequest:
+    script: str  # run with bash in the run directory
+    secrets: tuple[str, ...] = ()
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return ("bash", self.script)
+
+
+@dataclass(frozen=True)
+class SlurmRequest:
+    job_script: str
+    settings: "SlurmTarget"  # how to reach the cluster (ssh), how to submit (sbatch or submitit)
+    array: bool = False
+    secrets: tuple[str, ...] = ()
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return ("sbatch", "--parsable", self.job_script)
+
+
+@dataclass(frozen=True)
+class SkyRequest:
+    task_file: str
+    cluster: str  # the cluster name (sky launch) or the managed job's name
+    managed: bool
+    secrets: tuple[str, ...] = ()
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        secrets = tuple(a for name in self.secrets for a in ("--secret", name))
+        if self.managed:
+            return ("sky", "jobs", "launch", "-n", self.cluster, *secrets, self.task_file)
+        return ("sky", "launch", "-c", self.cluster, *secrets, self.task_file)
+
+
+Request = Union[LocalRequest, SlurmRequest, SkyRequest]
 
 
 @dataclass
 class Artifacts:
     target: str
     job_name: str
-    files: dict[str, str]  # relative path -> content
-    entrypoint: str  # the file a user runs or submits
-    submit_command: list[str]  # the command that submits it, run in the output directory
+    files: dict[str, Union[str, bytes]]  # relative path -> content
+    request: Request
     executable: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
-    def write(self, out_dir: str | Path) -> Path:
-        """Write all files into out_dir atomically: a reader sees the old set or the new one, never half."""
+    @property
+    def entrypoint(self) -> str:
+        r = self.request
+        return r.script if isinstance(r, LocalRequest) else r.job_script if isinstance(r, SlurmRequest) else r.task_file
+
+    @property
+    def submit_command(self) -> list[str]:
+        return list(self.request.argv)
+
+    def text(self, rel: str) -> Optional[str]:
+        content = self.files.get(rel)
+        return content if isinstance(content, str) else None
+
+    def write(self, out_dir: str | Path, origin: str = "render") -> Path:
+        """Write all files into out_dir atomically per file: a reader sees the old set or the new one, never half.
+
+        Files of an earlier render that this one does not produce (a sweep's task-N directories, a wheel of
+        another version) are removed, so the directory holds exactly what `submit_command` will use.
+        """
         out = Path(out_dir)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if out.exists() and not out.is_dir():
+                raise DtlaunchError(f"{out} exists and is not a directory", fix="pick another -o/--out directory")
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        except OSError as e:
+            raise DtlaunchError(f"cannot write into {out}: {e.strerror}",
+                                fix="pick a directory you can write to with -o/--out") from None
         try:
             for rel, content in self.files.items():
                 p = tmp / rel
                 p.parent.mkdir(parents=True, exist_ok=True)
-                p.write_text(content)
+                if isinstance(content, bytes):
+                    p.write_bytes(content)
+                else:
+                    p.write_text(content)
                 if rel in self.executable:
                     p.chmod(0o755)
             out.mkdir(parents=True, exist_ok=True)
+            previous, _ = read_manifest(out)
             for rel in self.files:
                 dst = out / rel
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(tmp / rel, dst)
+            for rel in sorted(previous - set(self.files), reverse=True):
+                stale = out / rel
+                if stale.is_file():
+                    stale.unlink()
+                    _prune_empty_dirs(stale.parent, out)
+            _write_manifest(out, set(self.files), origin)
+        except OSError as e:
+            raise DtlaunchError(f"cannot write into {out}: {e.strerror}",
+                                fix="pick a directory you can write to with -o/--out") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return out
+
+
+MANIFEST = ".dtlaunch-rendered"  # the files the last render wrote here (so the next one can remove stale ones)
+
+
+def read_manifest(out: Path) -> tuple[set[str], Optional[str]]:
+    """(files, origin) of the last write into `out`: origin is "render" or "up", None if never written."""
+    try:
+        lines = (out / MANIFEST).read_text().splitlines()
+    except OSError:
+        return set(), None
+    origin = lines[0][len("# written by dtlaunch "):].strip() if lines and lines[0].startswith("# written by") else None
+    files = {ln for ln in lines if ln and not ln.startswith("#") and ".." not in ln.split("/") and not ln.startswith("/")}
+    return files, origin
+
+
+def _write_manifest(out: Path, files: set[str], origin: str) -> None:
+    (out / MANIFEST).write_text(f"# written by dtlaunch {origin}\n" + "".join(f"{rel}\n" for rel in sorted(files)))
+
+
+def _prune_empty_dirs(d: Path, stop: Path) -> None:
+    while d != stop and d.is_dir() and not any(d.iterdir()):
+        d.rmdir()
+        d = d.parent
+
+

@@ -1,30 +1,51 @@
 """The one launch command every target runs, with the per-target values filled in."""
 from __future__ import annotations
 
-from typing import Optional
+import math
 
-from .shell import Word, flag
+from ..plan import Plan
+from ..recipe import Recipe
+from .shell import ShellExpr, Word, flag
 
 TRAIN_MODULE = "launcher.train"
+# torchrun passes these to its workers and then shuts down without restarting them: TERM (cancel,
+# scheduler preemption) and USR2 (the time-limit signal) both mean "checkpoint and stop".
+SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
+MIN_GRACE_SECONDS = 30  # torchrun's own default
 
 
-def torchrun_command(*, python: Word, nnodes: Word, nproc_per_node: Word, rdzv_endpoint: Word, rdzv_id: Word,
-                     max_restarts: int, plan_path: Word, run_dir: Optional[Word] = None,
-                     extra: tuple[Word, ...] = ()) -> list[Word]:
-    """c10d rendezvous with an explicit endpoint (never a silent localhost fallback), and no --node-rank:
-    with c10d the ranks are assigned at rendezvous (field lessons: rendezvous address)."""
-    cmd: list[Word] = [
-        python, "-m", "torch.distributed.run",
+def grace_seconds(recipe: Recipe, plan: Plan) -> int:
+    """How long torchrun waits for workers to checkpoint and exit after a signal before it SIGKILLs them:
+    the recipe's value, or three checkpoint writes plus 30 s (the same margin validate asks of
+    targets.slurm.signal_seconds), never less than torchrun's default."""
+    g = recipe.checkpoint.grace_seconds
+    if isinstance(g, int):
+        return g
+    return max(MIN_GRACE_SECONDS, math.ceil(3 * plan.checkpoint_write_seconds) + 30)
+
+
+def entry_args(plan_path: Word, run_dir: Word) -> list[Word]:
+    return ["-m", TRAIN_MODULE, "--plan", plan_path, "--run-dir", run_dir]
+
+
+def torchrun_command(recipe: Recipe, plan: Plan, *, python: Word, nnodes: Word, nproc_per_node: Word,
+                     rdzv_endpoint: Word, rdzv_id: Word, max_restarts: int, is_host: Word,
+                     entry: list[Word]) -> list[Word]:
+    """c10d rendezvous with an explicit endpoint (never a silent localhost fallback) and an explicit store
+    host (`is_host`: torch's own guess compares hostnames, which fails where a node's name does not
+    resolve to its address), and no --node-rank: with c10d the ranks are assigned at rendezvous."""
+    return [
+        python, "-m", "launcher.elastic",
         flag("--nnodes", nnodes),
         flag("--nproc-per-node", nproc_per_node),
         "--rdzv-backend=c10d",
         flag("--rdzv-endpoint", rdzv_endpoint),
         flag("--rdzv-id", rdzv_id),
+        ShellExpr(f"--rdzv-conf=join_timeout={int(recipe.training.init_timeout_seconds)},is_host={is_host}")
+        if isinstance(is_host, ShellExpr) else
+        f"--rdzv-conf=join_timeout={int(recipe.training.init_timeout_seconds)},is_host={is_host}",
         f"--max-restarts={int(max_restarts)}",
-        *extra,
-        "-m", TRAIN_MODULE, "--plan", plan_path,
+        f"--signals-to-handle={SIGNALS}",
+        f"--shutdown-timeout={grace_seconds(recipe, plan)}",
+        *entry,
     ]
-    if run_dir is not None:
-        cmd += ["--run-dir", run_dir]
-    return cmd
-

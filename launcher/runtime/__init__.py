@@ -22,7 +22,7 @@ _EXPORTS = {
     "World": ".dist",
     "wrap_model": ".parallel",
     "resolve_layout": ".parallel",
-    "Layout": ".parallel",
+    "RuntimeLayout": ".parallel",
     "Engine": ".parallel",
     "Checkpointer": ".checkpoint",
     "export_model": ".checkpoint",

@@ -7,46 +7,40 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import exitcodes
+from ..jobenv import ExitCode
 from ..errors import DtlaunchError
 
 
 class RuntimeFailure(DtlaunchError):
-    exit_code = exitcodes.FAILED
+    exit_code = ExitCode.FAILED
 
     def __init__(self, message: str, fix: Optional[str] = None, step: Optional[int] = None):
-        self.message, self.fix, self.step = message, fix, step
-        super().__init__(self.render())
-
-    def render(self) -> str:
-        s = self.message
-        if self.fix:
-            s += f"\n    fix: {self.fix}"
-        return s
+        self.step = step
+        super().__init__(message, fix)
 
 
 class ConfigError(RuntimeFailure):
     """The recipe, plan or checkpoint layout cannot work; restarting will not help."""
 
-    exit_code = exitcodes.CONFIG
+    exit_code = ExitCode.CONFIG
 
 
 class PreflightError(RuntimeFailure):
     """The environment is broken (rendezvous, bandwidth, disk, shm)."""
 
-    exit_code = exitcodes.PREFLIGHT
+    exit_code = ExitCode.PREFLIGHT
 
 
 class HangError(RuntimeFailure):
     """A collective timed out or the ranks disagreed on the step."""
 
-    exit_code = exitcodes.HANG
+    exit_code = ExitCode.HANG
 
 
 class Preempted(RuntimeFailure):
     """A checkpoint was written after SIGUSR2/SIGTERM; the job should be requeued."""
 
-    exit_code = exitcodes.PREEMPTED
+    exit_code = ExitCode.PREEMPTED
 
 
 TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog caught collective operation timeout")

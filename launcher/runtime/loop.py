@@ -18,9 +18,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import catalog, exitcodes
+from .. import catalog, jobenv
+from ..jobenv import ExitCode
 from ..plan.cost import checkpoint_bytes
 from . import preflight as preflight_mod
+from .check import check_model
 from .checkpoint import Checkpointer, export_model
 from .ckptdir import expand_dir
 from .data import Batches, build_dataloader, rescale_position
@@ -68,8 +70,8 @@ class Watchdog:
 
     def _exit(self, why: str) -> None:
         print(f"dtlaunch: rank {self.rank}: {why} (last completed step {self.step}): exiting with HANG "
-              f"({exitcodes.HANG})", file=sys.stderr, flush=True)
-        os._exit(exitcodes.HANG)
+              f"({ExitCode.HANG})", file=sys.stderr, flush=True)
+        os._exit(ExitCode.HANG)
 
     def _run(self) -> None:
         while True:
@@ -95,12 +97,14 @@ class Agreement:
 class Trainer:
     """Runs one recipe's plan to completion (or to preemption). Collective: every rank runs it."""
 
-    def __init__(self, recipe, plan: dict, run_dir: str | os.PathLike, *, recipe_hash: Optional[str] = None,
+    def __init__(self, recipe, plan, run_dir: str | os.PathLike, *, recipe_hash: Optional[str] = None,
                  world: Optional[World] = None):
         self.recipe, self.plan, self.run_dir = recipe, plan, Path(run_dir)
         self.recipe_hash = recipe_hash or recipe.digest()
         self.world = world
         self.step = 0  # optimizer steps completed
+        self.start_step = 0  # the step this attempt resumed from
+        self.current: Optional[int] = None  # the step being trained
         self.engine: Optional[Engine] = None
 
     # ------------------------------------------------------------------ assembly
@@ -113,21 +117,20 @@ class Trainer:
         self.world = self.world or init_distributed(rec)
         w = self.world
         self.faults = Faults(w.rank, w.proc.restart_count)
-        self.metrics = Metrics(self.run_dir, enabled=w.is_main, total_steps=plan["steps"], is_gpu=w.is_gpu)
+        self.metrics = Metrics(self.run_dir, enabled=w.is_main, total_steps=plan.steps, is_gpu=w.is_gpu)
         self.layout, notes = resolve_layout(plan, w.world_size)
         for n in notes:
             self.metrics.log(n)
+        check_model(rec)
         shape = rec.model.shape()
-        if shape is None:
-            raise ConfigError("the runtime needs a model shape (a preset or layers/hidden/...), not only `params`",
-                              fix="set model.preset, e.g. tiny")
-        if rec.model.architecture != "llama":
-            raise ConfigError(f"the runtime implements the llama architecture, not {rec.model.architecture!r}")
         self.shape = shape
-        self.seq_len = plan["seq_len"]
-        self.total_steps = plan["steps"]
-        self.every = int(plan["checkpoint"]["every_steps"])
-        self.ckpt_root = expand_dir(rec.checkpoint.dir, self.run_dir, os.environ.get("DTLAUNCH_RUN_ID"))
+        self.seq_len = plan.seq_len
+        if plan.steps is None:
+            raise ConfigError("the recipe gives no training length", fix="set training.steps or training.tokens")
+        self.total_steps = plan.steps
+        self.every = plan.checkpoint_every
+        self.ckpt_root = Path(os.path.expanduser(os.environ.get(jobenv.CHECKPOINT_DIR) or str(
+            expand_dir(rec.checkpoint.dir, self.run_dir, os.environ.get(jobenv.RUN_ID)))))
         self.metrics.event("start", world_size=w.world_size, strategy=self.layout.strategy,
                            precision=self.layout.precision, grad_accum=self.layout.grad_accum,
                            global_batch=self.layout.global_batch, attempt=w.proc.restart_count)
@@ -135,7 +138,7 @@ class Trainer:
             self._preflight()
         set_collective_timeout(w, tr.timeout_seconds)
         torch.manual_seed(tr.seed)  # the same initial weights on every rank and every attempt
-        meta = plan["params"] > META_INIT_PARAMS and self.layout.family == "dcp" and self.layout.strategy != "ddp"
+        meta = plan.params > META_INIT_PARAMS and self.layout.family == "dcp" and self.layout.spec.sharded
         module = build_model(shape, self.layout.activation_checkpointing, device="meta" if meta else "cpu")
         self.engine = wrap_model(module, self.layout, rec, plan, self.total_steps, w.device, w.is_gpu)
         ds_config = getattr(self.engine, "config", None)
@@ -150,7 +153,7 @@ class Trainer:
             "recipe_hash": self.recipe_hash, "strategy": self.layout.strategy, "family": self.layout.family,
             "precision": self.layout.precision, "grad_accum": self.layout.grad_accum,
             "global_batch": self.layout.global_batch, "micro_batch": self.layout.micro_batch,
-            "dp": w.world_size, "tp": plan.get("tp", 1), "pp": plan.get("pp", 1), "seed": tr.seed,
+            "dp": w.world_size, "tp": plan.layout.tp, "pp": plan.layout.pp, "seed": tr.seed,
             "shape": {k: getattr(shape, k) for k in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab",
                                                      "tied_embeddings")},
         }
@@ -162,7 +165,7 @@ class Trainer:
     def _preflight(self) -> None:
         w, rec = self.world, self.recipe
         net = catalog.NETWORKS[rec.resources.network]
-        size = checkpoint_bytes(self.plan["params"], self.layout.precision, rec.training.optimizer)
+        size = checkpoint_bytes(self.plan.params, rec.training.optimizer)
         rep = preflight_mod.run(world=w, network=net, checkpoint_dir=self.ckpt_root, checkpoint_bytes=size,
                                 keep=rec.checkpoint.keep, min_allreduce_fraction=rec.training.min_allreduce_fraction)
         for line in rep.lines:
@@ -183,7 +186,7 @@ class Trainer:
             return
         t0 = time.time()
         saved = cp.load(latest)
-        self.step = int(saved["step"])
+        self.step = self.start_step = int(saved["step"])
         pos, warn = rescale_position(saved["data"], self.layout.global_batch)
         self.batches.seek(pos)
         warnings = list(saved["warnings"]) + ([warn] if warn else [])
@@ -262,7 +265,7 @@ class Trainer:
                 if agreed.stop and self.step < self.total_steps:
                     who = f"rank{'s' if len(agreed.signalled) > 1 else ''} {', '.join(map(str, agreed.signalled))}"
                     self.metrics.log(f"preemption signal ({flag.received or 'a signal'} on {who}) at step {self.step}: "
-                                     f"saving a checkpoint, then exiting with {exitcodes.PREEMPTED}")
+                                     f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}")
                     self._save(blocking=True, reason="preempt")
                     self.metrics.event("preempt", step=self.step, signal=flag.received, ranks=list(agreed.signalled))
                     raise Preempted(f"preempted at step {self.step}; checkpoint written, resubmit to resume",
@@ -285,4 +288,4 @@ class Trainer:
             flag.uninstall()
             self.watchdog.pause()
             self.metrics.close()
-        return exitcodes.OK
+        return ExitCode.OK

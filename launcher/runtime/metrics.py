@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-METRICS_FILE = "metrics.jsonl"
+from ..jobenv import METRICS_FILE, read_metrics
 
 
 def memory_mb(is_gpu: bool) -> float:
@@ -103,15 +103,4 @@ class Metrics:
             self._file = None
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All records of a metrics.jsonl (a run dir or the file itself); torn last lines are skipped."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / METRICS_FILE
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+__all__ = ["Metrics", "memory_mb", "read_metrics"]

@@ -16,17 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..strategies import STRATEGIES, Family, StrategySpec, spec
 from .failures import ConfigError
 from .optim import build_optimizer, build_scheduler
 
-TORCH_STRATEGIES = ("ddp", "fsdp", "fsdp_grad_op", "hybrid")
-DEEPSPEED_STRATEGIES = ("zero1", "zero2", "zero3")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
-class Layout:
-    """What the runtime really runs: the plan's choices adjusted to the actual world size."""
+class RuntimeLayout:
+    """What the runtime really runs: the plan's layout adjusted to the actual world size."""
 
     strategy: str
     precision: str
@@ -42,26 +41,31 @@ class Layout:
         return self.micro_batch * self.grad_accum * self.world_size
 
     @property
+    def spec(self) -> StrategySpec:
+        return spec(self.strategy)
+
+    @property
     def family(self) -> str:
         """The checkpoint format family: DCP for the torch strategies, DeepSpeed's own for ZeRO."""
-        return "deepspeed" if self.strategy in DEEPSPEED_STRATEGIES else "dcp"
+        return self.spec.checkpoint_format
 
 
-def resolve_layout(plan: dict, world_size: int) -> tuple[Layout, list[str]]:
+def resolve_layout(plan, world_size: int) -> tuple[RuntimeLayout, list[str]]:
     """The plan's layout for `world_size` ranks, keeping the global batch; notes say what changed."""
     notes = []
-    strategy = plan["strategy"]
-    if strategy not in TORCH_STRATEGIES + DEEPSPEED_STRATEGIES:
+    lay = plan.layout
+    strategy = lay.strategy
+    if strategy not in {s.value for s in STRATEGIES}:
         raise ConfigError(f"strategy {strategy!r} is not supported by the runtime")
-    if plan.get("tp", 1) > 1 or plan.get("pp", 1) > 1:
-        raise ConfigError(f"the plan uses tensor={plan.get('tp')} pipeline={plan.get('pp')}; the dtlaunch runtime "
+    if lay.tp > 1 or lay.pp > 1:
+        raise ConfigError(f"the plan uses tensor={lay.tp} pipeline={lay.pp}; the dtlaunch runtime "
                           f"trains data-parallel layouts only", fix="set parallelism.tensor: 1 and pipeline: 1")
-    micro, ga = plan["micro_batch"], plan["grad_accum"]
-    planned_world = plan["dp"]
+    micro, ga = lay.micro_batch, lay.grad_accum
+    planned_world = lay.dp
     global_batch = micro * ga * planned_world
-    if plan.get("global_batch") and plan["global_batch"] != global_batch:
+    if plan.global_batch and plan.global_batch != global_batch:
         notes.append(f"global batch is {global_batch} (micro_batch {micro} x grad_accum {ga} x dp {planned_world}), "
-                     f"not the requested {plan['global_batch']}")
+                     f"not the requested {plan.global_batch}")
     if world_size != planned_world:
         if global_batch % (micro * world_size) == 0:
             new_ga = global_batch // (micro * world_size)
@@ -72,13 +76,13 @@ def resolve_layout(plan: dict, world_size: int) -> tuple[Layout, list[str]]:
             raise ConfigError(f"global batch {global_batch} cannot be split into micro-batches of {micro} over "
                               f"{world_size} ranks", fix="run on a world size that divides the global batch, "
                               "or change training.micro_batch")
-    shard = int(plan.get("shard") or world_size)
-    if strategy == "hybrid":
-        shard = min(shard, world_size)
+    shard = world_size
+    if lay.spec.replicate_across_nodes:
+        shard = min(lay.shard_group, world_size)
         if world_size % shard:
             raise ConfigError(f"hybrid sharding groups of {shard} do not divide {world_size} ranks")
-    return Layout(strategy, plan["precision"], plan["activation_checkpointing"], plan.get("offload", "none"),
-                  micro, ga, world_size, shard), notes
+    return RuntimeLayout(strategy, lay.precision, lay.activation_checkpointing, lay.offload,
+                         micro, ga, world_size, shard), notes
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -88,7 +92,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Engine:
     """One optimizer step = `grad_accum` calls of `micro_step`, then `step()`."""
 
-    layout: Layout
+    layout: RuntimeLayout
     model: nn.Module  # what forward runs through (wrapped)
     module: nn.Module  # the bare model (parameter names match the checkpoint and export)
     optimizer: Any
@@ -108,7 +112,7 @@ class Engine:
 class TorchEngine(Engine):
     """DDP and FSDP2, with torch.optim and an optional GradScaler for fp16."""
 
-    def __init__(self, module: nn.Module, layout: Layout, training, steps: int, device: torch.device, is_gpu: bool,
+    def __init__(self, module: nn.Module, layout: RuntimeLayout, training, steps: int, device: torch.device, is_gpu: bool,
                  loss_scaling: str = "dynamic"):
         import torch.distributed as dist
 
@@ -116,7 +120,7 @@ class TorchEngine(Engine):
         self.grad_clip = training.grad_clip
         distributed = dist.is_available() and dist.is_initialized()
         self.autocast_dtype = None
-        if layout.strategy == "ddp":
+        if not layout.spec.sharded:  # DDP
             module.to(device)
             if distributed:
                 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -135,10 +139,10 @@ class TorchEngine(Engine):
         self.scheduler = build_scheduler(self.optimizer, training, steps)
         self.scaler = None
         if layout.precision == "fp16" and loss_scaling == "dynamic":
-            self.scaler = _make_scaler(device, fsdp=layout.strategy != "ddp")
+            self.scaler = _make_scaler(device, fsdp=layout.spec.sharded)
 
     def _sync_context(self, last: bool):
-        if self.layout.strategy == "ddp":
+        if not self.layout.spec.sharded:  # DDP
             return contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
         self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
@@ -189,7 +193,7 @@ def _make_scaler(device: torch.device, fsdp: bool):
     return torch.amp.GradScaler(device.type)
 
 
-def shard_fsdp2(module: nn.Module, layout: Layout, device: torch.device, is_gpu: bool) -> nn.Module:
+def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, is_gpu: bool) -> nn.Module:
     """fully_shard each block, then the root (embeddings, final norm, head), on a 1-D or 2-D (HSDP) mesh."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -201,7 +205,7 @@ def shard_fsdp2(module: nn.Module, layout: Layout, device: torch.device, is_gpu:
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(f"{layout.strategy} needs a process group", fix="start the job with torchrun (even for 1 rank)")
     world = dist.get_world_size()
-    if layout.strategy == "hybrid":
+    if layout.spec.replicate_across_nodes:
         mesh = init_device_mesh(device.type, (world // layout.shard, layout.shard), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
@@ -209,7 +213,7 @@ def shard_fsdp2(module: nn.Module, layout: Layout, device: torch.device, is_gpu:
     if layout.precision != "fp32":
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[layout.precision], reduce_dtype=torch.float32)
     offload: OffloadPolicy = CPUOffloadPolicy() if layout.offload in ("params", "optimizer") else OffloadPolicy()
-    reshard = layout.strategy != "fsdp_grad_op"
+    reshard = bool(layout.spec.reshard_after_forward)
     meta = module.output.weight.is_meta  # materialised after sharding, so that no rank holds the full model
     if not meta and not isinstance(offload, CPUOffloadPolicy):
         module.to(device)
@@ -225,7 +229,7 @@ def shard_fsdp2(module: nn.Module, layout: Layout, device: torch.device, is_gpu:
 class DeepSpeedEngine(Engine):
     """ZeRO 1/2/3 through deepspeed.initialize, with the config from launcher.render.deepspeed."""
 
-    def __init__(self, module: nn.Module, layout: Layout, recipe, plan: dict, steps: int, is_gpu: bool):
+    def __init__(self, module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: int, is_gpu: bool):
         try:
             import deepspeed
         except ImportError:
@@ -233,7 +237,7 @@ class DeepSpeedEngine(Engine):
                               fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)") from None
         from deepspeed.accelerator import get_accelerator
 
-        from ..render.deepspeed import deepspeed_config
+        from ..deepspeed_config import deepspeed_config
 
         acc = get_accelerator()
         if layout.precision == "fp16" and not acc.is_fp16_supported():
@@ -244,8 +248,8 @@ class DeepSpeedEngine(Engine):
             raise ConfigError(f"DeepSpeed does not support bf16 on its {acc.device_name()} accelerator",
                               fix="use parallelism.precision: fp16 (with loss scaling) or fp32")
         self.layout, self.module = layout, module
-        cfg = deepspeed_config(recipe, {**plan, "offload": layout.offload}, dp=layout.world_size,
-                               grad_accum=layout.grad_accum, is_gpu=is_gpu)
+        cfg = deepspeed_config(recipe, plan, dp=layout.world_size, grad_accum=layout.grad_accum,
+                               offload=layout.offload, is_gpu=is_gpu)
         self.config = cfg
         # DeepSpeedCPUAdam only pays off when the model computes on a GPU and its states live on the host.
         cpu_adam = "offload_optimizer" in cfg["zero_optimization"] and is_gpu and recipe.training.optimizer == "adamw"
@@ -277,9 +281,9 @@ class DeepSpeedEngine(Engine):
         return float(self.model.get_lr()[0])
 
 
-def wrap_model(module: nn.Module, layout: Layout, recipe, plan: dict, steps: int, device: torch.device,
+def wrap_model(module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: int, device: torch.device,
                is_gpu: bool) -> Engine:
     """The engine for `layout.strategy`: the one place that knows which library runs which strategy."""
-    if layout.strategy in DEEPSPEED_STRATEGIES:
+    if layout.spec.family is Family.DEEPSPEED:
         return DeepSpeedEngine(module, layout, recipe, plan, steps, is_gpu)
     return TorchEngine(module, layout, recipe.training, steps, device, is_gpu, recipe.parallelism.loss_scaling)

@@ -1,39 +1,49 @@
-"""Backends: each takes rendered artifacts and submits them, then follows the job.
+"""Backends: each takes rendered artifacts and submits exactly their request, then follows the job.
 
 One small module per target implementing `Backend`; heavy libraries are imported inside their methods.
 """
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from ..errors import DtlaunchError
-from ..render.artifacts import Artifacts
-from .registry import JobRecord
+from ..strategies import TARGET_NAMES, TARGETS, TargetName, load_attr
+
+if TYPE_CHECKING:
+    from ..render.artifacts import Artifacts
+    from .registry import JobRecord
+
+
+@dataclass
+class JobStatus:
+    state: str
+    exit_code: Optional[int] = None
+    detail: Optional[str] = None
+    extra: dict = field(default_factory=dict)  # what a target knows beyond the state (ledgers, source)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return d
 
 
 class Backend(Protocol):
     name: str
 
-    def submit(self, artifacts: Artifacts, out_dir: str, *, wait: bool) -> JobRecord: ...
+    def submit(self, artifacts: "Artifacts", out_dir: str) -> "JobRecord": ...
 
-    def status(self, job: JobRecord) -> dict: ...
+    def wait(self, job: "JobRecord") -> int: ...
 
-    def logs(self, job: JobRecord, *, follow: bool) -> Iterator[str]: ...
+    def status(self, job: "JobRecord") -> JobStatus: ...
 
-    def cancel(self, job: JobRecord) -> None: ...
+    def logs(self, job: "JobRecord", *, follow: bool) -> Iterator[str]: ...
+
+    def cancel(self, job: "JobRecord") -> str: ...
 
 
-def backend(name: str, **options) -> Backend:
-    if name == "local":
-        from .local import LocalBackend
-
-        return LocalBackend(**options)
-    if name == "slurm":
-        from .slurm import SlurmBackend
-
-        return SlurmBackend(**options)
-    if name == "sky":
-        from .sky import SkyBackend
-
-        return SkyBackend(**options)
-    raise DtlaunchError(f"unknown target {name!r}; use local, slurm or sky")
+def backend(name: str) -> Backend:
+    if name not in TARGET_NAMES:
+        raise DtlaunchError(f"unknown target {name!r}", fix=f"use one of {', '.join(TARGET_NAMES)}")
+    return load_attr(TARGETS[TargetName(name)].backend)()

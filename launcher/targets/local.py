@@ -1,4 +1,11 @@
-"""Local target: run the rendered launch.sh (torchrun) on this machine, detached, logging to a file."""
+"""Local target: run the rendered launch.sh (torchrun) on this machine, detached, logging to a file.
+
+The job owns its whole process tree, and only it: torchrun runs in a session of its own and its workers
+in theirs, so a process group is not enough to find them. Every process of an `up` carries that up's
+DTLAUNCH_ATTEMPT in its environment, which is how `down` finds all of them (and never anything else), and
+the launcher's recorded start time guards against a pid reused by an unrelated process. Each `up` is an
+attempt with its own log and exit code, so the history of a run directory is never rewritten.
+"""
 from __future__ import annotations
 
 import os
@@ -6,110 +13,178 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
-from .. import exitcodes
-from ..render.artifacts import Artifacts
-from .registry import JobRecord
+from ..errors import BackendError
+from ..jobenv import ATTEMPT, ExitCode
+from ..render.artifacts import Artifacts, LocalRequest
+from . import JobStatus
+from .registry import JobRecord, LocalHandle, Registry
 
-STATES = {exitcodes.OK: "COMPLETED", exitcodes.PREEMPTED: "PREEMPTED", exitcodes.HANG: "FAILED (hang)",
-          exitcodes.PREFLIGHT: "FAILED (preflight)", exitcodes.CONFIG: "FAILED (config)"}
+STATES = {ExitCode.OK: "COMPLETED", ExitCode.PREEMPTED: "PREEMPTED", ExitCode.HANG: "FAILED (hang)",
+          ExitCode.PREFLIGHT: "FAILED (preflight)", ExitCode.CONFIG: "FAILED (config)"}
+STOP_GRACE = 60.0  # seconds `down` waits for the workers to checkpoint before it kills what is left
+
+
+def _psutil():
+    try:
+        import psutil
+    except ImportError:
+        raise BackendError("the local target needs psutil to follow its processes",
+                           fix="pip install 'dtlaunch[train]'") from None
+    return psutil
+
+
+def _start_time(pid: int) -> Optional[float]:
+    psutil = _psutil()
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def job_processes(attempt: str) -> list:
+    """Every live process whose environment says it belongs to this attempt (ours only: same user)."""
+    psutil = _psutil()
+    me = os.getpid()
+    marker = f"{ATTEMPT}={attempt}"
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == me:
+            continue
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            env = p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if env.get(ATTEMPT) == attempt or marker in env:
+            out.append(p)
+    return out
 
 
 class LocalBackend:
     name = "local"
 
-    def __init__(self, cwd: str | None = None):
+    def __init__(self, cwd: Optional[str] = None):
         self.cwd = cwd or os.getcwd()
+        self._proc: Optional[subprocess.Popen] = None
 
-    def submit(self, artifacts: Artifacts, out_dir: str, *, wait: bool) -> JobRecord:
+    # ---------------------------------------------------------------- submit
+
+    def _refuse_if_active(self, run_dir: Path) -> None:
+        for rec in Registry().of_run_dir(str(run_dir)):
+            if rec.target == "local" and self.status(rec).state in ("RUNNING", "STOPPING"):
+                raise BackendError(f"{run_dir} is in use by job {rec.name} (local {rec.job_id}, started "
+                                   f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(rec.created))}): two jobs would "
+                                   "write one run's checkpoints",
+                                   fix=f"wait for it, stop it with `dtlaunch down {rec.job_id}`, or use -o for another "
+                                       "run directory")
+
+    def submit(self, artifacts: Artifacts, out_dir: str) -> JobRecord:
+        req = artifacts.request
+        assert isinstance(req, LocalRequest)
+        missing = [n for n in req.secrets if n not in os.environ]
+        if missing:
+            raise BackendError(f"secret(s) {', '.join(missing)} not set in this shell",
+                               fix="export them first: the job reads them from the environment it is started in")
         run_dir = Path(out_dir).resolve()
-        (run_dir / "exit_code").unlink(missing_ok=True)
-        log = open(run_dir / "train.log", "ab")
-        proc = subprocess.Popen(["bash", str(run_dir / artifacts.entrypoint)], cwd=self.cwd, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        rec = JobRecord(artifacts.job_name, "local", str(proc.pid), str(run_dir), {"pid": proc.pid, "pgid": proc.pid})
+        self._refuse_if_active(run_dir)
+        attempt = f"up-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        log_path = run_dir / "logs" / f"{attempt}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, ATTEMPT: attempt}
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(["bash", str(run_dir / req.script)], cwd=self.cwd, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         self._proc = proc
-        return rec
+        created = _start_time(proc.pid) or time.time()
+        handle = LocalHandle(proc.pid, created, attempt, str(log_path),
+                             str(run_dir / "status" / attempt / "exit_code"))
+        return JobRecord(artifacts.job_name, "local", str(proc.pid), str(run_dir), handle)
 
-    def wait(self, job: JobRecord, stream=sys.stdout) -> int:
-        """Stream the log until the job ends; Ctrl-C asks the job to checkpoint and stop (SIGTERM)."""
-        proc = getattr(self, "_proc", None)
-        try:
-            for line in self.logs(job, follow=True):
-                stream.write(line)
-                stream.flush()
-        except KeyboardInterrupt:
-            self.cancel(job)
-        if proc is not None:
-            return proc.wait()
-        return self._exit_code(job) if self._exit_code(job) is not None else exitcodes.FAILED
+    # ---------------------------------------------------------------- follow
 
     @staticmethod
-    def _exit_code(job: JobRecord) -> int | None:
-        p = Path(job.run_dir) / "exit_code"
+    def _exit_code(h: LocalHandle) -> Optional[int]:
         try:
-            return int(p.read_text().strip())
-        except (FileNotFoundError, ValueError):
+            return int(Path(h.exit_file).read_text().strip())
+        except (OSError, ValueError):
             return None
 
     @staticmethod
-    def _alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        try:  # a zombie child of ours counts as gone
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().split(") ", 1)[1][0] != "Z"
-        except OSError:
-            return True
+    def _launcher_alive(h: LocalHandle) -> bool:
+        t = _start_time(h.pid)
+        return t is not None and abs(t - h.create_time) < 1.0 and _psutil().Process(h.pid).status() != "zombie"
 
-    def status(self, job: JobRecord) -> dict:
-        rc = self._exit_code(job)
+    def status(self, job: JobRecord) -> JobStatus:
+        h = job.handle
+        assert isinstance(h, LocalHandle)
+        rc = self._exit_code(h)
         if rc is not None:
-            return {"state": STATES.get(rc, "FAILED"), "exit_code": rc}
-        if self._alive(job.handle["pid"]):
-            return {"state": "RUNNING", "exit_code": None}
-        return {"state": "LOST", "exit_code": None, "detail": "the launcher process is gone without an exit code"}
+            return JobStatus(STATES.get(rc, "FAILED"), rc)
+        if self._launcher_alive(h):
+            return JobStatus("RUNNING")
+        if job_processes(h.attempt):
+            return JobStatus("STOPPING", detail="the launcher is gone; its workers are checkpointing and stopping")
+        return JobStatus("LOST", detail="the launcher is gone without an exit code (killed?)")
 
     def logs(self, job: JobRecord, *, follow: bool) -> Iterator[str]:
-        path = Path(job.run_dir) / "train.log"
-        while follow and not path.exists() and self.status(job)["state"] == "RUNNING":
-            time.sleep(0.1)
+        h = job.handle
+        assert isinstance(h, LocalHandle)
+        path = Path(h.log)
         if not path.exists():
-            return
+            raise BackendError(f"no log for {job.name} at {path}", fix="the run directory may have been removed")
         with open(path, errors="replace") as f:
             while True:
                 line = f.readline()
                 if line:
                     yield line
                     continue
-                if not follow or self.status(job)["state"] != "RUNNING":
+                if not follow or self.status(job).state not in ("RUNNING", "STOPPING"):
                     rest = f.read()
                     if rest:
                         yield rest
                     return
                 time.sleep(0.2)
 
-    def cancel(self, job: JobRecord, grace: float = 30.0) -> None:
-        pgid = job.handle.get("pgid", job.handle["pid"])
+    def wait(self, job: JobRecord, stream=sys.stdout) -> int:
+        """Stream the log until the job ends; Ctrl-C asks the job to checkpoint and stop."""
         try:
-            os.killpg(pgid, signal.SIGTERM)  # the runtime checkpoints on SIGTERM, then exits
-        except ProcessLookupError:
-            return
+            for line in self.logs(job, follow=True):
+                stream.write(line)
+                stream.flush()
+        except KeyboardInterrupt:
+            print(self.cancel(job), file=sys.stderr)
+        if self._proc is not None:
+            self._proc.wait()
+        rc = self._exit_code(job.handle)  # type: ignore[arg-type]
+        return rc if rc is not None else ExitCode.FAILED
+
+    # ---------------------------------------------------------------- stop
+
+    def cancel(self, job: JobRecord, grace: float = STOP_GRACE) -> str:
+        h = job.handle
+        assert isinstance(h, LocalHandle)
+        rc = self._exit_code(h)
+        if rc is not None:
+            return f"{job.name} already finished ({STATES.get(rc, 'FAILED')}, exit code {rc}); nothing to stop"
+        psutil = _psutil()
+        if self._launcher_alive(h):
+            os.kill(h.pid, signal.SIGTERM)  # launch.sh passes it to torchrun, which passes it to the workers
+        elif not job_processes(h.attempt):
+            return f"{job.name} is not running (its processes are gone); nothing to stop"
         deadline = time.time() + grace
         while time.time() < deadline:
+            if not job_processes(h.attempt):
+                return f"stopped {job.name} (its workers checkpointed on SIGTERM)"
+            time.sleep(0.3)
+        left = job_processes(h.attempt)
+        for p in left:
             try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        return f"stopped {job.name}: {len(left)} process(es) did not stop within {grace:.0f}s and were killed"

@@ -1,15 +1,21 @@
-"""A small SQLite registry of submitted jobs, so `status/logs/down NAME` work after `up` returns."""
+"""A small SQLite registry of submitted jobs, so `status/logs/down NAME` work after `up` returns.
+
+It fails safe: a registry that cannot be written is found before anything is submitted; a damaged database
+or a bad row gives a clear error (or is skipped with a note) instead of breaking every command.
+"""
 from __future__ import annotations
 
 import json
 import os
 import sqlite3
+import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
-from ..errors import DtlaunchError
+from ..errors import BackendError, DtlaunchError
 
 
 def state_dir() -> Path:
@@ -20,46 +26,114 @@ def state_dir() -> Path:
     return Path(base) / "dtlaunch"
 
 
+@dataclass(frozen=True)
+class LocalHandle:
+    pid: int  # launch.sh
+    create_time: float  # its start time: a reused pid is never mistaken for the job
+    attempt: str  # DTLAUNCH_ATTEMPT: marks every process of the job in its environment
+    log: str
+    exit_file: str
+
+
+@dataclass(frozen=True)
+class SlurmHandle:
+    submit_dir: str
+    job_name: str
+    array: bool = False
+    ssh: Optional[dict] = None
+
+
+@dataclass(frozen=True)
+class SkyHandle:
+    cluster: str
+    managed: bool
+    job_id: int
+
+
+Handle = Union[LocalHandle, SlurmHandle, SkyHandle]
+_HANDLES = {"local": LocalHandle, "slurm": SlurmHandle, "sky": SkyHandle}
+
+
 @dataclass
 class JobRecord:
     name: str
     target: str
     job_id: str
     run_dir: str
-    handle: dict = field(default_factory=dict)
+    handle: Handle
     created: float = field(default_factory=time.time)
+
+
+def _decode(target: str, handle_json: str) -> Handle:
+    cls = _HANDLES[target]
+    return cls(**json.loads(handle_json))
 
 
 class Registry:
     def __init__(self, path: Optional[Path] = None):
         self.path = path or state_dir() / "registry.db"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._db() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS jobs (name TEXT, target TEXT, job_id TEXT, run_dir TEXT,"
-                       " handle TEXT, created REAL)")
+
+    def _fail(self, what: str, err: BaseException) -> DtlaunchError:
+        return BackendError(f"the job registry {self.path} {what}: {err}",
+                            fix=f"move it aside (mv {self.path} {self.path}.broken) and run again; "
+                                "or set DTLAUNCH_HOME to another directory")
 
     def _db(self) -> sqlite3.Connection:
-        return sqlite3.connect(self.path, timeout=30)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, timeout=30)
+            db.execute("CREATE TABLE IF NOT EXISTS jobs (name TEXT, target TEXT, job_id TEXT, run_dir TEXT,"
+                       " handle TEXT, created REAL)")
+            return db
+        except (sqlite3.Error, OSError) as e:
+            raise self._fail("cannot be opened", e) from None
+
+    def check_writable(self) -> None:
+        """Before a submit: the registry must be able to record the job, or `status`/`down` could never reach it."""
+        d = self.path.parent
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=d, prefix=".write-check-"):
+                pass
+            with self._db() as db:
+                db.execute("BEGIN IMMEDIATE")  # takes the write lock: fails on a read-only or damaged file
+                db.execute("SELECT count(*) FROM jobs").fetchone()
+        except (sqlite3.Error, OSError) as e:
+            raise self._fail("cannot be written, so the job could not be followed after submitting", e) from None
 
     def add(self, rec: JobRecord) -> None:
-        with self._db() as db:
-            db.execute("INSERT INTO jobs VALUES (?,?,?,?,?,?)",
-                       (rec.name, rec.target, rec.job_id, rec.run_dir, json.dumps(rec.handle), rec.created))
-
-    def update(self, rec: JobRecord) -> None:
-        with self._db() as db:
-            db.execute("UPDATE jobs SET handle=? WHERE target=? AND job_id=? AND created=?",
-                       (json.dumps(rec.handle), rec.target, rec.job_id, rec.created))
+        try:
+            with self._db() as db:
+                db.execute("INSERT INTO jobs VALUES (?,?,?,?,?,?)",
+                           (rec.name, rec.target, rec.job_id, rec.run_dir, json.dumps(asdict(rec.handle)), rec.created))
+        except sqlite3.Error as e:
+            raise self._fail("could not record the job", e) from None
 
     def all(self) -> list[JobRecord]:
-        with self._db() as db:
-            rows = db.execute("SELECT name, target, job_id, run_dir, handle, created FROM jobs ORDER BY created").fetchall()
-        return [JobRecord(n, t, j, r, json.loads(h), c) for n, t, j, r, h, c in rows]
+        try:
+            with self._db() as db:
+                rows = db.execute("SELECT name, target, job_id, run_dir, handle, created FROM jobs "
+                                  "ORDER BY created").fetchall()
+        except sqlite3.Error as e:
+            raise self._fail("is damaged", e) from None
+        out = []
+        for n, t, j, r, h, c in rows:
+            try:
+                out.append(JobRecord(str(n), str(t), str(j), str(r), _decode(t, h), float(c)))
+            except (KeyError, TypeError, ValueError) as e:  # one bad row must not break every command
+                print(f"dtlaunch: note: skipping a damaged registry row for job {n!r} ({type(e).__name__}: {e})",
+                      file=sys.stderr)
+        return out
 
     def find(self, key: str) -> JobRecord:
         """The newest job whose name or job id is `key`."""
-        hits = [r for r in self.all() if key in (r.name, r.job_id, f"{r.target}:{r.job_id}")]
+        recs = self.all()
+        hits = [r for r in recs if key in (r.name, r.job_id, f"{r.target}:{r.job_id}")]
         if not hits:
-            known = ", ".join(sorted({r.name for r in self.all()})) or "none yet"
-            raise DtlaunchError(f"no job named {key!r} in {self.path} (known: {known})")
+            known = ", ".join(sorted({r.name for r in recs})) or "none yet"
+            raise DtlaunchError(f"no job named {key!r} in {self.path} (known: {known})",
+                                fix="`dtlaunch status` lists the recorded jobs")
         return hits[-1]
+
+    def of_run_dir(self, run_dir: str) -> list[JobRecord]:
+        return [r for r in self.all() if r.run_dir == run_dir]

@@ -15,8 +15,9 @@ from typing import Iterator
 import yaml
 
 from ..errors import BackendError
-from ..render.artifacts import Artifacts
-from .registry import JobRecord
+from ..render.artifacts import Artifacts, SkyRequest
+from . import JobStatus
+from .registry import JobRecord, SkyHandle
 
 CHECK_HINT = "run `sky check` to see which clouds SkyPilot can use and how to add credentials"
 
@@ -43,7 +44,7 @@ def _sky_errors(action: str):
         raise BackendError(f"SkyPilot is not installed ({e}); pip install 'dtlaunch[sky]'") from None
     except Exception as e:  # noqa: BLE001 - SkyPilot raises anything from ValueError to its own errors
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BackendError(f"SkyPilot could not {action}: {type(e).__name__}: {reason}\n    fix: {CHECK_HINT}") from None
+        raise BackendError(f"SkyPilot could not {action}: {type(e).__name__}: {reason}", fix=CHECK_HINT) from None
 
 
 class _Sdk:
@@ -72,7 +73,7 @@ class _Sdk:
         job_id, _ = self.sdk.stream_and_get(self.sdk.launch(task, cluster_name=name))
         return str(job_id)
 
-    def status(self, name: str, job_id: int, managed: bool) -> dict:
+    def status(self, name: str, job_id: int, managed: bool) -> JobStatus:
         if managed:
             recs = self.sdk.get(self.sky.jobs.queue(refresh=False, job_ids=[job_id]))
             recs = recs[0] if isinstance(recs, tuple) else recs
@@ -82,8 +83,8 @@ class _Sdk:
             get = r.get if isinstance(r, dict) else (lambda k, r=r: getattr(r, k, None))
             if int(get("job_id")) == job_id:
                 st = get("status")
-                return {"state": getattr(st, "value", str(st)), "exit_code": None}
-        return {"state": "UNKNOWN", "exit_code": None, "detail": f"job {job_id} not found on {name}"}
+                return JobStatus(getattr(st, "value", str(st)))
+        return JobStatus("UNKNOWN", detail=f"job {job_id} not found on {name}")
 
     def logs(self, name: str, job_id: int, managed: bool, follow: bool) -> Iterator[str]:
         if managed:
@@ -110,34 +111,42 @@ class SkyBackend:
                 self._sdk = _Sdk()
         return self._sdk
 
-    def submit(self, artifacts: Artifacts, out_dir: str, *, wait: bool) -> JobRecord:
-        managed = artifacts.submit_command[:3] == ["sky", "jobs", "launch"]
-        names = [artifacts.submit_command[i + 1] for i, a in enumerate(artifacts.submit_command) if a == "--secret"]
-        missing = [n for n in names if n not in os.environ]
+    def submit(self, artifacts: Artifacts, out_dir: str) -> JobRecord:
+        req = artifacts.request
+        assert isinstance(req, SkyRequest)
+        missing = [n for n in req.secrets if n not in os.environ]
         if missing:
-            raise BackendError(f"secret(s) {', '.join(missing)} not set in this shell; export them first "
-                               "(dtlaunch passes secrets by name, SkyPilot reads the values from here)")
+            raise BackendError(f"secret(s) {', '.join(missing)} not set in this shell",
+                               fix="export them first (dtlaunch passes secrets by name, SkyPilot reads the values here)")
         api = self._api()
         with _sky_errors("check credentials"):
             clouds = api.enabled_clouds()
         if not clouds:
-            raise BackendError("SkyPilot has no cloud or Kubernetes enabled: it found no usable credentials\n"
-                               f"    fix: {CHECK_HINT}")
+            raise BackendError("SkyPilot has no cloud or Kubernetes enabled: it found no usable credentials",
+                               fix=CHECK_HINT)
         with _sky_errors("read the task"):
-            task = api.task(Path(out_dir) / artifacts.entrypoint, {n: os.environ[n] for n in names})
+            task = api.task(Path(out_dir) / req.task_file, {n: os.environ[n] for n in req.secrets})
         with _sky_errors("launch the task"):
-            job_id = api.launch(task, artifacts.job_name, managed)
+            job_id = api.launch(task, req.cluster, req.managed)
         return JobRecord(artifacts.job_name, "sky", job_id, str(Path(out_dir).resolve()),
-                         {"cluster": artifacts.job_name, "managed": managed, "job_id": int(job_id)})
+                         SkyHandle(req.cluster, req.managed, int(job_id)))
 
-    def status(self, job: JobRecord) -> dict:
+    def wait(self, job: JobRecord) -> int:
+        raise BackendError("`up -t sky` does not wait for the job: SkyPilot runs it (and recovers it) on its own",
+                           fix=f"follow it with `dtlaunch logs -f {job.name}`, `dtlaunch status {job.name}`")
+
+    def status(self, job: JobRecord) -> JobStatus:
+        h = job.handle
         with _sky_errors("get the job's status"):
-            return self._api().status(job.handle["cluster"], job.handle["job_id"], job.handle["managed"])
+            return self._api().status(h.cluster, h.job_id, h.managed)
 
     def logs(self, job: JobRecord, *, follow: bool) -> Iterator[str]:
+        h = job.handle
         with _sky_errors("fetch logs"):
-            yield from self._api().logs(job.handle["cluster"], job.handle["job_id"], job.handle["managed"], follow)
+            yield from self._api().logs(h.cluster, h.job_id, h.managed, follow)
 
-    def cancel(self, job: JobRecord) -> None:
+    def cancel(self, job: JobRecord) -> str:
+        h = job.handle
         with _sky_errors("cancel the job"):
-            self._api().cancel(job.handle["cluster"], job.handle["job_id"], job.handle["managed"])
+            self._api().cancel(h.cluster, h.job_id, h.managed)
+        return f"cancelled {job.name} (sky {'managed job' if h.managed else 'job'} {h.job_id})"

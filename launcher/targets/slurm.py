@@ -3,31 +3,26 @@
 Runs the SLURM commands here, or on a login node over SSH (targets.slurm.ssh; see ssh.py). The
 settings come from the plan.json shipped with the artifacts, so `up` needs no extra flags.
 
-Why sbatch, and not submitit, does the submitting (also when `submit: submitit`): the job script's
-requeue, ledger and signal-forwarding logic must run in the batch shell itself. submitit wraps a
-command in its own batch script and its own USR2 handler, which would catch the time-limit signal
-in a Python process that is not the training, and its `result()` hangs when a job dies without a
-result pickle (shared notes, section 3). sbatch keeps one script a user can read, run and resubmit.
-
 Status: squeue (pending/running), then sacct (finished), then the job's own state files
 (jobs/ID/state, exit_codes, attempts), which work even when accounting is disabled.
 """
 from __future__ import annotations
 
-import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
 from ..errors import BackendError
-from ..recipe import SlurmTarget
-from ..render.artifacts import Artifacts
+from ..render.artifacts import Artifacts, SlurmRequest
 from ..render.slurm import JOBS_DIR
-from .registry import JobRecord
+from . import JobStatus
+from .registry import JobRecord, SlurmHandle
 from .ssh import SshTransport
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
@@ -41,7 +36,11 @@ class LocalShell:
         if shutil.which(argv[0]) is None:
             raise BackendError(f"{argv[0]} not found on PATH: install the SLURM client (e.g. apt install slurm-client) "
                                "or submit from a login node with targets.slurm.ssh")
-        p = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        try:
+            p = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise BackendError(f"`{' '.join(argv)}` did not answer within {timeout:.0f}s: the SLURM controller is "
+                               "slow or down", fix="try again; `sinfo` shows whether the cluster answers") from None
         return p.returncode, p.stdout, p.stderr
 
     def read(self, path: str, offset: int = 0) -> Optional[bytes]:
@@ -56,14 +55,6 @@ class LocalShell:
         pass
 
 
-def _settings(artifacts: Artifacts) -> SlurmTarget:
-    doc = json.loads(artifacts.files["plan.json"]) if "plan.json" in artifacts.files else None
-    if doc is None:  # an array job: every task shares targets.slurm (render_slurm_array checks it)
-        first = sorted(k for k in artifacts.files if k.endswith("/plan.json"))[0]
-        doc = json.loads(artifacts.files[first])
-    return SlurmTarget.model_validate(doc["recipe"]["targets"]["slurm"])
-
-
 class SlurmBackend:
     name = "slurm"
 
@@ -73,67 +64,72 @@ class SlurmBackend:
     # ---------------------------------------------------------------- transport
 
     @staticmethod
-    def _transport(handle: dict):
-        return SshTransport(handle["ssh"]) if handle.get("ssh") else LocalShell()
+    def _transport(handle: SlurmHandle):
+        return SshTransport(handle.ssh) if handle.ssh else LocalShell()
 
     # ---------------------------------------------------------------- submit
 
-    def submit(self, artifacts: Artifacts, out_dir: str, *, wait: bool = False) -> JobRecord:
+    def submit(self, artifacts: Artifacts, out_dir: str) -> JobRecord:
         """Submit; raise BackendError (and record nothing) if sbatch is missing or rejects the script."""
-        settings = _settings(artifacts)
-        local_dir = str(Path(out_dir).resolve())
-        handle: dict = {"ssh": settings.ssh.model_dump() if settings.ssh else None,
-                        "array": "task-0/plan.json" in artifacts.files}
-        tr = self._transport(handle)
+        req = artifacts.request
+        assert isinstance(req, SlurmRequest)
+        settings = req.settings
+        ssh = settings.ssh.model_dump() if settings.ssh else None
+        tr = SshTransport(ssh) if ssh else LocalShell()
         try:
             if settings.ssh:
                 name = f"{artifacts.job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
                 submit_dir = tr.upload(artifacts.files, artifacts.executable,
                                        settings.ssh.remote_dir.rstrip("/") + "/" + name)
             else:
-                submit_dir = local_dir
-            rc, out, err = tr.run(artifacts.submit_command, cwd=submit_dir)
+                submit_dir = str(Path(out_dir).resolve())
+                missing = [n for n in req.secrets if n not in os.environ]
+                if missing:
+                    raise BackendError(f"secret(s) {', '.join(missing)} not set in this shell",
+                                       fix="export them first: sbatch passes the submitting shell's environment "
+                                           "to the job (--export=ALL)")
+            rc, out, err = tr.run(list(req.argv), cwd=submit_dir)
         finally:
             tr.close()
         if rc != 0:
-            raise BackendError(f"sbatch rejected the job (exit {rc}): {err.strip() or out.strip()}\n"
-                               f"    the script is {submit_dir}/{artifacts.entrypoint}")
+            raise BackendError(f"sbatch rejected the job (exit {rc}): {err.strip() or out.strip()}",
+                               fix=f"read the script: {submit_dir}/{req.job_script}")
         job_id = out.strip().splitlines()[-1].split(";")[0] if out.strip() else ""
         if not job_id.isdigit():
             raise BackendError(f"sbatch printed no job id (stdout {out!r}, stderr {err!r})")
-        handle.update({"submit_dir": submit_dir, "job_name": artifacts.job_name})
+        handle = SlurmHandle(submit_dir, artifacts.job_name, req.array, ssh)
         return JobRecord(artifacts.job_name, "slurm", job_id, submit_dir, handle)
 
     # ---------------------------------------------------------------- status
 
-    def status(self, job: JobRecord) -> dict:
+    def status(self, job: JobRecord) -> JobStatus:
         tr = self._transport(job.handle)
         try:
             return self._status(tr, job)
         finally:
             tr.close()
 
-    def _status(self, tr, job: JobRecord) -> dict:
+    def _status(self, tr, job: JobRecord) -> JobStatus:
         files = self._files(tr, job)
         rc, out, _ = tr.run(["squeue", "-h", "-j", job.job_id, "-o", "%T"])
         states = [s for s in out.split() if s]
         if rc == 0 and states:
-            return {"state": _merge(states), "exit_code": None, "source": "squeue", **files}
+            return JobStatus(_merge(states), None, extra={"source": "squeue", **files})
         rc, out, _ = tr.run(["sacct", "-n", "-X", "-P", "-j", job.job_id, "-o", "State,ExitCode"])
         rows = [line.split("|") for line in out.splitlines() if "|" in line]
         if rc == 0 and rows:
             state = _merge([r[0].split()[0] for r in rows])
             code = max(int(r[1].split(":")[0]) for r in rows)
-            return {"state": state, "exit_code": code, "source": "sacct", **files}
+            return JobStatus(state, code, extra={"source": "sacct", **files})
         # No accounting (sacct fails or has no record): the job's own files.
         if files.get("job_state"):
-            return {"state": files["job_state"], "exit_code": files.get("last_exit_code"), "source": "job files", **files}
-        return {"state": "UNKNOWN", "exit_code": None, "source": "none",
-                "detail": "not in squeue, no accounting record, and no state file yet", **files}
+            return JobStatus(files["job_state"], files.get("last_exit_code"), extra={"source": "job files", **files})
+        return JobStatus("UNKNOWN", None, "not in squeue, no accounting record, and no state file yet",
+                         extra={"source": "none", **files})
 
     def _files(self, tr, job: JobRecord) -> dict:
         """The job script's own records: what survives without accounting."""
-        if job.handle.get("array"):
+        if job.handle.array:
             return {}
         base = f"{job.run_dir}/{JOBS_DIR}/{job.job_id}"
         info: dict = {}
@@ -152,7 +148,7 @@ class SlurmBackend:
     # ---------------------------------------------------------------- logs, wait, cancel
 
     def log_path(self, job: JobRecord) -> str:
-        return f"{job.run_dir}/{job.handle.get('job_name', job.name)}-{job.job_id}.out"
+        return f"{job.run_dir}/{job.handle.job_name}-{job.job_id}.out"
 
     def logs(self, job: JobRecord, *, follow: bool) -> Iterator[str]:
         tr = self._transport(job.handle)
@@ -165,7 +161,7 @@ class SlurmBackend:
                     yield data.decode(errors="replace")
                 if not follow:
                     return
-                st = self._status(tr, job)["state"]
+                st = self._status(tr, job).state
                 if st in TERMINAL or (st == "UNKNOWN" and data is not None):
                     rest = tr.read(self.log_path(job), offset)
                     if rest:
@@ -181,17 +177,21 @@ class SlurmBackend:
             stream.write(chunk)
             stream.flush()
         st = self.status(job)
-        return st["exit_code"] if isinstance(st.get("exit_code"), int) else (0 if st["state"] == "COMPLETED" else 1)
+        return st.exit_code if isinstance(st.exit_code, int) else (0 if st.state == "COMPLETED" else 1)
 
-    def cancel(self, job: JobRecord) -> None:
-        """scancel: SLURM sends SIGTERM first, so the runtime checkpoints; no requeue follows a cancel."""
+    def cancel(self, job: JobRecord) -> str:
+        """scancel: SLURM sends SIGTERM first, so the runtime checkpoints; the job script never requeues a cancel."""
         tr = self._transport(job.handle)
         try:
+            st = self._status(tr, job)
+            if st.state in TERMINAL:
+                return f"{job.name} already ended ({st.state}); nothing to cancel"
             rc, out, err = tr.run(["scancel", job.job_id])
         finally:
             tr.close()
         if rc != 0:
             raise BackendError(f"scancel {job.job_id} failed: {err.strip() or out.strip()}")
+        return f"cancelled {job.name} (slurm job {job.job_id}); its workers checkpoint on SIGTERM"
 
 
 def _merge(states: list[str]) -> str:

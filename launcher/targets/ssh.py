@@ -80,9 +80,13 @@ class SshTransport:
         cmd = " ".join(shlex.quote(a) for a in argv)
         if cwd:
             cmd = f"cd {shlex.quote(_remote_path(cwd))} && {cmd}"
-        _, out, err = self.connect().exec_command(cmd, timeout=timeout)
-        o, e = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-        return out.channel.recv_exit_status(), o, e
+        try:
+            _, out, err = self.connect().exec_command(cmd, timeout=timeout)
+            o, e = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+            return out.channel.recv_exit_status(), o, e
+        except (TimeoutError, OSError, EOFError) as e:  # socket.timeout is a TimeoutError
+            raise BackendError(f"ssh {self.where}: `{argv[0]}` did not complete ({type(e).__name__}: {e})",
+                               fix="check the login node and its SLURM controller, then try again") from None
 
     def upload(self, files: dict[str, str], executable: set[str], remote_dir: str) -> str:
         """Write the files under remote_dir (created); return its absolute path."""

@@ -85,7 +85,7 @@ def write_plan(run_dir: Path, recipe: dict) -> Path:
     rec = load_text(yaml.safe_dump(recipe), source="<test recipe>")
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "plan.json"
-    path.write_text(planfile.dumps(rec, make_plan(rec).to_dict()))
+    path.write_text(planfile.dumps(rec, make_plan(rec)))
     return path
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launcher import exitcodes
+from launcher.jobenv import ExitCode
 from launcher.runtime import ckptdir
 from rt_harness import recipe_dict, run_torchrun, write_plan
 
@@ -29,7 +29,7 @@ def test_stuck_rank_ends_the_job_with_HANG_within_the_timeout(run_dir):
     res = run_torchrun(write_plan(run_dir, rec), run_dir, env={"DTLAUNCH_FAULT": "hang:rank=1:step=5"}, timeout=120)
     end = time.time()
     assert res.rc != 0
-    assert exitcodes.HANG in res.worker_codes, res.output[-3000:]
+    assert ExitCode.HANG in res.worker_codes, res.output[-3000:]
     fault_t = _fault_time(res.stderr)
     status = res.statuses()[0]
     detected, ended = status["time"] - fault_t, end - fault_t
@@ -40,7 +40,7 @@ def test_stuck_rank_ends_the_job_with_HANG_within_the_timeout(run_dir):
     # one timeout later instead of torchrun's SIGKILL after 30 s.
     assert ended < 2 * TIMEOUT_S + 8, f"took {ended:.1f}s"
     assert -9 not in res.worker_codes
-    assert status["code"] == exitcodes.HANG and status["step"] == 5
+    assert status["code"] == ExitCode.HANG and status["step"] == 5
     assert "timed out during step 5" in status["message"] and f"timeout_seconds={TIMEOUT_S}" in status["message"]
 
 
@@ -49,7 +49,7 @@ def test_off_by_one_rank_is_caught_by_step_agreement(run_dir):
     rec = recipe_dict(training={"steps": 30, "timeout_seconds": TIMEOUT_S}, checkpoint={"every": 100})
     res = run_torchrun(write_plan(run_dir, rec), run_dir, env={"DTLAUNCH_FAULT": "desync_step:rank=1:step=5"})
     end = time.time()
-    assert exitcodes.HANG in res.worker_codes, res.output[-3000:]
+    assert ExitCode.HANG in res.worker_codes, res.output[-3000:]
     assert "ranks disagree on the step number (per rank: [5, 6])" in res.stderr
     detect = end - _fault_time(res.stderr)
     print(f"\ndesync: caught {detect:.1f}s after the divergence")
@@ -63,7 +63,7 @@ def test_rank_skipping_a_collective_ends_with_HANG(run_dir):
     res = run_torchrun(write_plan(run_dir, rec), run_dir, env={"DTLAUNCH_FAULT": "skip_collective:rank=1:step=5"},
                        timeout=120)
     end = time.time()
-    assert exitcodes.HANG in res.worker_codes, res.output[-3000:]
+    assert ExitCode.HANG in res.worker_codes, res.output[-3000:]
     detect = end - _fault_time(res.stderr)
     print(f"\nskip_collective: job ended {detect:.1f}s after rank 1 skipped a collective")
     assert detect < TIMEOUT_S + 15
@@ -75,8 +75,8 @@ def test_failed_preflight_exits_44_before_training(run_dir):
     # The 'best' profile expects 40 GB/s; loopback gloo on this machine gives ~1 GB/s.
     rec = recipe_dict(resources={"network": "best"}, training={"min_allreduce_fraction": 0.9})
     res = run_torchrun(write_plan(run_dir, rec), run_dir)
-    assert res.worker_codes and set(res.worker_codes) <= {exitcodes.PREFLIGHT, -15}, res.output[-3000:]
-    assert exitcodes.PREFLIGHT in res.worker_codes
+    assert res.worker_codes and set(res.worker_codes) <= {ExitCode.PREFLIGHT, -15}, res.output[-3000:]
+    assert ExitCode.PREFLIGHT in res.worker_codes
     assert "preflight failed before any training step" in res.stderr
     assert "below the required 90%" in res.stderr
     assert not res.losses()
@@ -94,7 +94,7 @@ def test_unresumable_checkpoints_are_config_errors(reference, run_dir, tmp_path)
     assert ckptdir.complete_steps(zero_dir / "checkpoints") == [2]
     shutil.copytree(zero_dir / "checkpoints", run_dir / "checkpoints")
     fsdp = run_torchrun(write_plan(run_dir, recipe_dict(parallelism={"strategy": "fsdp"}, training={"steps": 4})), run_dir)
-    assert exitcodes.CONFIG in fsdp.worker_codes, fsdp.output[-3000:]
+    assert ExitCode.CONFIG in fsdp.worker_codes, fsdp.output[-3000:]
     assert "written by zero1 (deepspeed format) and cannot be loaded by fsdp" in fsdp.stderr
     assert fsdp.stderr.count("Traceback (most recent call last)") == 1  # torchrun's report only
     # A real DDP checkpoint of the tiny model, resumed by a recipe with another shape (micro): refused.
@@ -103,5 +103,5 @@ def test_unresumable_checkpoints_are_config_errors(reference, run_dir, tmp_path)
     shutil.copytree(ref.run_dir / "checkpoints" / ckptdir.step_name(4), other / "checkpoints" / ckptdir.step_name(4))
     shape = run_torchrun(write_plan(other, recipe_dict(model={"preset": "micro", "seq_len": 64}, training={"steps": 4})),
                          other)
-    assert exitcodes.CONFIG in shape.worker_codes, shape.output[-3000:]
+    assert ExitCode.CONFIG in shape.worker_codes, shape.output[-3000:]
     assert "different model shape" in shape.stderr

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launcher import exitcodes
+from launcher.jobenv import ExitCode
 from launcher.runtime import ckptdir
 from rt_harness import (DET_EVERY, DET_STEPS, kill_tree, worker_ranks, det_recipe, load_safetensors, recipe_dict, run_torchrun,
                         start_torchrun, write_plan, RunResult, parse_worker_codes)
@@ -30,7 +30,7 @@ def test_resume_2_to_1_to_2_ranks_continues_the_loss(reference, run_dir, strateg
     # 2 -> 1: resume the reference's step-4 checkpoint on one rank; preempt it at step 8.
     stop = 2 * DET_EVERY
     one = run_torchrun(plan, run_dir, nproc=1, env={"DTLAUNCH_FAULT": f"signal:rank=0:step={stop}:sig=USR2"})
-    assert exitcodes.PREEMPTED in one.worker_codes, one.output[-3000:]
+    assert ExitCode.PREEMPTED in one.worker_codes, one.output[-3000:]
     assert f"resumed from step {DET_EVERY}" in one.stdout
     assert "world_size 2 -> 1" in one.stdout and "grad_accum 2 -> 4" in one.stdout
     l1 = one.losses()
@@ -84,7 +84,7 @@ def test_sigusr2_checkpoints_exits_42_and_the_next_start_resumes(run_dir):
         if proc.poll() is None:
             kill_tree(proc.pid)
     codes = parse_worker_codes(err)
-    assert codes and all(c == exitcodes.PREEMPTED for c in codes), err[-3000:]
+    assert codes and all(c == ExitCode.PREEMPTED for c in codes), err[-3000:]
     res = RunResult(proc.returncode, out, err, 0.0, run_dir, codes)
     pre = res.events("preempt")
     assert len(pre) == 1 and pre[0]["ranks"] == [1], pre  # only rank 1 was signalled; both stopped
@@ -92,7 +92,7 @@ def test_sigusr2_checkpoints_exits_42_and_the_next_start_resumes(run_dir):
     saved = pre[0]["step"]
     assert 3 <= saved < steps
     assert ckptdir.latest_complete(run_dir / "checkpoints") == saved
-    assert {s["code"] for s in res.statuses().values()} == {exitcodes.PREEMPTED}
+    assert {s["code"] for s in res.statuses().values()} == {ExitCode.PREEMPTED}
     assert f"preempted at step {saved}" in err
     # The next start picks the preemption checkpoint up and finishes.
     again = run_torchrun(plan, run_dir)
@@ -104,4 +104,4 @@ def test_sigusr2_checkpoints_exits_42_and_the_next_start_resumes(run_dir):
 
     png = plot_metrics(run_dir, run_dir / "loss.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    print(f"\nSIGUSR2 at step ~{saved}: exit {exitcodes.PREEMPTED}, resumed from step {saved}, finished {steps} steps")
+    print(f"\nSIGUSR2 at step ~{saved}: exit {ExitCode.PREEMPTED}, resumed from step {saved}, finished {steps} steps")

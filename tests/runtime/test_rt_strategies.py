@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from launcher import catalog, exitcodes
+from launcher import catalog
+from launcher.jobenv import ExitCode
 from launcher.plan.params import count_params
 from launcher.runtime import ckptdir
 from rt_harness import (TORCHRUN, free_port, kill_tree, load_safetensors, recipe_dict, run_torchrun, torchrun_env,
@@ -137,7 +138,7 @@ def test_deepspeed_fp16_on_cpu_is_a_config_error(run_dir):
     """DeepSpeed's CPU accelerator has no fp16: the job must say so (exit CONFIG), not crash."""
     rec = recipe_dict(parallelism={"strategy": "zero2", "precision": "fp16"}, training={"steps": 2})
     res = run_torchrun(write_plan(run_dir, rec), run_dir)
-    assert exitcodes.CONFIG in res.worker_codes, res.output[-3000:]
+    assert ExitCode.CONFIG in res.worker_codes, res.output[-3000:]
     assert "DeepSpeed does not support fp16" in res.stderr
     assert res.stderr.count("Traceback (most recent call last)") == 1  # torchrun's own report, none from workers
     assert not (run_dir / "metrics.jsonl").exists() or not res.losses()

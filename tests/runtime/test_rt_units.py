@@ -2,6 +2,7 @@
 selection, data order, fault parsing, environment detection."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -86,7 +87,7 @@ def test_causal_attention_does_not_look_ahead():
 
 def _plan_for(**over):
     rec = load_text(yaml.safe_dump(recipe_dict(**over)))
-    return rec, make_plan(rec).to_dict()
+    return rec, make_plan(rec)
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
@@ -95,11 +96,11 @@ def test_deepspeed_config_is_accepted_by_deepspeed(strategy, precision):
     import deepspeed  # noqa: F401 - part of the test environment: missing must fail, not skip
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from launcher.plan.memory import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
-    from launcher.render.deepspeed import deepspeed_config
+    from launcher.deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
+    from launcher.deepspeed_config import deepspeed_config
 
     rec, plan = _plan_for(parallelism={"strategy": strategy, "precision": precision})
-    assert deepspeed_config(rec, plan)["train_batch_size"] == 16 and plan["dp"] == 2
+    assert deepspeed_config(rec, plan)["train_batch_size"] == 16 and plan.layout.dp == 2
     # The parser checks train_batch = micro * accumulation * world, and outside a process group its
     # world is 1: parse the config the runtime would build on one rank (the 2-rank one is parsed by
     # deepspeed.initialize in the multi-process tests).
@@ -121,7 +122,7 @@ def test_deepspeed_config_offload_and_static_loss_scale():
     import deepspeed  # noqa: F401 - part of the test environment
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from launcher.render.deepspeed import deepspeed_config
+    from launcher.deepspeed_config import deepspeed_config
 
     rec, plan = _plan_for(parallelism={"strategy": "zero3", "precision": "fp16", "offload": "params",
                                        "loss_scaling": "none"})
@@ -137,7 +138,7 @@ def test_deepspeed_config_offload_and_static_loss_scale():
 
 def test_deepspeed_config_needs_no_torch():
     """render/ is pure: importing it must not pull in torch (the CLI and planner stay light)."""
-    code = "import sys, launcher.render.deepspeed; sys.exit('torch' in sys.modules)"
+    code = "import sys, launcher.deepspeed_config; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -369,9 +370,9 @@ def test_plot_metrics(tmp_path):
 
 
 def test_fsdp2_cpu_offload_on_a_cpu_machine_is_a_config_error():
-    from launcher.runtime.parallel import Layout, shard_fsdp2
+    from launcher.runtime.parallel import RuntimeLayout, shard_fsdp2
 
-    lay = Layout("fsdp", "fp32", "none", "params", micro_batch=1, grad_accum=1, world_size=2)
+    lay = RuntimeLayout("fsdp", "fp32", "none", "params", micro_batch=1, grad_accum=1, world_size=2)
     with pytest.raises(ConfigError, match="needs a GPU"):
         shard_fsdp2(build_model(catalog.PRESETS["micro"]), lay, torch.device("cpu"), is_gpu=False)
 
@@ -385,4 +386,4 @@ def test_layout_keeps_the_global_batch_on_another_world_size():
     with pytest.raises(ConfigError, match="cannot be split"):
         resolve_layout(plan, 3)
     with pytest.raises(ConfigError, match="data-parallel layouts only"):
-        resolve_layout({**plan, "tp": 2}, 2)
+        resolve_layout(dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, tp=2)), 2)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from launcher import exitcodes
+from launcher.jobenv import ExitCode
 from launcher.runtime import ckptdir
 
 from sky_harness import Cluster, free_port
@@ -122,7 +122,7 @@ def test_preempted_code_survives_torchrun_for_recover_on_exit_codes(tmp_path):
     _, _, out = render_to(tmp_path, TINY, ov)
     c = Cluster(out, nodes=1, task_id=TASK_ID)
     rcs = c.wait(c.start({"DTLAUNCH_PORT": str(free_port()), "DTLAUNCH_FAULT": "signal:rank=0:step=3:sig=USR2"}), timeout=120)
-    assert rcs == [exitcodes.PREEMPTED], c.log(0)[-3000:]
+    assert rcs == [ExitCode.PREEMPTED], c.log(0)[-3000:]
     assert "ChildFailedError" in c.log(0)  # torchrun failed (its own exit status is 1) ...
     status = json.loads((c.workdir / "runs" / TASK_ID / "status" / "rank-00000.json").read_text())
-    assert status["code"] == exitcodes.PREEMPTED  # ... and the run script took the rank's code instead
+    assert status["code"] == ExitCode.PREEMPTED  # ... and the run script took the rank's code instead

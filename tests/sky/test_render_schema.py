@@ -11,7 +11,7 @@ import os
 import pytest
 import yaml
 
-from launcher import exitcodes
+from launcher.jobenv import ExitCode
 
 from sky_helpers import RECIPES, render_to, sky_lib  # noqa: F401 (fixture)
 
@@ -57,7 +57,7 @@ def test_rendered_yaml_is_accepted_by_skypilot(sky_lib, tmp_path, recipe_path, v
     assert (art.submit_command[:3] == ["sky", "jobs", "launch"]) == managed
     if managed:
         rec_cfg = res["job_recovery"]
-        assert rec_cfg["recover_on_exit_codes"] == [exitcodes.PREEMPTED, exitcodes.HANG]
+        assert rec_cfg["recover_on_exit_codes"] == [ExitCode.PREEMPTED, ExitCode.HANG]
         assert rec_cfg["strategy"] == ("EAGER_NEXT_REGION" if rec.targets.sky.spot else "FAILOVER")
         assert r.job_recovery["max_restarts_on_errors"] == rec.targets.sky.max_restarts_on_errors
     else:

@@ -39,22 +39,22 @@ def test_unknown_gpu_is_ours_to_reject(sky_lib, tmp_path):
         os.chdir(cwd)
     # ... so the recipe loader must stop it, naming file, line and field.
     p = _problem(TINY.replace("accelerator: cpu:2", "accelerator: NotAGPU:8"))
-    assert p["field"] == "resources.accelerator" and "NotAGPU" in p["message"]
-    assert p["file"] == "broken.yaml" and p["line"] == TINY.splitlines().index("  accelerator: cpu:2") + 1
+    assert p.field == "resources.accelerator" and "NotAGPU" in p.message
+    assert p.file == "broken.yaml" and p.line == TINY.splitlines().index("  accelerator: cpu:2") + 1
 
 
 def test_nodes_must_be_a_number():
     p = _problem(TINY.replace("nodes: 1", "nodes: two"))
-    assert p["field"] == "resources.nodes" and p["line"] == TINY.splitlines().index("  nodes: 1") + 1
+    assert p.field == "resources.nodes" and p.line == TINY.splitlines().index("  nodes: 1") + 1
 
 
 def test_unknown_sky_key_is_named_with_a_suggestion():
     text = TINY.replace("targets:\n  default: local", "targets:\n  default: sky\n  sky:\n    use_spot: true")
     p = _problem(text)
-    assert p["field"] == "targets.sky.use_spot" and "unknown key" in p["message"]
-    assert "spot" in p["fix"] and p["line"] == text.splitlines().index("    use_spot: true") + 1
+    assert p.field == "targets.sky.use_spot" and "unknown key" in p.message
+    assert "spot" in p.fix and p.line == text.splitlines().index("    use_spot: true") + 1
 
 
 def test_secret_values_are_refused():
     p = _problem(TINY + "secrets: ['HF_TOKEN=hf_abc']\n")
-    assert p["field"].startswith("secrets") and "names only" in p["message"]
+    assert p.field.startswith("secrets") and "names only" in p.message

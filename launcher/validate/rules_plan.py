@@ -1,53 +1,16 @@
-"""The sharp edges we know, as data: each rule has an id, a severity, a check, a message and a fix.
-
-Rules run over a Recipe and its Plan before anything is queued, so a user does not wait hours in a
-queue for a job that was never going to work. Pure: no I/O except the optional path check.
-"""
+"""Rules about the layout, memory, batch and precision: what the plan itself says is wrong."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
 
-from .plan import Plan
-from .plan.memory import GB, TORCH_FAMILY, ZERO_FAMILY
-from .recipe import Recipe
+from ..jobenv import gb as _gb
+from ..plan import Plan
+from ..recipe import Recipe
+from ..strategies import Family, names_in
+from .core import rule
 
-
-@dataclass(frozen=True)
-class Finding:
-    rule: str
-    severity: str  # error | warning | info
-    field: str
-    message: str
-    fix: str
-
-    def to_dict(self) -> dict:
-        return dict(rule=self.rule, severity=self.severity, field=self.field, message=self.message, fix=self.fix)
-
-
-@dataclass(frozen=True)
-class Rule:
-    id: str
-    severity: str
-    field: str
-    summary: str
-    check: Callable[[Recipe, Plan], Optional[tuple[str, str]]]  # -> (message, fix) when the rule fires
-
-
-RULES: list[Rule] = []
-
-
-def rule(id: str, severity: str, field: str, summary: str):
-    def deco(fn):
-        RULES.append(Rule(id, severity, field, summary, fn))
-        return fn
-
-    return deco
-
-
-def _gb(x: float) -> str:
-    return f"{x / GB:.1f} GB"
+TORCH_FAMILY = names_in(Family.TORCH)
+ZERO_FAMILY = names_in(Family.DEEPSPEED)
 
 
 @rule("fp16-loss-scaling", "error", "parallelism.loss_scaling", "fp16 without loss scaling")
@@ -140,13 +103,6 @@ def _pp(r: Recipe, p: Plan):
     s = r.model.shape()
     if s is not None and p.layout.pp > s.layers:
         return (f"pipeline {p.layout.pp} > {s.layers} layers", "lower pipeline")
-
-
-@rule("runtime-tp-pp", "warning", "parallelism", "tensor/pipeline parallel training is planned, not run, by this runtime")
-def _tp_runtime(r: Recipe, p: Plan):
-    if p.layout.tp > 1 or p.layout.pp > 1:
-        return ("dtlaunch's runtime trains with data parallelism (DDP/FSDP2/ZeRO); tensor and pipeline degrees are for "
-                "planning here", "use your own TP/PP training script with `dtlaunch render`, or tensor: 1, pipeline: 1")
 
 
 @rule("offload-ddp", "error", "parallelism.offload", "offload with DDP")
@@ -261,45 +217,8 @@ def _secretish(r: Recipe, p: Plan):
                 "move them to `secrets:` (names only) and export them when you submit")
 
 
-@rule("cpu-multi-node", "warning", "resources.accelerator", "CPU accelerator across nodes")
-def _cpu_nodes(r: Recipe, p: Plan):
-    if not r.resources.device().is_gpu and p.nodes > 1 and r.targets.default == "sky":
-        return ("cpu:N on the cloud trains on CPUs", "use a GPU accelerator such as H100:8")
-
-
 @rule("mfu-optimistic", "warning", "resources.mfu", "an optimistic MFU assumption")
 def _mfu(r: Recipe, p: Plan):
     if r.resources.mfu > 0.65:
         return (f"mfu {r.resources.mfu} is above what large runs report (0.35-0.55); time and cost will be underestimated",
                 "use 0.4 unless you have measured more")
-
-
-@rule("data-path", "warning", "training.data.path", "the data file does not exist here")
-def _data_path(r: Recipe, p: Plan):
-    d = r.training.data
-    if d.source == "file" and d.path and "{" not in d.path and not os.path.exists(os.path.expanduser(d.path)):
-        return (f"{d.path} does not exist on this machine", "check the path; it must exist on every node of the job")
-
-
-@rule("slurm-time-short", "warning", "targets.slurm.signal_seconds", "the preemption signal leaves no time")
-def _slurm_signal(r: Recipe, p: Plan):
-    t = r.targets.slurm
-    if t.signal_seconds < 2 * p.checkpoint_write_seconds:
-        return (f"USR2 comes {t.signal_seconds} s before the time limit but a checkpoint takes ~{p.checkpoint_write_seconds:.0f} s",
-                f"set targets.slurm.signal_seconds to at least {int(3 * p.checkpoint_write_seconds) + 30}")
-
-
-def validate(recipe: Recipe, plan: Plan, rules: Iterable[Rule] = RULES) -> list[Finding]:
-    out = []
-    for rl in rules:
-        hit = rl.check(recipe, plan)
-        if hit:
-            msg, fix = hit
-            out.append(Finding(rl.id, rl.severity, rl.field, msg, fix))
-    order = {"error": 0, "warning": 1, "info": 2}
-    return sorted(out, key=lambda f: order[f.severity])
-
-
-def has_errors(findings: Iterable[Finding]) -> bool:
-    return any(f.severity == "error" for f in findings)
-

@@ -1,13 +1,20 @@
 """The DeepSpeed JSON config for a ZeRO plan: the same dict `render` writes and the runtime passes to
-`deepspeed.initialize`, so what a user reviews is what runs. Pure: no torch, no deepspeed import.
+`deepspeed.initialize`, so what a user reviews is what runs. Pure: no torch, no deepspeed import; shared
+by the renderer, the runtime and the planner (which sizes DeepSpeed's buffers from the same constants).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from ..plan.memory import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
+from .strategies import spec
 
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+if TYPE_CHECKING:
+    from .plan import Plan
+    from .recipe import Recipe
+
+# Bucket sizes written into the config (elements); the planner counts the same buffers.
+DS_REDUCE_BUCKET = 200_000_000
+DS_ALLGATHER_BUCKET = 200_000_000
 # ZeRO-3 parameter fetching: DeepSpeed's documented defaults, written out so the plan's memory
 # estimate and the job agree (prefetch ~ 0.9 * reduce bucket; at most 1e9 live gathered elements).
 STAGE3_PREFETCH_BUCKET = int(0.9 * DS_REDUCE_BUCKET)
@@ -16,20 +23,21 @@ STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
 STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
 
 
-def deepspeed_config(recipe, plan: dict[str, Any], *, dp: Optional[int] = None, grad_accum: Optional[int] = None,
-                     is_gpu: Optional[bool] = None) -> dict[str, Any]:
+def deepspeed_config(recipe: "Recipe", plan: "Plan", *, dp: Optional[int] = None, grad_accum: Optional[int] = None,
+                     offload: Optional[str] = None, is_gpu: Optional[bool] = None) -> dict[str, Any]:
     """The config dict for `plan` (a ZeRO strategy). `dp`/`grad_accum` override the plan's when the job
     runs on a different world size than planned (the global batch stays the same)."""
-    strategy = plan["strategy"]
-    if strategy not in ZERO_STAGES:
-        raise ValueError(f"strategy {strategy!r} is not a DeepSpeed ZeRO strategy ({', '.join(ZERO_STAGES)})")
-    stage = ZERO_STAGES[strategy]
+    lay = plan.layout
+    stage = spec(lay.strategy).zero_stage
+    if stage is None:
+        raise ValueError(f"strategy {lay.strategy!r} is not a DeepSpeed ZeRO strategy")
+    strategy = lay.strategy
     tr = recipe.training
-    dp = dp if dp is not None else plan["dp"]
-    ga = grad_accum if grad_accum is not None else plan["grad_accum"]
-    micro = plan["micro_batch"]
+    dp = dp if dp is not None else lay.dp
+    ga = grad_accum if grad_accum is not None else lay.grad_accum
+    micro = lay.micro_batch
     if is_gpu is None:
-        is_gpu = plan.get("accelerator", "cpu") != "cpu"
+        is_gpu = plan.accelerator != "cpu"
     zero: dict[str, Any] = {
         "stage": stage,
         "reduce_bucket_size": DS_REDUCE_BUCKET,
@@ -45,7 +53,7 @@ def deepspeed_config(recipe, plan: dict[str, Any], *, dp: Optional[int] = None, 
             "stage3_param_persistence_threshold": STAGE3_PARAM_PERSISTENCE_THRESHOLD,
             "stage3_gather_16bit_weights_on_model_save": False,
         })
-    offload = plan.get("offload", "none")
+    offload = offload if offload is not None else lay.offload
     if offload in ("optimizer", "params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": bool(is_gpu)}
     if offload == "params":
@@ -67,7 +75,7 @@ def deepspeed_config(recipe, plan: dict[str, Any], *, dp: Optional[int] = None, 
         # On a CPU-only machine the states are on the host anyway: torch's AdamW does the same work
         # without DeepSpeedCPUAdam's JIT build (minutes on a small machine). GPUs use DeepSpeedCPUAdam.
         cfg["zero_force_ds_cpu_optimizer"] = False
-    precision = plan.get("precision", "bf16")
+    precision = lay.precision
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif precision == "fp16":

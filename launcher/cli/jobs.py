@@ -1,0 +1,91 @@
+"""`status`, `logs`, `down` and `plot`: following a job after `up`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..errors import DtlaunchError
+
+
+@click.command("status")
+@click.argument("job", required=False)
+@click.option("--json", "as_json", is_flag=True)
+def status_cmd(job, as_json):
+    """Show the state of one job (by name or id), or of all recorded jobs."""
+    from ..targets import JobStatus, backend
+    from ..targets.registry import Registry
+
+    reg = Registry()
+    recs = [reg.find(job)] if job else reg.all()
+    rows = []
+    for r in recs:
+        try:
+            st = backend(r.target).status(r)
+        except DtlaunchError as e:
+            st = JobStatus("UNKNOWN", detail=str(e))
+        rows.append({"name": r.name, "target": r.target, "job_id": r.job_id, "run_dir": r.run_dir, **st.to_dict()})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no jobs recorded yet (dtlaunch up RECIPE)")
+    for row in rows:
+        extra = f" exit={row['exit_code']}" if row.get("exit_code") is not None else ""
+        detail = f" ({row['detail']})" if row.get("detail") else ""
+        click.echo(f"{row['name']}\t{row['target']}:{row['job_id']}\t{row['state']}{extra}{detail}\t{row['run_dir']}")
+
+
+@click.command("logs")
+@click.argument("job")
+@click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends.")
+def logs_cmd(job, follow):
+    """Print a job's output."""
+    from ..targets import backend
+    from ..targets.registry import Registry
+
+    rec = Registry().find(job)
+    try:
+        for line in backend(rec.target).logs(rec, follow=follow):
+            click.echo(line, nl=False)
+    except KeyboardInterrupt:
+        pass
+
+
+@click.command("down")
+@click.argument("job")
+def down_cmd(job):
+    """Stop a job: SIGTERM first, so it checkpoints; what does not stop in time is killed."""
+    from ..targets import backend
+    from ..targets.registry import Registry
+
+    rec = Registry().find(job)
+    click.echo(backend(rec.target).cancel(rec))
+
+
+@click.command("plot")
+@click.argument("run")
+@click.option("-o", "--out", "out_png", default=None, help="PNG path (default: RUN/loss.png).")
+def plot_cmd(run, out_png):
+    """Draw the loss curve of a run directory (or its metrics.jsonl) as a PNG."""
+    run_path = Path(run)
+    if not run_path.exists():
+        from ..targets.registry import Registry
+
+        run_path = Path(Registry().find(run).run_dir)
+    try:
+        from ..plot import plot_metrics
+    except ImportError as e:
+        raise DtlaunchError(f"plotting needs matplotlib ({e})", fix="pip install 'dtlaunch[train]'") from None
+    out = out_png or str((run_path if run_path.is_dir() else run_path.parent) / "loss.png")
+    try:
+        plot_metrics(str(run_path), out)
+    except OSError as e:
+        raise DtlaunchError(f"cannot write {out}: {e.strerror}", fix="pass -o with a writable path") from None
+    click.echo(f"wrote {out}")
+
+
+def register(cli: click.Group) -> None:
+    for cmd in (status_cmd, logs_cmd, down_cmd, plot_cmd):
+        cli.add_command(cmd)

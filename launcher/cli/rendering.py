@@ -1,0 +1,135 @@
+"""`render` and `up`: the artifacts a user can run by hand, and submitting exactly those."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import DtlaunchError
+from .common import OVERRIDE, SWEEP, TARGET, load, print_finding
+
+
+def _render(recipe_path, overrides, target, sweeps=()):
+    from ..render import render as do_render
+
+    recipe, p = load(recipe_path, overrides)
+    target = target or recipe.targets.default
+    if not sweeps:
+        return recipe, p, do_render(recipe, p, target)
+    if target != "slurm":
+        raise DtlaunchError("--sweep renders a SLURM array job", fix="use --target slurm (or run one `up` per setting)")
+    from ..render.slurm import render_slurm_array
+    from ..sweep import expand
+
+    items = [load(recipe_path, list(overrides) + combo) for combo in expand(sweeps)]
+    return recipe, p, render_slurm_array(items)
+
+
+def _checked(recipe_path, recipe, p, art, force: bool, action: str) -> None:
+    """Print every finding for this target; refuse on errors unless --force (a rendered job must be runnable)."""
+    from ..validate import has_errors, validate
+
+    findings = validate(recipe, p, art.target)
+    for f in findings:
+        print_finding(f, recipe_path, err=True)
+    if has_errors(findings):
+        if not force:
+            raise DtlaunchError(f"{recipe_path}: validation found errors for the {art.target} target; nothing was "
+                                f"{action}", fix="fix the errors above, or pass --force to go ahead anyway")
+        click.secho(f"warning: {action} despite validation errors (--force)", fg="yellow", err=True)
+
+
+def _notes(art) -> None:
+    for n in art.notes:
+        click.echo(f"note: {n}", err=True)
+
+
+@click.command("render")
+@click.argument("recipe_path", metavar="RECIPE")
+@TARGET
+@click.option("-o", "--out", "out_dir", default=None, help="Output directory (default: rendered/<job name>-<target>).")
+@OVERRIDE
+@SWEEP
+@click.option("--show", is_flag=True, help="Also print the scripts and the task file.")
+@click.option("--quiet", "-q", is_flag=True, hidden=True, help="Accepted for compatibility: the default is quiet.")
+@click.option("--force", is_flag=True, help="Render even if validate finds errors.")
+def render_cmd(recipe_path, target, out_dir, overrides, sweeps, show, quiet, force):
+    """Write the artifacts a user can run by hand (never submits)."""
+    recipe, p, art = _render(recipe_path, overrides, target, sweeps)
+    _checked(recipe_path, recipe, p, art, force, "rendered")
+    out = art.write(out_dir or Path("rendered") / f"{art.job_name}-{art.target}", origin="render")
+    if show:
+        for rel in art.files:
+            text = art.text(rel)
+            if text is not None and rel != "plan.json":
+                click.echo(f"# ---- {out / rel}")
+                click.echo(text.rstrip("\n"))
+    _notes(art)
+    click.echo(f"wrote {len(art.files)} files to {out}: {', '.join(sorted(art.files)[:8])}"
+               + (" ..." if len(art.files) > 8 else ""))
+    click.echo(f"submit by hand: cd {out} && {' '.join(art.submit_command)}")
+
+
+def _out_dir(recipe, art, out_dir) -> Path:
+    if out_dir is not None:
+        return Path(out_dir)
+    if art.target == "local":  # the run directory itself: a second `up` resumes the same run
+        return Path(recipe.targets.local.run_dir) / art.job_name
+    return Path(recipe.targets.local.run_dir) / f"{art.job_name}-{art.target}"
+
+
+@click.command("up")
+@click.argument("recipe_path", metavar="RECIPE")
+@TARGET
+@OVERRIDE
+@click.option("-o", "--out", "out_dir", default=None,
+              help="Where the job's files go (default: runs/<job name> locally, runs/<job name>-<target> otherwise).")
+@click.option("--dry-run", is_flag=True, help="Render and print the submit command without submitting.")
+@click.option("--detach/--wait", default=None,
+              help="Return after submitting, or stream the log until the job ends (default: wait for local jobs, "
+                   "detach from SLURM and SkyPilot).")
+@click.option("--force", is_flag=True, help="Submit even if validate finds errors.")
+@SWEEP
+def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, sweeps):
+    """Validate, render and submit a job; record it so status/logs/down can follow it."""
+    from ..render.artifacts import read_manifest
+    from ..targets import backend
+    from ..targets.registry import Registry
+
+    recipe, p, art = _render(recipe_path, overrides, target, sweeps)
+    _checked(recipe_path, recipe, p, art, force, "submitted")
+    out = _out_dir(recipe, art, out_dir)
+    _, origin = read_manifest(out)
+    if origin == "render":
+        click.echo(f"note: replacing the files `dtlaunch render` wrote in {out} (use -o for another directory)", err=True)
+    registry = Registry()
+    if not dry_run:
+        registry.check_writable()
+    be = backend(art.target)
+    out = art.write(out, origin="up")
+    _notes(art)
+    if dry_run:
+        click.echo(f"# ---- {out / art.entrypoint}")
+        click.echo((art.text(art.entrypoint) or "").rstrip("\n"))
+        click.echo(f"dry run: wrote {out}; would run in it: {' '.join(art.submit_command)}")
+        return
+    rec = be.submit(art, str(out))
+    try:
+        registry.add(rec)
+    except DtlaunchError as e:
+        click.secho(f"warning: the job is running but could not be recorded ({e}); follow it by hand: "
+                    f"{art.target} job {rec.job_id}, files in {rec.run_dir}", fg="yellow", err=True)
+    click.echo(f"submitted {rec.name} ({art.target} job {rec.job_id}); files in {rec.run_dir}")
+    wait = (not detach) if detach is not None else art.target == "local"
+    if not wait:
+        click.echo(f"follow it: dtlaunch status {rec.name}; dtlaunch logs -f {rec.name}; stop it: dtlaunch down {rec.name}")
+        return
+    rc = be.wait(rec)
+    click.echo(f"{rec.name}: {be.status(rec).state} (exit code {rc})")
+    sys.exit(rc)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(render_cmd)
+    cli.add_command(up_cmd)

@@ -1,0 +1,128 @@
+"""Facts that the rendered job scripts and the in-job runtime must agree on, written once.
+
+Torch-free, so `render` (on a laptop) and the runtime (on the cluster) read the same table: the exit-code
+contract, the environment variables dtlaunch sets for a job, the port formula, the metrics file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from enum import IntEnum
+from pathlib import Path
+
+
+class ExitCode(IntEnum):
+    """How a job (or one rank) ended; wrappers act on it.
+
+    SLURM scripts requeue on PREEMPTED, SkyPilot managed jobs recover on PREEMPTED, and a crash
+    (FAILED, HANG) is retried a bounded number of times; CONFIG is never retried.
+    """
+
+    OK = 0
+    FAILED = 1
+    CONFIG = 2  # bad recipe, plan or flags: restarting will not help
+    PREEMPTED = 42  # a checkpoint was written after SIGUSR2/SIGTERM: requeue and resume
+    HANG = 43  # a collective timed out or ranks disagreed on the step: restart and resume
+    PREFLIGHT = 44  # the environment is broken (rendezvous, bandwidth, disk): fix the nodes first
+
+    def __str__(self) -> str:  # "42", as on Python 3.11+, also on 3.10
+        return str(int(self))
+
+    @classmethod
+    def name_of(cls, code: int) -> str:
+        try:
+            return cls(code).name
+        except ValueError:
+            return str(code)
+
+
+# The environment contract of a job's processes (ours, or the user's own entrypoint).
+PLAN = "DTLAUNCH_PLAN"  # path of the resolved plan file (plan.json)
+RUN_ID = "DTLAUNCH_RUN_ID"  # the logical run: stable across requeues, recoveries and resubmissions
+RUN_DIR = "DTLAUNCH_RUN_DIR"  # where metrics, status and (by default) checkpoints go
+CHECKPOINT_DIR = "DTLAUNCH_CHECKPOINT_DIR"  # the run's checkpoint root, {run_id} already expanded
+ATTEMPT = "DTLAUNCH_ATTEMPT"  # one launch of the workers (a requeue, a recovery, a resubmission is a new one)
+STATUS = "DTLAUNCH_STATUS"  # this attempt's status directory: each rank's exit code, flight-recorder dumps
+TARGET = "DTLAUNCH_TARGET"
+PORT = "DTLAUNCH_PORT"
+FAULT = "DTLAUNCH_FAULT"  # test-only fault injection (launcher.runtime.faults)
+
+# One rendezvous port per SLURM job id, so two jobs sharing a node do not collide; kept below Linux's
+# ephemeral range (32768+), where the kernel hands out ports to outgoing connections.
+PORT_BASE = 10000
+PORT_SPAN = 20000
+
+
+def job_port(job_id: int) -> int:
+    return PORT_BASE + job_id % PORT_SPAN
+
+
+# The oldest torch whose torchrun has what the job scripts use: --signals-to-handle (forward USR2 to the
+# workers and shut down without restarting them) and --shutdown-timeout (time to checkpoint after TERM).
+MIN_TORCH = (2, 12)
+
+
+# Failures must be loud and diagnosable: an NCCL timeout that says nothing costs hours.
+LOUD_FAILURES = {
+    # 2 = CleanUpOnly: on a timed-out collective the watchdog aborts the communicators and the error reaches
+    # Python, which exits HANG (43). 3 (SkipCleanUp, torch's default) tears the process down from the
+    # watchdog thread, before Python can say why; a rank that still dies that way leaves the flight
+    # recorder's dump (below), which the job scripts also read as HANG.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # flight recorder dump on timeout (path set per attempt by the job script)
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "NCCL_DEBUG": "WARN",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONFAULTHANDLER": "1",
+    # torchrun restarts must not reuse the previous attempt's gloo/NCCL addresses from torchrun's shared
+    # store: restarted workers hung or failed with "Gloo connectFullMesh failed" in 6 of 24 runs here.
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+}
+
+
+def job_environment(network_env: dict[str, str], *, is_gpu: bool, socket_ifname: str | None = None,
+                    omp_threads: int | None = None) -> dict[str, str]:
+    """The variables a job sets for its processes (render writes them into scripts; the runtime sets the
+    same ones when started without a script). NCCL settings only matter on GPUs; threads only on CPUs."""
+    env = dict(LOUD_FAILURES)
+    if is_gpu:
+        env.update(network_env)
+    if socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = socket_ifname
+        env["GLOO_SOCKET_IFNAME"] = socket_ifname
+    if omp_threads:
+        # One OMP pool per rank sized to its share of the cores: two threads per rank on 2 cores made DDP 8x slower.
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    return env
+
+
+# ----------------------------------------------------------------------------- metrics
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def metrics_path(run_dir_or_file: str | os.PathLike) -> Path:
+    p = Path(run_dir_or_file)
+    return p / METRICS_FILE if p.is_dir() else p
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All records of a metrics.jsonl (a run dir or the file itself); a torn last line is skipped."""
+    out = []
+    for line in metrics_path(path).read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+# ----------------------------------------------------------------------------- formatting
+
+GB = 1e9  # vendors quote GPU memory in GB of 1e9 bytes; so does every figure dtlaunch prints
+
+
+def gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.1f} GB"

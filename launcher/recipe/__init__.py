@@ -1,0 +1,27 @@
+"""The recipe: one YAML file describing model, parallelism, resources, training, checkpoints, targets.
+
+`schema` holds the pydantic models (so `dtlaunch schema` can emit JSON Schema for editors); `loading` reads
+a file within fixed bounds and turns every mistake into a located Problem (file, line, field, fix).
+"""
+from __future__ import annotations
+
+from .loading import json_schema, load, load_text, parse_override
+from .schema import (
+    CheckpointSpec,
+    DataSpec,
+    LocalTarget,
+    ModelSpec,
+    ParallelismSpec,
+    Recipe,
+    ResourcesSpec,
+    SkyStorage,
+    SkyTarget,
+    SlurmTarget,
+    SshSpec,
+    TargetsSpec,
+    TrainingSpec,
+)
+
+__all__ = ["Recipe", "ModelSpec", "ParallelismSpec", "ResourcesSpec", "DataSpec", "TrainingSpec", "CheckpointSpec",
+           "LocalTarget", "SshSpec", "SlurmTarget", "SkyStorage", "SkyTarget", "TargetsSpec", "load", "load_text", "parse_override",
+           "json_schema"]

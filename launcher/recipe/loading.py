@@ -1,0 +1,352 @@
+"""Reading a recipe: bounded in size, depth and expansion, strict about YAML's surprises, every error located.
+
+The loader is the first thing hostile or mistyped input meets, so every step has a fixed bound: a regular
+file of at most MAX_BYTES, at most MAX_DEPTH levels of nesting (libyaml's composer recurses in C and
+crashed this process at ~100,000 levels), at most MAX_VALUES values after YAML aliases are expanded (a
+300-byte "billion laughs" document expands to 9^9 values), duplicate keys refused rather than silently
+overwritten, and at most MAX_PROBLEMS problems listed. Each problem names the file (or the `--set` item),
+the line, the field, what is wrong and a fix.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from ..errors import Problem, RecipeError
+from .schema import Recipe, suggest
+
+MAX_BYTES = 1 << 20  # a recipe is a page of YAML; 1 MiB leaves room for long env or setup lists
+MAX_DEPTH = 32
+MAX_VALUES = 20_000
+MAX_PROBLEMS = 20
+MAX_OVERRIDE_BYTES = 64 * 1024
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: 5-10x faster
+_OPEN = ("BlockMappingStartToken", "BlockSequenceStartToken", "FlowMappingStartToken", "FlowSequenceStartToken")
+_CLOSE = ("BlockEndToken", "FlowMappingEndToken", "FlowSequenceEndToken")
+
+Path_ = tuple  # a field path, e.g. ("training", "steps") or ("env", "X") or ("secrets", 0)
+
+
+@dataclass(frozen=True)
+class SourceMap:
+    """Where each field of a loaded recipe came from, so findings made later (validate) name file and line,
+    or the `--set` item that gave the value."""
+
+    file: str
+    lines: dict
+    overrides: tuple = ()  # ((path, "KEY=VALUE"), ...)
+
+    def locate(self, field: str) -> tuple[str, Optional[int]]:
+        path = tuple(int(p) if p.isdigit() else p for p in field.split(".")) if field else ()
+        for opath, item in reversed(self.overrides):
+            if path[:len(opath)] == opath:
+                return f"--set {item[:200]}", None
+        for n in range(len(path), -1, -1):
+            if path[:n] in self.lines:
+                return self.file, self.lines[path[:n]]
+        return self.file, None
+
+
+def _fail(source: str, message: str, line: Optional[int] = None, fix: Optional[str] = None, field: str = "(file)"):
+    raise RecipeError([Problem(source, field, message, fix, line)])
+
+
+# ----------------------------------------------------------------------------- YAML, bounded
+
+
+def _check_depth(text: str, source: str) -> None:
+    """Scan the tokens (libyaml's scanner is iterative) and stop at the first level past MAX_DEPTH."""
+    loader = _Loader(text)
+    try:
+        depth = 0
+        while loader.check_token():
+            tok = loader.get_token()
+            name = type(tok).__name__
+            if name in _OPEN:
+                depth += 1
+                if depth > MAX_DEPTH:
+                    _fail(source, f"the YAML is nested more than {MAX_DEPTH} levels deep",
+                          tok.start_mark.line + 1, "a recipe is a few sections of key: value lines; flatten it")
+            elif name in _CLOSE:
+                depth -= 1
+    finally:
+        loader.dispose()
+
+
+def parse_yaml(text: str, source: str) -> tuple[Any, Optional[yaml.Node]]:
+    """(data, node) of one YAML document, within the depth bound; YAML errors become located Problems."""
+    if "\x00" in text:
+        _fail(source, "this is not a text YAML file (it contains NUL bytes)", fix="point dtlaunch at a recipe .yaml file")
+    try:
+        _check_depth(text, source)
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        problem = getattr(e, "problem", None) or str(e)
+        _fail(source, f"YAML syntax error: {problem}", mark.line + 1 if mark else None,
+              "check indentation, colons and quotes on that line")
+    except RecursionError:
+        _fail(source, "the YAML refers to itself (a recursive alias)", fix="remove the alias (*name) that points at its own parent")
+    return data, node
+
+
+def _line_map(root: yaml.Node, source: str) -> dict[Path_, int]:
+    """The YAML line of every field path, walking aliases as the data will be read, within MAX_VALUES.
+
+    Also refuses duplicate keys (YAML would silently keep the last) and non-text keys.
+    """
+    lines: dict[Path_, int] = {}
+    budget = MAX_VALUES
+    stack: list[tuple[yaml.Node, Path_]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        budget -= 1
+        if budget < 0:
+            _fail(source, f"the recipe expands to more than {MAX_VALUES:,} values (YAML aliases expand each time "
+                          "they are used)", node.start_mark.line + 1, "write the values out, or use fewer aliases (*name)")
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for k, v in node.value:
+                line = k.start_mark.line + 1
+                if not isinstance(k, yaml.ScalarNode):
+                    _fail(source, "a key must be plain text, not a list or mapping", line, field=_dotted(path))
+                key = k.value
+                if key in seen and k.tag != "tag:yaml.org,2002:merge":
+                    _fail(source, f"duplicate key {key!r} (first given at line {seen[key]}); YAML would silently keep "
+                                  "only the last one", line, "keep one of them", field=_dotted(path + (key,)))
+                seen[key] = line
+                lines[path + (key,)] = line
+                stack.append((v, path + (key,)))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                stack.append((v, path + (i,)))
+    return lines
+
+
+def _dotted(path: Path_) -> str:
+    return ".".join(str(p) for p in path) or "(top level)"
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def parse_override(item: str) -> tuple[Path_, Any]:
+    """`training.steps=10` -> (("training", "steps"), 10); the value is read as YAML, with the same bounds."""
+    source = f"--set {item[:200]}"
+    key, sep, raw = item.partition("=")
+    parts = tuple(p.strip() for p in key.split("."))
+    if not sep or not key.strip() or any(not p for p in parts):
+        _fail(source, "expected KEY=VALUE with a dotted KEY, e.g. --set training.steps=100", field=key.strip() or "(key)",
+              fix="write --set SECTION.FIELD=VALUE")
+    if len(raw.encode()) > MAX_OVERRIDE_BYTES:
+        _fail(source, f"the value is longer than {MAX_OVERRIDE_BYTES:,} bytes", field=key.strip())
+    if raw.strip() == "":
+        _fail(source, "the value is empty", field=key.strip(),
+              fix=f"give a value, e.g. --set {key.strip()}=VALUE, or --set {key.strip()}=null to unset it")
+    try:
+        value, _ = parse_yaml(raw, source)
+    except RecipeError as e:
+        if not e.problems[0].message.startswith("YAML syntax error"):
+            raise
+        value = raw  # not YAML (e.g. an unbalanced quote): the text as it is
+    return parts, value
+
+
+def _apply(data: dict, path: Path_, value: Any, item: str) -> None:
+    cur = data
+    for i, k in enumerate(path[:-1]):
+        nxt = cur.get(k)
+        if nxt is None:
+            nxt = cur[k] = {}
+        elif not isinstance(nxt, dict):
+            _fail(f"--set {item[:200]}", f"{_dotted(path[:i + 1])} is a value, not a section: it has no field "
+                                         f"{path[i + 1]!r}", field=_dotted(path), fix="check the key against `dtlaunch schema`")
+        cur = nxt
+    cur[path[-1]] = value
+
+
+# ----------------------------------------------------------------------------- pydantic errors -> Problems
+
+
+def _model_at(path: Path_) -> Optional[type[BaseModel]]:
+    """The pydantic model that owns the mapping at `path`, for 'did you mean' on unknown keys."""
+    model: Any = Recipe
+    for part in path:
+        if isinstance(part, int):
+            return None
+        field = model.model_fields.get(part) or next((f for f in model.model_fields.values() if f.alias == part), None)
+        if field is None:
+            return None
+        ann = field.annotation
+        cands = [ann] + list(getattr(ann, "__args__", ()))
+        nxt = next((c for c in cands if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if nxt is None:
+            return None
+        model = nxt
+    return model
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return [f.alias or n for n, f in model.model_fields.items()]
+
+
+_TYPE_FIX = {
+    "int": "give a whole number, e.g. 8",
+    "float": "give a number, e.g. 0.4",
+    "finite": "give a finite number (not .inf or .nan)",
+    "bool": "give true or false",
+    "string": "give a text value (quote it if it looks like a number)",
+    "dict": "give a mapping of key: value lines",
+    "model": "give a mapping of key: value lines",
+    "list": "give a list, e.g. [A, B]",
+    "tuple": "give a list of two numbers, e.g. [0.9, 0.95]",
+}
+
+
+def _problem(e: dict, source: str, lines: dict[Path_, int], overrides: list[tuple[Path_, str]]) -> Problem:
+    loc: Path_ = tuple(p for p in e["loc"] if not (isinstance(p, str) and (
+        "[" in p or p.startswith("function-") or p in ("int", "str", "float", "bool", "lax-or-strict", "strict"))))
+    path = _dotted(loc)
+    typ, msg, fix = e["type"], e["msg"], None
+    if typ == "extra_forbidden":
+        owner = _model_at(loc[:-1])
+        names = _field_names(owner) if owner else []
+        msg = f"unknown key {loc[-1]!r}{suggest(loc[-1], names)}"
+        fix = "allowed keys here: " + ", ".join(names) if names else "remove it"
+    elif typ == "missing":
+        msg = "required field is missing"
+        fix = f"add `{loc[-1]}:`" if loc else None
+    elif typ.startswith("literal_error"):
+        fix = "use one of the listed values"
+    elif msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    elif typ == "finite_number":
+        msg, fix = f"{msg} (got {e.get('input')!r})", _TYPE_FIX["finite"]
+    elif "input" in e and (typ.endswith("_type") or typ.endswith("_parsing")):
+        got = repr(e.get("input"))
+        msg = f"{msg} (got {got[:80] + '...' if len(got) > 80 else got})"
+        fix = _TYPE_FIX.get(typ.split("_")[0])
+    elif typ in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_long", "too_short"):
+        got = repr(e.get("input"))
+        msg = f"{msg} (got {got[:80] + '...' if len(got) > 80 else got})"
+    if fix is None:
+        fix = f"see the `{loc[-1] if loc else 'recipe'}` entry of `dtlaunch schema` for what this field accepts"
+    # An error inside a value that --set gave belongs to that --set item, not to a line of the file.
+    for opath, item in reversed(overrides):
+        if loc[:len(opath)] == opath:
+            return Problem(f"--set {item[:200]}", path, msg, fix)
+    touched = [item for opath, item in overrides if opath[:len(loc)] == loc and loc]
+    if touched:
+        msg += f" (after --set {', --set '.join(t[:80] for t in touched)})"
+    line = None
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            line = lines[loc[:n]]
+            break
+    return Problem(source, path, msg, fix, line)
+
+
+def _problems(err: ValidationError, source: str, lines: dict[Path_, int],
+              overrides: list[tuple[Path_, str]]) -> tuple[list[Problem], int]:
+    out: list[Problem] = []
+    seen: set[str] = set()
+    more = 0
+    for e in err.errors():
+        p = _problem(e, source, lines, overrides)
+        if p.field in seen:  # several union branches report the same field; keep the first
+            continue
+        seen.add(p.field)
+        if len(out) < MAX_PROBLEMS:
+            out.append(p)
+        else:
+            more += 1
+    return out, more
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def load_text(text: str, source: str = "<recipe>", overrides: Optional[list[str]] = None) -> Recipe:
+    """Parse and validate a recipe, raising RecipeError (never a traceback) on any problem."""
+    if len(text) > MAX_BYTES:
+        _fail(source, f"the recipe is {len(text):,} characters long; a recipe is at most {MAX_BYTES:,} bytes",
+              fix="point dtlaunch at a recipe .yaml file")
+    data, node = parse_yaml(text, source)
+    if data is None:
+        _fail(source, "the recipe is empty", 1, "start from recipes/tiny.yaml")
+    if not isinstance(data, dict):
+        _fail(source, f"the recipe must be a mapping of sections (name, model, ...), got a {type(data).__name__}", 1,
+              "start from recipes/tiny.yaml")
+    lines = _line_map(node, source) if node is not None else {}
+    for k in data:
+        if not isinstance(k, str):
+            _fail(source, f"keys must be text, got {k!r}", lines.get((str(k),)), field=str(k))
+    applied: list[tuple[Path_, str]] = []
+    for item in overrides or []:
+        path, value = parse_override(item)
+        _apply(data, path, value, item)
+        applied.append((path, item))
+    try:
+        recipe = Recipe.model_validate(data)
+        recipe.set_source(SourceMap(source, lines, tuple(applied)))
+        return recipe
+    except ValidationError as e:
+        problems, more = _problems(e, source, lines, applied)
+        raise RecipeError(problems, more) from None
+    except RecursionError:
+        _fail(source, "the recipe refers to itself (a recursive alias)", fix="remove the alias (*name) that points "
+                                                                           "at its own parent")
+
+
+def read_bounded(path: str | os.PathLike, what: str = "recipe") -> str:
+    """The text of a regular file of at most MAX_BYTES, or a located error (never an unbounded read)."""
+    p = Path(path)
+    src = str(p)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        _fail(src, "file not found", fix="check the path; shipped recipes live in recipes/")
+    except NotADirectoryError:
+        _fail(src, "a part of the path is a file, not a directory", fix="check the path")
+    except OSError as e:
+        _fail(src, f"cannot read: {e.strerror}", fix="check the path and its permissions")
+    if stat.S_ISDIR(st.st_mode):
+        _fail(src, "is a directory, not a recipe file", fix="name a .yaml file")
+    if not stat.S_ISREG(st.st_mode):
+        _fail(src, "is not a regular file (a device, pipe or socket)", fix=f"name a {what} .yaml file")
+    if st.st_size > MAX_BYTES:
+        _fail(src, f"is {st.st_size:,} bytes; a {what} is at most {MAX_BYTES:,}", fix=f"name a {what} .yaml file")
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)  # the file may have grown since stat
+    except OSError as e:
+        _fail(src, f"cannot read: {e.strerror}", fix="check the path and its permissions")
+    if len(raw) > MAX_BYTES:
+        _fail(src, f"is over {MAX_BYTES:,} bytes", fix=f"name a {what} .yaml file")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        _fail(src, "not UTF-8 text (is this a binary file?)", fix=f"point dtlaunch at a {what} .yaml file")
+
+
+def load(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> Recipe:
+    return load_text(read_bounded(path), str(path), overrides)
+
+
+def json_schema() -> dict:
+    schema = Recipe.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return schema

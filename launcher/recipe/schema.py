@@ -1,0 +1,501 @@
+"""The recipe schema: pydantic models, strict about what they accept.
+
+Every number has bounds (a hostile or mistyped value must fail here, not as an overflow in the planner or a
+loop that runs for hours), booleans are not numbers, infinities and NaN are refused, and strings that reach
+shell scripts or file names are limited in length and content.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from .. import catalog
+from ..strategies import STRATEGY_NAMES, TARGET_NAMES
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", re.ASCII)
+MAX_ENV_VALUE = 64 * 1024
+BUCKET = re.compile(r"^(s3|gs|r2|cos|oci|nebius|https)://[^\s]+$", re.ASCII)
+
+
+def suggest(word: str, choices) -> str:
+    import difflib
+
+    m = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {m[0]!r}?)" if m else ""
+
+
+def _whole(v: Any) -> Any:
+    """Refuse booleans where a number is expected (pydantic would read `true` as 1)."""
+    if isinstance(v, bool):
+        raise ValueError("expected a whole number, not true/false")
+    return v
+
+
+def _number(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError("expected a number, not true/false")
+    return v
+
+
+def Int(ge: int = 0, le: int = 10**12, description: Optional[str] = None):  # noqa: N802 - reads like a type
+    return Annotated[int, BeforeValidator(_whole), Field(ge=ge, le=le, description=description)]
+
+
+def Float(gt: Optional[float] = None, ge: Optional[float] = None, le: Optional[float] = None,
+          lt: Optional[float] = None):  # noqa: N802
+    return Annotated[float, BeforeValidator(_number), Field(gt=gt, ge=ge, le=le, lt=lt, allow_inf_nan=False)]
+
+
+def _auto_or_positive(limit: int):
+    def check(v: Any) -> Any:
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"expected a whole number >= 1 or 'auto', got {v!r}")
+        if not 1 <= v <= limit:
+            raise ValueError(f"must be between 1 and {limit:,} (or 'auto'), got {v:,}")
+        return v
+
+    return check
+
+
+def AutoInt(limit: int = 10**9):  # noqa: N802
+    """A positive whole number, or "auto" (the planner decides): one type, one message."""
+    return Annotated[Union[int, str], BeforeValidator(_auto_or_positive(limit)),
+                     WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": limit},
+                                               {"const": "auto"}]})]
+
+
+Strategy = Literal.__getitem__(("auto", *STRATEGY_NAMES))
+Target = Literal.__getitem__(TARGET_NAMES)
+Str = Annotated[str, Field(max_length=4096)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, populate_by_name=True, allow_inf_nan=False)
+
+
+class ModelSpec(_Strict):
+    """Either a preset, an explicit shape, or only a parameter count (model states only)."""
+
+    preset: Optional[str] = Field(None, description="e.g. llama3-70b, llama2-7b, tiny")
+    architecture: Literal["llama", "gpt"] = Field("llama", description="gpt = the Korthikanti et al. reference layer "
+                                                  "(planning only: the runtime trains llama)")
+    layers: Optional[Int(1, 100_000)] = None
+    hidden: Optional[Int(1, 10_000_000)] = None
+    ffn_hidden: Optional[Int(1, 100_000_000)] = None
+    heads: Optional[Int(1, 100_000)] = None
+    kv_heads: Optional[Int(1, 100_000)] = None
+    vocab: Optional[Int(1, 100_000_000)] = None
+    tied_embeddings: Optional[bool] = None
+    params: Optional[Int(1, 10**15, "parameter count, when the shape is unknown")] = None
+    seq_len: Optional[Int(1, 100_000_000)] = None
+    rope_theta: Optional[Float(gt=0, le=1e12)] = None
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and v not in catalog.PRESETS:
+            raise ValueError(f"unknown preset {v!r}{suggest(v, catalog.PRESETS)}; known: {', '.join(catalog.PRESETS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _complete(self) -> "ModelSpec":
+        shape_fields = ("layers", "hidden", "ffn_hidden", "heads", "vocab")
+        given = [f for f in shape_fields if getattr(self, f) is not None]
+        if self.preset is None and self.params is None and len(given) < len(shape_fields):
+            missing = [f for f in shape_fields if getattr(self, f) is None]
+            raise ValueError("the model needs a `preset`, a full shape, or `params`; missing: " + ", ".join(missing))
+        s = self.shape()
+        if s is not None:
+            if s.hidden % s.heads:
+                raise ValueError(f"hidden {s.hidden} is not divisible by heads {s.heads}: each head gets hidden/heads "
+                                 "dimensions")
+            if s.heads % s.kv_heads:
+                raise ValueError(f"heads {s.heads} is not divisible by kv_heads {s.kv_heads}: each kv head serves "
+                                 "heads/kv_heads query heads")
+            if (s.hidden // s.heads) % 2:
+                raise ValueError(f"the head dimension hidden/heads = {s.hidden // s.heads} is odd: rotary position "
+                                 "embeddings rotate pairs of dimensions")
+        return self
+
+    def shape(self) -> Optional[catalog.ModelShape]:
+        """The resolved shape (preset with explicit overrides), or None for a params-only model."""
+        base = catalog.PRESETS.get(self.preset) if self.preset else None
+        if base is None and self.layers is None:
+            return None
+        vals = {}
+        for f in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "tied_embeddings", "seq_len",
+                  "rope_theta"):
+            v = getattr(self, f)
+            vals[f] = v if v is not None else (getattr(base, f) if base else None)
+        if None in (vals["layers"], vals["hidden"], vals["heads"], vals["vocab"]):
+            return None
+        if vals["kv_heads"] is None:
+            vals["kv_heads"] = vals["heads"]
+        if vals["tied_embeddings"] is None:
+            vals["tied_embeddings"] = False
+        if vals["ffn_hidden"] is None:
+            vals["ffn_hidden"] = 4 * vals["hidden"]
+        if vals["seq_len"] is None:
+            vals["seq_len"] = 2048
+        if vals["rope_theta"] is None:
+            vals["rope_theta"] = 10000.0
+        return catalog.ModelShape(**vals)
+
+    def seq(self) -> int:
+        s = self.shape()
+        return s.seq_len if s else (self.seq_len or 2048)
+
+
+class ParallelismSpec(_Strict):
+    strategy: Strategy = "auto"
+    backend: Literal["torch", "deepspeed"] = Field(
+        "torch", description="which family `auto` picks from: torch (DDP/FSDP2) or deepspeed (ZeRO)"
+    )
+    data: AutoInt(10_000_000) = Field("auto", description="data-parallel degree; auto = world / (tensor*pipeline)")
+    tensor: Int(1, 1024) = 1
+    pipeline: Int(1, 1024) = 1
+    sequence_parallel: bool = False
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    loss_scaling: Literal["dynamic", "none"] = Field("dynamic", description="fp16 only: dynamic loss scaling")
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
+    offload: Literal["auto", "none", "optimizer", "params"] = "auto"
+    grad_accum: AutoInt(1_000_000) = "auto"
+    launcher: Literal["torchrun", "deepspeed"] = Field(
+        "torchrun", description="how DeepSpeed recipes start: torchrun on every node, or the deepspeed launcher"
+    )
+
+
+class ResourcesSpec(_Strict):
+    accelerator: str = Field("H100:8", max_length=64,
+                             description="TYPE:COUNT per node, as SkyPilot spells it, e.g. H100:8, cpu:2")
+    gpu_memory_gb: Optional[Float(gt=0, le=100_000)] = Field(None, description="override the catalogue's memory per device")
+    usd_per_gpu_hour: Optional[Float(ge=0, le=1_000_000)] = Field(None, description="override the catalogue's price")
+    peak_tflops: Optional[Float(ge=0.001, le=1_000_000)] = Field(None, description="override the catalogue's dense bf16 peak")
+    nodes: Int(1, 100_000) = 1
+    network: str = Field("best", max_length=64, description="best, infiniband, efa, tcp, loopback")
+    mfu: Float(gt=0, le=1) = Field(0.40, description="assumed model FLOPs utilisation for time estimates")
+    gpu_mtbf_hours: Float(gt=0, le=1e9) = Field(catalog.GPU_MTBF_HOURS, description="mean time between failures per GPU")
+    storage_gbps_per_node: Float(ge=0.001, le=1_000_000) = catalog.STORAGE_GBPS_PER_NODE
+    socket_ifname: Optional[str] = Field(
+        None, max_length=256, pattern=r"^[A-Za-z0-9_.:^,=-]+$",
+        description="NCCL/gloo network interface(s), e.g. eth0 or ^docker; unset = let NCCL choose (best)")
+
+    @field_validator("accelerator")
+    @classmethod
+    def _known_accelerator(cls, v: str) -> str:
+        name, _ = catalog.parse_accelerator(v)
+        if name not in catalog.ACCELERATORS:
+            raise ValueError(f"unknown accelerator {name!r}{suggest(name, catalog.ACCELERATORS)}; "
+                             f"known: {', '.join(catalog.ACCELERATORS)}")
+        return v
+
+    @field_validator("network")
+    @classmethod
+    def _known_network(cls, v: str) -> str:
+        if v not in catalog.NETWORKS:
+            raise ValueError(f"unknown network {v!r}{suggest(v, catalog.NETWORKS)}; known: {', '.join(catalog.NETWORKS)}")
+        return v
+
+    @property
+    def accel_name(self) -> str:
+        return catalog.parse_accelerator(self.accelerator)[0]
+
+    @property
+    def per_node(self) -> int:
+        return catalog.parse_accelerator(self.accelerator)[1]
+
+    @property
+    def world_size(self) -> int:
+        return self.per_node * self.nodes
+
+    def device(self) -> catalog.Accelerator:
+        base = catalog.ACCELERATORS[self.accel_name]
+        return catalog.Accelerator(
+            base.name,
+            self.gpu_memory_gb if self.gpu_memory_gb is not None else base.memory_gb,
+            self.peak_tflops if self.peak_tflops is not None else base.peak_tflops,
+            self.usd_per_gpu_hour if self.usd_per_gpu_hour is not None else base.usd_per_hour,
+            base.bf16,
+            base.is_gpu,
+        )
+
+
+class DataSpec(_Strict):
+    source: Literal["synthetic", "file"] = "synthetic"
+    path: Optional[Str] = Field(None, description="a token file (.bin uint16/uint32 or .npy, or .txt bytes) for source: file")
+    dtype: Literal["uint16", "uint32", "bytes"] = "uint16"
+    # Synthetic tokens are generated in memory (4 bytes each): 2**31 is already 8 GB per rank.
+    num_tokens: Int(2, 2**31 - 1, "synthetic: how many tokens to generate") = 1 << 20
+    workers: Int(0, 256) = 0
+
+    @model_validator(mode="after")
+    def _path_for_file(self) -> "DataSpec":
+        if self.source == "file" and not self.path:
+            raise ValueError("source: file needs `path` (a local token file)")
+        return self
+
+
+class TrainingSpec(_Strict):
+    micro_batch: Int(1, 1_000_000, "sequences per GPU per forward pass") = 1
+    global_batch: Optional[Int(1, 10**9, "sequences per optimizer step, all GPUs")] = None
+    steps: Optional[Int(1, 10**12)] = None
+    tokens: Optional[Int(1, 10**17, "alternative to steps: total training tokens")] = None
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: Float(gt=0, le=10) = 3e-4
+    min_lr: Float(ge=0, le=10) = 0.0
+    weight_decay: Float(ge=0, le=10) = 0.1
+    betas: tuple[Float(ge=0, lt=1), Float(ge=0, lt=1)] = (0.9, 0.95)
+    grad_clip: Float(ge=0, le=1e6) = 1.0
+    warmup_steps: Int(0, 10**12) = 0
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    seed: Int(0, 2**63 - 1) = 0
+    data: DataSpec = Field(default_factory=DataSpec)
+    log_every: Int(1, 10**9) = 1
+    timeout_seconds: Int(1, 10**7, "collective timeout after init; a hang ends the job after this") = 600
+    init_timeout_seconds: Int(1, 10**7, "rendezvous / first collective timeout") = 900
+    deterministic: bool = False
+    preflight: bool = True
+    min_allreduce_fraction: Float(ge=0, le=1) = Field(
+        0.0, description="fail preflight below this fraction of the network's expected bandwidth")
+
+    @model_validator(mode="after")
+    def _steps_or_tokens(self) -> "TrainingSpec":
+        if self.steps is not None and self.tokens is not None:
+            raise ValueError("set only one of `steps` and `tokens` (to override one with --set, unset the other: "
+                             "--set training.tokens=null)")
+        return self
+
+
+class CheckpointSpec(_Strict):
+    dir: Optional[Str] = Field(None, description="shared directory for checkpoints; {run_id} expands to the job's run id")
+    every: AutoInt(10**12) = "auto"
+    keep: Int(1, 10_000) = 3
+    async_: bool = Field(False, alias="async")
+    export: Literal["none", "safetensors", "torch"] = "safetensors"
+    grace_seconds: AutoInt(86_400) = Field(
+        "auto", description="after TERM/USR2, how long torchrun waits for the workers to checkpoint and exit before "
+                            "it kills them; auto = 3 checkpoint writes + 30 s (at least 30)")
+
+
+class LocalTarget(_Strict):
+    max_restarts: Int(0, 1000) = 3
+    run_dir: Str = "runs"
+
+
+class SshSpec(_Strict):
+    host: str = Field(max_length=255)
+    user: Optional[str] = Field(None, max_length=255)
+    port: Int(1, 65535) = 22
+    key_file: Optional[Str] = None
+    known_hosts: Optional[Str] = None
+    accept_unknown_host: bool = False
+    remote_dir: Str = "~/.dtlaunch/jobs"
+
+
+class SlurmTarget(_Strict):
+    partition: Optional[str] = Field(None, max_length=256)
+    account: Optional[str] = Field(None, max_length=256)
+    qos: Optional[str] = Field(None, max_length=256)
+    time: str = Field("24:00:00", max_length=32, description="SLURM time limit, e.g. 24:00:00 or 2-00:00:00")
+    cpus_per_task: Optional[Int(1, 100_000)] = None
+    mem: Optional[str] = Field(None, max_length=32, description="e.g. 0 (all), 500G")
+    constraint: Optional[str] = Field(None, max_length=1024)
+    exclusive: bool = True
+    signal_seconds: Int(1, 65535, "send USR2 this long before the time limit") = 120
+    max_requeues: Int(0, 10_000) = 5
+    max_failures: Int(0, 10_000) = 3
+    max_restarts: Int(0, 1000, "torchrun restarts inside one allocation") = 2
+    submit: Literal["sbatch", "submitit"] = "sbatch"
+    array_parallelism: Optional[Int(1, 100_000)] = Field(
+        None, description="sweeps: at most this many array tasks run at once (sbatch --array=0-N%P)")
+    cpus_per_gpu: Optional[Int(1, 10_000)] = Field(None, description="CPUs per GPU (sbatch --cpus-per-gpu)")
+    ssh: Optional[SshSpec] = None
+    extra_sbatch: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list, max_length=100)
+    setup: list[Str] = Field(default_factory=list, max_length=1000,
+                             description="shell lines run before training, e.g. module load")
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _minutes(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # `time: 90` means 90 minutes
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str) -> str:
+        from .slurmtime import parse_time
+
+        parse_time(v)  # raises ValueError with the accepted forms
+        return v
+
+    @field_validator("mem")
+    @classmethod
+    def _mem(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.fullmatch(r"\d{1,9}[KMGT]?", v, flags=re.ASCII):
+            raise ValueError(f"{v!r} is not a SLURM memory size: use a number with an optional K, M, G or T "
+                             "suffix (MB by default), e.g. 500G, or 0 for all of the node's memory")
+        return v
+
+
+class SkyStorage(_Strict):
+    """Checkpoint storage every node (and every recovery) sees: a bucket or a SkyPilot volume, mounted."""
+
+    bucket: Optional[str] = Field(None, max_length=1024, description="e.g. s3://my-bucket/ckpt, gs://..., r2://...")
+    volume: Optional[str] = Field(None, max_length=256, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
+                                  description="a SkyPilot volume (sky volumes apply), instead of a bucket")
+    mount: str = Field("/checkpoints", max_length=1024, description="where the nodes see it")
+    mode: Literal["MOUNT_CACHED", "MOUNT"] = Field(
+        "MOUNT_CACHED", description="MOUNT_CACHED writes to local disk and uploads in the background (fast saves)")
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not BUCKET.match(v):
+            raise ValueError(f"{v!r} is not a bucket URI: use s3://, gs://, r2://, cos://, oci://, nebius:// or https://")
+        return v
+
+    @field_validator("mount")
+    @classmethod
+    def _mount(cls, v: str) -> str:
+        if not (v.startswith("/") or v.startswith("~/")) or "{" in v or ".." in v.split("/"):
+            raise ValueError(f"{v!r}: the mount point must be an absolute path or start with ~/")
+        return v.rstrip("/") or "/"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "SkyStorage":
+        if (self.bucket is None) == (self.volume is None):
+            raise ValueError("give exactly one of `bucket` and `volume`")
+        return self
+
+
+class SkyTarget(_Strict):
+    infra: Optional[str] = Field(None, max_length=256, description="e.g. aws, gcp/us-central1, k8s")
+    cloud: Optional[str] = Field(None, max_length=64)
+    region: Optional[str] = Field(None, max_length=128)
+    zone: Optional[str] = Field(None, max_length=128)
+    spot: bool = False
+    managed: bool = False
+    disk_size: Int(1, 65536) = 512
+    max_restarts_on_errors: Int(0, 1000) = 3
+    max_restarts: Int(0, 1000, "torchrun restarts inside one launch") = 2
+    setup: list[Str] = Field(default_factory=list, max_length=1000)
+    workdir: Optional[Str] = None
+    checkpoint_storage: Optional[SkyStorage] = Field(
+        None, description="shared checkpoint storage; required for multi-node, managed and spot jobs")
+    autostop_minutes: Optional[Int(1, 100_000)] = Field(
+        10, description="`sky launch` clusters: stop after this many idle minutes (null: never)")
+    autodown: bool = Field(True, description="with autostop: tear the cluster down instead of stopping it")
+    deepspeed_ssh: bool = Field(
+        False, description="parallelism.launcher: deepspeed: the head starts every node's workers over ssh/pdsh "
+                           "(default: every node runs DeepSpeed's launcher itself, --no_ssh)")
+
+
+class TargetsSpec(_Strict):
+    default: Target = "local"
+    local: LocalTarget = Field(default_factory=LocalTarget)
+    slurm: SlurmTarget = Field(default_factory=SlurmTarget)
+    sky: SkyTarget = Field(default_factory=SkyTarget)
+
+
+class Recipe(_Strict):
+    name: str = Field(max_length=200)
+    run_id: Optional[str] = Field(
+        None, description="the run's identity (checkpoints, metrics): set it to resume an earlier run; default: "
+                          "the scheduler's job id (SLURM), the managed job's task id (SkyPilot), the name (local)")
+    model: ModelSpec
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    training: TrainingSpec
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    targets: TargetsSpec = Field(default_factory=TargetsSpec)
+    env: dict[str, str] = Field(default_factory=dict, max_length=1000,
+                                description="plain environment variables for the job")
+    secrets: list[str] = Field(default_factory=list, max_length=100,
+                               description="names of environment variables passed through; never values")
+    _source: Any = PrivateAttr(None)  # loading.SourceMap: file and line of each field, for later findings
+
+    def set_source(self, source: Any) -> None:
+        self._source = source
+
+    def locate(self, field: str) -> tuple[Optional[str], Optional[int]]:
+        """(file or `--set KEY=VALUE`, line) of a field, when the recipe was loaded from text."""
+        return self._source.locate(field) if self._source is not None else (None, None)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values(cls, v):
+        if isinstance(v, dict):
+            out = {}
+            for k, val in v.items():
+                if not isinstance(k, str) or not ENV_NAME.match(k):
+                    raise ValueError(f"{k!r} is not a valid environment variable name (letters, digits, _)")
+                if isinstance(val, (dict, list)) or val is None:
+                    raise ValueError(f"{k}: value must be a string or number")
+                if isinstance(val, float) and val != val or val in (float("inf"), float("-inf")):
+                    raise ValueError(f"{k}: {val} is not a finite number; quote it if you mean the text")
+                s = str(val).lower() if isinstance(val, bool) else str(val)
+                if "\x00" in s:
+                    raise ValueError(f"{k}: the value contains a NUL byte, which no environment variable can hold")
+                if len(s) > MAX_ENV_VALUE:
+                    raise ValueError(f"{k}: the value is {len(s):,} characters long (at most {MAX_ENV_VALUE:,})")
+                out[k] = s
+            return out
+        return v
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not RUN_ID.match(v):
+            raise ValueError(f"{v!r}: a run id is 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return v
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, v: list[str]) -> list[str]:
+        for s in v:
+            if not ENV_NAME.match(s):
+                raise ValueError(f"{s!r} is not an environment variable name; secrets lists names only, never values")
+        return v
+
+    @property
+    def job_name(self) -> str:
+        """A scheduler-safe name derived from `name` (the recipe's name may hold anything).
+
+        Names with no ASCII letters or digits at all (e.g. only CJK or emoji) would collapse to the same
+        name; a short digest of the original keeps them apart.
+        """
+        n = re.sub(r"[^A-Za-z0-9._-]+", "-", self.name).strip("-._")
+        tag = hashlib.sha256(self.name.encode()).hexdigest()[:8]
+        if not re.search(r"[A-Za-z0-9]", n):
+            return f"job-{tag}"
+        if n != self.name:
+            n = f"{n[:54]}-{tag}"
+        return n[:63]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,91 @@
+"""Can this machine run this plan? Checked once per node before torchrun starts any rank.
+
+A broken environment (no torch, an old torch, no DeepSpeed for a ZeRO plan, a data file missing on this
+node, a checkpoint directory the job cannot create) would otherwise crash every rank, and torchrun would
+restart them, and the scheduler would requeue the job: the same error many times over, with the reason
+buried in tracebacks. Here it is one line and exit code 2 (CONFIG), which nothing retries.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from .. import __version__
+from ..jobenv import CHECKPOINT_DIR, MIN_TORCH, RUN_ID
+from ..strategies import Family
+from .ckptdir import expand_dir
+from .failures import ConfigError
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def check_model(recipe) -> None:
+    if recipe.model.shape() is None:
+        raise ConfigError("the runtime needs a model shape (a preset or layers/hidden/...), not only `params`",
+                          fix="set model.preset, e.g. tiny")
+    if recipe.model.architecture != "llama":
+        raise ConfigError(f"the runtime trains the llama architecture, not {recipe.model.architecture!r} (the gpt "
+                          "layer is for planning only)", fix="set model.architecture: llama")
+
+
+def check_libraries(plan) -> str:
+    import torch
+
+    if _version_tuple(torch.__version__) < MIN_TORCH:
+        raise ConfigError(f"torch {torch.__version__} is older than {'.'.join(map(str, MIN_TORCH))}, whose torchrun the "
+                          "job scripts need (--signals-to-handle, --shutdown-timeout)",
+                          fix=f"install torch>={'.'.join(map(str, MIN_TORCH))} in the job's environment")
+    found = f"torch {torch.__version__}"
+    if plan.layout.spec.family is Family.DEEPSPEED:
+        try:
+            import deepspeed
+        except ImportError as e:
+            raise ConfigError(f"strategy {plan.strategy} needs DeepSpeed, which this environment cannot import ({e})",
+                              fix="pip install deepspeed (built against the installed torch)") from None
+        found += f", deepspeed {deepspeed.__version__}"
+    return found
+
+
+def check_data(recipe) -> None:
+    d = recipe.training.data
+    if d.source == "file" and not Path(os.path.expanduser(d.path)).is_file():
+        raise ConfigError(f"data file {d.path} does not exist on this node",
+                          fix="put the token file on every node (a shared filesystem or the job's workdir)")
+
+
+def check_checkpoint_dir(recipe, run_dir: Path) -> Path:
+    """Create the checkpoint root and write a probe file into it: what every saving rank will need."""
+    root = Path(os.environ.get(CHECKPOINT_DIR) or expand_dir(recipe.checkpoint.dir, run_dir, os.environ.get(RUN_ID)))
+    root = Path(os.path.expanduser(str(root)))
+    probe = root / f".dtlaunch-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write checkpoints to {root}: {e.strerror}",
+                          fix="point checkpoint.dir at storage every node can write (on SkyPilot, mount it with "
+                              "targets.sky.checkpoint_storage)") from None
+    return root
+
+
+def check(recipe, plan, run_dir: Path) -> str:
+    """Raise ConfigError on the first problem; return a one-line summary otherwise."""
+    from .parallel import resolve_layout
+
+    if plan.steps is None:
+        raise ConfigError("the recipe gives no training length", fix="set training.steps or training.tokens")
+    check_model(recipe)
+    found = check_libraries(plan)
+    resolve_layout(plan, plan.layout.dp)
+    check_data(recipe)
+    root = check_checkpoint_dir(recipe, run_dir)
+    return (f"dtlaunch {__version__}, {found}; plan: {plan.strategy} on {plan.world_size} ranks, "
+            f"{plan.steps} steps; checkpoints in {root}")

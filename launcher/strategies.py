@@ -1,0 +1,149 @@
+"""The vocabulary of parallel strategies and targets: one table each, which everything else derives from.
+
+The recipe schema takes its allowed names from here, the planner its memory rules and search order, the
+runtime its engine and checkpoint format, the renderer the ZeRO stage, validate its families. A new strategy
+is one row here plus the code that runs it; nothing else should spell a strategy's name.
+Imports nothing of ours, so the CLI can read it without cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class StrategyName(str, Enum):
+    """(str, Enum) rather than StrEnum: Python 3.10 is supported."""
+
+    DDP = "ddp"
+    FSDP_GRAD_OP = "fsdp_grad_op"
+    FSDP = "fsdp"
+    HYBRID = "hybrid"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Family(str, Enum):
+    """Which library runs the strategy; it also fixes the checkpoint format (DCP or DeepSpeed's own)."""
+
+    TORCH = "torch"
+    DEEPSPEED = "deepspeed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SHARDED_NOTHING: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    name: StrategyName
+    family: Family
+    shards: frozenset[str]  # which model states are split over the data-parallel ranks: optimizer, grads, params
+    offloads: tuple[str, ...]  # offload modes the library really supports for this strategy, besides "none"
+    zero_stage: int | None = None  # DeepSpeed's stage number
+    reshard_after_forward: bool | None = None  # FSDP2: free gathered weights after forward (False keeps them)
+    replicate_across_nodes: bool = False  # hybrid: shard within a node, replicate across nodes
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "deepspeed" if self.family is Family.DEEPSPEED else "dcp"
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.shards)
+
+
+_ALL = frozenset({"optimizer", "grads", "params"})
+STRATEGIES: dict[StrategyName, StrategySpec] = {
+    s.name: s
+    for s in (
+        StrategySpec(StrategyName.DDP, Family.TORCH, SHARDED_NOTHING, ()),
+        # FSDP2 with reshard_after_forward=False: grads and optimizer sharded, weights gathered once per step.
+        StrategySpec(StrategyName.FSDP_GRAD_OP, Family.TORCH, _ALL, (), reshard_after_forward=False),
+        # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together: "params".
+        StrategySpec(StrategyName.FSDP, Family.TORCH, _ALL, ("params",), reshard_after_forward=True),
+        StrategySpec(StrategyName.HYBRID, Family.TORCH, _ALL, ("params",), reshard_after_forward=True,
+                     replicate_across_nodes=True),
+        StrategySpec(StrategyName.ZERO1, Family.DEEPSPEED, frozenset({"optimizer"}), ("optimizer",), zero_stage=1),
+        StrategySpec(StrategyName.ZERO2, Family.DEEPSPEED, frozenset({"optimizer", "grads"}), ("optimizer",),
+                     zero_stage=2),
+        StrategySpec(StrategyName.ZERO3, Family.DEEPSPEED, _ALL, ("optimizer", "params"), zero_stage=3),
+    )
+}
+STRATEGY_NAMES: tuple[str, ...] = tuple(s.value for s in STRATEGIES)
+
+# `strategy: auto` searches each family from the least communication to the most sharding.
+SEARCH_ORDER: dict[Family, tuple[StrategyName, ...]] = {
+    Family.TORCH: (StrategyName.DDP, StrategyName.FSDP_GRAD_OP, StrategyName.FSDP),
+    Family.DEEPSPEED: (StrategyName.ZERO1, StrategyName.ZERO2, StrategyName.ZERO3),
+}
+
+
+def spec(name: str | StrategyName) -> StrategySpec:
+    try:
+        return STRATEGIES[StrategyName(name)]
+    except ValueError:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGY_NAMES)}") from None
+
+
+def names_in(family: Family | str) -> tuple[str, ...]:
+    return tuple(s.value for s, sp in STRATEGIES.items() if sp.family is Family(family))
+
+
+def offload_for(strategy: str | StrategyName, offload: str) -> str:
+    """The offload a strategy really does for a requested mode: the nearest supported one, or none.
+
+    FSDP2 cannot offload the optimizer alone (its CPUOffloadPolicy moves parameters too), so "optimizer"
+    becomes "params" there; ZeRO-1/2 cannot offload parameters, so "params" becomes "optimizer".
+    """
+    if offload == "none":
+        return "none"
+    modes = spec(strategy).offloads
+    if offload in modes:
+        return offload
+    return modes[0] if modes else "none"
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+class TargetName(str, Enum):
+    LOCAL = "local"
+    SLURM = "slurm"
+    SKY = "sky"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Where a target's renderer and backend live ("module:attribute", imported only when used)."""
+
+    name: TargetName
+    renderer: str
+    backend: str
+
+
+TARGETS: dict[TargetName, TargetSpec] = {
+    t.name: t
+    for t in (
+        TargetSpec(TargetName.LOCAL, "launcher.render.local:render_local", "launcher.targets.local:LocalBackend"),
+        TargetSpec(TargetName.SLURM, "launcher.render.slurm:render_slurm", "launcher.targets.slurm:SlurmBackend"),
+        TargetSpec(TargetName.SKY, "launcher.render.sky:render_sky", "launcher.targets.sky:SkyBackend"),
+    )
+}
+TARGET_NAMES: tuple[str, ...] = tuple(t.value for t in TARGETS)
+
+
+def load_attr(ref: str):
+    """'pkg.mod:attr' -> the attribute, imported now (renderers and backends import heavy things lazily)."""
+    import importlib
+
+    mod, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(mod), attr)

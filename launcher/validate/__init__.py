@@ -1,0 +1,42 @@
+"""The sharp edges we know, as data: each rule has an id, a severity, a check, a message and a fix.
+
+Rules run over a Recipe and its Plan before anything is queued, so a user does not wait hours in a
+queue for a job that was never going to work. Some rules belong to one target (a SkyPilot job needs
+shared checkpoint storage; a SLURM job's extra options must not contradict the plan): they run when that
+target is rendered or submitted, or for the recipe's default target under `dtlaunch validate`.
+Each finding names the file and line of its field (or the `--set` item that gave it). Pure: no I/O except
+the optional path checks.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Optional
+
+from ..plan import Plan
+from ..recipe import Recipe
+from .core import RULES, Finding, Rule, rule
+from . import rules_plan, rules_runtime, rules_targets  # noqa: F401, E402 - registering the rules
+
+SEVERITY_ORDER = {"error": 0, "warning": 1}
+
+
+def validate(recipe: Recipe, plan: Plan, target: Optional[str] = None, rules: Iterable[Rule] = RULES) -> list[Finding]:
+    """Findings for `recipe` (rendered for `target`, default: the recipe's targets.default), errors first."""
+    target = target or recipe.targets.default
+    out = []
+    for rl in rules:
+        if rl.targets and target not in rl.targets:
+            continue
+        hit = rl.check(recipe, plan)
+        if hit:
+            msg, fix = hit
+            file, line = recipe.locate(rl.field)
+            out.append(Finding(rl.id, rl.severity, rl.field, msg, fix, file, line))
+    return sorted(out, key=lambda f: SEVERITY_ORDER[f.severity])
+
+
+def has_errors(findings: Iterable[Finding]) -> bool:
+    return any(f.severity == "error" for f in findings)
+
+
+__all__ = ["Finding", "Rule", "RULES", "rule", "validate", "has_errors"]

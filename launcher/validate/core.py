@@ -1,0 +1,43 @@
+"""Rules as data: the registry every rule module adds to."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+from ..plan import Plan
+from ..recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    severity: str  # error | warning
+    field: str
+    message: str
+    fix: str
+    file: Optional[str] = None  # the recipe file, or `--set KEY=VALUE` when an override gave the field
+    line: Optional[int] = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    severity: str
+    field: str
+    summary: str
+    check: Callable[[Recipe, Plan], Optional[tuple[str, str]]]  # -> (message, fix) when the rule fires
+    targets: tuple[str, ...] = ()  # the targets it applies to; () = every target
+
+
+RULES: list[Rule] = []
+
+
+def rule(id: str, severity: str, field: str, summary: str, targets: tuple[str, ...] = ()):  # noqa: A002
+    def deco(fn):
+        RULES.append(Rule(id, severity, field, summary, fn, targets))
+        return fn
+
+    return deco
