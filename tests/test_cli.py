@@ -7,19 +7,21 @@ from pathlib import Path
 
 import pytest
 
+from conftest import RECIPES
+
 HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko")
 PY = sys.executable
 
 
 @pytest.mark.parametrize("args", [
     ["--help"],
-    ["plan", "recipes/llama70b.yaml"],
-    ["plan", "recipes/llama70b.yaml", "--json"],
-    ["validate", "recipes/llama70b.yaml", "recipes/tiny.yaml"],
-    ["render", "recipes/tiny.yaml", "--target", "local", "-o", "{tmp}/r", "-q"],
+    ["plan", RECIPES / "llama70b.yaml"],
+    ["plan", RECIPES / "llama70b.yaml", "--json"],
+    ["validate", RECIPES / "llama70b.yaml", RECIPES / "tiny.yaml"],
+    ["render", RECIPES / "tiny.yaml", "--target", "local", "-o", "{tmp}/r", "-q"],
 ])
 def test_fast_commands_import_nothing_heavy(args, tmp_path):
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    args = [str(a).replace("{tmp}", str(tmp_path)) for a in args]
     code = (
         "import sys\n"
         "from launcher.cli import main\n"
@@ -33,7 +35,7 @@ def test_fast_commands_import_nothing_heavy(args, tmp_path):
 
 
 def test_plan_json_contract(run_cli):
-    code, out, _ = run_cli("plan", "recipes/llama70b.yaml", "--json")
+    code, out, _ = run_cli("plan", RECIPES / "llama70b.yaml", "--json")
     assert code == 0
     d = json.loads(out)
     for k, t in {"params": int, "world_size": int, "dp": int, "tp": int, "pp": int, "strategy": str,
@@ -52,14 +54,14 @@ def test_plan_json_contract(run_cli):
 
 
 def test_plan_table_shows_choice_and_reasons(run_cli):
-    code, out, _ = run_cli("plan", "recipes/llama70b.yaml")
+    code, out, _ = run_cli("plan", RECIPES / "llama70b.yaml")
     assert code == 0
     assert "* fsdp" in out or "* hybrid" in out
     assert "why:" in out and "fits:" in out and "cost: $" in out
 
 
 def test_render_writes_plan_and_launch_script(run_cli, tmp_path):
-    code, out, _ = run_cli("render", "recipes/tiny.yaml", "--target", "local", "-o", tmp_path / "r")
+    code, out, _ = run_cli("render", RECIPES / "tiny.yaml", "--target", "local", "-o", tmp_path / "r")
     assert code == 0
     files = {p.name for p in (tmp_path / "r").iterdir()}
     assert {"plan.json", "recipe.yaml", "launch.sh"} <= files
@@ -68,9 +70,9 @@ def test_render_writes_plan_and_launch_script(run_cli, tmp_path):
 
 
 def test_bad_flag_and_unknown_target_are_clear(run_cli):
-    code, _, err = run_cli("render", "recipes/tiny.yaml", "--target", "moon")
+    code, _, err = run_cli("render", RECIPES / "tiny.yaml", "--target", "moon")
     assert code == 2 and "moon" in err and "Traceback" not in err
-    code, _, err = run_cli("plan", "recipes/nope.yaml")
+    code, _, err = run_cli("plan", RECIPES / "nope.yaml")
     assert code == 2 and "file not found" in err
 
 
@@ -102,7 +104,7 @@ def test_rendered_launch_script_quotes_hostile_values(run_cli, tmp_path):
     assert r.returncode == 0, r.stderr
     assert not marker.exists()
     argv = (out / "argv").read_text().splitlines()
-    assert argv[:2] == ["-m", "torch.distributed.run"]
+    assert argv[:2] == ["-m", "launcher.elastic"]  # torchrun, with one line instead of a traceback on a signal
     assert "--nproc-per-node=2" in argv and "--rdzv-backend=c10d" in argv
     assert argv[argv.index("--plan") + 1] == str(out / "plan.json")
     endpoint = next(a for a in argv if a.startswith("--rdzv-endpoint="))
@@ -110,7 +112,8 @@ def test_rendered_launch_script_quotes_hostile_values(run_cli, tmp_path):
     job_env = dict(line.split("=", 1) for line in (out / "env").read_text().splitlines() if "=" in line)
     assert job_env["EVIL"] == f"$(touch {marker})"
     assert job_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
-    assert (out / "exit_code").read_text().strip() == "0"
+    (exit_code,) = (out / "status").glob("*/exit_code")
+    assert exit_code.read_text().strip() == "0"
 
 
 def test_secret_values_never_written(run_cli, tmp_path, monkeypatch):
@@ -125,7 +128,7 @@ def test_secret_values_never_written(run_cli, tmp_path, monkeypatch):
 
 
 def test_sweep_renders_one_plan_per_array_task(run_cli, tmp_path):
-    code, out, err = run_cli("render", "recipes/tiny.yaml", "-t", "slurm", "--sweep", "training.seed=1,2",
+    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "--sweep", "training.seed=1,2",
                              "--sweep", "training.lr=0.001,0.002", "-o", tmp_path / "a", "-q")
     assert code == 0, err
     seeds_lrs = set()
@@ -134,12 +137,12 @@ def test_sweep_renders_one_plan_per_array_task(run_cli, tmp_path):
         seeds_lrs.add((d["seed"], d["lr"]))
     assert seeds_lrs == {(1, 0.001), (1, 0.002), (2, 0.001), (2, 0.002)}
     assert "#SBATCH --array=0-3" in (tmp_path / "a" / "job.sbatch").read_text()
-    code, _, err = run_cli("render", "recipes/tiny.yaml", "-t", "local", "--sweep", "training.seed=1,2")
+    code, _, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "local", "--sweep", "training.seed=1,2")
     assert code == 2 and "--target slurm" in err
 
 
 def test_plan_sweep_lists_every_combination(run_cli):
-    code, out, _ = run_cli("plan", "recipes/llama3-8b.yaml", "--sweep", "resources.nodes=1,2",
+    code, out, _ = run_cli("plan", RECIPES / "llama3-8b.yaml", "--sweep", "resources.nodes=1,2",
                            "--sweep", "parallelism.strategy=ddp,fsdp", "--json")
     rows = json.loads(out)
     assert code == 0 and len(rows) == 4

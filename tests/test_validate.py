@@ -1,9 +1,13 @@
-"""Each validation rule fires on the sharp edge it names, and stays quiet on the shipped recipes."""
+"""Each validation rule fires on the sharp edge it names (for its target), stays quiet on the shipped
+recipes, and every finding names the file and line of its field, or the --set item that gave it."""
+import json
+
 import pytest
 
+from conftest import RECIPES
 from launcher.plan import make_plan
 from launcher.recipe import load, load_text
-from launcher.validate import has_errors, validate
+from launcher.validate import RULES, has_errors, validate
 
 BASE = """
 name: v
@@ -15,73 +19,125 @@ checkpoint: {dir: /ckpt}
 """
 
 
-def findings(*overrides):
-    r = load_text(BASE, overrides=list(overrides))
-    return {f.rule: f for f in validate(r, make_plan(r))}
+def findings(*overrides, target=None):
+    r = load_text(BASE, "base.yaml", overrides=list(overrides))
+    return {f.rule: f for f in validate(r, make_plan(r), target)}
 
 
-def test_base_is_clean():
-    assert not has_errors(findings().values())
+def test_base_is_clean_on_every_target():
+    for target in ("local", "slurm", "sky"):
+        assert not has_errors(findings(target=target).values()), target
 
 
-@pytest.mark.parametrize("overrides,rule", [
-    (["parallelism.precision=fp16", "parallelism.loss_scaling=none"], "fp16-loss-scaling"),
-    (["model.preset=llama3-70b", "parallelism.strategy=ddp"], "does-not-fit"),
-    (["parallelism.data=3"], "layout-world-size"),
-    (["training.global_batch=12"], "batch-divisible"),
-    (["training.global_batch=4"], "batch-too-small"),
-    (["parallelism.tensor=3", "parallelism.data=auto"], "heads-tp"),
-    (["parallelism.offload=optimizer"], "offload-ddp"),
-    (["parallelism.strategy=zero2", "parallelism.offload=params"], "offload-params-stage"),
+CASES = [
+    (["parallelism.precision=fp16", "parallelism.loss_scaling=none"], "fp16-loss-scaling", None),
+    (["model.preset=llama3-70b", "parallelism.strategy=ddp"], "does-not-fit", None),
+    (["parallelism.data=3"], "layout-world-size", None),
+    (["training.global_batch=12"], "batch-divisible", None),
+    (["training.global_batch=4"], "batch-too-small", None),
+    (["parallelism.tensor=4", "parallelism.data=auto", "model.kv_heads=4", "model.heads=8", "model.hidden=128",
+      "model.preset=null", "model.layers=2", "model.ffn_hidden=256", "model.vocab=256", "parallelism.tensor=16",
+      "resources.nodes=2", "training.global_batch=16"], "tp-across-nodes", None),
+    (["parallelism.tensor=4"], "heads-tp", None),
+    (["parallelism.offload=optimizer"], "offload-ddp", None),
+    (["parallelism.strategy=zero2", "parallelism.offload=params"], "offload-params-stage", None),
     (["model.preset=llama3-8b", "model.seq_len=32768", "parallelism.strategy=fsdp",
-      "parallelism.activation_checkpointing=none"], "long-seq-no-ac"),
-    (["resources.nodes=16", "model.seq_len=1024"], "tiny-batch-many-gpus"),
-    (["resources.nodes=2", "checkpoint.dir=null", "training.global_batch=16"], "checkpoint-dir-multinode"),
-    (["parallelism.precision=fp32"], "fp32-on-bf16-gpu"),
-    (["checkpoint.async=true", "checkpoint.keep=1"], "async-keep"),
-    (["resources.accelerator=V100:8"], "bf16-unsupported"),
-    (["secrets=[WANDB_API_KEY]", "env={WANDB_API_KEY: abc}"], "secret-in-env"),
-    (["env={HF_TOKEN: abc}"], "secret-looking-env"),
-    (["checkpoint.every=500"], "no-checkpoint-before-end"),
-    (["parallelism.sequence_parallel=true"], "sequence-parallel-no-tp"),
-    (["parallelism.launcher=deepspeed"], "deepspeed-launcher-strategy"),
-    (["resources.mfu=0.9"], "mfu-optimistic"),
-    (["resources.accelerator=cpu:2", "parallelism.strategy=zero2", "parallelism.precision=fp16"], "deepspeed-fp16-cpu"),
-    (["parallelism.tensor=2"], "runtime-tp-pp"),
-    (["parallelism.tensor=16", "resources.nodes=2", "training.global_batch=16"], "tp-across-nodes"),
-    (["parallelism.pipeline=8"], "pipeline-layers"),
-    (["parallelism.strategy=fsdp", "parallelism.offload=optimizer"], "fsdp-optimizer-offload"),
-    (["resources.nodes=2", "checkpoint.dir=ckpt/run", "training.global_batch=16"], "checkpoint-dir-relative"),
-    (["parallelism.strategy=hybrid"], "hybrid-single-node"),
-    (["parallelism.strategy=zero2"], "backend-strategy"),
-    (["resources.accelerator=cpu:2", "resources.nodes=2", "targets.default=sky"], "cpu-multi-node"),
-    (["model.preset=llama3-70b", "parallelism.strategy=fsdp", "targets.slurm.signal_seconds=1"], "slurm-time-short"),
-    (["training.data.source=file", "training.data.path=/nonexistent/tokens.bin"], "data-path"),
-])
-def test_rule_fires(overrides, rule):
-    f = findings(*overrides)
+      "parallelism.activation_checkpointing=none"], "long-seq-no-ac", None),
+    (["resources.nodes=16", "model.seq_len=1024", "training.global_batch=128"], "tiny-batch-many-gpus", None),
+    (["resources.nodes=2", "checkpoint.dir=null", "training.global_batch=16"], "checkpoint-dir-multinode", "slurm"),
+    (["parallelism.precision=fp32"], "fp32-on-bf16-gpu", None),
+    (["checkpoint.async=true", "checkpoint.keep=1"], "async-keep", None),
+    (["resources.accelerator=V100:8"], "bf16-unsupported", None),
+    (["secrets=[WANDB_API_KEY]", "env={WANDB_API_KEY: abc}"], "secret-in-env", None),
+    (["env={HF_TOKEN: abc}"], "secret-looking-env", None),
+    (["checkpoint.every=500"], "no-checkpoint-before-end", None),
+    (["parallelism.sequence_parallel=true"], "sequence-parallel-no-tp", None),
+    (["parallelism.launcher=deepspeed"], "deepspeed-launcher-strategy", None),
+    (["resources.mfu=0.9"], "mfu-optimistic", None),
+    (["resources.accelerator=cpu:2", "parallelism.strategy=zero2", "parallelism.precision=fp16"],
+     "deepspeed-fp16-cpu", None),
+    (["parallelism.tensor=2"], "runtime-tp-pp", None),
+    (["parallelism.pipeline=8"], "pipeline-layers", None),
+    (["parallelism.strategy=fsdp", "parallelism.offload=optimizer"], "fsdp-optimizer-offload", None),
+    (["resources.nodes=2", "checkpoint.dir=ckpt/run", "training.global_batch=16"], "checkpoint-dir-relative", "slurm"),
+    (["parallelism.strategy=hybrid"], "hybrid-single-node", None),
+    (["parallelism.strategy=zero2"], "backend-strategy", None),
+    (["resources.accelerator=cpu:2", "resources.nodes=2", "training.global_batch=8",
+      "targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "checkpoint.dir=null"], "cpu-multi-node", "sky"),
+    (["model.preset=llama3-70b", "parallelism.strategy=fsdp", "targets.slurm.signal_seconds=1"], "slurm-time-short",
+     "slurm"),
+    (["training.data.source=file", "training.data.path=/nonexistent/tokens.bin"], "data-path", None),
+    # runtime refusals, found before the queue
+    (["training.steps=null"], "no-training-length", None),
+    (["model.architecture=gpt"], "runtime-architecture", None),
+    (["model={params: 1000000000}"], "runtime-shape", None),
+    (["training.data.num_tokens=100"], "data-too-small", None),
+    # SkyPilot
+    (["resources.nodes=2", "training.global_batch=16"], "sky-checkpoint-storage", "sky"),
+    (["targets.sky.managed=true"], "sky-checkpoint-storage", "sky"),
+    (["targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "checkpoint.dir=/elsewhere/{run_id}"],
+     "sky-checkpoint-dir-outside-storage", "sky"),
+    (["resources.nodes=2", "training.global_batch=16", "targets.sky.infra=aws",
+      "targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "checkpoint.dir=null"], "sky-aws-efa-interfaces", "sky"),
+    (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed", "targets.sky.deepspeed_ssh=true",
+      "env={X: '$(id)'}"], "deepspeed-ssh-env", "sky"),
+    (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed", "targets.sky.deepspeed_ssh=true",
+      "secrets=[HF_TOKEN]"], "deepspeed-ssh-secrets", "sky"),
+    # SLURM
+    (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"], "deepspeed-launcher-target", "slurm"),
+    (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"], "deepspeed-launcher-target", "local"),
+    (['targets.slurm.extra_sbatch=["--nodes=4"]'], "slurm-extra-sbatch-plan", "slurm"),
+    (["targets.slurm.exclusive=false"], "slurm-cpus", "slurm"),
+]
+
+
+@pytest.mark.parametrize("overrides,rule,target", CASES, ids=[f"{c[1]}-{c[2] or 'any'}" for c in CASES])
+def test_rule_fires(overrides, rule, target):
+    f = findings(*overrides, target=target)
     assert rule in f, f"{rule} did not fire; got {sorted(f)}"
     assert f[rule].message and f[rule].fix
 
 
-def test_shipped_recipes_have_no_errors():
-    import glob
-
-    for path in glob.glob("recipes/*.yaml"):
-        r = load(path)
-        errs = [f for f in validate(r, make_plan(r)) if f.severity == "error"]
-        assert not errs, (path, errs)
+def test_every_rule_has_a_firing_case():
+    assert {r.id for r in RULES} == {c[1] for c in CASES}
 
 
-def test_validate_cli_exit_codes_and_json(run_cli, tmp_path):
-    import json
+def test_target_rules_stay_out_of_other_targets():
+    ov = ["resources.nodes=2", "training.global_batch=16"]
+    assert "sky-checkpoint-storage" in findings(*ov, target="sky")
+    assert "sky-checkpoint-storage" not in findings(*ov, target="slurm")
+    assert "slurm-cpus" not in findings("targets.slurm.exclusive=false", target="sky")
 
+
+def test_findings_name_the_line_or_the_set_item():
+    r = load_text(BASE.replace("global_batch: 8", "global_batch: 12"), "base.yaml")
+    (f,) = [f for f in validate(r, make_plan(r)) if f.rule == "batch-divisible"]
+    assert (f.file, f.line) == ("base.yaml", BASE.splitlines().index(
+        "training: {micro_batch: 1, global_batch: 8, steps: 100}") + 1)
+    f = findings("training.global_batch=12")["batch-divisible"]
+    assert (f.file, f.line) == ("--set training.global_batch=12", None)
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_recipes_have_no_errors_on_their_target(path):
+    r = load(path)
+    errs = [f for f in validate(r, make_plan(r)) if f.severity == "error"]
+    assert not errs, errs
+
+
+def test_validate_cli_exit_codes_json_and_lines(run_cli, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(BASE.replace("global_batch: 8", "global_batch: 12"))
-    code, out, _ = run_cli("validate", "recipes/tiny.yaml", str(bad), "--format", "json")
+    tiny = str(RECIPES / "tiny.yaml")
+    code, out, _ = run_cli("validate", tiny, str(bad), "--format", "json")
     assert code == 1
     res = {r["file"]: r for r in json.loads(out)}
-    assert res["recipes/tiny.yaml"]["ok"] and not res[str(bad)]["ok"]
-    assert any(f["rule"] == "batch-divisible" for f in res[str(bad)]["findings"])
-    code, out, _ = run_cli("validate", "recipes/tiny.yaml")
+    assert res[tiny]["ok"] and not res[str(bad)]["ok"]
+    (f,) = [f for f in res[str(bad)]["findings"] if f["rule"] == "batch-divisible"]
+    assert f["line"] == 6 and f["file"] == str(bad)
+    code, out, _ = run_cli("validate", str(bad))
+    assert code == 1 and f"{bad}:6: error [batch-divisible]" in out
+    code, out, _ = run_cli("validate", tiny)
     assert code == 0 and "ok" in out
+    code, out, _ = run_cli("validate", "-t", "sky", tiny, "--set", "resources.nodes=2", "--set", "resources.accelerator=cpu:1")
+    assert code == 1 and "tiny.yaml:28: error [sky-checkpoint-storage]" in out

@@ -49,7 +49,7 @@ def _dist_info() -> list[tuple[str, bytes]]:
     except metadata.PackageNotFoundError:
         raise DtlaunchError("dtlaunch is not installed as a package, so its wheel cannot be built for the job",
                             fix="install it (pip install -e . in the source tree, or pip install dtlaunch)") from None
-    meta = dist.read_text("METADATA")
+    meta = dist.read_text("METADATA") or dist.read_text("PKG-INFO")  # an egg-info (source tree) has PKG-INFO
     if not meta:
         raise DtlaunchError("the installed dtlaunch has no METADATA", fix="reinstall dtlaunch")
     info = f"{DIST}-{__version__}.dist-info"

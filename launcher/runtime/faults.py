@@ -7,7 +7,8 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
     hang:rank=1:step=5                 rank 1 sleeps forever at the start of step 5 (peers time out)
     skip_collective:rank=1:step=5      rank 1 skips the per-step agreement collective once (collectives pair off by one)
     desync_step:rank=1:step=5          rank 1's step counter jumps by one (an off-by-one divergence)
-    kill_in_checkpoint:rank=0:step=10  SIGKILL after the checkpoint's tmp dir is written, before it is committed
+    kill_in_checkpoint:rank=0:step=10  SIGKILL after the checkpoint's files are written, before it is committed
+    slow_checkpoint:step=10:seconds=40 the checkpoint of step 10 takes 40 s more (a large model on slow storage)
     signal:rank=0:step=6[:sig=USR2]    the rank sends itself a signal at the start of the step (preemption tests)
 
 `rank` defaults to every rank; `attempt` (default 0) restricts the fault to that torchrun restart count,
@@ -25,7 +26,7 @@ from typing import Optional
 
 from .failures import ConfigError
 
-KINDS = ("exit", "sigkill", "hang", "skip_collective", "desync_step", "kill_in_checkpoint", "signal")
+KINDS = ("exit", "sigkill", "hang", "skip_collective", "desync_step", "kill_in_checkpoint", "slow_checkpoint", "signal")
 ENV = "DTLAUNCH_FAULT"
 
 
@@ -100,3 +101,5 @@ class Faults:
     def in_checkpoint(self, step: int) -> None:
         if self.hit("kill_in_checkpoint", step) is not None:
             os.kill(os.getpid(), signal.SIGKILL)
+        if (f := self.hit("slow_checkpoint", step)) is not None:
+            time.sleep(float(f.params.get("seconds", 40)))

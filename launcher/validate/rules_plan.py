@@ -142,14 +142,16 @@ def _tiny_batch(r: Recipe, p: Plan):
                 "raise micro_batch or seq_len, or use fewer GPUs")
 
 
-@rule("checkpoint-dir-multinode", "error", "checkpoint.dir", "no checkpoint dir on a multi-node job")
+@rule("checkpoint-dir-multinode", "error", "checkpoint.dir", "no checkpoint dir on a multi-node job",
+      ("local", "slurm"))
 def _ckpt_dir(r: Recipe, p: Plan):
     if p.nodes > 1 and not r.checkpoint.dir:
         return ("a multi-node job without checkpoint.dir loses all progress on the first failure or requeue",
                 "set checkpoint.dir to a shared filesystem path, e.g. /shared/ckpt/{run_id}")
 
 
-@rule("checkpoint-dir-relative", "warning", "checkpoint.dir", "relative checkpoint dir on a multi-node job")
+@rule("checkpoint-dir-relative", "warning", "checkpoint.dir", "relative checkpoint dir on a multi-node job",
+      ("local", "slurm"))
 def _ckpt_rel(r: Recipe, p: Plan):
     d = r.checkpoint.dir
     if p.nodes > 1 and d and not (d.startswith("/") or d.startswith("~") or "://" in d):
@@ -166,7 +168,7 @@ def _async_keep(r: Recipe, p: Plan):
 
 @rule("no-checkpoint-before-end", "warning", "checkpoint.every", "no checkpoint before the run ends")
 def _every(r: Recipe, p: Plan):
-    if p.checkpoint_every > p.steps:
+    if p.steps is not None and p.checkpoint_every > p.steps:
         return (f"checkpoint every {p.checkpoint_every} steps but the run has {p.steps}: a crash loses everything",
                 f"set checkpoint.every below {p.steps}")
 

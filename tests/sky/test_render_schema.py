@@ -1,27 +1,34 @@
-"""Every task YAML dtlaunch renders must be accepted by the installed SkyPilot's own schema.
+"""Every task YAML dtlaunch renders must be accepted by the installed SkyPilot's own schema, and say what a
+cloud node needs: shared checkpoint storage, dtlaunch shipped with the job, autostop, bounded recovery.
 
-`sky.Task.from_yaml` validates offline (unknown fields, bad values), which is the contract `sky launch`
-applies first; a cloud is not needed for that. GPU names are not checked by SkyPilot offline, so dtlaunch
-rejects those itself before rendering (see test_validation.py).
+`sky.Task.from_yaml` validates offline (unknown fields, bad values, storage specs), which is the contract
+`sky launch` applies first; a cloud is not needed for that. GPU names are not checked by SkyPilot offline,
+so dtlaunch rejects those itself before rendering (see test_validation.py).
 """
 from __future__ import annotations
 
 import os
+import zipfile
 
 import pytest
 import yaml
 
 from launcher.jobenv import ExitCode
+from launcher.plan import make_plan
+from launcher.render.package import wheel_name
+from launcher.validate import RULES, has_errors, validate
 
 from sky_helpers import RECIPES, render_to, sky_lib  # noqa: F401 (fixture)
 
+BUCKET = "targets.sky.checkpoint_storage={bucket: 's3://dtlaunch-test-bucket/ckpt'}"
 VARIANTS = {
-    "single": [],
-    "two-nodes": ["resources.nodes=2"],
+    "single": ["resources.nodes=1"],
+    "two-nodes": ["resources.nodes=2", BUCKET],
     "managed": ["resources.nodes=2", "targets.sky.managed=true", "targets.sky.spot=false",
-                "targets.sky.infra=gcp/us-central1"],
-    "spot": ["targets.sky.spot=true", "targets.sky.infra=null", "targets.sky.cloud=aws", "targets.sky.region=us-east-1"],
-    "deepspeed-launcher": ["resources.nodes=2", "parallelism.strategy=zero2", "parallelism.launcher=deepspeed"],
+                "targets.sky.infra=gcp/us-central1", "targets.sky.checkpoint_storage={volume: ckpt-vol}"],
+    "spot": ["targets.sky.spot=true", "targets.sky.infra=null", "targets.sky.cloud=aws",
+             "targets.sky.region=us-east-1", BUCKET],
+    "deepspeed-launcher": ["resources.nodes=2", "parallelism.strategy=zero2", "parallelism.launcher=deepspeed", BUCKET],
 }
 
 
@@ -37,39 +44,71 @@ def from_yaml(sky_lib, out):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("recipe_path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_rendered_yaml_is_accepted_by_skypilot(sky_lib, tmp_path, recipe_path, variant):
-    overrides = VARIANTS[variant]
+    overrides = VARIANTS[variant] + ["checkpoint.dir=null"]
     rec, art, out = render_to(tmp_path, recipe_path, overrides)
+    sky_rules = [r for r in RULES if "sky" in r.targets]
+    assert not has_errors(validate(rec, make_plan(rec), "sky", sky_rules)), "the variant must satisfy the sky rules"
     task = from_yaml(sky_lib, out)
     doc = yaml.safe_load(art.files["task.yaml"])
     res = doc["resources"]
 
     assert task.num_nodes == rec.resources.nodes
-    assert art.entrypoint == "task.yaml" and {"plan.json", "recipe.yaml"} <= set(art.files)
+    assert art.entrypoint == "task.yaml" and {"plan.json", "recipe.yaml", wheel_name()} <= set(art.files)
     (r,) = task.resources
     if rec.resources.device().is_gpu:
         assert r.accelerators == {rec.resources.accel_name: rec.resources.per_node}
         assert "SKYPILOT_NUM_GPUS_PER_NODE" in doc["run"]
     else:  # SkyPilot has no cpu accelerator: vCPUs instead, and the plan's process count
         assert "accelerators" not in res and res["cpus"] == f"{rec.resources.per_node}+"
-        assert f"--nproc-per-node={rec.resources.per_node}" in doc["run"] or "NPROC=" in doc["run"]
-    assert r.network_tier is not None if rec.resources.network in ("best", "infiniband", "efa") else True
-    managed = rec.targets.sky.managed or rec.targets.sky.spot  # shipped recipes may ask for spot themselves
+    fabric = rec.resources.network in ("best", "infiniband", "efa")
+    assert ("network_tier" in res) == (fabric and rec.resources.nodes > 1)  # only between nodes
+    managed = rec.targets.sky.managed or rec.targets.sky.spot
     assert (art.submit_command[:3] == ["sky", "jobs", "launch"]) == managed
     if managed:
         rec_cfg = res["job_recovery"]
-        assert rec_cfg["recover_on_exit_codes"] == [ExitCode.PREEMPTED, ExitCode.HANG]
+        # Only PREEMPTED recovers uncounted: a reproducible hang must use up max_restarts_on_errors.
+        assert rec_cfg["recover_on_exit_codes"] == [ExitCode.PREEMPTED]
         assert rec_cfg["strategy"] == ("EAGER_NEXT_REGION" if rec.targets.sky.spot else "FAILOVER")
         assert r.job_recovery["max_restarts_on_errors"] == rec.targets.sky.max_restarts_on_errors
+        assert "autostop" not in res
     else:
         assert "job_recovery" not in res and art.submit_command[:3] == ["sky", "launch", "-c"]
-    if variant == "spot":
-        assert r.use_spot and str(r.cloud).lower() == "aws" and r.region == "us-east-1"
-    if variant == "managed":
-        assert str(r.cloud).lower() == "gcp" and r.region == "us-central1"
+        assert res["autostop"] == {"idle_minutes": 10, "down": True} and r.autostop_config.enabled
+    storage = rec.targets.sky.checkpoint_storage
+    if storage and storage.bucket:
+        assert doc["file_mounts"]["/checkpoints"] == {"source": storage.bucket, "mode": "MOUNT_CACHED"}
+        (mounted,) = task.storage_mounts.values()
+        assert str(mounted.mode.value) == "MOUNT_CACHED"
+    if storage and storage.volume:
+        assert doc["volumes"] == {"/checkpoints": storage.volume}
+    if storage:
+        assert "CHECKPOINT_TEMPLATE='/checkpoints/{run_id}'" in doc["run"]
+    # dtlaunch comes from the wheel beside the task, never from a package index.
+    assert f"pip install './{wheel_name()}[train]'" in doc["setup"] and "dtlaunch[train]==" not in doc["setup"]
     if variant == "deepspeed-launcher":
-        assert "deepspeed" in doc["setup"] and ".deepspeed_env" in doc["run"] and "ds_config.json" in art.files
+        assert "deepspeed==" in doc["setup"] and "--no_ssh" in doc["run"] and "ds_config.json" in art.files
     else:
-        assert "torch.distributed.run" in doc["run"] and "--node-rank" not in doc["run"]
+        assert "launcher.elastic" in doc["run"] and "--node-rank" not in doc["run"]
+        assert '"--rdzv-conf=join_timeout=' in doc["run"] and 'is_host=$IS_HOST"' in doc["run"]
+        assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2" in doc["run"]
+
+
+def test_the_wheel_is_installable_and_holds_this_dtlaunch(tmp_path):
+    import launcher
+
+    _, art, out = render_to(tmp_path, RECIPES[0], [])
+    whl = out / wheel_name()
+    with zipfile.ZipFile(whl) as zf:
+        names = set(zf.namelist())
+        meta = zf.read(f"dtlaunch-{launcher.__version__}.dist-info/METADATA").decode()
+        record = zf.read(f"dtlaunch-{launcher.__version__}.dist-info/RECORD").decode()
+    assert "launcher/train.py" in names and "launcher/render/templates/slurm_job.sh.j2" in names
+    assert not any("__pycache__" in n for n in names)
+    assert "Requires-Dist: torch" in meta and 'extra == "train"' in meta
+    assert all(line.count(",") == 2 for line in record.splitlines())
+    # Rendering again gives the same bytes: a re-render shows no spurious change.
+    _, art2, _ = render_to(tmp_path / "again", RECIPES[0], [])
+    assert art2.files[wheel_name()] == art.files[wheel_name()]
 
 
 def test_secrets_by_name_never_values(sky_lib, tmp_path, monkeypatch):
@@ -82,17 +121,27 @@ def test_secrets_by_name_never_values(sky_lib, tmp_path, monkeypatch):
     assert art.submit_command[-5:] == ["--secret", "HF_TOKEN", "--secret", "WANDB_API_KEY", "task.yaml"]
     for p in out.rglob("*"):
         if p.is_file():
-            assert "hf_supersecretvalue" not in p.read_text()
+            assert b"hf_supersecretvalue" not in p.read_bytes()
     task = from_yaml(sky_lib, out)  # SkyPilot reads null-valued secrets as references filled by --secret
     assert set(task.to_yaml_config()["secrets"]) == {"secrets:HF_TOKEN", "secrets:WANDB_API_KEY"}
 
 
 def test_project_workdir_ships_rendered_files_as_a_mount(sky_lib, tmp_path):
-    """With targets.sky.workdir the user's project is synced, and plan.json rides in a file mount."""
+    """With targets.sky.workdir the user's project is synced, and the job's files (wheel included) ride in a
+    file mount; setup installs the wheel from there."""
     from sky_helpers import ROOT
 
     rec, art, out = render_to(tmp_path, RECIPES[0], [f"targets.sky.workdir={ROOT}"])
     task = from_yaml(sky_lib, out)
     assert task.workdir == str(ROOT)
     assert task.file_mounts == {"~/dtlaunch-job": "."}
-    assert 'JOB_DIR="$HOME/dtlaunch-job"' in yaml.safe_load(art.files["task.yaml"])["run"]
+    doc = yaml.safe_load(art.files["task.yaml"])
+    assert 'JOB_DIR="$HOME/dtlaunch-job"' in doc["run"]
+    assert f'pip install "$HOME/dtlaunch-job/{wheel_name()}[train]"' in doc["setup"]
+
+
+def test_autostop_can_be_turned_off(sky_lib, tmp_path):
+    _, art, out = render_to(tmp_path, RECIPES[0], ["targets.sky.autostop_minutes=null"])
+    assert "autostop" not in yaml.safe_load(art.files["task.yaml"])["resources"]
+    (r,) = from_yaml(sky_lib, out).resources
+    assert not (r.autostop_config and r.autostop_config.enabled)
