@@ -22,8 +22,8 @@ SkyNodes gives each node (as root, with Linux namespaces; no Docker, no VM):
   later node sets), and the task scripts wrapped and run the way SkyPilot runs them (`bash -i` on a
   script that sources ~/.bashrc, activates the user env, cd's to ~/sky_workdir and exports the envs).
 
-Not simulated (see README-style notes in SkyNodes' docstring): sudo, GPUs, bucket consistency delays,
-`volumes:`, ssh between nodes.
+Not simulated (details in SkyNodes' docstring): sudo, GPUs, bucket consistency delays, `volumes:`, ssh
+between nodes.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import contextlib
 import ctypes
 import fcntl
 import fnmatch
+import itertools
 import json
 import os
 import re
@@ -58,14 +59,20 @@ WORKDIR = f"{HOME}/sky_workdir"  # SkyPilot's SKY_REMOTE_WORKDIR
 WRAPPED = f"{HOME}/.sky/file_mounts"  # where SkyPilot syncs a file_mount whose destination needs sudo
 SUBNET = "10.78"  # netns mode: node r of bridge slot k is 10.78.k.(11 + r)
 LOCK = Path("/run/lock/dtlaunch-skynodes.lock")
+# JIT-built torch extensions (DeepSpeed's ops: 30-100 s to build) kept across sessions: a deep-learning
+# image ships them prebuilt. Valid only for the same paths and versions, hence one directory per key.
+WARM_CACHE = Path("/var/cache/dtlaunch-skynodes/torch_extensions")
 # A login shell's PATH on the image: its Python environment first, as deep-learning images set it.
 BASE_PATH = f"{IMAGE_AT}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # PID 1 of a node: reaps what the task leaves behind, like a VM's init, and says when the mounts are done.
 REAPER = ("import os, time\nos.write(1, b'ready\\n')\nos.close(1)\nwhile True:\n"
           "    try:\n        os.wait()\n    except ChildProcessError:\n        time.sleep(1)\n")
+CANCELLED = 137  # SkyPilot's code for a node whose run it killed because another node failed
 BUCKET_URL = re.compile(r"^(s3|gs|r2|cos|oci|azure|https)://([^/]+)(/.*)?$")
 # Paths a node gets from the image (binds): a file_mount cannot land there.
-IMAGE_PATHS = ("/usr", "/etc", "/dev", "/proc", "/sys", IMAGE_AT)
+IMAGE_PATHS = ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc", "/dev", "/proc", "/sys", IMAGE_AT)
+# Merged /usr (Debian 12, Ubuntu): these are symlinks into /usr; on an older layout, directories to bind.
+TOP_DIRS = ("bin", "lib", "lib64", "sbin")
 
 
 # ---------------------------------------------------------------- the VM image (once per session)
@@ -82,6 +89,7 @@ class Image:
     pyver: str  # "python3.11"
     etc: Path  # private copy of /etc with the node user added
     torch_extensions: Path  # writable cache shared by nodes that ask for it (prebuilt DeepSpeed ops)
+    extensions_key: str  # what the cached builds depend on: interpreter, torch and deepspeed versions
 
     @property
     def empty_dir(self) -> Path:
@@ -104,15 +112,52 @@ def build_image(root: Path, venv: Path | None = None) -> Image:
     root.chmod(0o755)
     (root / "empty").mkdir(exist_ok=True)
     (root / "empty-file").touch()
-    img = Image(root, root / "dlimage", packages, hidden, prefix, pyver, root / "etc", root / "torch_extensions")
+    img = Image(root, root / "dlimage", packages, hidden, prefix, pyver, root / "etc", root / "torch_extensions",
+                _extensions_key(packages, pyver))
     _write_venv(img.env, prefix, pyver)
     (img.env / "pkgs").mkdir()
     _link_farm(img.env / "lib" / pyver / "site-packages", packages, hidden)
     _image_scripts(venv / "bin", img.env / "bin", hidden_scripts=_dtlaunch_scripts(packages))
     _image_etc(img.etc)
-    img.torch_extensions.mkdir()
-    os.chown(img.torch_extensions, UID, GID)
+    _seed_torch_extensions(img)
     return img
+
+
+def _extensions_key(packages: Path, pyver: str) -> str:
+    dists = sorted(d.name.removesuffix(".dist-info") for d in packages.glob("*.dist-info")
+                   if d.name.lower().startswith(("torch-", "deepspeed-")))
+    return "_".join([pyver, *dists]).replace("+", "-")
+
+
+def _seed_torch_extensions(img: Image) -> None:
+    """The session's writable copy of the warm cache. A `lock` file is torch's build lock: one left by a
+    build that was killed would make every later load wait forever."""
+    seed = WARM_CACHE / img.extensions_key
+    if seed.is_dir():
+        shutil.copytree(seed, img.torch_extensions, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+    img.torch_extensions.mkdir(exist_ok=True)
+    chown_tree(img.torch_extensions)
+
+
+def save_torch_extensions(img: Image) -> None:
+    """Keep what this session's nodes built for the next session (a rename, so never half a cache).
+    Best effort: a cache that cannot be saved only costs the next session one build."""
+    built = sorted(str(p.relative_to(img.torch_extensions)) for p in img.torch_extensions.rglob("*.so"))
+    seed = WARM_CACHE / img.extensions_key
+    if not built or (seed.is_dir() and built == sorted(str(p.relative_to(seed)) for p in seed.rglob("*.so"))):
+        return
+    tmp, old = (WARM_CACHE / f".{img.extensions_key}.{tag}.{os.getpid()}" for tag in ("new", "old"))
+    try:
+        WARM_CACHE.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(img.torch_extensions, tmp, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+        if seed.exists():
+            seed.rename(old)
+        tmp.rename(seed)
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _dtlaunch_entries(packages: Path) -> set[str]:
@@ -177,13 +222,18 @@ def _image_etc(etc: Path) -> None:
 _DEFAULT_IMAGE: Image | None = None
 
 
+def _retire_image(img: Image) -> None:
+    destroy_all()  # no node may still use the image
+    save_torch_extensions(img)
+    shutil.rmtree(img.root, ignore_errors=True)
+
+
 def default_image() -> Image:
     """The image for this process, built on first use (pytest code should use the sky_image fixture)."""
     global _DEFAULT_IMAGE
     if _DEFAULT_IMAGE is None:
-        root = Path(tempfile.mkdtemp(prefix="skynodes-image-"))
-        _DEFAULT_IMAGE = build_image(root)
-        atexit.register(shutil.rmtree, root, True)
+        _DEFAULT_IMAGE = build_image(Path(tempfile.mkdtemp(prefix="skynodes-image-")))
+        atexit.register(_retire_image, _DEFAULT_IMAGE)
     return _DEFAULT_IMAGE
 
 
@@ -301,19 +351,30 @@ def _die_with_parent() -> None:
     os.setsid()
 
 
+def _parents() -> dict[int, list[int]]:
+    """ppid -> pids, from /proc (every thread's children, unlike /proc/PID/task/PID/children)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
 def children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+    return _parents().get(pid, [])
 
 
 def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
+    """All live descendants of `pid`, parents before their children."""
+    kids, out, todo = _parents(), [], [pid]
     while todo:
-        kids = children(todo.pop())
-        out += kids
-        todo += kids
+        found = kids.get(todo.pop(0), [])
+        out += found
+        todo += found
     return out
 
 
@@ -369,7 +430,7 @@ def _sweep_stale_bridges() -> None:
     for name, alias in _our_bridges().items():
         m = re.search(r"pid=(\d+)", alias)
         if m and not Path(f"/proc/{m.group(1)}").exists():
-            subprocess.run(["ip", "link", "del", name], capture_output=True)
+            _unplug_all(int(name[len("skyn"):]))
 
 
 def _new_bridge() -> int:
@@ -379,6 +440,8 @@ def _new_bridge() -> int:
         for k in range(64):
             r = subprocess.run(["ip", "link", "add", f"skyn{k}", "type", "bridge"], capture_output=True)
             if r.returncode == 0:
+                for old in Path("/sys/class/net").glob(f"skyn{k}v*"):  # a veth of a dead set, still going away
+                    subprocess.run(["ip", "link", "del", old.name], capture_output=True)
                 _sh("ip", "link", "set", f"skyn{k}", "alias", f"dtlaunch-skynodes pid={os.getpid()}")
                 _sh("ip", "addr", "add", f"{SUBNET}.{k}.1/24", "dev", f"skyn{k}")
                 _sh("ip", "link", "set", f"skyn{k}", "up")
@@ -394,6 +457,21 @@ def _plug(slot: int, rank: int, init_pid: int, ip: str) -> None:
     _sh("ip", "link", "set", host_end, "master", f"skyn{slot}", "up")
     _sh("nsenter", f"--target={init_pid}", "--net", "ip", "-batch", "-",
         input=f"link set lo up\naddr add {ip}/24 dev eth0\nlink set eth0 up\n")
+
+
+def _unplug_all(slot: int, timeout: float = 10) -> None:
+    """Delete slot's veths and bridge. The kernel frees a dead namespace's veths asynchronously, so
+    they are deleted here rather than waited for; one end deleted takes the other with it."""
+    deadline = time.time() + timeout
+    while True:
+        links = [d.name for d in Path("/sys/class/net").iterdir() if re.fullmatch(rf"skyn{slot}(v\d+)?", d.name)]
+        if not links:
+            return
+        for name in sorted(links, reverse=True):  # veths (skyn0v1) before their bridge (skyn0)
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
+        if time.time() > deadline:
+            raise RuntimeError(f"network links survived destroy(): {links}")
+        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------- one node
@@ -425,6 +503,7 @@ class Node:
 # ---------------------------------------------------------------- the node set
 
 _LIVE: set = set()
+_SETS = itertools.count()
 
 
 class SkyNodes:
@@ -462,10 +541,13 @@ class SkyNodes:
         self.cluster = cluster
         self.mounts = parse_file_mounts(self.task, self.task_dir)
         self._check_mount_destinations()
-        self.launches = 0
+        # launch numbers go on across node sets sharing `root`: a recovery's logs follow the lost launch's
+        self.launches = max((int(m.group(1)) for f in (self.root / "logs").glob("node0.*.log")
+                             if (m := re.fullmatch(r"node0\.(\d+)\.log", f.name))), default=0)
         self._nodes: list[Node] = []
         self._procs: list[subprocess.Popen] = []
         self._slot: int | None = None
+        self.nodes_dir = self.root / "nodes" / f"{os.getpid()}-{next(_SETS)}"  # two sets may share a root
 
     # -------------------------------------------------- public API
 
@@ -484,10 +566,11 @@ class SkyNodes:
         if self._nodes:
             raise RuntimeError("already provisioned: destroy() first")
         _LIVE.add(self)
+        (self.root / "logs").mkdir(parents=True, exist_ok=True)
         try:
             if self.netns:
                 self._slot = _new_bridge()
-            self._nodes = [Node(r, self._ip(r), self.root / "nodes" / f"node{r}") for r in range(self.nodes)]
+            self._nodes = [Node(r, self._ip(r), self.nodes_dir / f"node{r}") for r in range(self.nodes)]
             for n in self._nodes:
                 self._stage(n)
             for n in self._nodes:
@@ -499,19 +582,18 @@ class SkyNodes:
             raise
 
     def setup(self, env: dict | None = None, timeout: float = 120) -> list[subprocess.CompletedProcess]:
-        """Run the task's `setup` on every node at once, as SkyPilot does; output is stdout+stderr."""
+        """Run the task's `setup` on every node at once, as SkyPilot does (a node that fails cancels the
+        others: 137); each result's stdout holds that node's stdout and stderr."""
         if not self.task.get("setup"):
             return []
-        procs = [self._spawn(n, "setup", self._script(n, "setup", env), subprocess.PIPE) for n in self._nodes]
-        out = []
-        try:
-            for n, p in zip(self._nodes, procs):
-                text, _ = p.communicate(timeout=timeout)
-                (self.root / "logs" / f"setup-node{n.rank}.log").write_text(text)
-                out.append(subprocess.CompletedProcess(p.args, p.returncode, text, ""))
-        finally:
-            self.kill(procs)
-        return out
+        logs = [self.root / "logs" / f"node{n.rank}.{self.launches + 1}.setup.log" for n in self._nodes]
+        procs = []
+        for n, path in zip(self._nodes, logs):
+            with open(path, "wb") as log:
+                procs.append(self._spawn(n, "setup", self._script(n, "setup", env), log))
+        codes = self.wait(procs, timeout)
+        return [subprocess.CompletedProcess(p.args, c, path.read_text(errors="replace"), "")
+                for p, c, path in zip(procs, codes, logs)]
 
     def start(self, env: dict | None = None, per_node: dict[int, dict] | None = None) -> list[subprocess.Popen]:
         """Start the task's `run` on every node, detached; output goes to log(rank)."""
@@ -523,11 +605,21 @@ class SkyNodes:
                 procs.append(self._spawn(n, "run", self._script(n, "run", extra), log))
         return procs
 
-    def wait(self, procs: list[subprocess.Popen], timeout: float) -> list[int]:
-        """Exit codes of `procs`; whatever still runs at the deadline is killed (and TimeoutExpired raised)."""
+    def wait(self, procs: list[subprocess.Popen], timeout: float, gang: bool = True) -> list[int]:
+        """Exit codes of `procs`. As SkyPilot's job driver does, the first node to fail gets the others
+        killed, their code then being 137 (gang=False: let them run to their own end, to see what the job
+        itself does about a lost peer). Whatever still runs at the deadline is killed, TimeoutExpired raised."""
         deadline = time.time() + timeout
+        codes: dict[int, int] = {}
         try:
-            return [p.wait(timeout=max(0.1, deadline - time.time())) for p in procs]
+            while len(codes) < len(procs):
+                codes |= {i: p.returncode for i, p in enumerate(procs) if i not in codes and p.poll() is not None}
+                if gang and any(codes.values()):
+                    return [codes.get(i, CANCELLED) for i in range(len(procs))]
+                if time.time() > deadline:
+                    raise subprocess.TimeoutExpired([p.args for p in procs], timeout)
+                time.sleep(0.05)
+            return [codes[i] for i in range(len(procs))]
         finally:
             self.kill(procs)
 
@@ -550,17 +642,12 @@ class SkyNodes:
         """The node set is gone: every process killed, node-local disk deleted; buckets and logs survive."""
         for n in self._nodes:
             self._halt(n)
-        # Each nsenter exits once its child in the node died; killing it first would orphan that child's
-        # zombie to this host's PID 1, which may never reap it.
-        for p in self._procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
-        self.kill(self._procs)
+        self.kill(self._procs)  # nothing left to kill: each nsenter exits as its child died with the node
         self._procs = []
         self._assert_gone()
         self._delete_node_dirs()
         if self._slot is not None:
-            subprocess.run(["ip", "link", "del", f"skyn{self._slot}"], capture_output=True)
+            _unplug_all(self._slot)
             self._slot = None
         self._nodes = []
         _LIVE.discard(self)
@@ -585,14 +672,18 @@ class SkyNodes:
     @staticmethod
     def kill(procs: list[subprocess.Popen], sig=signal.SIGKILL) -> None:
         """Kill each started command's whole process tree (not the node: a daemon it detached survives,
-        as it would on a VM when SkyPilot cancels a job)."""
+        as it would on a VM when SkyPilot cancels a job). nsenter itself is left to exit once its child
+        died: killed first, it would orphan that child's zombie to this host's PID 1."""
         for p in procs:
-            for pid in [*reversed(descendants(p.pid)), p.pid]:
+            for pid in reversed(descendants(p.pid)):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
         for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
     # -------------------------------------------------- provisioning
 
@@ -611,7 +702,6 @@ class SkyNodes:
         if n.dir.exists():
             raise RuntimeError(f"{n.dir} exists: a previous node set was not destroyed")
         self._make_rootfs(n)
-        (self.root / "logs").mkdir(parents=True, exist_ok=True)
         self._make_home(n)
         for m in self.mounts:
             self._apply_mount(n, m)
@@ -620,12 +710,11 @@ class SkyNodes:
         r = n.rootfs
         for d in ("usr", "etc", "dev", "proc", "sys", "run", "opt/dlimage", "home", "var", "root", str(self.image.prefix)[1:]):
             (r / d).mkdir(parents=True, exist_ok=True)
-        for link in ("bin", "lib", "lib64", "sbin"):  # merged /usr: these are symlinks on Debian and Ubuntu
-            target = os.readlink(f"/{link}") if os.path.islink(f"/{link}") else None
-            if target:
-                (r / link).symlink_to(target)
-            elif os.path.isdir(f"/{link}"):
-                (r / link).mkdir()
+        for name in TOP_DIRS:
+            if os.path.islink(f"/{name}"):
+                (r / name).symlink_to(os.readlink(f"/{name}"))
+            elif os.path.isdir(f"/{name}"):
+                (r / name).mkdir()
         for d in ("tmp", "var/tmp"):
             (r / d).mkdir(parents=True, exist_ok=True)
             (r / d).chmod(0o1777)
@@ -693,6 +782,7 @@ class SkyNodes:
         """(host source, path in node, read-only) in mount order."""
         img = self.image
         binds = [("/usr", "/usr", True),
+                 *((f"/{d}", f"/{d}", True) for d in TOP_DIRS if os.path.isdir(f"/{d}") and not os.path.islink(f"/{d}")),
                  # this machine's own tools under /usr/local are not part of a VM image
                  (str(img.empty_dir), "/usr/local", True),
                  (str(img.etc), "/etc", True),
@@ -858,7 +948,7 @@ class SkyNodes:
     def _delete_node_dirs(self) -> None:
         """rm -rf of the nodes' disks, from this (the host's) mount namespace, where none of the nodes'
         bind mounts exist: a mount under it here would mean deleting the host's own files, so refuse."""
-        nodes = self.root / "nodes"
+        nodes = self.nodes_dir
         if not nodes.exists():
             return
         prefix = str(nodes.resolve()) + "/"
@@ -867,6 +957,8 @@ class SkyNodes:
         if mounted:
             raise RuntimeError(f"refusing to delete {nodes}: mounts below it: {mounted}")
         shutil.rmtree(nodes)
+        with contextlib.suppress(OSError):
+            nodes.parent.rmdir()  # the last set on this root leaves no nodes/ behind
 
     def _log_path(self, rank: int, launch: int) -> Path:
         return self.root / "logs" / f"node{rank}.{launch}.log"
@@ -911,9 +1003,12 @@ if pytest is not None:
     @pytest.fixture(scope="session")
     def sky_image(tmp_path_factory):
         """The VM image, built once per session (~0.2 s); every node set still alive at the end is destroyed."""
+        with _host_lock():
+            _sweep_stale_bridges()  # left by a session that was killed
         img = build_image(tmp_path_factory.mktemp("sky-image"))
         yield img
         destroy_all()
+        save_torch_extensions(img)
 
     @pytest.fixture
     def sky_nodes(sky_image, tmp_path):

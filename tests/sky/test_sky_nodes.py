@@ -195,11 +195,26 @@ def test_bucket_mount_is_shared_and_survives_destroy(tmp_path, sky_nodes):
     assert sorted(os.listdir(bucket)) == ["node-0", "node-1"] and (bucket / "node-1").stat().st_uid == 4242
     assert sorted(os.listdir(first.bucket("gs://log-bucket"))) == ["setup-0", "setup-1"]
     first.destroy()
-    assert not (first.root / "nodes").exists() and (bucket / "node-0").read_text() == "from 0\n"
+    assert not first.nodes_dir.exists() and (bucket / "node-0").read_text() == "from 0\n"
 
     second = sky_nodes(task, nodes=1)  # a recovery: new VMs, same bucket
     second.provision()
     assert "SEES node-0 node-1 " in run(second)[0]
+
+
+def test_two_node_sets_at_once_share_buckets_not_disks(tmp_path, sky_nodes):
+    task = write_task(tmp_path / "job", """
+        file_mounts:
+          /ckpt: {source: s3://shared, mode: MOUNT}
+        run: |
+          mktemp /ckpt/$(hostname)-XXXXXX  # not $$: each node set has its own PID namespace, same PIDs
+        """)
+    a, b = sky_nodes(task), sky_nodes(task)
+    a.provision()
+    b.provision()
+    run(a), run(b)
+    assert len(os.listdir(a.bucket("s3://shared"))) == 2  # both sets wrote into the one bucket
+    assert a.nodes_dir != b.nodes_dir and a.namespaces()["mnt"].isdisjoint(b.namespaces()["mnt"])
 
 
 def test_root_only_paths_fail_but_file_mounts_there_work(tmp_path, sky_nodes):
@@ -274,7 +289,7 @@ def test_destroy_leaves_no_process_no_mount_and_no_node_disk(tmp_path, sky_nodes
             assert not [d for d in filter(str.isdigit, os.listdir("/proc"))
                         if os.path.exists(f"/proc/{d}/ns/{kind}") and _readlink(f"/proc/{d}/ns/{kind}") == ns]
     assert str(nodes.root) not in Path("/proc/self/mountinfo").read_text()
-    assert not (nodes.root / "nodes").exists()
+    assert not nodes.nodes_dir.exists() and not (nodes.root / "nodes").exists()
 
 
 def _readlink(p: str) -> str:
@@ -293,6 +308,22 @@ def test_kill_node_takes_down_that_vm_only(tmp_path, sky_nodes):
     assert nodes.ssh(0, "echo alive").stdout.strip().endswith("alive")
     with pytest.raises(RuntimeError, match="not running"):
         nodes.ssh(1, "true")
+
+
+def test_a_failed_node_gets_the_others_cancelled_as_skypilot_does(tmp_path, sky_nodes):
+    task = write_task(tmp_path / "job", """
+        num_nodes: 2
+        run: |
+          [ "$SKYPILOT_NODE_RANK" = 1 ] && exit 3
+          sleep 1000
+        """)
+    nodes = sky_nodes(task)
+    nodes.provision()
+    assert nodes.wait(nodes.start(), timeout=30) == [137, 3]
+    procs = nodes.start()  # gang=False: the survivor is left to its own end (here: the deadline)
+    with pytest.raises(subprocess.TimeoutExpired):
+        nodes.wait(procs, timeout=1.5, gang=False)
+    assert procs[1].returncode == 3 and procs[0].returncode != 0  # killed at the deadline
 
 
 # ---------------------------------------------------------------- network namespaces
