@@ -67,6 +67,7 @@ BASE_PATH = f"{IMAGE_AT}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/
 # PID 1 of a node: reaps what the task leaves behind, like a VM's init, and says when the mounts are done.
 REAPER = ("import os, time\nos.write(1, b'ready\\n')\nos.close(1)\nwhile True:\n"
           "    try:\n        os.wait()\n    except ChildProcessError:\n        time.sleep(1)\n")
+DEFAULT_TASK_ID = "sky-2026-01-01-00-00-00-000000_skynodes_1"  # SkyPilot's format: sky-<timestamp>_<cluster>_<job>
 CANCELLED = 137  # SkyPilot's code for a node whose run it killed because another node failed
 BUCKET_URL = re.compile(r"^(s3|gs|r2|cos|oci|azure|https)://([^/]+)(/.*)?$")
 # Paths a node gets from the image (binds): a file_mount cannot land there.
@@ -182,7 +183,8 @@ def _write_venv(path: Path, prefix: Path, pyver: str) -> None:
     (path / "lib" / pyver / "site-packages").mkdir(parents=True)
     (path / "lib64").symlink_to("lib")
     version = ".".join(map(str, sys.version_info[:3]))
-    (path / "pyvenv.cfg").write_text(f"home = {prefix}/bin\ninclude-system-site-packages = false\nversion = {version}\n")
+    (path / "pyvenv.cfg").write_text(
+        f"home = {prefix}/bin\ninclude-system-site-packages = false\nversion = {version}\n")
     (path / "bin" / "python").symlink_to(prefix / "bin" / pyver)
     for alias in ("python3", pyver):
         (path / "bin" / alias).symlink_to("python")
@@ -201,7 +203,8 @@ def _image_scripts(src: Path, dst: Path, hidden_scripts: set[str]) -> None:
     pointing at the image's python, as an image's system scripts point at its system python."""
     shebang = re.compile(rb"^#!" + re.escape(str(src).encode()) + rb"/python[0-9.]*")
     for f in sorted(src.iterdir()):
-        if f.is_symlink() or not f.is_file() or f.name in hidden_scripts or f.name.startswith(("python", "activate", "Activate")):
+        venv_own = f.name.startswith(("python", "activate", "Activate"))
+        if f.is_symlink() or not f.is_file() or venv_own or f.name in hidden_scripts:
             continue
         data = shebang.sub(f"#!{IMAGE_AT}/bin/python".encode(), f.read_bytes(), count=1)
         (dst / f.name).write_bytes(data)
@@ -400,7 +403,7 @@ def _state(pid: int) -> str:
 
 
 def _sh(*cmd: str, input: str | None = None) -> None:
-    r = subprocess.run(cmd, input=input, capture_output=True, text=True)
+    r = subprocess.run(cmd, input=input, capture_output=True, text=True, check=False)
     if r.returncode:
         raise RuntimeError(f"{shlex.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
 
@@ -438,10 +441,10 @@ def _new_bridge() -> int:
     with _host_lock():
         _sweep_stale_bridges()
         for k in range(64):
-            r = subprocess.run(["ip", "link", "add", f"skyn{k}", "type", "bridge"], capture_output=True)
+            r = subprocess.run(["ip", "link", "add", f"skyn{k}", "type", "bridge"], capture_output=True, check=False)
             if r.returncode == 0:
                 for old in Path("/sys/class/net").glob(f"skyn{k}v*"):  # a veth of a dead set, still going away
-                    subprocess.run(["ip", "link", "del", old.name], capture_output=True)
+                    subprocess.run(["ip", "link", "del", old.name], capture_output=True, check=False)
                 _sh("ip", "link", "set", f"skyn{k}", "alias", f"dtlaunch-skynodes pid={os.getpid()}")
                 _sh("ip", "addr", "add", f"{SUBNET}.{k}.1/24", "dev", f"skyn{k}")
                 _sh("ip", "link", "set", f"skyn{k}", "up")
@@ -468,7 +471,7 @@ def _unplug_all(slot: int, timeout: float = 10) -> None:
         if not links:
             return
         for name in sorted(links, reverse=True):  # veths (skyn0v1) before their bridge (skyn0)
-            subprocess.run(["ip", "link", "del", name], capture_output=True)
+            subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
         if time.time() > deadline:
             raise RuntimeError(f"network links survived destroy(): {links}")
         time.sleep(0.05)
@@ -523,7 +526,7 @@ class SkyNodes:
     the SkyPilot runtime itself (ray, skylet, `sky logs`).
     """
 
-    def __init__(self, task_dir: Path, *, nodes: int | None = None, task_id: str = "sky-2026-01-01-00-00-00-000000_skynodes_1",
+    def __init__(self, task_dir: Path, *, nodes: int | None = None, task_id: str = DEFAULT_TASK_ID,
                  root: Path | None = None, netns: bool = False, image: Image | None = None,
                  secrets: dict | None = None, torch_extensions: bool = False, cluster: str = "skynodes"):
         self.task_dir = Path(task_dir).resolve()
@@ -708,8 +711,8 @@ class SkyNodes:
 
     def _make_rootfs(self, n: Node) -> None:
         r = n.rootfs
-        for d in ("usr", "etc", "dev", "proc", "sys", "run", "opt/dlimage", "home", "var", "root", str(self.image.prefix)[1:]):
-            (r / d).mkdir(parents=True, exist_ok=True)
+        for d in ("usr", "etc", "dev", "proc", "sys", "run", IMAGE_AT, "/home", "/var", "/root", str(self.image.prefix)):
+            (r / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
         for name in TOP_DIRS:
             if os.path.islink(f"/{name}"):
                 (r / name).symlink_to(os.readlink(f"/{name}"))
@@ -781,8 +784,9 @@ class SkyNodes:
     def _binds(self, n: Node) -> list[tuple[str, str, bool]]:
         """(host source, path in node, read-only) in mount order."""
         img = self.image
+        unmerged = [f"/{d}" for d in TOP_DIRS if os.path.isdir(f"/{d}") and not os.path.islink(f"/{d}")]
         binds = [("/usr", "/usr", True),
-                 *((f"/{d}", f"/{d}", True) for d in TOP_DIRS if os.path.isdir(f"/{d}") and not os.path.islink(f"/{d}")),
+                 *((d, d, True) for d in unmerged),
                  # this machine's own tools under /usr/local are not part of a VM image
                  (str(img.empty_dir), "/usr/local", True),
                  (str(img.etc), "/etc", True),
@@ -833,11 +837,12 @@ class SkyNodes:
         (n.dir / "hostname").write_text(n.hostname + "\n")
         (n.dir / "init.sh").write_text(self._init_script(n))
         spaces = ["--mount", "--uts", "--ipc", "--pid", *(["--net"] if self.netns else [])]
+        cmd = ["unshare", *spaces, "--fork", "--kill-child", "--propagation", "private", "bash", str(n.dir / "init.sh")]
         with open(n.dir / "init.log", "wb") as log:
             n.unshare = subprocess.Popen(
-                ["unshare", *spaces, "--fork", "--kill-child", "--propagation", "private", "bash", str(n.dir / "init.sh")],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                preexec_fn=_die_with_parent)
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl works only in the child
         n.alive = True
 
     def _await_boot(self, n: Node, timeout: float = 20) -> None:
@@ -884,11 +889,20 @@ class SkyNodes:
         """SkyPilot's task script wrapper (make_task_bash_script): ~/.bashrc, the user env, the workdir,
         the exports, then the task's own commands."""
         exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in self._env(n, stage, extra).items())
-        return ("#!/bin/bash\n[ -f ~/.bashrc ] && source ~/.bashrc\nset -a\n"
-                ". $(conda info --base 2> /dev/null)/etc/profile.d/conda.sh > /dev/null 2>&1 || true\nset +a\n"
-                'export PATH=$(echo $PATH | sed "s|$(echo ~/skypilot-runtime)/bin:||") && unset VIRTUAL_ENV && unset VIRTUAL_ENV_PROMPT\n'
-                f'if [ -z "${{CONDA_PREFIX:-}}" ] && [ -f {USER_ENV}/bin/activate ]; then source {USER_ENV}/bin/activate; fi\n'
-                f"export PYTHONUNBUFFERED=1\ncd {WORKDIR}\n{exports}\n{self.task[stage]}\n")
+        return "\n".join([
+            "#!/bin/bash",
+            "[ -f ~/.bashrc ] && source ~/.bashrc",
+            "set -a",
+            ". $(conda info --base 2> /dev/null)/etc/profile.d/conda.sh > /dev/null 2>&1 || true",
+            "set +a",
+            'export PATH=$(echo $PATH | sed "s|$(echo ~/skypilot-runtime)/bin:||") && unset VIRTUAL_ENV'
+            " && unset VIRTUAL_ENV_PROMPT",
+            f'if [ -z "${{CONDA_PREFIX:-}}" ] && [ -f {USER_ENV}/bin/activate ]; then source {USER_ENV}/bin/activate; fi',
+            "export PYTHONUNBUFFERED=1",
+            f"cd {WORKDIR}",
+            exports,
+            self.task[stage],
+            ""])
 
     def _login_env(self) -> dict[str, str]:
         return {"HOME": HOME, "USER": USER, "LOGNAME": USER, "SHELL": "/bin/bash", "LANG": "C.UTF-8",
@@ -912,7 +926,8 @@ class SkyNodes:
         cmd = ["nsenter", f"--target={n.init_pid}", *spaces, "--root", f"--wdns={HOME}", "--",
                "setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", "--no-new-privs", "--", *argv]
         p = subprocess.Popen(cmd, env=self._login_env(), stdin=subprocess.DEVNULL, stdout=stdout,
-                             stderr=subprocess.STDOUT, text=stdout is subprocess.PIPE, preexec_fn=_die_with_parent)
+                             stderr=subprocess.STDOUT, text=stdout is subprocess.PIPE,
+                             preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl works only in the child
         self._procs.append(p)
         return p
 
@@ -973,8 +988,8 @@ def _write_user_env(path: Path, img: Image) -> None:
     (site / "_sky_system_site_packages.pth").write_text(
         f"import site; site.addsitedir('{IMAGE_AT}/lib/{img.pyver}/site-packages')\n")
     for name in ("pip", "pip3"):  # pip itself comes from the image, as --seed would have put it here
-        (path / "bin" / name).write_text(f"#!{USER_ENV}/bin/python\nimport sys\nfrom pip._internal.cli.main import main\n"
-                                         "sys.exit(main())\n")
+        (path / "bin" / name).write_text(
+            f"#!{USER_ENV}/bin/python\nimport sys\nfrom pip._internal.cli.main import main\nsys.exit(main())\n")
         (path / "bin" / name).chmod(0o755)
     (path / "bin" / "activate").write_text(
         f"# the parts of venv's activate that a task script relies on\nVIRTUAL_ENV={USER_ENV}\nexport VIRTUAL_ENV\n"
@@ -1027,7 +1042,7 @@ if pytest is not None:
         for s in made:
             try:
                 s.destroy()
-            except Exception as e:  # destroy every set before reporting
+            except Exception as e:  # noqa: BLE001 - destroy every set before reporting
                 errors.append(e)
         if errors:
             raise errors[0]

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from sky_nodes import SkyNodes, copy_tree, gpus_per_node, parse_file_mounts, sky_image, sky_nodes  # noqa: F401
+from sky_nodes import SkyNodes, copy_tree, gpus_per_node, parse_file_mounts
 
 ROOT = Path(__file__).resolve().parents[2]
 # Prints, as one JSON line, what a node tells about itself (no torch import: it costs ~1.5 s per node).
