@@ -524,6 +524,13 @@ class SkyNodes:
     Not simulated: sudo (absent; on a VM it works), GPUs, ssh between nodes, bucket semantics beyond a
     shared directory (no eventual consistency, no MOUNT write restrictions), `volumes:` (refused),
     the SkyPilot runtime itself (ray, skylet, `sky logs`).
+
+    Use (in tests, through the `sky_nodes` fixture, which destroys every set it made):
+        nodes = sky_nodes(task_dir)                  # or netns=True, nodes=N, task_id=..., secrets=...
+        nodes.provision()
+        assert all(r.returncode == 0 for r in nodes.setup())
+        assert nodes.wait(nodes.start(env={"DTLAUNCH_PORT": "29511"}), timeout=120) == [0] * nodes.nodes
+        nodes.log(0); nodes.bucket("s3://b/ckpt"); nodes.kill_node(1); nodes.destroy(); nodes.provision()
     """
 
     def __init__(self, task_dir: Path, *, nodes: int | None = None, task_id: str = DEFAULT_TASK_ID,
@@ -827,8 +834,8 @@ class SkyNodes:
     def _hosts(self, n: Node) -> str:
         if self.netns:  # Ubuntu cloud images (cloud-init's hosts template): the hostname is 127.0.1.1
             own = f"127.0.1.1 {n.hostname}\n127.0.0.1 localhost\n"
-        else:
-            own = f"127.0.0.1 localhost\n{n.ip} {n.hostname}\n"
+        else:  # own line first: node0 shares 127.0.0.1 with localhost, and should be called node0
+            own = f"{n.ip} {n.hostname}\n127.0.0.1 localhost\n"
         return own + ("\n# The following lines are desirable for IPv6 capable hosts\n"
                       "::1 localhost ip6-localhost ip6-loopback\nff02::1 ip6-allnodes\nff02::2 ip6-allrouters\n")
 

@@ -65,6 +65,7 @@ def dtlaunch_wheel(tmp_path_factory) -> Path:
 
 # ---------------------------------------------------------------- the node's user, environment and image
 
+@pytest.mark.slow
 def test_task_runs_as_non_root_user_with_only_skypilots_environment(tmp_path, sky_nodes, monkeypatch):
     for k, v in {"PYTHONPATH": str(ROOT), "DTLAUNCH_HOME": "/leak", "DTLAUNCH_PORT": "1", "SKYPILOT_NODE_RANK": "9"}.items():
         monkeypatch.setenv(k, v)  # none of the host's variables may reach a node
@@ -128,6 +129,7 @@ def test_image_has_torch_not_dtlaunch_and_pip_installs_the_wheel_offline(tmp_pat
     assert "NO-LAUNCHER" in nodes.ssh(0, "~/sky-user-env/bin/python -c 'import launcher' || echo NO-LAUNCHER").stdout
 
 
+@pytest.mark.slow
 def test_node_sees_neither_the_repository_nor_host_tools(tmp_path, sky_nodes):
     task = write_task(tmp_path / "job", """
         run: |
@@ -146,6 +148,7 @@ def test_node_sees_neither_the_repository_nor_host_tools(tmp_path, sky_nodes):
 
 # ---------------------------------------------------------------- disks: node-local, buckets, root-only paths
 
+@pytest.mark.slow
 def test_node_local_files_are_invisible_to_other_nodes(tmp_path, sky_nodes):
     task = write_task(tmp_path / "job", """
         num_nodes: 2
@@ -170,6 +173,7 @@ def test_node_local_files_are_invisible_to_other_nodes(tmp_path, sky_nodes):
     assert nodes.node_path(0, "/tmp/ckpt").exists() and not nodes.node_path(1, "/tmp/ckpt").exists()
 
 
+@pytest.mark.slow
 def test_bucket_mount_is_shared_and_survives_destroy(tmp_path, sky_nodes):
     task = write_task(tmp_path / "job", """
         num_nodes: 2
@@ -201,6 +205,7 @@ def test_bucket_mount_is_shared_and_survives_destroy(tmp_path, sky_nodes):
     assert "SEES node-0 node-1 " in run(second)[0]
 
 
+@pytest.mark.slow
 def test_two_node_sets_at_once_share_buckets_not_disks(tmp_path, sky_nodes):
     task = write_task(tmp_path / "job", """
         file_mounts:
@@ -216,6 +221,7 @@ def test_two_node_sets_at_once_share_buckets_not_disks(tmp_path, sky_nodes):
     assert a.nodes_dir != b.nodes_dir and a.namespaces()["mnt"].isdisjoint(b.namespaces()["mnt"])
 
 
+@pytest.mark.slow
 def test_root_only_paths_fail_but_file_mounts_there_work(tmp_path, sky_nodes):
     task = write_task(tmp_path / "job", """
         file_mounts:
@@ -278,6 +284,7 @@ def _sleepers() -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_destroy_leaves_no_process_no_mount_and_no_node_disk(tmp_path, sky_nodes):
     nodes, procs = _sleepers_everywhere(tmp_path, sky_nodes)
     spaces = nodes.namespaces()
@@ -298,6 +305,7 @@ def _readlink(p: str) -> str:
         return ""
 
 
+@pytest.mark.slow
 def test_kill_node_takes_down_that_vm_only(tmp_path, sky_nodes):
     nodes, procs = _sleepers_everywhere(tmp_path, sky_nodes)
     nodes.kill_node(1)
@@ -309,6 +317,7 @@ def test_kill_node_takes_down_that_vm_only(tmp_path, sky_nodes):
         nodes.ssh(1, "true")
 
 
+@pytest.mark.slow
 def test_a_failed_node_gets_the_others_cancelled_as_skypilot_does(tmp_path, sky_nodes):
     task = write_task(tmp_path / "job", """
         num_nodes: 2
