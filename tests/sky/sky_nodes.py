@@ -306,7 +306,8 @@ def bucket_key(url: str) -> str:
 
 def copy_tree(src: Path, dst: Path) -> None:
     """Copy `src` (a file, or a directory's contents) to `dst` as SkyPilot's rsync does: symlinks kept,
-    and .skyignore (or else .gitignore) patterns honoured in every directory. Negated patterns are not."""
+    and the patterns of .skyignore (or else .gitignore and .git/info/exclude) files honoured, each file's
+    in its directory and below (rsync's dir-merge). Negated patterns ("!keep") are not supported."""
     src = Path(src)
     if src.is_file():
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -316,9 +317,11 @@ def copy_tree(src: Path, dst: Path) -> None:
     extra = _patterns(src / ".git" / "info" / "exclude") if name == ".gitignore" else []
 
     def ignore(d: str, names: list[str]) -> set[str]:
-        rel = os.path.relpath(d, src)
-        pats = _patterns(Path(d) / name) + (extra if rel == "." else [])
-        return {n for n in names if any(_match(p, n, os.path.isdir(os.path.join(d, n))) for p in pats)}
+        here = Path(d)
+        rules = [(anc, p) for anc in [here, *here.parents] if anc == src or src in anc.parents
+                 for p in _patterns(anc / name) + (extra if anc == src else [])]
+        return {n for n in names
+                if any(_match(p, here / n, anc) for anc, p in rules)}
 
     shutil.copytree(src, dst, symlinks=True, ignore=ignore, dirs_exist_ok=True)
 
@@ -330,10 +333,15 @@ def _patterns(f: Path) -> list[str]:
             if ln.strip() and not ln.startswith(("#", "!"))]
 
 
-def _match(pattern: str, name: str, is_dir: bool) -> bool:
-    if pattern.endswith("/"):
-        return is_dir and fnmatch.fnmatch(name, pattern.rstrip("/").lstrip("/"))
-    return fnmatch.fnmatch(name, pattern.lstrip("/"))
+def _match(pattern: str, path: Path, base: Path) -> bool:
+    """gitignore's rules in short: a trailing / matches directories only; a pattern with a / elsewhere is
+    relative to its file's directory, one without matches the name at any depth below it."""
+    if pattern.endswith("/") and not path.is_dir():
+        return False
+    pattern = pattern.rstrip("/")
+    if "/" in pattern:
+        return fnmatch.fnmatch(str(path.relative_to(base)), pattern.lstrip("/"))
+    return fnmatch.fnmatch(path.name, pattern)
 
 
 def chown_tree(path: Path) -> None:

@@ -402,11 +402,13 @@ def test_volumes_are_refused_not_faked(tmp_path, sky_image):
 
 def test_workdir_sync_honours_gitignore(tmp_path):
     src = tmp_path / "proj"
-    for f in ("keep.py", ".venv/bin/python", "runs/x/ckpt", "pkg/mod.py", "pkg/cache.tmp"):
+    for f in ("keep.py", ".venv/bin/python", "runs/x/ckpt", "pkg/mod.py", "pkg/cache.tmp", "pkg/__pycache__/m.pyc",
+              "out/a", "pkg/out/b", "pkg/runs"):
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         (src / f).write_text("x")
-    (src / ".gitignore").write_text(".venv/\nruns/\n")
+    (src / ".gitignore").write_text(".venv/\nruns/\n__pycache__/\n/out/\n")
     (src / "pkg" / ".gitignore").write_text("*.tmp\n")
-    copy_tree(src, tmp_path / "out")
-    got = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
-    assert got == [".gitignore", "keep.py", "pkg/.gitignore", "pkg/mod.py"]
+    copy_tree(src, tmp_path / "copy")
+    got = sorted(str(p.relative_to(tmp_path / "copy")) for p in (tmp_path / "copy").rglob("*") if p.is_file())
+    # runs/ is a directory pattern (pkg/runs is a file), /out/ is anchored at the top (pkg/out stays)
+    assert got == [".gitignore", "keep.py", "pkg/.gitignore", "pkg/mod.py", "pkg/out/b", "pkg/runs"]
