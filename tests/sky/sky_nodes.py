@@ -910,8 +910,8 @@ class SkyNodes:
             "set -a",
             ". $(conda info --base 2> /dev/null)/etc/profile.d/conda.sh > /dev/null 2>&1 || true",
             "set +a",
-            'export PATH=$(echo $PATH | sed "s|$(echo ~/skypilot-runtime)/bin:||") && unset VIRTUAL_ENV'
-            " && unset VIRTUAL_ENV_PROMPT",
+            ('export PATH=$(echo $PATH | sed "s|$(echo ~/skypilot-runtime)/bin:||") && unset VIRTUAL_ENV'
+             " && unset VIRTUAL_ENV_PROMPT"),
             f'if [ -z "${{CONDA_PREFIX:-}}" ] && [ -f {USER_ENV}/bin/activate ]; then source {USER_ENV}/bin/activate; fi',
             "export PYTHONUNBUFFERED=1",
             f"cd {WORKDIR}",
@@ -1048,7 +1048,8 @@ if pytest is not None:
 
         def make(task_dir, **kw) -> SkyNodes:
             kw.setdefault("root", tmp_path / "skynodes")
-            s = SkyNodes(task_dir, image=sky_image, **kw)
+            kw.setdefault("image", sky_image)
+            s = SkyNodes(task_dir, **kw)
             made.append(s)
             return s
 

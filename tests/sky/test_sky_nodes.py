@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from sky_nodes import SkyNodes, copy_tree, gpus_per_node, parse_file_mounts
+
+from sky_nodes import SkyNodes, build_image, copy_tree, gpus_per_node, parse_file_mounts, save_torch_extensions
 
 ROOT = Path(__file__).resolve().parents[2]
 # Prints, as one JSON line, what a node tells about itself (no torch import: it costs ~1.5 s per node).
@@ -249,6 +250,29 @@ def test_root_only_paths_fail_but_file_mounts_there_work(tmp_path, sky_nodes):
     assert sorted(os.listdir(nodes.bucket("s3://dataset"))) == ["part-0"]
     # SkyPilot's layout for a destination outside $HOME: a user-owned symlink into ~/.sky/file_mounts
     assert os.readlink(nodes.node_path(0, "/checkpoints")) == "/home/sky/.sky/file_mounts/checkpoints"
+
+
+@pytest.mark.slow
+def test_torch_extensions_built_once_serve_later_nodes_and_sessions(tmp_path, sky_nodes, monkeypatch):
+    """The plumbing behind prebuilt DeepSpeed ops (a real build takes 30-100 s): what one node set builds
+    into ~/.cache/torch_extensions, later sets see, and the next session starts with."""
+    monkeypatch.setattr("sky_nodes.WARM_CACHE", tmp_path / "warm")
+    image = build_image(tmp_path / "image")  # private: the session's would be saved for real
+    task = write_task(tmp_path / "job", """
+        run: |
+          D=~/.cache/torch_extensions/py311_cpu/fake_op
+          if [ -e $D/fake_op.so ]; then echo "PREBUILT"; else mkdir -p $D && echo built > $D/fake_op.so; fi
+        """)
+    first = sky_nodes(task, image=image, torch_extensions=True)
+    first.provision()
+    assert "PREBUILT" not in run(first)[0]
+    first.destroy()
+    later = sky_nodes(task, image=image, torch_extensions=True)
+    later.provision()
+    assert "PREBUILT" in run(later)[0]
+    save_torch_extensions(image)
+    next_session = build_image(tmp_path / "image2")
+    assert (next_session.torch_extensions / "py311_cpu/fake_op/fake_op.so").stat().st_uid == 4242
 
 
 # ---------------------------------------------------------------- lifecycle: destroy, lost node
