@@ -938,6 +938,7 @@ class SkyNodes:
             host.chmod(0o600)
             argv = ["/bin/bash", "-i", inside]
         spaces = ["--mount", "--uts", "--ipc", "--pid", *(["--net"] if self.netns else [])]
+        # --root enters the node's chroot; --wdns (util-linux >= 2.38, Debian 12) is a path inside it
         cmd = ["nsenter", f"--target={n.init_pid}", *spaces, "--root", f"--wdns={HOME}", "--",
                "setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", "--no-new-privs", "--", *argv]
         p = subprocess.Popen(cmd, env=self._login_env(), stdin=subprocess.DEVNULL, stdout=stdout,
