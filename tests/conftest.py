@@ -1,10 +1,5 @@
 import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ROOT / "recipes"
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RECIPES
+from testpaths import RECIPES
 
 HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko")
 PY = sys.executable

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import RECIPES
+from testpaths import RECIPES
 from launcher.plan import make_plan
 from launcher.recipe import load, load_text
 from launcher.validate import RULES, has_errors, validate

@@ -23,7 +23,7 @@ def launch_script(recipe: Recipe, plan: Plan, python: str | None = None) -> str:
     cmd = torchrun_command(
         recipe, plan, python=ShellExpr("$PYTHON"), nnodes="1", nproc_per_node=str(plan.gpus_per_node),
         rdzv_endpoint=ShellExpr("127.0.0.1:$PORT"), rdzv_id=ShellExpr("$DTLAUNCH_RUN_ID"),
-        max_restarts=recipe.targets.local.max_restarts, is_host="1",
+        max_restarts=recipe.targets.local.max_restarts, is_host="1", local_addr="127.0.0.1",
         entry=entry_args(ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR")),
     )
     return render_template(

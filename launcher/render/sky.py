@@ -131,6 +131,12 @@ def _nproc(recipe: Recipe, plan: Plan) -> Word:
     return ShellExpr("$SKYPILOT_NUM_GPUS_PER_NODE") if recipe.resources.device().is_gpu else str(plan.gpus_per_node)
 
 
+# DeepSpeed's launcher through the node's interpreter, not the `deepspeed` console script: an image may put its
+# own Python's scripts first on PATH, and workers started from that Python would not see the dtlaunch that
+# setup installed into the activated environment.
+_DEEPSPEED: list[Word] = [ShellExpr("$PYTHON"), "-m", "deepspeed.launcher.runner"]
+
+
 def run_script(recipe: Recipe, plan: Plan) -> str:
     job_dir, _ = _job_paths(recipe)
     entry = entry_args(ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR"))
@@ -138,7 +144,7 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
         recipe, plan, python=ShellExpr("$PYTHON"), nnodes=ShellExpr("$SKYPILOT_NUM_NODES"),
         nproc_per_node=_nproc(recipe, plan), rdzv_endpoint=ShellExpr("$MASTER_ADDR:$PORT"),
         rdzv_id=ShellExpr("$DTLAUNCH_RUN_ID"), max_restarts=recipe.targets.sky.max_restarts,
-        is_host=ShellExpr("$IS_HOST"), entry=entry)
+        is_host=ShellExpr("$IS_HOST"), local_addr=ShellExpr("$NODE_ADDR"), entry=entry)
     ds_args: list[Word] = [
         flag("--hostfile", ShellExpr("$HOSTFILE")), flag("--master_addr", ShellExpr("$MASTER_ADDR")),
         flag("--master_port", ShellExpr("$PORT")), "--no_local_rank", "--module", TRAIN_MODULE,
@@ -150,8 +156,8 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
         checkpoint_template=checkpoint_dir(recipe), port=DEFAULT_PORT, setup_hint=SETUP_HINT, default_python=None,
         deepspeed=recipe.parallelism.launcher == "deepspeed", deepspeed_ssh=recipe.targets.sky.deepspeed_ssh,
         nproc=_nproc(recipe, plan), ds_env=envs(recipe), torchrun=torchrun,
-        deepspeed_node=["deepspeed", "--no_ssh", flag("--node_rank", ShellExpr("$SKYPILOT_NODE_RANK")), *ds_args],
-        deepspeed_head=["deepspeed", "--log_level=warning", *ds_args],
+        deepspeed_node=[*_DEEPSPEED, "--no_ssh", flag("--node_rank", ShellExpr("$SKYPILOT_NODE_RANK")), *ds_args],
+        deepspeed_head=[*_DEEPSPEED, "--log_level=warning", *ds_args],
     )
 
 

@@ -98,7 +98,8 @@ def _step_command(recipe: Recipe, plan: Plan) -> list[Word]:
         recipe, plan, python=ShellExpr("$PYTHON"), nnodes=ShellExpr("$SLURM_NNODES"),
         nproc_per_node=str(plan.gpus_per_node), rdzv_endpoint=ShellExpr("$MASTER_ADDR:$MASTER_PORT"),
         rdzv_id=ShellExpr("$SLURM_JOB_ID"), max_restarts=recipe.targets.slurm.max_restarts,
-        is_host=ShellExpr("$IS_HOST"), entry=entry_args(ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR")),
+        is_host=ShellExpr("$IS_HOST"), local_addr=ShellExpr("$SLURMD_NODENAME"),
+        entry=entry_args(ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR")),
     )
 
 

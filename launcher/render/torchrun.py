@@ -29,11 +29,13 @@ def entry_args(plan_path: Word, run_dir: Word) -> list[Word]:
 
 
 def torchrun_command(recipe: Recipe, plan: Plan, *, python: Word, nnodes: Word, nproc_per_node: Word,
-                     rdzv_endpoint: Word, rdzv_id: Word, max_restarts: int, is_host: Word,
+                     rdzv_endpoint: Word, rdzv_id: Word, max_restarts: int, is_host: Word, local_addr: Word,
                      entry: list[Word]) -> list[Word]:
-    """c10d rendezvous with an explicit endpoint (never a silent localhost fallback) and an explicit store
-    host (`is_host`: torch's own guess compares hostnames, which fails where a node's name does not
-    resolve to its address), and no --node-rank: with c10d the ranks are assigned at rendezvous."""
+    """c10d rendezvous with an explicit endpoint (never a silent localhost fallback), an explicit store host
+    (`is_host`) and an explicit address for this node (`--local-addr`): torch's own guesses use the hostname,
+    which on cloud images resolves to 127.0.1.1 and on some sites differs from the scheduler's node name, so
+    no node would host the store, or the workers' store would be announced at an address others cannot
+    reach. No --node-rank: with c10d the ranks are assigned at rendezvous."""
     return [
         python, "-m", "launcher.elastic",
         flag("--nnodes", nnodes),
@@ -44,6 +46,7 @@ def torchrun_command(recipe: Recipe, plan: Plan, *, python: Word, nnodes: Word, 
         ShellExpr(f"--rdzv-conf=join_timeout={int(recipe.training.init_timeout_seconds)},is_host={is_host}")
         if isinstance(is_host, ShellExpr) else
         f"--rdzv-conf=join_timeout={int(recipe.training.init_timeout_seconds)},is_host={is_host}",
+        flag("--local-addr", local_addr),
         f"--max-restarts={int(max_restarts)}",
         f"--signals-to-handle={SIGNALS}",
         f"--shutdown-timeout={grace_seconds(recipe, plan)}",

@@ -143,6 +143,7 @@ class Checkpointer:
         meta = {**self.meta, "format": FORMAT, "step": step, "data": data_position, "world_size": self.world_size,
                 "torch_version": torch.__version__, "dtlaunch_version": __version__, "time": time.time(),
                 "reason": reason}
+        tmp.mkdir(parents=True, exist_ok=True)  # every rank creates what it writes into: nodes may not share a view
         _save_torch(_rng_state(), tmp / _rank_file(self.rank))
         if self.rank == 0:
             _save_torch(self._trainer_state(), tmp / "trainer.pt")

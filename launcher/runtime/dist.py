@@ -13,10 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping, Optional
 
+from .. import jobenv
 from .failures import ConfigError
-
-# Flight-recorder entries kept per rank for the dump on a timeout (PyTorch's default is 0 = off).
-FR_BUFFER_SIZE = "2000"
 
 
 @dataclass(frozen=True)
@@ -99,21 +97,34 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def interface_of(addr: str) -> Optional[str]:
+    """The network interface that holds `addr` on this machine, if any."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == addr for a in addrs):
+            return name
+    return None
+
+
 def job_environment(network_env: Mapping[str, str], local_world_size: int, is_gpu: bool,
                     env: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """Variables to set before the process group exists; already-set variables always win (pure)."""
-    want: dict[str, str] = {
-        # Threads: one OMP pool per rank sized to its share of the cores (oversubscription made DDP 8x slower here).
-        "OMP_NUM_THREADS": str(max(1, cpu_cores() // max(1, local_world_size))),
-    }
-    if is_gpu:
-        want.update({
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_FR_BUFFER_SIZE": FR_BUFFER_SIZE,
-            "TORCH_NCCL_BLOCKING_WAIT": "0",
-        })
-        want.update(network_env)
+    """Variables to set before the process group exists: the same ones the job scripts write (jobenv), for
+    a process started without them; already-set variables always win (pure).
+
+    gloo (the CPU backend, and the checkpoint group on GPUs too) announces the address its hostname resolves
+    to, which on cloud images is 127.0.1.1: unreachable from other nodes. When the job script said which
+    address is this node's (DTLAUNCH_NODE_ADDR), gloo is pinned to the interface that holds it.
+    """
+    want = jobenv.job_environment(dict(network_env), is_gpu=is_gpu,
+                                  omp_threads=max(1, cpu_cores() // max(1, local_world_size)))
+    node_addr = env.get(jobenv.NODE_ADDR)
+    if node_addr and "GLOO_SOCKET_IFNAME" not in env:
+        iface = interface_of(node_addr)
+        if iface:
+            want["GLOO_SOCKET_IFNAME"] = iface
     return {k: v for k, v in want.items() if k not in env}
 
 

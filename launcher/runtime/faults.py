@@ -9,6 +9,8 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
     desync_step:rank=1:step=5          rank 1's step counter jumps by one (an off-by-one divergence)
     kill_in_checkpoint:rank=0:step=10  SIGKILL after the checkpoint's files are written, before it is committed
     slow_checkpoint:step=10:seconds=40 the checkpoint of step 10 takes 40 s more (a large model on slow storage)
+
+`step=any` fires at the first occasion (e.g. the first checkpoint, whatever its step).
     signal:rank=0:step=6[:sig=USR2]    the rank sends itself a signal at the start of the step (preemption tests)
 
 `rank` defaults to every rank; `attempt` (default 0) restricts the fault to that torchrun restart count,
@@ -28,6 +30,7 @@ from .failures import ConfigError
 
 KINDS = ("exit", "sigkill", "hang", "skip_collective", "desync_step", "kill_in_checkpoint", "slow_checkpoint", "signal")
 ENV = "DTLAUNCH_FAULT"
+ANY = -1
 
 
 @dataclass
@@ -55,7 +58,8 @@ def parse(text: str) -> list[Fault]:
         if "step" not in opts:
             raise ConfigError(f"{ENV}: fault {item!r} needs step=N")
         try:
-            step = int(opts.pop("step"))
+            raw_step = opts.pop("step")
+            step = ANY if raw_step == "any" else int(raw_step)
             rank = int(opts.pop("rank")) if "rank" in opts else None
             attempt = int(opts.pop("attempt", "0"))
         except ValueError:
@@ -78,7 +82,7 @@ class Faults:
 
     def hit(self, kind: str, step: int) -> Optional[Fault]:
         for f in self.faults:
-            if f.kind == kind and f.step == step and not f.fired:
+            if f.kind == kind and f.step in (step, ANY) and not f.fired:
                 f.fired = True
                 print(f"dtlaunch: FAULT INJECTION rank {self.rank}: {kind} at step {step} (t={time.time():.3f})",
                       file=sys.stderr, flush=True)

@@ -1,6 +1,8 @@
 """Helpers for the SLURM tests: render a recipe into a directory, submit, poll squeue."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -8,6 +10,8 @@ from pathlib import Path
 from launcher.plan import make_plan
 from launcher.recipe import load
 from launcher.render import render
+from launcher.runtime.ckptdir import complete_steps
+from launcher.runtime.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,3 +59,93 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.3):
             return v
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# ----------------------------------------------------------------------------- a submitted job and its records
+
+STEPS, EVERY = 20, 5
+TOL = 1e-5
+
+
+def overrides(partition: str) -> list[str]:
+    return [f"targets.slurm.partition={partition}", "resources.nodes=2", "resources.accelerator=cpu:1",
+            f"training.steps={STEPS}", f"checkpoint.every={EVERY}", "training.deterministic=true",
+            "targets.slurm.max_requeues=2", "targets.slurm.max_restarts=2"]
+
+
+class Job:
+    """One submitted job: its id, submit dir and run dir, and readers for what it left there."""
+
+    def __init__(self, out: Path, fault: str | None = None, run_id: str | None = None, env: dict | None = None):
+        env = {**{k: v for k, v in os.environ.items() if k not in ("DTLAUNCH_FAULT", "DTLAUNCH_RUN_ID")}, **(env or {})}
+        if fault:
+            env["DTLAUNCH_FAULT"] = fault  # the job inherits it: sbatch's default --export=ALL
+        if run_id:
+            env["DTLAUNCH_RUN_ID"] = run_id
+        p = sh("sbatch", "--parsable", "job.sbatch", cwd=out, env=env)
+        self.out, self.id = out, p.stdout.strip().split(";")[0]
+        self.run = out / "runs" / (run_id or self.id)
+        self.jobdir = out / "jobs" / self.id
+
+    def metrics(self) -> list[dict]:
+        return read_metrics(self.run) if (self.run / "metrics.jsonl").exists() else []
+
+    def steps(self, after: float = 0.0) -> list[dict]:
+        return [r for r in self.metrics() if "event" not in r and "loss" in r and r["time"] > after]
+
+    def events(self, name: str) -> list[dict]:
+        return [r for r in self.metrics() if r.get("event") == name]
+
+    def max_step(self) -> int:
+        return max((r["step"] for r in self.steps()), default=0)
+
+    def ledger(self, name: str) -> list[str]:
+        p = self.jobdir / name
+        return p.read_text().splitlines() if p.exists() else []
+
+    def status(self) -> dict[int, dict]:
+        return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in (self.run / "status").glob("rank-*.json")}
+
+    def logs(self) -> str:
+        return "".join(p.read_text() for p in sorted((self.jobdir / "logs").glob("attempt-*.log")))
+
+    def done(self, timeout: float = 240) -> None:
+        try:
+            wait_gone(self.id, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- job logs ---\n{self.logs()[-4000:]}") from None
+
+    def explain(self) -> str:
+        out = self.out / f"tiny-{self.id}.out"
+        return f"--- {out.name} ---\n{out.read_text()[-6000:] if out.exists() else '(missing)'}"
+
+
+def submit(out: Path, partition: str, fault: str | None = None) -> Job:
+    render_to(out, "tiny", overrides(partition))
+    return Job(out, fault)
+
+
+def assert_completed(job: Job, attempts: int) -> None:
+    assert job.ledger("state") == ["COMPLETED"], job.explain()
+    assert (job.jobdir / "finished").exists()
+    assert len(job.ledger("attempts")) == attempts, job.ledger("attempts")
+    end = job.events("end")
+    assert [e["step"] for e in end] == [STEPS], job.explain()
+    st = job.status()
+    assert sorted(st) == [0, 1] and all(s["code"] == 0 and s["step"] == STEPS for s in st.values()), st
+    assert complete_steps(job.run / "checkpoints")[-1] == STEPS
+
+
+def assert_same_losses(records: list[dict], reference: dict[int, float]) -> None:
+    assert records, "no steps logged"
+    for r in records:
+        assert abs(r["loss"] - reference[r["step"]]) <= TOL, (r["step"], r["loss"], reference[r["step"]])
+
+
+def release_after_requeue(job: str, requeued_at: float) -> None:
+    """Skip SLURM's ~121 s requeue hold; it must not happen in the requeue's own second (shared notes)."""
+    wait_for(lambda: "PENDING" in squeue_state(job), 30, "the job to be pending after the requeue")
+    time.sleep(max(0.0, requeued_at + 3.0 - time.time()))
+    sh("scontrol", "update", f"JobId={job}", "StartTime=now")
+
+
