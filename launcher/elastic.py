@@ -11,6 +11,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .runtime.signals import die_with_parent
+
+    die_with_parent()  # if the job script that started us is killed, stop the workers (gracefully) too
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 

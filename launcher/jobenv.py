@@ -24,6 +24,7 @@ class ExitCode(IntEnum):
     PREEMPTED = 42  # a checkpoint was written after SIGUSR2/SIGTERM: requeue and resume
     HANG = 43  # a collective timed out or ranks disagreed on the step: restart and resume
     PREFLIGHT = 44  # the environment is broken (rendezvous, bandwidth, disk): fix the nodes first
+    DIVERGED = 45  # the loss stayed NaN/inf: restarting from the last good checkpoint would diverge again
 
     def __str__(self) -> str:  # "42", as on Python 3.11+, also on 3.10
         return str(int(self))

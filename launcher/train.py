@@ -95,6 +95,14 @@ def classify(exc: BaseException, step: Optional[int], timeout_s: Optional[float]
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     rank = _rank()
+    from .runtime.signals import PreemptionFlag, die_with_parent
+
+    # First things first, before the seconds of importing torch: a preemption signal that arrives during
+    # start-up must set the flag (checkpoint at the first step boundary), not kill the process; and if
+    # torchrun dies, this worker must not train on alone.
+    flag = None if args.check else PreemptionFlag().install()
+    if not args.check:
+        die_with_parent()
     from . import planfile
 
     try:
@@ -109,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ.setdefault(k, v)
     from .runtime.loop import Trainer
 
-    trainer = Trainer(recipe, plan, run_dir, recipe_hash=doc.get("recipe_hash"))
+    trainer = Trainer(recipe, plan, run_dir, recipe_hash=doc.get("recipe_hash"), flag=flag)
     try:
         code = trainer.run()
         message = "finished"

@@ -113,6 +113,9 @@ def _line_map(root: yaml.Node, source: str) -> dict[Path_, int]:
     while stack:
         node, path = stack.pop()
         budget -= 1
+        if len(path) > MAX_DEPTH:  # only aliases can nest this deep now: the text itself was checked
+            _fail(source, f"the recipe nests more than {MAX_DEPTH} levels deep through YAML aliases",
+                  node.start_mark.line + 1, "remove the alias (*name) that refers to its own parent")
         if budget < 0:
             _fail(source, f"the recipe expands to more than {MAX_VALUES:,} values (YAML aliases expand each time "
                           "they are used)", node.start_mark.line + 1, "write the values out, or use fewer aliases (*name)")

@@ -12,6 +12,7 @@ import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -78,6 +79,17 @@ def AutoInt(limit: int = 10**9):  # noqa: N802
     return Annotated[Union[int, str], BeforeValidator(_auto_or_positive(limit)),
                      WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": limit},
                                                {"const": "auto"}]})]
+
+
+def _one_line(v: str) -> str:
+    """A value that goes into an #SBATCH line: a line break would start a new line of the script."""
+    if any(ch in v for ch in "\n\r\x00"):
+        raise ValueError("must be a single line (no line break or NUL): it goes into an #SBATCH line of the job script")
+    return v
+
+
+def Line(max_length: int = 1024, description: Optional[str] = None):  # noqa: N802
+    return Annotated[str, AfterValidator(_one_line), Field(max_length=max_length, description=description)]
 
 
 Strategy = Literal.__getitem__(("auto", *STRATEGY_NAMES))
@@ -270,6 +282,7 @@ class TrainingSpec(_Strict):
     timeout_seconds: Int(1, 10**7, "collective timeout after init; a hang ends the job after this") = 600
     init_timeout_seconds: Int(1, 10**7, "rendezvous / first collective timeout") = 900
     deterministic: bool = False
+    max_nonfinite_steps: Int(1, 1000, "end the run (exit 45) after this many steps in a row with a NaN/inf loss") = 3
     preflight: bool = True
     min_allreduce_fraction: Float(ge=0, le=1) = Field(
         0.0, description="fail preflight below this fraction of the network's expected bandwidth")
@@ -288,6 +301,9 @@ class CheckpointSpec(_Strict):
     keep: Int(1, 10_000) = 3
     async_: bool = Field(False, alias="async")
     export: Literal["none", "safetensors", "torch"] = "safetensors"
+    resume_changed_recipe: bool = Field(
+        False, description="resume a checkpoint written by a recipe with another model, optimizer, schedule or data "
+                           "(normally refused: it is another run's checkpoint)")
     grace_seconds: AutoInt(86_400) = Field(
         "auto", description="after TERM/USR2, how long torchrun waits for the workers to checkpoint and exit before "
                             "it kills them; auto = 3 checkpoint writes + 30 s (at least 30)")
@@ -309,13 +325,13 @@ class SshSpec(_Strict):
 
 
 class SlurmTarget(_Strict):
-    partition: Optional[str] = Field(None, max_length=256)
-    account: Optional[str] = Field(None, max_length=256)
-    qos: Optional[str] = Field(None, max_length=256)
+    partition: Optional[Line(256)] = None
+    account: Optional[Line(256)] = None
+    qos: Optional[Line(256)] = None
     time: str = Field("24:00:00", max_length=32, description="SLURM time limit, e.g. 24:00:00 or 2-00:00:00")
     cpus_per_task: Optional[Int(1, 100_000)] = None
     mem: Optional[str] = Field(None, max_length=32, description="e.g. 0 (all), 500G")
-    constraint: Optional[str] = Field(None, max_length=1024)
+    constraint: Optional[Line(1024)] = None
     exclusive: bool = True
     signal_seconds: Int(1, 65535, "send USR2 this long before the time limit") = 120
     max_requeues: Int(0, 10_000) = 5
@@ -326,7 +342,7 @@ class SlurmTarget(_Strict):
         None, description="sweeps: at most this many array tasks run at once (sbatch --array=0-N%P)")
     cpus_per_gpu: Optional[Int(1, 10_000)] = Field(None, description="CPUs per GPU (sbatch --cpus-per-gpu)")
     ssh: Optional[SshSpec] = None
-    extra_sbatch: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list, max_length=100)
+    extra_sbatch: list[Line(1024)] = Field(default_factory=list, max_length=100)
     setup: list[Str] = Field(default_factory=list, max_length=1000,
                              description="shell lines run before training, e.g. module load")
 

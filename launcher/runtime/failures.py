@@ -37,6 +37,12 @@ class HangError(RuntimeFailure):
     exit_code = ExitCode.HANG
 
 
+class Diverged(RuntimeFailure):
+    """The loss was not finite for several steps in a row; nothing was committed meanwhile."""
+
+    exit_code = ExitCode.DIVERGED
+
+
 class Preempted(RuntimeFailure):
     """A checkpoint was written after SIGUSR2/SIGTERM; the job should be requeued."""
 

@@ -12,6 +12,7 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
 
 `step=any` fires at the first occasion (e.g. the first checkpoint, whatever its step).
     signal:rank=0:step=6[:sig=USR2]    the rank sends itself a signal at the start of the step (preemption tests)
+    nan_loss:step=7                    the loss of step 7 is NaN (a diverging run)
 
 `rank` defaults to every rank; `attempt` (default 0) restricts the fault to that torchrun restart count,
 so a restarted job does not crash again at the same step. Each fault fires once per process.
@@ -28,7 +29,8 @@ from typing import Optional
 
 from .failures import ConfigError
 
-KINDS = ("exit", "sigkill", "hang", "skip_collective", "desync_step", "kill_in_checkpoint", "slow_checkpoint", "signal")
+KINDS = ("exit", "sigkill", "hang", "skip_collective", "desync_step", "kill_in_checkpoint", "slow_checkpoint", "signal",
+         "nan_loss")
 ENV = "DTLAUNCH_FAULT"
 ANY = -1
 

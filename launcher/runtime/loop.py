@@ -7,6 +7,7 @@ so an off-by-one divergence - which timeouts cannot see - ends the job at once w
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -24,12 +25,14 @@ from ..plan.cost import checkpoint_bytes
 from . import preflight as preflight_mod
 from .check import check_model
 from .checkpoint import Checkpointer, export_model
+from .checkpoint.compat import identity
 from .ckptdir import expand_dir
 from .data import Batches, build_dataloader, rescale_position
 from .dist import World, init_distributed, set_collective_timeout
-from .failures import ConfigError, HangError, Preempted, PreflightError
+from .failures import ConfigError, Diverged, HangError, Preempted, PreflightError
 from .faults import Faults
 from .metrics import Metrics
+from .optim import apply_schedule
 from .models import build_model
 from .parallel import Engine, resolve_layout, wrap_model
 from .signals import PreemptionFlag
@@ -98,13 +101,16 @@ class Trainer:
     """Runs one recipe's plan to completion (or to preemption). Collective: every rank runs it."""
 
     def __init__(self, recipe, plan, run_dir: str | os.PathLike, *, recipe_hash: Optional[str] = None,
-                 world: Optional[World] = None):
+                 world: Optional[World] = None, flag: Optional[PreemptionFlag] = None):
         self.recipe, self.plan, self.run_dir = recipe, plan, Path(run_dir)
         self.recipe_hash = recipe_hash or recipe.digest()
         self.world = world
         self.step = 0  # optimizer steps completed
         self.start_step = 0  # the step this attempt resumed from
         self.current: Optional[int] = None  # the step being trained
+        self.nonfinite = 0  # steps in a row with a NaN/inf loss
+        # Installed as early as possible by the entry point: a preemption during start-up is not lost.
+        self.flag = flag or PreemptionFlag().install()
         self.engine: Optional[Engine] = None
 
     # ------------------------------------------------------------------ assembly
@@ -150,7 +156,7 @@ class Trainer:
             grad_accum=self.layout.grad_accum, rank=w.rank, world_size=w.world_size, seed=tr.seed,
             device=w.device, is_gpu=w.is_gpu)
         static_meta = {
-            "recipe_hash": self.recipe_hash, "strategy": self.layout.strategy, "family": self.layout.family,
+            "recipe_hash": self.recipe_hash, "identity": identity(rec.to_dict()), "strategy": self.layout.strategy, "family": self.layout.family,
             "precision": self.layout.precision, "grad_accum": self.layout.grad_accum,
             "global_batch": self.layout.global_batch, "micro_batch": self.layout.micro_batch,
             "dp": w.world_size, "tp": plan.layout.tp, "pp": plan.layout.pp, "seed": tr.seed,
@@ -160,7 +166,8 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.ckpt_root, self.engine, rank=w.rank, world_size=w.world_size, keep=rec.checkpoint.keep,
             async_save=rec.checkpoint.async_, meta=static_meta, group=w.checkpoint_group, faults=self.faults,
-            log=self.metrics.log, event=self.metrics.event)
+            log=self.metrics.log, event=self.metrics.event, allow_changed_recipe=rec.checkpoint.resume_changed_recipe,
+            run_id=os.environ.get(jobenv.RUN_ID))
 
     def _preflight(self) -> None:
         w, rec = self.world, self.recipe
@@ -180,12 +187,12 @@ class Trainer:
     def _resume(self) -> None:
         cp = self.checkpointer
         cp.prepare()
-        latest = cp.latest()
-        if latest is None:
+        t0 = time.time()
+        saved = cp.restore_latest()
+        if saved is None:
             self.metrics.log(f"no checkpoint in {self.ckpt_root}: starting from step 0")
             return
-        t0 = time.time()
-        saved = cp.load(latest)
+        apply_schedule(self.engine.optimizer, self.engine.scheduler)  # this run's schedule, not the saved one's
         self.step = self.start_step = int(saved["step"])
         pos, warn = rescale_position(saved["data"], self.layout.global_batch)
         self.batches.seek(pos)
@@ -195,7 +202,7 @@ class Trainer:
                          f"with {saved.get('strategy')}, data epoch {pos.epoch} batch {pos.step_in_epoch}, "
                          f"{time.time() - t0:.2f}s){changed}")
         for wmsg in warnings:
-            self.metrics.log(f"WARNING: resuming with a different layout: {wmsg}")
+            self.metrics.log(f"note: resuming with a change: {wmsg}")
         self.metrics.event("resume", step=self.step, path=saved["path"], from_world_size=saved.get("world_size"),
                            world_size=self.world.world_size, warnings=warnings, data=pos.to_dict())
 
@@ -225,6 +232,8 @@ class Trainer:
         for i, (x, y) in enumerate(micro):
             total += self.engine.micro_step(x, y, last=i == len(micro) - 1).float()
         info = self.engine.step()
+        if self.faults.hit("nan_loss", self.step + 1):
+            total = total * float("nan")
         return total / len(micro), info
 
     def _save(self, blocking: bool, reason: str) -> None:
@@ -233,13 +242,43 @@ class Trainer:
         if blocking:
             self.checkpointer.wait()
 
+    def _finite(self, agreed: Agreement) -> bool:
+        """Count steps in a row with a NaN/inf loss; past the limit the run ends (nothing saved meanwhile)."""
+        if math.isfinite(agreed.loss):
+            self.nonfinite = 0
+            return True
+        self.nonfinite += 1
+        limit = self.recipe.training.max_nonfinite_steps
+        self.metrics.log(f"WARNING: loss is {agreed.loss} at step {self.step} ({self.nonfinite} of at most {limit} "
+                         "in a row); no checkpoint is saved while it is not finite")
+        if self.nonfinite >= limit:
+            raise Diverged(f"the loss was not finite for {self.nonfinite} steps in a row (steps "
+                           f"{self.step - self.nonfinite + 1}-{self.step}); nothing was saved since, so the newest "
+                           "checkpoint is the last good one",
+                           fix="resume with a lower training.lr, more warmup_steps, or grad_clip; check the data",
+                           step=self.step)
+        return False
+
+    def _preempt(self, agreed: Agreement, flag: PreemptionFlag, finite: bool) -> None:
+        who = f"rank{'s' if len(agreed.signalled) > 1 else ''} {', '.join(map(str, agreed.signalled))}"
+        if finite:
+            self.metrics.log(f"preemption signal ({flag.received or 'a signal'} on {who}) at step {self.step}: "
+                             f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}")
+            self._save(blocking=True, reason="preempt")
+        else:
+            self.metrics.log(f"preemption signal at step {self.step} with a non-finite loss: exiting without a "
+                             "checkpoint (the previous one is the last good state)")
+        self.metrics.event("preempt", step=self.step, signal=flag.received, ranks=list(agreed.signalled),
+                           saved=finite)
+        raise Preempted(f"preempted at step {self.step}; checkpoint written, resubmit to resume", step=self.step)
+
     def run(self) -> int:
         self._setup()
         self._resume()
         tr = self.recipe.training
         w = self.world
         tokens_per_step = self.layout.global_batch * self.seq_len
-        flag = PreemptionFlag().install()
+        flag = self.flag
         self.watchdog = Watchdog(2 * tr.timeout_seconds + 60, max(5.0, tr.timeout_seconds), w.rank, flag)
         last_saved = self.step if self.step else None
         self.watchdog.beat(self.step)
@@ -255,29 +294,22 @@ class Trainer:
                     self.step += 1
                 agreed = self._agree(self.step, flag.received, loss)
                 dt = time.perf_counter() - t0
-                if agreed.loss != agreed.loss:  # NaN
-                    self.metrics.log(f"WARNING: loss is NaN at step {self.step}")
+                finite = self._finite(agreed)
                 if self.step % tr.log_every == 0 or self.step == self.total_steps or agreed.stop:
                     extra = {k: v for k, v in info.items() if k != "grad_norm" and v not in (None, False)}
                     self.metrics.step(self.step, loss=agreed.loss, lr=lr, tokens=tokens_per_step,
                                       step_time=dt, grad_norm=info.get("grad_norm"), extra=extra)
                 self.checkpointer.poll()
                 if agreed.stop and self.step < self.total_steps:
-                    who = f"rank{'s' if len(agreed.signalled) > 1 else ''} {', '.join(map(str, agreed.signalled))}"
-                    self.metrics.log(f"preemption signal ({flag.received or 'a signal'} on {who}) at step {self.step}: "
-                                     f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}")
-                    self._save(blocking=True, reason="preempt")
-                    self.metrics.event("preempt", step=self.step, signal=flag.received, ranks=list(agreed.signalled))
-                    raise Preempted(f"preempted at step {self.step}; checkpoint written, resubmit to resume",
-                                    step=self.step)
-                if self.step % self.every == 0 and self.step < self.total_steps:
+                    self._preempt(agreed, flag, finite)
+                if finite and self.step % self.every == 0 and self.step < self.total_steps:
                     self._save(blocking=False, reason="interval")
                     last_saved = self.step
                 self.watchdog.beat(self.step)
             self.watchdog.pause()
-            if last_saved != self.step:
+            if last_saved != self.step and self.nonfinite == 0:
                 self._save(blocking=True, reason="final")
-            self.checkpointer.wait()
+            self.checkpointer.close()
             out = export_model(self.engine, self.run_dir, self.recipe.checkpoint.export, w.rank)
             if out is not None:
                 self.metrics.log(f"exported the trained weights to {out}")

@@ -50,3 +50,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, training, steps: int) -> t
                          lr=training.lr, min_lr=training.min_lr)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, f)
+
+
+def apply_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set each group's rate to what *this* run's schedule gives at the restored step.
+
+    A resumed scheduler restores its step count, but the rate in the optimizer is whatever the *saved*
+    schedule ended at: extending a finished 20-step cosine run to 30 steps would train its next step at
+    rate 0. LambdaLR keeps this run's function (functions are not part of its state), so recompute from it.
+    """
+    step = scheduler.last_epoch
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(step)

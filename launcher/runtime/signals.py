@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 DEFAULT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
@@ -36,13 +37,27 @@ class PreemptionFlag:
             self.received = signal.Signals(signum).name
             self.received_at = time.monotonic()
 
-    @property
-    def local(self) -> bool:
-        """Whether this rank received a signal (the agreed value comes from the step collective)."""
-        return self.received is not None
 
-    def __enter__(self) -> "PreemptionFlag":
-        return self.install()
 
-    def __exit__(self, *exc) -> None:
-        self.uninstall()
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux; a no-op elsewhere).
+
+    torchrun starts its workers in sessions of their own, so killing a job's process group leaves them
+    running, training and checkpointing into a directory nobody follows any more. With this, a worker whose
+    torchrun dies gets SIGTERM (which it treats as a preemption: checkpoint, exit), and a torchrun whose
+    launch script dies does the same for its workers.
+    """
+    import ctypes
+    import os
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before we asked: act now
+        os.kill(os.getpid(), sig)

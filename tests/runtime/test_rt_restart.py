@@ -54,15 +54,16 @@ def test_kill_while_committing_a_checkpoint_keeps_the_previous_one(reference, ru
     res = run_torchrun(plan, run_dir, env={"DTLAUNCH_FAULT": f"kill_in_checkpoint:rank=0:step={torn}"})
     assert res.rc != 0 and -9 in res.worker_codes, res.output[-3000:]
     root = run_dir / "checkpoints"
-    # The torn save is on disk but not committed; the one before it is.
-    assert (root / f"{ckptdir.step_name(torn)}.tmp").is_dir()
-    assert any((root / f"{ckptdir.step_name(torn)}.tmp").iterdir())
+    # The torn save is on disk (every rank's files and manifest) but not committed; the one before it is.
+    torn_dir = ckptdir.step_path(root, torn)
+    assert torn_dir.is_dir() and (torn_dir / ckptdir.manifest_name(1)).is_file()
+    assert not ckptdir.is_complete(torn_dir)
     assert ckptdir.complete_steps(root) == [DET_EVERY]
     # The next start ignores (and removes) the partial one, resumes from the previous, and ends exactly
     # where an uninterrupted run ends.
     res2 = run_torchrun(plan, run_dir)
     assert res2.rc == 0, res2.output[-3000:]
-    assert f"removed partial checkpoint {ckptdir.step_name(torn)}.tmp" in res2.stdout
+    assert f"removed partial checkpoint {ckptdir.step_name(torn)} (never committed)" in res2.stdout
     assert f"resumed from step {DET_EVERY}" in res2.stdout
     assert ckptdir.complete_steps(root) == [DET_EVERY, 2 * DET_EVERY, 3 * DET_EVERY]
     assert_bit_identical(ref.run_dir / "model.safetensors", run_dir / "model.safetensors")

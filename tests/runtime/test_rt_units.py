@@ -145,62 +145,88 @@ def test_deepspeed_config_needs_no_torch():
 # ----------------------------------------------------------------------------- checkpoint directory protocol
 
 
-def _fake_ckpt(root: Path, step: int, state: str) -> Path:
-    """state: complete | tmp | renamed (renamed but no marker)."""
-    p = ckptdir.tmp_path(root, step)
+def _fake_ckpt(root: Path, step: int, state: str, world: int = 2) -> Path:
+    """state: complete (files, manifests, marker) | partial (files only, never committed)."""
+    p = ckptdir.step_path(root, step)
     p.mkdir(parents=True)
-    (p / "__0_0.distcp").write_bytes(b"x" * 10)
-    if state in ("complete", "renamed"):
-        if state == "complete":
-            ckptdir.commit(root, step, {"step": step})
-        else:
-            os.rename(p, ckptdir.final_path(root, step))
-    return root / (ckptdir.step_name(step) + (".tmp" if state == "tmp" else ""))
+    for rank in range(world):
+        (p / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * (10 + rank))
+        (p / f"rng-{rank:05d}.pt").write_bytes(b"r" * 3)
+    (p / ".metadata").write_bytes(b"m")
+    if state == "complete":
+        for rank in range(world):
+            ckptdir.write_manifest(p, rank)
+        ckptdir.commit(root, step, {"step": step, "world_size": world})
+    return p
 
 
-def test_only_marked_checkpoints_are_selected(tmp_path):
+def test_only_committed_uncorrupted_checkpoints_are_selected(tmp_path):
     root = tmp_path / "ck"
     _fake_ckpt(root, 5, "complete")
     _fake_ckpt(root, 10, "complete")
-    _fake_ckpt(root, 15, "tmp")
-    _fake_ckpt(root, 20, "renamed")
+    _fake_ckpt(root, 15, "partial")
+    _fake_ckpt(root, 20, "complete")
+    ckptdir.mark_corrupt(ckptdir.step_path(root, 20), "test")
     assert ckptdir.complete_steps(root) == [5, 10]
+    assert ckptdir.corrupt_steps(root) == [20]
     assert ckptdir.latest_complete(root) == 10
     assert json.loads((root / "step-00000010" / "meta.json").read_text())["step"] == 10
     assert ckptdir.latest_complete(tmp_path / "missing") is None
 
 
-def test_commit_writes_marker_last_and_replaces_a_dead_attempt(tmp_path):
+def test_each_rank_manifests_exactly_its_own_files(tmp_path):
+    p = _fake_ckpt(tmp_path / "ck", 3, "complete")
+    m0 = json.loads((p / "manifest-rank-00000.json").read_text())["files"]
+    m1 = json.loads((p / "manifest-rank-00001.json").read_text())["files"]
+    assert set(m0) == {"__0_0.distcp", "rng-00000.pt", ".metadata"} and set(m1) == {"__1_0.distcp", "rng-00001.pt"}
+    assert m1["__1_0.distcp"]["size"] == 11
+    assert ckptdir.owner("zero_pp_rank_3_mp_rank_00_optim_states.pt") == 3  # DeepSpeed's per-rank files
+    assert ckptdir.owner("bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt") == 12
+    assert ckptdir.owner("mp_rank_00_model_states.pt") == 0 and ckptdir.owner("trainer.pt") == 0
+
+
+def test_verification_finds_truncation_changed_bytes_and_missing_manifests(tmp_path):
     root = tmp_path / "ck"
-    _fake_ckpt(root, 7, "renamed")  # an attempt died between rename and marker
-    p = ckptdir.tmp_path(root, 7)
-    p.mkdir()
-    (p / "data").write_text("new")
-    final = ckptdir.commit(root, 7, {"step": 7})
-    assert ckptdir.is_complete(final) and (final / "data").read_text() == "new"
-    assert not (final / "__0_0.distcp").exists()
-    assert not p.exists()
+    p = _fake_ckpt(root, 4, "complete")
+    files = sorted(ckptdir.expected_files(p)[0])
+    assert not ckptdir.size_problems(p) and not ckptdir.crc_problems(p, files)
+    data = p / "__1_0.distcp"
+    data.write_bytes(b"\x7f" * 11)  # same size, other bytes: only the checksum can tell
+    assert not ckptdir.size_problems(p)
+    assert any("__1_0.distcp has changed" in x for x in ckptdir.crc_problems(p, files))
+    data.write_bytes(b"\x01" * 5)  # truncated
+    assert ckptdir.size_problems(p) == ["__1_0.distcp is 5 bytes, written as 11"]
+    (p / "manifest-rank-00001.json").unlink()  # a rank that never finished
+    assert any("rank 1's manifest" in x for x in ckptdir.size_problems(p))
 
 
-def test_prune_keeps_newest_and_spares_the_save_in_flight(tmp_path):
+def test_prune_keeps_the_newest_and_never_the_last_verified_one(tmp_path):
     root = tmp_path / "ck"
     for s in (2, 4, 6, 8):
         _fake_ckpt(root, s, "complete")
-    _fake_ckpt(root, 3, "tmp")  # stale
-    _fake_ckpt(root, 10, "tmp")  # in flight
-    ckptdir.prune(root, keep=2, in_flight=10)
+    _fake_ckpt(root, 3, "partial")  # a dead attempt older than the newest committed: garbage
+    ckptdir.prune(root, keep=2)
     assert ckptdir.complete_steps(root) == [6, 8]
-    assert not (root / "step-00000003.tmp").exists()
-    assert (root / "step-00000010.tmp").exists()
+    assert not ckptdir.step_path(root, 3).exists()
+    # The newest two no longer check out (e.g. another node's files not visible yet): the newest verified one,
+    # older than them, is kept although keep=2 would drop it.
+    for s in (10, 12):
+        p = _fake_ckpt(root, s, "complete")
+        (p / "__0_0.distcp").write_bytes(b"")
+    ckptdir.prune(root, keep=2)
+    assert ckptdir.complete_steps(root) == [8, 10, 12]
+    ckptdir.mark_corrupt(ckptdir.step_path(root, 8), "test")
+    ckptdir.prune(root, keep=1)
+    assert ckptdir.step_path(root, 8).exists(), "a corrupt checkpoint is kept for a person to look at"
 
 
 def test_clean_partials_at_startup(tmp_path):
     root = tmp_path / "ck"
     _fake_ckpt(root, 4, "complete")
-    _fake_ckpt(root, 8, "tmp")
-    _fake_ckpt(root, 12, "renamed")
+    _fake_ckpt(root, 8, "partial")
+    (root / "step-00000012.tmp").mkdir()  # the rename-based protocol of dtlaunch 0.1
     removed = {p.name for p in ckptdir.clean_partials(root)}
-    assert removed == {"step-00000008.tmp", "step-00000012"}
+    assert removed == {"step-00000008", "step-00000012.tmp"}
     assert ckptdir.complete_steps(root) == [4]
 
 
@@ -330,10 +356,20 @@ def test_job_environment_respects_what_is_set():
     env = job_environment({"NCCL_IB_DISABLE": "0"}, local_world_size=2, is_gpu=True,
                           env={"NCCL_IB_DISABLE": "1", "TORCH_NCCL_BLOCKING_WAIT": "1"})
     assert "NCCL_IB_DISABLE" not in env and "TORCH_NCCL_BLOCKING_WAIT" not in env
-    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    # 2: a timed-out collective's error reaches Python (exit 43) instead of the watchdog aborting the process.
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert "TORCH_FR_BUFFER_SIZE" in env and int(env["OMP_NUM_THREADS"]) >= 1
     cpu = job_environment({"NCCL_IB_DISABLE": "0"}, local_world_size=2, is_gpu=False, env={})
-    assert set(cpu) == {"OMP_NUM_THREADS"}
+    assert "NCCL_IB_DISABLE" not in cpu and int(cpu["OMP_NUM_THREADS"]) >= 1
+
+
+def test_gloo_is_pinned_to_the_interface_of_the_nodes_address():
+    """On cloud images the hostname resolves to 127.0.1.1; gloo must announce the node's real address."""
+    env = job_environment({}, local_world_size=1, is_gpu=False, env={"DTLAUNCH_NODE_ADDR": "127.0.0.1"})
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"
+    env = job_environment({}, local_world_size=1, is_gpu=False, env={"DTLAUNCH_NODE_ADDR": "127.0.0.1",
+                                                                      "GLOO_SOCKET_IFNAME": "eth9"})
+    assert "GLOO_SOCKET_IFNAME" not in env  # what the user set wins
 
 
 def test_light_modules_do_not_import_torch():

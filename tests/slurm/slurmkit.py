@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,10 +68,16 @@ STEPS, EVERY = 20, 5
 TOL = 1e-5
 
 
+# As on a real cluster, the job's environment is activated by the recipe's setup lines; the submitting
+# shell's PATH is not relied on (test_operator.py submits from a PATH without the venv).
+VENV_ACTIVATE = str(Path(sys.executable).parent / "activate")
+
+
 def overrides(partition: str) -> list[str]:
     return [f"targets.slurm.partition={partition}", "resources.nodes=2", "resources.accelerator=cpu:1",
             f"training.steps={STEPS}", f"checkpoint.every={EVERY}", "training.deterministic=true",
-            "targets.slurm.max_requeues=2", "targets.slurm.max_restarts=2"]
+            "targets.slurm.max_requeues=2", "targets.slurm.max_restarts=2",
+            f'targets.slurm.setup=["source {VENV_ACTIVATE}"]']
 
 
 class Job:

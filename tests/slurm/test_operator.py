@@ -8,9 +8,7 @@ The submitting shell here has a PATH without the test venv, like a login node's:
 """
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -19,12 +17,11 @@ from launcher.runtime.ckptdir import complete_steps
 from slurmkit import Job, overrides, release_after_requeue, render_to, sh, squeue_state, wait_for, wait_gone
 
 pytestmark = pytest.mark.slow
-VENV_ACTIVATE = str(Path(sys.executable).parent / "activate")
 BARE = {"PATH": "/usr/local/bin:/usr/bin:/bin"}  # a login shell with no environment activated
 
 
 def activating(partition: str, extra=()) -> list[str]:
-    return overrides(partition) + [f'targets.slurm.setup=["source {VENV_ACTIVATE}"]', *extra]
+    return overrides(partition) + list(extra)  # overrides() activates the venv in targets.slurm.setup
 
 
 def sacct_state(job_id: str) -> str:
@@ -37,7 +34,7 @@ def test_the_environment_comes_from_setup_not_from_the_rendering_machine(tmp_pat
     and a message that says what to do, instead of a crash requeued max_failures times."""
     render_to(tmp_path / "ok", "tiny", activating(partition, ["training.steps=4"]))
     good = Job(tmp_path / "ok", env=BARE)
-    render_to(tmp_path / "bare", "tiny", overrides(partition) + ["training.steps=4"])
+    render_to(tmp_path / "bare", "tiny", overrides(partition) + ["training.steps=4", "targets.slurm.setup=[]"])
     bare = Job(tmp_path / "bare", env=BARE)
     good.done(180)
     bare.done(120)

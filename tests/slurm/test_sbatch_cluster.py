@@ -10,7 +10,7 @@ import pytest
 
 from launcher.errors import BackendError
 from launcher.targets.slurm import SlurmBackend
-from slurmkit import REPO, render_to, sbatch, sh, wait_gone
+from slurmkit import REPO, VENV_ACTIVATE, render_to, sbatch, sh, wait_gone
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 
@@ -46,18 +46,19 @@ def test_hostile_recipe_runs_quoted_never_executed(tmp_path, partition, monkeypa
     tag = uuid.uuid4().hex[:8]
     markers = [Path(f"/tmp/pwned-{tag}-{i}") for i in range(3)]
     monkeypatch.setenv("MY_TOKEN", f"s3cr3t-{tag}")
-    render_to(tmp_path, "tiny", [
+    r, _ = render_to(tmp_path, "tiny", [
         f"name=x; touch {markers[0]}",
         f"env.EVIL=$(touch {markers[1]}) `touch {markers[2]}` ' \" ; exit 7",
         "secrets=[MY_TOKEN]",
         f"targets.slurm.partition={partition}",
         "targets.slurm.max_failures=0",
         "training.steps=2",
-        "targets.slurm.setup=['echo \"secret-length=${#MY_TOKEN} evil=$EVIL\"']",
+        f"targets.slurm.setup=['echo \"secret-length=${{#MY_TOKEN}} evil=$EVIL\"', 'source {VENV_ACTIVATE}']",
     ])
     job = sbatch(tmp_path)
     wait_gone(job, 120)
-    out = (tmp_path / f"x-touch-tmp-pwned-{tag}-0-{job}.out").read_text()
+    assert r.job_name.startswith(f"x-touch-tmp-pwned-{tag}-0-")  # scheduler-safe, and distinct from plain "x"
+    out = (tmp_path / f"{r.job_name}-{job}.out").read_text()
     assert f"secret-length={len('s3cr3t-') + 8}" in out
     assert f"evil=$(touch {markers[1]}) `touch {markers[2]}` ' \" ; exit 7" in out
     assert f"dtlaunch: job {job} attempt 0" in out

@@ -1,0 +1,41 @@
+"""What a checkpoint holds besides the model and optimizer: each rank's RNG streams, the LR schedule and
+loss scaler; and the one way such small files are written (through a buffer, durably)."""
+from __future__ import annotations
+
+import io
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import ckptdir
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+
+
+def save_torch(obj: Any, path: Path) -> None:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    ckptdir.write_file_durably(path, buf.getvalue())
+
+
+def rank_file(rank: int) -> str:
+    return f"rng-{rank:05d}.pt"
