@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench clean lint
+.PHONY: install system test lint demo bench bench-smoke clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,16 +19,24 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The system packages the suite needs (SLURM, munge, MariaDB, sshd, shellcheck, ...): apt, as root,
+# skipped in a second when they are all there already.
+system:
+	bash scripts/install-system.sh
+
+lint: install
+	$(VENV)/bin/ruff check launcher tests bench
+
 # The whole suite. pytest's exit code 5 (no tests collected) is not a pass: it means nothing ran.
-test: install
+test: install system lint
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 demo: install
 	@echo "== plan: Llama 3 70B on 8 nodes x 8 H100"
 	$(VENV)/bin/dtlaunch plan recipes/llama70b.yaml
 	@echo "== render: the SLURM job script and the SkyPilot task for it"
-	$(VENV)/bin/dtlaunch render recipes/llama70b.yaml --target slurm -o rendered/llama70b-slurm -q
-	$(VENV)/bin/dtlaunch render recipes/llama70b.yaml --target sky -o rendered/llama70b-sky -q
+	$(VENV)/bin/dtlaunch render recipes/llama70b.yaml --target slurm -o rendered/llama70b-slurm
+	$(VENV)/bin/dtlaunch render recipes/llama70b.yaml --target sky -o rendered/llama70b-sky
 	@echo "== up: train recipes/tiny.yaml on this machine (2 CPU ranks, torchrun), then resume it"
 	rm -rf runs/tiny
 	$(VENV)/bin/dtlaunch up recipes/tiny.yaml --target local --set training.steps=20
@@ -40,5 +48,9 @@ demo: install
 bench: install
 	$(PY) bench/run.py
 
+# Every benchmark end to end in quick mode: it checks that each produces its figures, not how fast.
+bench-smoke: install
+	$(PY) -m pytest -q -ra bench/test_smoke.py
+
 clean:
-	rm -rf $(VENV) rendered runs .pytest_cache
+	rm -rf $(VENV) rendered runs .pytest_cache .ruff_cache

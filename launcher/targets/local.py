@@ -150,8 +150,9 @@ class LocalBackend:
                     return
                 time.sleep(0.2)
 
-    def wait(self, job: JobRecord, stream=sys.stdout) -> int:
+    def wait(self, job: JobRecord, stream=None) -> int:
         """Stream the log until the job ends; Ctrl-C asks the job to checkpoint and stop."""
+        stream = stream or sys.stdout  # looked up now: the caller may have replaced sys.stdout
         try:
             for line in self.logs(job, follow=True):
                 stream.write(line)

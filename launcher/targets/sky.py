@@ -1,6 +1,6 @@
 """SkyPilot target: hand the rendered task.yaml to SkyPilot, then follow the cluster job or managed job.
 
-SkyPilot's Python SDK changed its arguments between releases (field lessons: API churn), so every SDK
+SkyPilot's Python SDK changed its arguments between releases (users pinned old versions), so every SDK
 call lives in `_Sdk` below and nothing else here knows SkyPilot's signatures. `sky` is imported only
 inside methods: importing it costs ~2 s and ~160 MB, and the CLI imports this module for every target.
 Any SkyPilot failure becomes a BackendError with SkyPilot's own reason and what to do, never a traceback.

@@ -171,8 +171,9 @@ class SlurmBackend:
         finally:
             tr.close()
 
-    def wait(self, job: JobRecord, stream=sys.stdout) -> int:
+    def wait(self, job: JobRecord, stream=None) -> int:
         """Stream the output until the job ends; return its exit code (1 if unknown)."""
+        stream = stream or sys.stdout  # looked up now: the caller may have replaced sys.stdout
         for chunk in self.logs(job, follow=True):
             stream.write(chunk)
             stream.flush()

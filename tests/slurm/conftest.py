@@ -1,7 +1,7 @@
 """A real SLURM 22.05 cluster (2 nodes on this machine) for the whole tests/slurm session.
 
 Nothing is skipped: if the packages are missing, `scripts/slurm-local.sh start` fails and so does every
-test here, loudly (CI installs them with scripts/install-slurm.sh). The cluster gets its own state dir
+test here, loudly (CI installs them with scripts/install-system.sh). The cluster gets its own state dir
 and ports, so it never collides with a developer's default instance (/tmp/dtlaunch-slurm, 6817...).
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def slurm():
     subprocess.run(["bash", str(SCRIPT), "stop", "--purge"], env=env, capture_output=True, timeout=120)
     t0 = time.time()
     p = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"slurm-local.sh start failed (install with scripts/install-slurm.sh):\n{p.stdout}\n{p.stderr}"
+    assert p.returncode == 0, f"slurm-local.sh start failed (install with scripts/install-system.sh):\n{p.stdout}\n{p.stderr}"
     vars_ = _env_sh(Path(KNOBS["SLURM_LOCAL_ROOT"]) / "env.sh")
     saved = {k: os.environ.get(k) for k in vars_}
     os.environ.update(vars_)

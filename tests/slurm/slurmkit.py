@@ -150,7 +150,8 @@ def assert_same_losses(records: list[dict], reference: dict[int, float]) -> None
 
 
 def release_after_requeue(job: str, requeued_at: float) -> None:
-    """Skip SLURM's ~121 s requeue hold; it must not happen in the requeue's own second (shared notes)."""
+    """Skip SLURM's ~121 s requeue hold. Not in the requeue's own second: slurmd then refuses the job ("already
+    killed, do not launch batch job") and it ends FAILED."""
     wait_for(lambda: "PENDING" in squeue_state(job), 30, "the job to be pending after the requeue")
     time.sleep(max(0.0, requeued_at + 3.0 - time.time()))
     sh("scontrol", "update", f"JobId={job}", "StartTime=now")

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Install what scripts/slurm-local.sh (and the other cluster-ish tests) need,
-# from Debian's apt repositories.
+# Install the system packages the test suite needs, from Debian's apt
+# repositories: SLURM, munge, slurmdbd + MariaDB (scripts/slurm-local.sh), an
+# sshd (the SSH submission tests), iproute2 and util-linux (the simulated
+# SkyPilot nodes' namespaces), shellcheck (the rendered scripts' lint).
 #
 # Idempotent and quick: packages that are already installed are skipped, and
 # `apt-get update` only runs when something is actually missing.  Nothing is
@@ -10,7 +12,7 @@
 # slurm-local.sh starts.  A temporary policy-rc.d returning 101 ("action
 # forbidden") makes invoke-rc.d skip every start during this run.
 #
-# Usage: scripts/install-slurm.sh          (as root, or with sudo)
+# Usage: scripts/install-system.sh         (as root, or with sudo; `make test` runs it)
 # Env:   INSTALL_SLURM_DBD=0  skip slurmdbd + mariadb-server (accounting=none only)
 set -euo pipefail
 
@@ -18,13 +20,9 @@ set -euo pipefail
 # pull in a long tail of recommends (mail servers, perl extras, ...) that we
 # do not want, while slurm-wlm is the tested meta-package and is installed
 # with its recommends, as in the notes.
-BASE_PKGS=(slurm-wlm munge openssh-server pdsh numactl iproute2)
+BASE_PKGS=(slurm-wlm munge openssh-server pdsh numactl iproute2 util-linux shellcheck)
 DBD_PKGS=(slurmdbd mariadb-server)
 
-if [[ $(id -u) -ne 0 ]]; then
-    echo "install-slurm.sh: must run as root (apt-get install)" >&2
-    exit 1
-fi
 
 export DEBIAN_FRONTEND=noninteractive
 # Never stop to ask about changed conffiles: keep what is there.
@@ -46,8 +44,12 @@ if [[ ${INSTALL_SLURM_DBD:-1} != 0 ]]; then
 fi
 
 if [[ ${#need_base[@]} -eq 0 && ${#need_dbd[@]} -eq 0 ]]; then
-    echo "install-slurm.sh: all packages already installed"
+    echo "install-system.sh: all packages already installed"
     exit 0
+fi
+if [[ $(id -u) -ne 0 ]]; then
+    echo "install-system.sh: missing ${need_base[*]} ${need_dbd[*]}; run as root (apt-get install)" >&2
+    exit 1
 fi
 
 # policy-rc.d: ours for the duration of the install, whatever was there
@@ -55,7 +57,7 @@ fi
 # on any exit, including a failed apt-get, so the host is not left with
 # services permanently forbidden or a foreign policy lost.
 POLICY=/usr/sbin/policy-rc.d
-BACKUP=$POLICY.install-slurm-backup
+BACKUP=$POLICY.install-system-backup
 had_policy=0
 restore_policy() {
     rm -f "$POLICY"
@@ -66,7 +68,7 @@ if [[ -e $POLICY ]]; then
     cp -p "$POLICY" "$BACKUP"
 fi
 trap restore_policy EXIT
-printf '#!/bin/sh\n# temporary, from dtlaunch scripts/install-slurm.sh\nexit 101\n' >"$POLICY.tmp"
+printf '#!/bin/sh\n# temporary, from dtlaunch scripts/install-system.sh\nexit 101\n' >"$POLICY.tmp"
 chmod 755 "$POLICY.tmp"
 mv -f "$POLICY.tmp" "$POLICY"
 
@@ -76,11 +78,11 @@ mapfile -t before < <(daemon_pids)
 t0=$SECONDS
 apt-get update -q
 if [[ ${#need_base[@]} -gt 0 ]]; then
-    echo "install-slurm.sh: installing ${need_base[*]}"
+    echo "install-system.sh: installing ${need_base[*]}"
     apt-get install "${APT_OPTS[@]}" "${need_base[@]}"
 fi
 if [[ ${#need_dbd[@]} -gt 0 ]]; then
-    echo "install-slurm.sh: installing ${need_dbd[*]} (no recommends)"
+    echo "install-system.sh: installing ${need_dbd[*]} (no recommends)"
     apt-get install "${APT_OPTS[@]}" --no-install-recommends "${need_dbd[@]}"
 fi
 
@@ -92,7 +94,7 @@ fi
 mapfile -t after < <(daemon_pids)
 for pid in "${after[@]}"; do
     if [[ " ${before[*]} " != *" $pid "* ]]; then
-        echo "install-slurm.sh: warning: the install started $(ps -o comm= -p "$pid" || echo '?') (pid $pid)" >&2
+        echo "install-system.sh: warning: the install started $(ps -o comm= -p "$pid" || echo '?') (pid $pid)" >&2
     fi
 done
-echo "install-slurm.sh: done in $((SECONDS - t0))s"
+echo "install-system.sh: done in $((SECONDS - t0))s"

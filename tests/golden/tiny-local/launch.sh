@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Rendered by dtlaunch for the local target. Run it: bash launch.sh
+# Exit code: the workers' own (0 done, 42 preempted after a checkpoint, 43 hang, 2 bad plan, ...), not torchrun's generic 1.
+# A signal to this script (TERM, INT, USR2) is passed to torchrun, which passes it to the workers: they
+# checkpoint and exit 42.
+set -uo pipefail
+fail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; exit "$rc"; }
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=2
+export TORCH_NCCL_DUMP_ON_TIMEOUT=1
+export TORCH_FR_BUFFER_SIZE=2000
+export NCCL_DEBUG=WARN
+export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+export OMP_NUM_THREADS=1
+DEFAULT_RUN_ID=tiny
+export DTLAUNCH_RUN_ID="${DTLAUNCH_RUN_ID:-$DEFAULT_RUN_ID}"
+export DTLAUNCH_RUN_DIR="${DTLAUNCH_RUN_DIR:-$HERE}"
+export DTLAUNCH_PLAN="$HERE/plan.json"
+DTLAUNCH_ATTEMPT="${DTLAUNCH_ATTEMPT:-manual-$(date +%s)-$$}"
+export DTLAUNCH_ATTEMPT
+export DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"
+mkdir -p "$DTLAUNCH_STATUS"
+export DTLAUNCH_CHECKPOINT_DIR="$DTLAUNCH_RUN_DIR/checkpoints"
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
+
+# The interpreter of this machine's environment, resolved here (after any setup lines) and never taken
+# from the machine that rendered a cluster job; then one quick check that it can run this plan, so a
+# broken environment fails once with exit 2 instead of crashing every rank and every restart.
+DEFAULT_PYTHON=<python that rendered>
+PYTHON="${DTLAUNCH_PYTHON:-$DEFAULT_PYTHON}"
+if [ ! -x "$PYTHON" ]; then PYTHON="$(command -v python3 || command -v python || true)"; fi
+if [ -z "$PYTHON" ]; then
+  fail 2 "no python3 on PATH;" 'set DTLAUNCH_PYTHON to the python of an environment that has dtlaunch[train] (or activate it)'
+fi
+export PYTHON
+if ! "$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check; then
+  fail 2 "$PYTHON cannot run this plan (see above);" 'set DTLAUNCH_PYTHON to the python of an environment that has dtlaunch[train] (or activate it)'
+fi
+
+# A free port, not 29500: another job on this machine may hold it.
+PORT="${DTLAUNCH_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+# torchrun in a session of its own: a signal to this script reaches it once, through the trap below.
+setsid "$PYTHON" -m launcher.elastic --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d "--rdzv-endpoint=127.0.0.1:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" --rdzv-conf=join_timeout=120,is_host=1 --local-addr=127.0.0.1 --max-restarts=3 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=31 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
+TORCHRUN=$!
+forward() { kill "-$1" "$TORCHRUN" 2>/dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+trap 'forward USR2' USR2
+trap 'forward TERM' HUP
+rc=0
+while :; do
+  wait "$TORCHRUN"; rc=$?
+  kill -0 "$TORCHRUN" 2>/dev/null || break  # wait returns early when a trapped signal arrives
+done
+# The exit code of this node's share of the job: the workers' own codes for this attempt, not torchrun's
+# generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends;
+# a rank that died by a signal writes nothing, but one killed by a collective timeout leaves the flight
+# recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE) behind: that is a hang too.
+dtl_outcome() {
+  local rc=$1 f code worst=""
+  if [ "$rc" = 0 ]; then echo 0; return; fi
+  for f in "$DTLAUNCH_STATUS"/rank-*.code; do
+    [ -f "$f" ] || continue
+    read -r code _ < "$f" || continue
+    case "$code" in
+      2|44|45) worst=$code; break ;;
+      1) worst=1 ;;
+      43) [ "$worst" = 1 ] || worst=43 ;;
+      42) [ -n "$worst" ] || worst=42 ;;
+    esac
+  done
+  if [ -z "$worst" ] || [ "$worst" = 42 ]; then
+    for f in "$DTLAUNCH_STATUS"/nccl_trace_rank_*; do
+      [ -e "$f" ] && { worst=43; break; }
+    done
+  fi
+  echo "${worst:-$rc}"
+}
+rc="$(dtl_outcome "$rc")"
+echo "$rc" > "$DTLAUNCH_STATUS/exit_code"
+exit "$rc"
