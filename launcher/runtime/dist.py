@@ -70,7 +70,7 @@ def detect(env: Mapping[str, str] = os.environ) -> ProcEnv:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", ""))
         # One port per job id so that two jobs sharing a node do not collide.
-        port = _int(env, "MASTER_PORT", 20000 + _int(env, "SLURM_JOB_ID", 0) % 20000)
+        port = _int(env, "MASTER_PORT", jobenv.job_port(_int(env, "SLURM_JOB_ID", 0)))
         return ProcEnv(
             rank=_int(env, "SLURM_PROCID"), world_size=_int(env, "SLURM_NTASKS"), local_rank=_int(env, "SLURM_LOCALID", 0),
             local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", 1) if env.get("SLURM_NTASKS_PER_NODE", "").isdigit() else 1,

@@ -13,6 +13,8 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
 `step=any` fires at the first occasion (e.g. the first checkpoint, whatever its step).
     signal:rank=0:step=6[:sig=USR2]    the rank sends itself a signal at the start of the step (preemption tests)
     nan_loss:step=7                    the loss of step 7 is NaN (a diverging run)
+    collective_abort:rank=1:step=5     what NCCL's watchdog does after a collective timeout (no GPU here to time
+                                       one out): write the flight-recorder dump, then abort the process
 
 `rank` defaults to every rank; `attempt` (default 0) restricts the fault to that torchrun restart count,
 so a restarted job does not crash again at the same step. Each fault fires once per process.
@@ -30,7 +32,7 @@ from typing import Optional
 from .failures import ConfigError
 
 KINDS = ("exit", "sigkill", "hang", "skip_collective", "desync_step", "kill_in_checkpoint", "slow_checkpoint", "signal",
-         "nan_loss")
+         "nan_loss", "collective_abort")
 ENV = "DTLAUNCH_FAULT"
 ANY = -1
 
@@ -100,6 +102,12 @@ class Faults:
         if self.hit("hang", step) is not None:
             while True:
                 time.sleep(3600)
+        if self.hit("collective_abort", step) is not None:
+            dump = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+            if dump:
+                with open(f"{dump}{self.rank}", "wb") as out:
+                    out.write(b"flight recorder dump (injected)")
+            os.abort()
         if (f := self.hit("signal", step)) is not None:
             name = f.params.get("sig", "USR2").upper()
             os.kill(os.getpid(), getattr(signal, name if name.startswith("SIG") else "SIG" + name))

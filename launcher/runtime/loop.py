@@ -111,7 +111,21 @@ class Trainer:
         self.nonfinite = 0  # steps in a row with a NaN/inf loss
         # Installed as early as possible by the entry point: a preemption during start-up is not lost.
         self.flag = flag or PreemptionFlag().install()
+        if plan.steps is None:
+            raise ConfigError("the recipe gives no training length", fix="set training.steps or training.tokens")
+        self.total_steps: int = plan.steps
+        self.every: int = plan.checkpoint_every
+        self.seq_len: int = plan.seq_len
+        # Built by _setup, once the world exists (they need this rank's place in it).
+        self.faults: Optional[Faults] = None
+        self.metrics: Optional[Metrics] = None
+        self.layout = None  # the RuntimeLayout: the plan at this world size
+        self.shape = recipe.model.shape()
+        self.ckpt_root: Optional[Path] = None
         self.engine: Optional[Engine] = None
+        self.batches: Optional[Batches] = None
+        self.checkpointer: Optional[Checkpointer] = None
+        self.watchdog: Optional[Watchdog] = None
 
     # ------------------------------------------------------------------ assembly
 
@@ -128,13 +142,7 @@ class Trainer:
         for n in notes:
             self.metrics.log(n)
         check_model(rec)
-        shape = rec.model.shape()
-        self.shape = shape
-        self.seq_len = plan.seq_len
-        if plan.steps is None:
-            raise ConfigError("the recipe gives no training length", fix="set training.steps or training.tokens")
-        self.total_steps = plan.steps
-        self.every = plan.checkpoint_every
+        shape = self.shape
         self.ckpt_root = Path(os.path.expanduser(os.environ.get(jobenv.CHECKPOINT_DIR) or str(
             expand_dir(rec.checkpoint.dir, self.run_dir, os.environ.get(jobenv.RUN_ID)))))
         self.metrics.event("start", world_size=w.world_size, strategy=self.layout.strategy,

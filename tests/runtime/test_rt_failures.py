@@ -8,6 +8,7 @@ import shutil
 import time
 
 import pytest
+import yaml
 
 from launcher.jobenv import ExitCode
 from launcher.runtime import ckptdir
@@ -105,3 +106,29 @@ def test_unresumable_checkpoints_are_config_errors(reference, run_dir, tmp_path)
                          other)
     assert ExitCode.CONFIG in shape.worker_codes, shape.output[-3000:]
     assert "different model shape" in shape.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_aborted_after_a_collective_timeout_counts_as_a_hang(tmp_path):
+    """NCCL's watchdog may abort a rank after a collective times out, before Python can say why: the rank
+    leaves no exit record, only the flight recorder's dump. The rendered launch script (the same outcome logic
+    as the SLURM step and the SkyPilot run) reports HANG (43), not torchrun's generic 1. No GPU here: the
+    fault writes the dump and aborts, as the watchdog would."""
+    import subprocess
+
+    from launcher.jobenv import ExitCode
+    from launcher.plan import make_plan
+    from launcher.recipe import load_text
+    from launcher.render import render
+
+    from rt_harness import BASE_RECIPE, torchrun_env
+
+    rec = load_text(yaml.safe_dump(recipe_dict(targets={"local": {"max_restarts": 0}})), "<test>")
+    art = render(rec, make_plan(rec), "local")
+    out = art.write(tmp_path / "run")
+    env = torchrun_env({"DTLAUNCH_FAULT": "collective_abort:rank=1:step=3"})
+    p = subprocess.run(["bash", str(out / "launch.sh")], env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == ExitCode.HANG, p.stdout[-2000:] + p.stderr[-2000:]
+    (status,) = (out / "status").glob("manual-*")
+    assert (status / "nccl_trace_rank_1").is_file() and not (status / "rank-00001.code").exists()
+    assert BASE_RECIPE["training"]["steps"] > 3

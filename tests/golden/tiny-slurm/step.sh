@@ -16,9 +16,11 @@ while :; do
   kill -0 "$TORCHRUN" 2>/dev/null || break  # wait returns early when a trapped signal arrives
 done
 # The exit code of this node's share of the job: the workers' own codes for this attempt, not torchrun's
-# generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends;
-# a rank that died by a signal writes nothing, but one killed by a collective timeout leaves the flight
-# recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE) behind: that is a hang too.
+# generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends.
+# A rank killed after a collective timed out (NCCL's watchdog aborts it) writes no code, but leaves the
+# flight recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)
+# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44) and a
+# diverged loss (45) come first: restarting would not help.
 dtl_outcome() {
   local rc=$1 f code worst=""
   if [ "$rc" = 0 ]; then echo 0; return; fi
@@ -26,17 +28,15 @@ dtl_outcome() {
     [ -f "$f" ] || continue
     read -r code _ < "$f" || continue
     case "$code" in
-      2|44|45) worst=$code; break ;;
+      2|44|45) echo "$code"; return ;;
       1) worst=1 ;;
       43) [ "$worst" = 1 ] || worst=43 ;;
       42) [ -n "$worst" ] || worst=42 ;;
     esac
   done
-  if [ -z "$worst" ] || [ "$worst" = 42 ]; then
-    for f in "$DTLAUNCH_STATUS"/nccl_trace_rank_*; do
-      [ -e "$f" ] && { worst=43; break; }
-    done
-  fi
+  for f in "$DTLAUNCH_STATUS"/nccl_trace_rank_*; do
+    if [ -e "$f" ]; then echo 43; return; fi
+  done
   echo "${worst:-$rc}"
 }
 exit "$(dtl_outcome "$rc")"
