@@ -44,6 +44,7 @@ RUN_DIR = "DTLAUNCH_RUN_DIR"  # where metrics, status and (by default) checkpoin
 CHECKPOINT_DIR = "DTLAUNCH_CHECKPOINT_DIR"  # the run's checkpoint root, {run_id} already expanded
 ATTEMPT = "DTLAUNCH_ATTEMPT"  # one launch of the workers (a requeue, a recovery, a resubmission is a new one)
 STATUS = "DTLAUNCH_STATUS"  # this attempt's status directory: each rank's exit code, flight-recorder dumps
+CODE_DIR = "DTLAUNCH_CODE_DIR"  # the user's entrypoint code as shipped with the job (the ranks' working directory)
 NODE_ADDR = "DTLAUNCH_NODE_ADDR"  # this node's address as the others reach it (its hostname may not say)
 TARGET = "DTLAUNCH_TARGET"
 PORT = "DTLAUNCH_PORT"

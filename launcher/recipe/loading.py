@@ -42,6 +42,7 @@ class SourceMap:
     file: str
     lines: dict
     overrides: tuple = ()  # ((path, "KEY=VALUE"), ...)
+    base_dir: Optional[str] = None  # the recipe file's directory: relative paths in it (entrypoint.workdir) start here
 
     def locate(self, field: str) -> tuple[str, Optional[int]]:
         path = tuple(int(p) if p.isdigit() else p for p in field.split(".")) if field else ()
@@ -282,7 +283,8 @@ def _problems(err: ValidationError, source: str, lines: dict[Path_, int],
 # ----------------------------------------------------------------------------- entry points
 
 
-def load_text(text: str, source: str = "<recipe>", overrides: Optional[list[str]] = None) -> Recipe:
+def load_text(text: str, source: str = "<recipe>", overrides: Optional[list[str]] = None,
+              base_dir: Optional[str] = None) -> Recipe:
     """Parse and validate a recipe, raising RecipeError (never a traceback) on any problem."""
     if len(text) > MAX_BYTES:
         _fail(source, f"the recipe is {len(text):,} characters long; a recipe is at most {MAX_BYTES:,} bytes",
@@ -304,7 +306,7 @@ def load_text(text: str, source: str = "<recipe>", overrides: Optional[list[str]
         applied.append((path, item))
     try:
         recipe = Recipe.model_validate(data)
-        recipe.set_source(SourceMap(source, lines, tuple(applied)))
+        recipe.set_source(SourceMap(source, lines, tuple(applied), base_dir))
         return recipe
     except ValidationError as e:
         problems, more = _problems(e, source, lines, applied)
@@ -346,7 +348,7 @@ def read_bounded(path: str | os.PathLike, what: str = "recipe") -> str:
 
 
 def load(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> Recipe:
-    return load_text(read_bounded(path), str(path), overrides)
+    return load_text(read_bounded(path), str(path), overrides, base_dir=str(Path(path).resolve().parent))
 
 
 def json_schema() -> dict:

@@ -421,6 +421,57 @@ class SkyTarget(_Strict):
                            "(default: every node runs DeepSpeed's launcher itself, --no_ssh)")
 
 
+MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", re.ASCII)
+
+
+def _no_nul(v: str) -> str:
+    if "\x00" in v:
+        raise ValueError("contains a NUL byte, which no command-line argument can hold")
+    return v
+
+
+class EntrypointSpec(_Strict):
+    """The user's own training code, started by the job instead of `python -m launcher.train`."""
+
+    script: Optional[Str] = Field(
+        None, description="a Python file, relative to workdir (shipped with the job): torchrun runs it on every rank")
+    module: Optional[str] = Field(None, max_length=512,
+                                  description="a module importable from workdir, run like `python -m MODULE`")
+    args: list[Annotated[str, AfterValidator(_no_nul), Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=1000, description="arguments passed to the script or module, as written")
+    workdir: Optional[Str] = Field(
+        None, description="the directory shipped with the job (relative to the recipe file, default: the recipe "
+                          "file's directory); the code runs from its copy")
+    exclude: list[Annotated[str, Field(max_length=512)]] = Field(
+        default_factory=list, max_length=200,
+        description="glob patterns of files not to ship (e.g. data/*, *.ckpt), besides .git, caches and venvs")
+
+    @field_validator("script")
+    @classmethod
+    def _script(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        parts = v.replace("\\", "/").split("/")
+        if not v.strip() or v.startswith("/") or v.startswith("~") or ".." in parts or "\x00" in v:
+            raise ValueError(f"{v!r}: a path relative to entrypoint.workdir, inside it (the job runs a copy of workdir)")
+        if not v.endswith(".py"):
+            raise ValueError(f"{v!r}: a Python file (.py); for a package use entrypoint.module")
+        return v
+
+    @field_validator("module")
+    @classmethod
+    def _module(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not MODULE_NAME.match(v):
+            raise ValueError(f"{v!r} is not a module name (dotted Python identifiers, e.g. mypkg.train)")
+        return v
+
+    @model_validator(mode="after")
+    def _one(self) -> "EntrypointSpec":
+        if (self.script is None) == (self.module is None):
+            raise ValueError("set exactly one of entrypoint.script (a .py file) and entrypoint.module")
+        return self
+
+
 class TargetsSpec(_Strict):
     default: Target = "local"
     local: LocalTarget = Field(default_factory=LocalTarget)
@@ -438,6 +489,8 @@ class Recipe(_Strict):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     training: TrainingSpec
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    entrypoint: Optional[EntrypointSpec] = Field(
+        None, description="the user's own training code; default: dtlaunch's trainer (python -m launcher.train)")
     targets: TargetsSpec = Field(default_factory=TargetsSpec)
     env: dict[str, str] = Field(default_factory=dict, max_length=1000,
                                 description="plain environment variables for the job")
@@ -451,6 +504,10 @@ class Recipe(_Strict):
     def locate(self, field: str) -> tuple[Optional[str], Optional[int]]:
         """(file or `--set KEY=VALUE`, line) of a field, when the recipe was loaded from text."""
         return self._source.locate(field) if self._source is not None else (None, None)
+
+    def base_dir(self) -> Optional[str]:
+        """The directory of the recipe file it was loaded from (None for text or a plan file)."""
+        return getattr(self._source, "base_dir", None)
 
     @field_validator("name")
     @classmethod

@@ -11,15 +11,18 @@ from ..plan import Plan
 from ..recipe import Recipe
 from ..strategies import TARGET_NAMES, TARGETS, TargetName, load_attr
 from .artifacts import Artifacts
+from .code import collect as collect_code
 
 
-def common_files(recipe: Recipe, plan: Plan) -> dict[str, str]:
-    """What every target ships: the resolved plan the job reads, the recipe as resolved, DeepSpeed's config."""
-    files = {
+def common_files(recipe: Recipe, plan: Plan) -> dict[str, str | bytes]:
+    """What every target ships: the resolved plan the job reads, the recipe as resolved, DeepSpeed's config,
+    and the user's code when the recipe names an entrypoint."""
+    files: dict[str, str | bytes] = {
         "plan.json": planfile.dumps(recipe, plan),
         "recipe.yaml": "# The recipe as dtlaunch resolved it (defaults filled in).\n"
         + yaml.safe_dump(recipe.to_dict(), sort_keys=False),
     }
+    files.update(collect_code(recipe))  # the user's entrypoint code, as code/...
     if plan.layout.spec.zero_stage is not None:
         from ..deepspeed_config import deepspeed_config
 

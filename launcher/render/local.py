@@ -10,6 +10,7 @@ from ..jobenv import ExitCode
 from ..plan import Plan
 from ..recipe import Recipe
 from .artifacts import Artifacts, LocalRequest
+from .code import CODE_DIR
 from .environment import checkpoint_template, job_env
 from .shell import ShellExpr
 from .templates import render_template
@@ -24,12 +25,13 @@ def launch_script(recipe: Recipe, plan: Plan, python: str | None = None) -> str:
         recipe, plan, python=ShellExpr("$PYTHON"), nnodes="1", nproc_per_node=str(plan.gpus_per_node),
         rdzv_endpoint=ShellExpr("127.0.0.1:$PORT"), rdzv_id=ShellExpr("$DTLAUNCH_RUN_ID"),
         max_restarts=recipe.targets.local.max_restarts, is_host="1", local_addr="127.0.0.1",
-        entry=entry_args(ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR")),
+        entry=entry_args(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR")),
     )
     return render_template(
         "local_launch.sh.j2", env=job_env(recipe), default_run_id=recipe.run_id or recipe.job_name,
         checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets, setup_hint=SETUP_HINT,
         default_python=python or sys.executable, torchrun=cmd, code=ExitCode,
+        code_dir=ShellExpr(f"$HERE/{CODE_DIR}") if recipe.entrypoint else None,
     )
 
 

@@ -22,11 +22,12 @@ from ..plan import Plan
 from ..recipe import Recipe
 from ..strategies import Family
 from .artifacts import Artifacts, SkyRequest
+from .code import CODE_DIR
 from .environment import job_env
 from .package import build_wheel, installed_version, wheel_name
 from .shell import ShellExpr, Word, flag
 from .templates import render_template
-from .torchrun import TRAIN_MODULE, entry_args, torchrun_command
+from .torchrun import entry_args, entry_module, torchrun_command
 
 DEFAULT_PORT = 29500
 JOB_MOUNT = "~/dtlaunch-job"  # where the rendered files land when the workdir is the user's project
@@ -115,6 +116,11 @@ def _job_paths(recipe: Recipe) -> tuple[Word, Word]:
     return ShellExpr("$PWD"), f"./{wheel_name()}[train]"
 
 
+def code_dir(recipe: Recipe, job_dir: Word) -> ShellExpr | None:
+    """Where the user's code lands on a node: code/ in the rendered files (None: dtlaunch's own trainer)."""
+    return ShellExpr(f"{job_dir}/{CODE_DIR}") if recipe.entrypoint else None
+
+
 def setup_script(recipe: Recipe, plan: Plan) -> str:
     _, wheel = _job_paths(recipe)
     extra = []
@@ -139,20 +145,20 @@ _DEEPSPEED: list[Word] = [ShellExpr("$PYTHON"), "-m", "deepspeed.launcher.runner
 
 def run_script(recipe: Recipe, plan: Plan) -> str:
     job_dir, _ = _job_paths(recipe)
-    entry = entry_args(ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR"))
+    entry = entry_args(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR"))
     torchrun = torchrun_command(
         recipe, plan, python=ShellExpr("$PYTHON"), nnodes=ShellExpr("$SKYPILOT_NUM_NODES"),
         nproc_per_node=_nproc(recipe, plan), rdzv_endpoint=ShellExpr("$MASTER_ADDR:$PORT"),
         rdzv_id=ShellExpr("$DTLAUNCH_RUN_ID"), max_restarts=recipe.targets.sky.max_restarts,
         is_host=ShellExpr("$IS_HOST"), local_addr=ShellExpr("$NODE_ADDR"), entry=entry)
+    module, module_args = entry_module(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR"))
     ds_args: list[Word] = [
         flag("--hostfile", ShellExpr("$HOSTFILE")), flag("--master_addr", ShellExpr("$MASTER_ADDR")),
-        flag("--master_port", ShellExpr("$PORT")), "--no_local_rank", "--module", TRAIN_MODULE,
-        "--plan", ShellExpr("$DTLAUNCH_PLAN"), "--run-dir", ShellExpr("$DTLAUNCH_RUN_DIR"),
+        flag("--master_port", ShellExpr("$PORT")), "--no_local_rank", "--module", module, *module_args,
     ]
     storage = recipe.targets.sky.checkpoint_storage
     return render_template(
-        "sky_run.sh.j2", job_dir=job_dir, code=ExitCode, default_run_id=recipe.run_id or ShellExpr("$SKYPILOT_TASK_ID"),
+        "sky_run.sh.j2", job_dir=job_dir, code=ExitCode, code_dir=code_dir(recipe, job_dir), default_run_id=recipe.run_id or ShellExpr("$SKYPILOT_TASK_ID"),
         checkpoint_template=checkpoint_dir(recipe), port=DEFAULT_PORT, setup_hint=SETUP_HINT, default_python=None,
         deepspeed=recipe.parallelism.launcher == "deepspeed", deepspeed_ssh=recipe.targets.sky.deepspeed_ssh,
         nproc=_nproc(recipe, plan), ds_env=envs(recipe), torchrun=torchrun,

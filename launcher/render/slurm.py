@@ -28,6 +28,7 @@ from ..plan import Plan
 from ..recipe import Recipe
 from ..strategies import Family
 from .artifacts import Artifacts, SlurmRequest
+from .code import CODE_DIR
 from .environment import checkpoint_template, job_env
 from .shell import ShellExpr, Word
 from .templates import render_template
@@ -99,14 +100,14 @@ def _step_command(recipe: Recipe, plan: Plan) -> list[Word]:
         nproc_per_node=str(plan.gpus_per_node), rdzv_endpoint=ShellExpr("$MASTER_ADDR:$MASTER_PORT"),
         rdzv_id=ShellExpr("$SLURM_JOB_ID"), max_restarts=recipe.targets.slurm.max_restarts,
         is_host=ShellExpr("$IS_HOST"), local_addr=ShellExpr("$SLURMD_NODENAME"),
-        entry=entry_args(ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR")),
+        entry=entry_args(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR")),
     )
 
 
 def step_script(recipe: Recipe, plan: Plan) -> str:
     """What srun runs once per node: torchrun, then the workers' own exit code for this node."""
     return render_template("slurm_step.sh.j2", job_script=JOB_SCRIPT, torchrun=_step_command(recipe, plan),
-                           code=ExitCode)
+                           code=ExitCode, code_dir=recipe.entrypoint is not None)
 
 
 def job_script(recipe: Recipe, plan: Plan, *, array: Optional[str] = None) -> str:
@@ -127,6 +128,7 @@ def job_script(recipe: Recipe, plan: Plan, *, array: Optional[str] = None) -> st
         checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets, setup=t.setup,
         setup_hint=SETUP_HINT, default_python=None, port_base=PORT_BASE, port_span=PORT_SPAN,
         signal_seconds=t.signal_seconds, srun=srun, max_requeues=t.max_requeues, max_failures=t.max_failures,
+        code_dir=ShellExpr(f"$SUBMIT_DIR/{CODE_DIR}") if recipe.entrypoint else None,
     )
 
 
@@ -165,16 +167,17 @@ def render_slurm_array(items: Sequence[tuple[Recipe, Plan]]) -> Artifacts:
         raise DtlaunchError("a sweep needs at least one override set")
     first, first_plan = items[0]
     for i, (r, p) in enumerate(items[1:], 1):
-        if (r.targets.slurm, r.resources.accelerator, r.secrets) != (first.targets.slurm, first.resources.accelerator,
-                                                                      first.secrets) \
+        if (r.targets.slurm, r.resources.accelerator, r.secrets, r.entrypoint) != (
+                first.targets.slurm, first.resources.accelerator, first.secrets, first.entrypoint) \
                 or (p.nodes, p.gpus_per_node) != (first_plan.nodes, first_plan.gpus_per_node):
-            raise DtlaunchError(f"sweep task {i} changes the allocation (nodes, accelerator, secrets or targets.slurm)",
+            raise DtlaunchError(f"sweep task {i} changes the allocation (nodes, accelerator, secrets, entrypoint or targets.slurm)",
                                 fix="an array job has one allocation: sweep only training/model settings, "
                                     "or submit separately")
     files: dict[str, str] = {}
     for i, (r, p) in enumerate(items):
         for rel, content in common_files(r, p).items():
-            files[f"task-{i}/{rel}"] = content
+            # The code is the same for every task (checked above): one copy, where the step script looks.
+            files[rel if rel.startswith(f"{CODE_DIR}/") else f"task-{i}/{rel}"] = content
     files[JOB_SCRIPT] = job_script(first, first_plan, array=f"0-{len(items) - 1}")
     files[STEP_SCRIPT] = step_script(first, first_plan)
     return Artifacts("slurm", first.job_name, files, _request(first, array=True), {JOB_SCRIPT, STEP_SCRIPT},

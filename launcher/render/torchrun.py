@@ -8,6 +8,7 @@ from ..recipe import Recipe
 from .shell import ShellExpr, Word, flag
 
 TRAIN_MODULE = "launcher.train"
+ENTRY_MODULE = "launcher.entry"  # runs the user's entrypoint and records its exit code for the job scripts
 # torchrun passes these to its workers and then shuts down without restarting them: TERM (cancel,
 # scheduler preemption) and USR2 (the time-limit signal) both mean "checkpoint and stop".
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
@@ -24,8 +25,20 @@ def grace_seconds(recipe: Recipe, plan: Plan) -> int:
     return max(MIN_GRACE_SECONDS, math.ceil(3 * plan.checkpoint_write_seconds) + 30)
 
 
-def entry_args(plan_path: Word, run_dir: Word) -> list[Word]:
-    return ["-m", TRAIN_MODULE, "--plan", plan_path, "--run-dir", run_dir]
+def entry_module(recipe: Recipe, plan_path: Word, run_dir: Word) -> tuple[str, list[Word]]:
+    """(module every rank runs, its arguments): dtlaunch's trainer, or the user's entrypoint through
+    launcher.entry (the script path is relative to the code directory the job scripts cd into)."""
+    ep = recipe.entrypoint
+    if ep is None:
+        return TRAIN_MODULE, ["--plan", plan_path, "--run-dir", run_dir]
+    target: list[Word] = ["--module", ep.module] if ep.module else [ep.script]
+    return ENTRY_MODULE, [*target, *ep.args]
+
+
+def entry_args(recipe: Recipe, plan_path: Word, run_dir: Word) -> list[Word]:
+    """The worker command after torchrun's own flags: `-m MODULE ARGS...`."""
+    module, args = entry_module(recipe, plan_path, run_dir)
+    return ["-m", module, *args]
 
 
 def torchrun_command(recipe: Recipe, plan: Plan, *, python: Word, nnodes: Word, nproc_per_node: Word,

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 from .. import __version__
-from ..jobenv import CHECKPOINT_DIR, MIN_TORCH, RUN_ID
+from ..jobenv import CHECKPOINT_DIR, CODE_DIR, MIN_TORCH, RUN_ID
 from ..strategies import Family
 from .ckptdir import expand_dir
 from .failures import ConfigError
@@ -60,6 +60,32 @@ def check_data(recipe) -> None:
                           fix="put the token file on every node (a shared filesystem or the job's workdir)")
 
 
+def check_entrypoint(ep) -> str:
+    """The user's script is in the shipped code directory, or the module is importable from it."""
+    import importlib.util
+    import sys
+
+    code = Path(os.environ.get(CODE_DIR) or os.getcwd())
+    if ep.script is not None:
+        if not (code / ep.script).is_file():
+            raise ConfigError(f"entrypoint script {ep.script} is not in {code}",
+                              fix="render again: the job ships entrypoint.workdir as code/ next to the job script")
+        return f"entrypoint {ep.script}"
+    sys.path.insert(0, str(code))
+    try:
+        found = importlib.util.find_spec(ep.module)
+    except (ImportError, ValueError) as e:
+        found, why = None, f" ({e})"
+    else:
+        why = ""
+    finally:
+        sys.path.remove(str(code))
+    if found is None:
+        raise ConfigError(f"entrypoint module {ep.module} cannot be imported from {code} on this node{why}",
+                          fix="put it in entrypoint.workdir, or install its package in the job's environment")
+    return f"entrypoint -m {ep.module}"
+
+
 def check_checkpoint_dir(recipe, run_dir: Path) -> Path:
     """Create the checkpoint root and write a probe file into it: what every saving rank will need."""
     root = Path(os.environ.get(CHECKPOINT_DIR) or expand_dir(recipe.checkpoint.dir, run_dir, os.environ.get(RUN_ID)))
@@ -80,12 +106,16 @@ def check(recipe, plan, run_dir: Path) -> str:
     """Raise ConfigError on the first problem; return a one-line summary otherwise."""
     from .parallel import resolve_layout
 
-    if plan.steps is None:
-        raise ConfigError("the recipe gives no training length", fix="set training.steps or training.tokens")
-    check_model(recipe)
     found = check_libraries(plan)
     resolve_layout(plan, plan.layout.dp)
-    check_data(recipe)
+    if recipe.entrypoint is not None:  # the user's code brings its own model, data and training length
+        what = check_entrypoint(recipe.entrypoint)
+    else:
+        if plan.steps is None:
+            raise ConfigError("the recipe gives no training length", fix="set training.steps or training.tokens")
+        check_model(recipe)
+        check_data(recipe)
+        what = f"{plan.steps} steps"
     root = check_checkpoint_dir(recipe, run_dir)
     return (f"dtlaunch {__version__}, {found}; plan: {plan.strategy} on {plan.world_size} ranks, "
-            f"{plan.steps} steps; checkpoints in {root}")
+            f"{what}; checkpoints in {root}")

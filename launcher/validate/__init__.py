@@ -25,7 +25,7 @@ def validate(recipe: Recipe, plan: Plan, target: Optional[str] = None, rules: It
     target = target or recipe.targets.default
     out = []
     for rl in rules:
-        if rl.targets and target not in rl.targets:
+        if rl.targets and target not in rl.targets or rl.trainer_only and recipe.entrypoint is not None:
             continue
         hit = rl.check(recipe, plan)
         if hit:

@@ -30,14 +30,16 @@ class Rule:
     summary: str
     check: Callable[[Recipe, Plan], Optional[tuple[str, str]]]  # -> (message, fix) when the rule fires
     targets: tuple[str, ...] = ()  # the targets it applies to; () = every target
+    trainer_only: bool = False  # about dtlaunch's own trainer: silent when the recipe runs the user's entrypoint
 
 
 RULES: list[Rule] = []
 
 
-def rule(id: str, severity: str, field: str, summary: str, targets: tuple[str, ...] = ()):  # noqa: A002
+def rule(id: str, severity: str, field: str, summary: str, targets: tuple[str, ...] = (),  # noqa: A002
+         trainer_only: bool = False):
     def deco(fn):
-        RULES.append(Rule(id, severity, field, summary, fn, targets))
+        RULES.append(Rule(id, severity, field, summary, fn, targets, trainer_only))
         return fn
 
     return deco

@@ -1,0 +1,88 @@
+"""How a rank's ending is recorded, for dtlaunch's trainer and for the user's own code alike.
+
+torchrun exits 1 whenever any worker fails, which says nothing about whether to requeue; so each rank writes
+its own exit code (and how far it got) where the job scripts read it with nothing but `read`. Torch-free.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from .. import jobenv
+from ..errors import DtlaunchError
+from ..jobenv import ExitCode
+
+
+def rank_from_env() -> int:
+    for k in ("RANK", "SLURM_PROCID", "SKYPILOT_NODE_RANK"):
+        if os.environ.get(k, "").isdigit():
+            return int(os.environ[k])
+    return 0
+
+
+def status_dir(run_dir: Path) -> Path:
+    """Where this attempt's ranks report how they ended: $DTLAUNCH_STATUS, set per attempt by the job scripts."""
+    return Path(os.environ.get(jobenv.STATUS) or run_dir / "status" / "manual")
+
+
+def write_status(run_dir: Path, rank: int, code: int, message: str, step: Optional[int],
+                 start_step: Optional[int] = None) -> None:
+    """Two records per rank: a JSON one for people (run_dir/status/rank-N.json, the latest), and a one-line
+    "CODE STEP START_STEP" file in this attempt's status directory for the job scripts, which pick the job's
+    exit code (and whether a time-limited allocation made progress) from it with nothing but `read`."""
+    try:
+        d = run_dir / "status"
+        d.mkdir(parents=True, exist_ok=True)
+        rec = {"rank": rank, "code": code, "name": ExitCode.name_of(code), "message": message, "step": step,
+               "start_step": start_step, "time": time.time(), "attempt": os.environ.get(jobenv.ATTEMPT),
+               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+        tmp = d / f".rank-{rank:05d}.json.tmp"
+        tmp.write_text(json.dumps(rec, indent=2) + "\n")
+        os.replace(tmp, d / f"rank-{rank:05d}.json")
+        a = status_dir(run_dir)
+        a.mkdir(parents=True, exist_ok=True)
+        tmp = a / f".rank-{rank:05d}.code.tmp"
+        tmp.write_text(f"{int(code)} {int(step or 0)} {int(start_step or 0)}\n")
+        os.replace(tmp, a / f"rank-{rank:05d}.code")
+    except OSError:
+        pass  # the exit code still tells the story
+
+
+def classify(exc: BaseException, step: Optional[int], timeout_s: Optional[float]) -> tuple[int, str]:
+    """(exit code, message) for an exception that escaped the training loop."""
+    from .failures import is_comm_error, is_timeout
+
+    where = f"during step {step}" if step else "before the first step"
+    if isinstance(exc, DtlaunchError):
+        return exc.exit_code, str(exc)
+    if is_timeout(exc):
+        return ExitCode.HANG, (f"a collective timed out {where} (training.timeout_seconds={timeout_s}): another rank "
+                                f"stopped responding or diverged. Underlying error: {str(exc).splitlines()[0][:300]}")
+    if is_comm_error(exc):
+        text = str(exc)
+        mismatch = any(m in text for m in ("preamble", "mismatch", "EnforceNotMet"))
+        code = ExitCode.HANG if mismatch else ExitCode.FAILED
+        what = "ranks issued mismatched collectives (divergence)" if mismatch else "communication with a peer failed"
+        return code, f"{what} {where}: {text.splitlines()[0][:300]}"
+    if isinstance(exc, KeyboardInterrupt):
+        return ExitCode.FAILED, f"interrupted {where}"
+    return ExitCode.FAILED, f"training failed {where}: {type(exc).__name__}: {exc}"
+
+
+# How far this rank's run got in this process: (the step it resumed from, the last step it reached). The
+# trainer and the library record it; a time-limited SLURM allocation is continued only if it made progress.
+_PROGRESS: list[Optional[int]] = [None, None]
+
+
+def record_progress(*, start: Optional[int] = None, step: Optional[int] = None) -> None:
+    if start is not None:
+        _PROGRESS[0] = start
+    if step is not None:
+        _PROGRESS[1] = step
+
+
+def progress() -> tuple[Optional[int], Optional[int]]:
+    return _PROGRESS[0], _PROGRESS[1]
