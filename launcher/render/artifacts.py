@@ -52,7 +52,7 @@ class SubmititSpec:
                            "step": dict(self.step)}, indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "SubmititSpec":
+    def from_json(cls, text: str) -> SubmititSpec:
         d = json.loads(text)
         return cls(d["folder"], d["setup_script"], d["python"], int(d["max_num_timeout"]), d["parameters"], d["step"])
 
@@ -64,7 +64,7 @@ class SlurmRequest:
     array: bool = False
     secrets: tuple[str, ...] = ()
     submit: Literal["sbatch", "submitit"] = "sbatch"
-    submitit: Optional[SubmititSpec] = None  # set iff submit == "submitit"
+    submitit: SubmititSpec | None = None  # set iff submit == "submitit"
 
     @property
     def argv(self) -> tuple[str, ...]:

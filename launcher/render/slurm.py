@@ -20,7 +20,7 @@ preemption logic is a few commented shell lines. What it guarantees:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Optional
 
 from ..errors import DtlaunchError
 from ..jobenv import PORT_BASE, PORT_SPAN, ExitCode
@@ -109,11 +109,11 @@ def step_script(recipe: Recipe, plan: Plan) -> str:
                            code=ExitCode)
 
 
-def srun_words(recipe: Recipe) -> list[Union[str, ShellExpr]]:
+def srun_words(recipe: Recipe) -> list[str | ShellExpr]:
     """The one srun line both submissions run: one task per node, each running the step script. The words
     hold run-time expressions ($SLURM_NNODES, $SUBMIT_DIR): the job script quotes them for bash, the submitit
     callable expands them from the batch environment the preamble exported."""
-    srun: list[Union[str, ShellExpr]] = [
+    srun: list[str | ShellExpr] = [
         "srun", "--kill-on-bad-exit=1", "--wait=60", ShellExpr("--nodes=$SLURM_NNODES"),
         ShellExpr("--ntasks=$SLURM_NNODES"), "--ntasks-per-node=1",
     ]
