@@ -19,7 +19,8 @@ in the same order and with the same ledgers under jobs/$SLURM_JOB_ID, so the exi
 * TERM is SLURM ending the job (scancel, its own requeue, a preemption): the steps get it from SLURM and
   checkpoint; this process records it and leaves without a result, so a cancel ends the job for good and
   a requeue by SLURM reruns the same pickle.
-* any other exit: a failure, retried by `scontrol requeue` at most max_failures times, never for CONFIG (2).
+* any other exit: a failure, requeued (`scontrol requeue`) until max_failures attempts have failed, never
+  for CONFIG (2).
   A failure ends in `TrainingFailed` (job.result() raises it with the code and the ranks' messages), and
   the process exits with the contract code, so sacct shows 43 for a hang, not Python's 1.
 """
@@ -319,16 +320,21 @@ class StepJob(Checkpointable):
         _log(f"got SIGUSR2 ({why}): asking the training processes to checkpoint")
         if self._proc is not None and self._rc is None:
             # Every step, not this batch process; once: a second signal makes torchrun give up waiting.
-            subprocess.run(["scancel", "--signal=USR2", files.job_id], capture_output=True, timeout=60)
+            try:
+                subprocess.run(["scancel", "--signal=USR2", files.job_id], capture_output=True, timeout=60)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                _log(f"scancel --signal=USR2 failed ({e}); the training processes may not checkpoint")
+            # Bounded: the requeue must happen before the time limit kills this process.
             wait = s["stop_seconds"] if left < 0 else min(s["stop_seconds"], max(5, left - 15))
             deadline = time.time() + wait
             while self._rc is None and time.time() < deadline:
                 time.sleep(0.2)
-        rc = self._rc
-        if rc is None:  # the steps did not stop in time: the requeue ends them; resume from the last checkpoint
-            _log(f"the training processes did not exit within {s['stop_seconds']}s; requeueing from the last "
-                 "complete checkpoint")
-            rc = ExitCode.PREEMPTED
+            if self._rc is None:
+                _log(f"the training processes did not exit within {wait}s; requeueing from the last complete "
+                     "checkpoint (the requeue ends them)")
+        # Still running (or never started): act as for a preemption; the next attempt resumes from the
+        # newest complete checkpoint.
+        rc = ExitCode.PREEMPTED if self._rc is None else self._rc
         outcome = Outcome(rc, "TERM" if self._term else "USR2", time_limit, files.progress())
         return self._act(files, outcome, in_handler=True)
 

@@ -190,6 +190,23 @@ def test_importing_launcher_and_finding_submit_imports_neither_submitit_nor_torc
     assert out.stdout.strip() == "[]", out.stderr
 
 
+def test_submit_takes_a_loaded_recipe_and_always_means_submitit():
+    """launcher.submit(Recipe) re-validates the recipe with the overrides; the API always submits with submitit."""
+    from launcher.api import _load
+    from launcher.recipe import load
+
+    r = _load(load(TINY, ["targets.slurm.submit=sbatch"]), ["training.steps=7"])
+    assert (r.targets.slurm.submit, r.training.steps) == ("submitit", 7)
+    assert _load(TINY, []).targets.slurm.submit == "submitit"
+
+
+def test_registry_rows_from_before_submitit_still_decode():
+    from launcher.targets.registry import _decode
+
+    h = _decode("slurm", json.dumps({"submit_dir": "/x", "job_name": "tiny", "array": False, "ssh": None}))
+    assert (h.submit, h.submitit_folder) == ("sbatch", None)
+
+
 # ----------------------------------------------------------------------------- the decisions (pure)
 
 
@@ -349,6 +366,20 @@ def test_preempted_without_requeues_left_exits_42(tmp_path, partition, login_she
     pre, = r.events("preempt")
     assert pre["step"] in complete_steps(tmp_path / "ckpt" / r.id)
     print(f"\npreempted with max_requeues=0 -> exit 42 in sacct after {took:.1f}s")
+
+
+@slow
+def test_without_setup_the_job_fails_once_and_result_says_what_to_do(tmp_path, partition, login_shell):
+    """No setup line: the batch step finds the system python, which cannot run the plan. The preamble ends
+    the job with exit 2 before submitit starts (no retries), and job.result() shows the log's advice."""
+    over = [o for o in cluster_overrides(partition, tmp_path) if not o.startswith("targets.slurm.setup")]
+    job = launcher.submit(TINY, target_dir=tmp_path / "out", overrides=over)
+    with pytest.raises(submitit.core.utils.UncompletedJobError, match="cannot run this plan") as e:
+        job.result()
+    assert "targets.slurm.setup" in str(e.value)
+    r = Run(job, tmp_path / "out")
+    assert [row[1:] for row in r.sacct() if row[0] == r.id] == [["FAILED", "2:0"]]
+    assert r.ledger("state") == ["FAILED"] and len(r.ledger("attempts")) == 1
 
 
 @slow
