@@ -19,6 +19,8 @@ PY = sys.executable
     ["plan", RECIPES / "llama70b.yaml", "--json"],
     ["validate", RECIPES / "llama70b.yaml", RECIPES / "tiny.yaml"],
     ["render", RECIPES / "tiny.yaml", "--target", "local", "-o", "{tmp}/r", "-q"],
+    ["render", RECIPES / "tiny.yaml", "--target", "slurm", "--set", "targets.slurm.submit=submitit", "-o", "{tmp}/s",
+     "-q"],
 ])
 def test_fast_commands_import_nothing_heavy(args, tmp_path):
     args = [str(a).replace("{tmp}", str(tmp_path)) for a in args]

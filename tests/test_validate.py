@@ -88,6 +88,9 @@ CASES = [
     (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"], "deepspeed-launcher-target", "local"),
     (['targets.slurm.extra_sbatch=["--nodes=4"]'], "slurm-extra-sbatch-plan", "slurm"),
     (["targets.slurm.exclusive=false"], "slurm-cpus", "slurm"),
+    (["targets.slurm.submit=submitit", "targets.slurm.ssh={host: login.example}"], "slurm-submitit-ssh", "slurm"),
+    # the user's entrypoint
+    (["entrypoint={script: no_such_train.py, workdir: /}"], "entrypoint-missing", None),
 ]
 
 

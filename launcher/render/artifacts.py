@@ -5,12 +5,14 @@ target's backend submits exactly the request it is handed, without re-reading th
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from ..errors import DtlaunchError
 
@@ -29,14 +31,45 @@ class LocalRequest:
 
 
 @dataclass(frozen=True)
+class SubmititSpec:
+    """Everything `targets.slurm.submit: submitit` hands to submitit, decided at render time (plain data, so
+    rendering never imports submitit, and `up` submits exactly what `render` wrote to submitit.json).
+
+    Paths are relative to the rendered directory; the submitting side makes them absolute, because submitit
+    runs sbatch from the caller's working directory, not from the rendered one.
+    """
+
+    folder: str  # submitit's own directory: pickles, the generated batch script, the job's log
+    setup_script: str  # the batch preamble; submitit's `setup` sources it before `exec python`
+    python: str  # the batch script's command for submitit's interpreter (a shell word list, not a path)
+    max_num_timeout: int  # submitit's cap on requeues after a signal it counts as a time-out
+    parameters: Mapping[str, Any]  # SlurmExecutor.update_parameters(**parameters), besides `setup`
+    step: Mapping[str, Any]  # the job-side callable's settings (launcher.targets.submitit_job.StepJob)
+
+    def to_json(self) -> str:
+        return json.dumps({"folder": self.folder, "setup_script": self.setup_script, "python": self.python,
+                           "max_num_timeout": self.max_num_timeout, "parameters": dict(self.parameters),
+                           "step": dict(self.step)}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> SubmititSpec:
+        d = json.loads(text)
+        return cls(d["folder"], d["setup_script"], d["python"], int(d["max_num_timeout"]), d["parameters"], d["step"])
+
+
+@dataclass(frozen=True)
 class SlurmRequest:
-    job_script: str
+    job_script: str  # sbatch: the job script; submitit: its request file (submitit.json)
     settings: "SlurmTarget"  # how to reach the cluster (ssh), how to submit (sbatch or submitit)
     array: bool = False
     secrets: tuple[str, ...] = ()
+    submit: Literal["sbatch", "submitit"] = "sbatch"
+    submitit: SubmititSpec | None = None  # set iff submit == "submitit"
 
     @property
     def argv(self) -> tuple[str, ...]:
+        if self.submit == "submitit":  # the same submission `up` makes, from the rendered directory
+            return ("python3", "-m", "launcher.targets.submitit_job", ".")
         return ("sbatch", "--parsable", self.job_script)
 
 

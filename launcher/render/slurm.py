@@ -20,7 +20,7 @@ preemption logic is a few commented shell lines. What it guarantees:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Optional
 
 from ..errors import DtlaunchError
 from ..jobenv import PORT_BASE, PORT_SPAN, ExitCode
@@ -110,25 +110,37 @@ def step_script(recipe: Recipe, plan: Plan) -> str:
                            code=ExitCode, code_dir=recipe.entrypoint is not None)
 
 
-def job_script(recipe: Recipe, plan: Plan, *, array: Optional[str] = None) -> str:
-    t = recipe.targets.slurm
-    srun: list[Union[str, ShellExpr]] = [
+def srun_words(recipe: Recipe) -> list[str | ShellExpr]:
+    """The one srun line both submissions run: one task per node, each running the step script. The words
+    hold run-time expressions ($SLURM_NNODES, $SUBMIT_DIR): the job script quotes them for bash, the submitit
+    callable expands them from the batch environment the preamble exported."""
+    srun: list[str | ShellExpr] = [
         "srun", "--kill-on-bad-exit=1", "--wait=60", ShellExpr("--nodes=$SLURM_NNODES"),
         ShellExpr("--ntasks=$SLURM_NNODES"), "--ntasks-per-node=1",
     ]
-    if t.cpus_per_task or not recipe.resources.device().is_gpu:
+    if recipe.targets.slurm.cpus_per_task or not recipe.resources.device().is_gpu:
         # Since SLURM 22.05 srun no longer inherits the job's --cpus-per-task: say it again for the step.
         srun.append(ShellExpr("--cpus-per-task=$SLURM_CPUS_PER_TASK"))
-    srun += ["bash", ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)]
+    return srun + ["bash", ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)]
+
+
+def _batch_context(recipe: Recipe, array: bool) -> dict:
+    """What the shared batch-level template (_slurm_batch.sh.j2) needs, for either submission."""
     plan_file = ShellExpr("$SUBMIT_DIR/task-$SLURM_ARRAY_TASK_ID/plan.json") if array else ShellExpr("$SUBMIT_DIR/plan.json")
     default_run_id = recipe.run_id or ShellExpr("$SLURM_ARRAY_JOB_ID" if array else "$SLURM_JOB_ID")
+    return dict(code=ExitCode, array=array, default_run_id=default_run_id, plan_file=plan_file, env=job_env(recipe),
+                checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets,
+                setup=recipe.targets.slurm.setup, setup_hint=SETUP_HINT, default_python=None, port_base=PORT_BASE,
+                port_span=PORT_SPAN, signal_seconds=recipe.targets.slurm.signal_seconds,
+                code_dir=ShellExpr(f"$SUBMIT_DIR/{CODE_DIR}") if recipe.entrypoint else None)
+
+
+def job_script(recipe: Recipe, plan: Plan, *, array: Optional[str] = None) -> str:
+    t = recipe.targets.slurm
     return render_template(
-        "slurm_job.sh.j2", directives=directives(recipe, plan, array), job_script=JOB_SCRIPT, code=ExitCode,
-        array=array is not None, default_run_id=default_run_id, plan_file=plan_file, env=job_env(recipe),
-        checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets, setup=t.setup,
-        setup_hint=SETUP_HINT, default_python=None, port_base=PORT_BASE, port_span=PORT_SPAN,
-        signal_seconds=t.signal_seconds, srun=srun, max_requeues=t.max_requeues, max_failures=t.max_failures,
-        code_dir=ShellExpr(f"$SUBMIT_DIR/{CODE_DIR}") if recipe.entrypoint else None,
+        "slurm_job.sh.j2", directives=directives(recipe, plan, array), job_script=JOB_SCRIPT,
+        outside_hint=f"submit with sbatch {JOB_SCRIPT}", srun=srun_words(recipe), max_requeues=t.max_requeues,
+        max_failures=t.max_failures, **_batch_context(recipe, array is not None),
     )
 
 
@@ -137,7 +149,13 @@ def _request(recipe: Recipe, array: bool) -> SlurmRequest:
 
 
 def render_slurm(recipe: Recipe, plan: Plan, files: dict[str, str]) -> Artifacts:
-    """The sbatch artifacts; `files` already holds plan.json, recipe.yaml (and ds_config.json for ZeRO)."""
+    """The SLURM artifacts; `files` already holds plan.json, recipe.yaml (and ds_config.json for ZeRO).
+    Both submissions ship the same step.sh; sbatch gets job.sbatch, submitit its batch preamble and request."""
+    if recipe.targets.slurm.submit == "submitit":
+        from .slurm_submitit import render_submitit
+
+        return render_submitit(recipe, plan, {**files, STEP_SCRIPT: step_script(recipe, plan)},
+                               batch_context=_batch_context(recipe, array=False), notes=_notes(recipe, plan))
     out = {**files, JOB_SCRIPT: job_script(recipe, plan), STEP_SCRIPT: step_script(recipe, plan)}
     return Artifacts("slurm", recipe.job_name, out, _request(recipe, array=False), {JOB_SCRIPT, STEP_SCRIPT},
                      notes=_notes(recipe, plan))
@@ -166,6 +184,9 @@ def render_slurm_array(items: Sequence[tuple[Recipe, Plan]]) -> Artifacts:
     if not items:
         raise DtlaunchError("a sweep needs at least one override set")
     first, first_plan = items[0]
+    if first.targets.slurm.submit == "submitit":
+        raise DtlaunchError("--sweep renders one sbatch array job; targets.slurm.submit is submitit",
+                            fix="sweep with --set targets.slurm.submit=sbatch, or submit one job per setting")
     for i, (r, p) in enumerate(items[1:], 1):
         if (r.targets.slurm, r.resources.accelerator, r.secrets, r.entrypoint) != (
                 first.targets.slurm, first.resources.accelerator, first.secrets, first.entrypoint) \

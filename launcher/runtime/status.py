@@ -29,10 +29,11 @@ def status_dir(run_dir: Path) -> Path:
 
 
 def write_status(run_dir: Path, rank: int, code: int, message: str, step: Optional[int],
-                 start_step: Optional[int] = None) -> None:
+                 start_step: Optional[int] = None, code_file: bool = True) -> None:
     """Two records per rank: a JSON one for people (run_dir/status/rank-N.json, the latest), and a one-line
     "CODE STEP START_STEP" file in this attempt's status directory for the job scripts, which pick the job's
-    exit code (and whether a time-limited allocation made progress) from it with nothing but `read`."""
+    exit code (and whether a time-limited allocation made progress) from it with nothing but `read`.
+    code_file=False writes the first only (torchrun's report of a rank that died without its own record)."""
     try:
         d = run_dir / "status"
         d.mkdir(parents=True, exist_ok=True)
@@ -42,6 +43,8 @@ def write_status(run_dir: Path, rank: int, code: int, message: str, step: Option
         tmp = d / f".rank-{rank:05d}.json.tmp"
         tmp.write_text(json.dumps(rec, indent=2) + "\n")
         os.replace(tmp, d / f"rank-{rank:05d}.json")
+        if not code_file:
+            return
         a = status_dir(run_dir)
         a.mkdir(parents=True, exist_ok=True)
         tmp = a / f".rank-{rank:05d}.code.tmp"

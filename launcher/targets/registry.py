@@ -41,6 +41,8 @@ class SlurmHandle:
     job_name: str
     array: bool = False
     ssh: Optional[dict] = None
+    submit: str = "sbatch"  # or "submitit": the job's log is then in submitit's folder
+    submitit_folder: str | None = None
 
 
 @dataclass(frozen=True)

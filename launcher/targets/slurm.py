@@ -2,6 +2,9 @@
 
 Runs the SLURM commands here, or on a login node over SSH (targets.slurm.ssh; see ssh.py). The
 settings come from the plan.json shipped with the artifacts, so `up` needs no extra flags.
+With `targets.slurm.submit: submitit` the request is submitted by submitit instead (submitit_job.py,
+imported only then); the job is still a SLURM job with the same ledgers, so following and cancelling it
+is the same, except that its log is submitit's.
 
 Status: squeue (pending/running), then sacct (finished), then the job's own state files
 (jobs/ID/state, exit_codes, attempts), which work even when accounting is disabled.
@@ -73,6 +76,10 @@ class SlurmBackend:
         """Submit; raise BackendError (and record nothing) if sbatch is missing or rejects the script."""
         req = artifacts.request
         assert isinstance(req, SlurmRequest)
+        if req.submit == "submitit":
+            from .submitit_job import record, submit
+
+            return record(submit(req, out_dir), artifacts.job_name, out_dir)
         settings = req.settings
         ssh = settings.ssh.model_dump() if settings.ssh else None
         tr = SshTransport(ssh) if ssh else LocalShell()
@@ -148,6 +155,8 @@ class SlurmBackend:
     # ---------------------------------------------------------------- logs, wait, cancel
 
     def log_path(self, job: JobRecord) -> str:
+        if job.handle.submitit_folder:  # submitit's log of its one task (stdout and stderr together)
+            return f"{job.handle.submitit_folder}/{job.job_id}_0_log.out"
         return f"{job.run_dir}/{job.handle.job_name}-{job.job_id}.out"
 
     def logs(self, job: JobRecord, *, follow: bool) -> Iterator[str]:

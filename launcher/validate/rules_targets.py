@@ -96,6 +96,15 @@ def _extra_sbatch(r: Recipe, p: Plan):
                 "change the recipe's resources/targets.slurm fields instead, and drop these from extra_sbatch")
 
 
+@rule("slurm-submitit-ssh", "error", "targets.slurm.submit", "submitit through targets.slurm.ssh", SLURM)
+def _submitit_ssh(r: Recipe, p: Plan):
+    t = r.targets.slurm
+    if t.submit == "submitit" and t.ssh is not None:
+        return ("submitit runs sbatch on the machine that submits (and keeps its pickles there); it cannot submit "
+                "through targets.slurm.ssh", "run on the login node without targets.slurm.ssh, or use "
+                "targets.slurm.submit: sbatch")
+
+
 @rule("slurm-cpus", "warning", "targets.slurm.cpus_per_task", "a shared GPU node without a CPU count", SLURM)
 def _slurm_cpus(r: Recipe, p: Plan):
     t = r.targets.slurm

@@ -2,7 +2,8 @@
 
 Nothing is skipped: if the packages are missing, `scripts/slurm-local.sh start` fails and so does every
 test here, loudly (CI installs them with scripts/install-system.sh). The cluster gets its own state dir
-and ports, so it never collides with a developer's default instance (/tmp/dtlaunch-slurm, 6817...).
+and ports, so it never collides with a developer's default instance (/tmp/dtlaunch-slurm, 6817...);
+DTLAUNCH_TEST_SLURM_ROOT, _CTLD_PORT, _DBD_PORT, _SLURMD_PORT_BASE and _DB_PORT move it elsewhere.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "slurm-local.sh"
+# Two test sessions on one machine need distinct state dirs and ports: each can be set from the environment.
 KNOBS = {
     "SLURM_LOCAL_ROOT": os.environ.get("DTLAUNCH_TEST_SLURM_ROOT", "/tmp/dtlaunch-slurm-pytest"),
-    "SLURM_LOCAL_CTLD_PORT": "8817",
-    "SLURM_LOCAL_DBD_PORT": "8819",
-    "SLURM_LOCAL_SLURMD_PORT_BASE": "8830",
-    "SLURM_LOCAL_DB_PORT": "3507",
+    "SLURM_LOCAL_CTLD_PORT": os.environ.get("DTLAUNCH_TEST_SLURM_CTLD_PORT", "8817"),
+    "SLURM_LOCAL_DBD_PORT": os.environ.get("DTLAUNCH_TEST_SLURM_DBD_PORT", "8819"),
+    "SLURM_LOCAL_SLURMD_PORT_BASE": os.environ.get("DTLAUNCH_TEST_SLURM_SLURMD_PORT_BASE", "8830"),
+    "SLURM_LOCAL_DB_PORT": os.environ.get("DTLAUNCH_TEST_SLURM_DB_PORT", "3507"),
 }
 
 
