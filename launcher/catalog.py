@@ -20,6 +20,11 @@ class ModelShape:
     seq_len: int = 4096
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Biases some Hugging Face decoders have (Qwen2: q/k/v; Llama with attention_bias / mlp_bias): counted in
+    # the parameters; dtlaunch's own Llama has none.
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
 
 
 # Shapes copied from the official configs (Meta's params.json / HF config.json).

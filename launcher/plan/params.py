@@ -13,8 +13,10 @@ def layer_params(s: ModelShape, architecture: str = "llama") -> int:
         mlp = 2 * s.hidden * s.ffn_hidden + s.ffn_hidden + s.hidden
         return attn + mlp + 4 * s.hidden
     # Llama: q, o are h x h; k, v are h x (kv_heads * head_dim); SwiGLU has three h x f matrices; two RMSNorm weights.
-    attn = 2 * s.hidden * s.hidden + 2 * s.hidden * s.kv_heads * head_dim
-    mlp = 3 * s.hidden * s.ffn_hidden
+    kv = s.kv_heads * head_dim
+    attn = 2 * s.hidden * s.hidden + 2 * s.hidden * kv
+    attn += (s.hidden + 2 * kv if s.qkv_bias else 0) + (s.hidden if s.out_bias else 0)
+    mlp = 3 * s.hidden * s.ffn_hidden + (2 * s.ffn_hidden + s.hidden if s.mlp_bias else 0)
     return attn + mlp + 2 * s.hidden
 
 

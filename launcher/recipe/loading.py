@@ -304,6 +304,7 @@ def load_text(text: str, source: str = "<recipe>", overrides: Optional[list[str]
         path, value = parse_override(item)
         _apply(data, path, value, item)
         applied.append((path, item))
+    _read_hf_config(data, source, lines, base_dir)
     try:
         recipe = Recipe.model_validate(data)
         recipe.set_source(SourceMap(source, lines, tuple(applied), base_dir))
@@ -314,6 +315,27 @@ def load_text(text: str, source: str = "<recipe>", overrides: Optional[list[str]
     except RecursionError:
         _fail(source, "the recipe refers to itself (a recursive alias)", fix="remove the alias (*name) that points "
                                                                            "at its own parent")
+
+
+def _read_hf_config(data: dict, source: str, lines: dict, base_dir: Optional[str]) -> None:
+    """model.hf: read its config.json now (relative to the recipe file) and keep it in the recipe, with the
+    directory made absolute and, when it holds *.safetensors, hf_weights defaulting to it."""
+    from .hf import HFConfigError, read_config, resolve_dir, weight_files
+
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("hf"), str) or model.get("hf_config") is not None:
+        return
+    d = resolve_dir(model["hf"], base_dir)
+    try:
+        cfg = read_config(d)
+    except HFConfigError as e:
+        _fail(source, str(e), lines.get(("model", "hf")), "point model.hf at a Llama, Mistral or Qwen2 model "
+              "directory (config.json, optionally *.safetensors); relative paths start at the recipe file",
+              field="model.hf")
+    model["hf"] = str(d)
+    model["hf_config"] = cfg
+    if model.get("hf_weights") is None and weight_files(d):
+        model["hf_weights"] = str(d)
 
 
 def read_bounded(path: str | os.PathLike, what: str = "recipe") -> str:

@@ -117,6 +117,14 @@ class ModelSpec(_Strict):
     params: Optional[Int(1, 10**15, "parameter count, when the shape is unknown")] = None
     seq_len: Optional[Int(1, 100_000_000)] = None
     rope_theta: Optional[Float(gt=0, le=1e12)] = None
+    hf: Optional[Str] = Field(
+        None, description="a Hugging Face model directory (config.json, optional *.safetensors), relative to the "
+                          "recipe file: Llama, Mistral or Qwen2; the runtime builds it with transformers")
+    hf_config: Optional[dict[str, Any]] = Field(
+        None, description="filled in by dtlaunch from model.hf's config.json (the resolved recipe carries it)")
+    hf_weights: Optional[Str] = Field(
+        None, description="the directory of the *.safetensors weights as the nodes see it (default: model.hf when "
+                          "it holds weights); unset: train from random initialisation")
 
     @field_validator("preset")
     @classmethod
@@ -127,6 +135,10 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _complete(self) -> "ModelSpec":
+        if self.hf is not None or self.hf_config is not None:
+            return self._hf_complete()
+        if self.hf_weights is not None:
+            raise ValueError("hf_weights needs model.hf (the weights of a Hugging Face model)")
         shape_fields = ("layers", "hidden", "ffn_hidden", "heads", "vocab")
         given = [f for f in shape_fields if getattr(self, f) is not None]
         if self.preset is None and self.params is None and len(given) < len(shape_fields):
@@ -145,8 +157,29 @@ class ModelSpec(_Strict):
                                  "embeddings rotate pairs of dimensions")
         return self
 
+    def _hf_complete(self) -> "ModelSpec":
+        from .hf import HFConfigError, shape_fields
+
+        others = [f for f in ("preset", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab",
+                              "tied_embeddings", "params", "rope_theta") if getattr(self, f) is not None]
+        if others:
+            raise ValueError(f"model.hf gives the whole shape; remove {', '.join(others)} (seq_len may stay)")
+        if self.hf_config is None:
+            raise ValueError("model.hf: its config.json was not read (load the recipe from its file)")
+        if self.architecture != "llama":
+            raise ValueError("model.hf models are Llama-style decoders: leave model.architecture unset")
+        try:
+            shape_fields(self.hf_config, self.seq_len)
+        except HFConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
+
     def shape(self) -> Optional[catalog.ModelShape]:
         """The resolved shape (preset with explicit overrides), or None for a params-only model."""
+        if self.hf_config is not None:
+            from .hf import shape_fields
+
+            return catalog.ModelShape(**shape_fields(self.hf_config, self.seq_len))
         base = catalog.PRESETS.get(self.preset) if self.preset else None
         if base is None and self.layers is None:
             return None

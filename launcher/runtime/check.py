@@ -35,6 +35,25 @@ def check_model(recipe) -> None:
                           "layer is for planning only)", fix="set model.architecture: llama")
 
 
+def check_hf(recipe) -> str:
+    """model.hf: transformers is importable here, and the weights (if any) are on this node."""
+    m = recipe.model
+    if m.hf_config is None:
+        return ""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ConfigError(f"model.hf needs transformers, which this environment cannot import ({e})",
+                          fix="pip install 'dtlaunch[hf]' in the job's environment") from None
+    if m.hf_weights:
+        w = Path(os.path.expanduser(m.hf_weights))
+        if not w.is_dir() or not any(w.glob("*.safetensors")):
+            raise ConfigError(f"model.hf_weights {w} has no *.safetensors on this node",
+                              fix="put the model directory on storage every node sees (same path), or set "
+                                  "model.hf_weights to where the nodes have it")
+    return f", transformers {transformers.__version__}"
+
+
 def check_libraries(plan) -> str:
     import torch
 
@@ -114,6 +133,7 @@ def check(recipe, plan, run_dir: Path) -> str:
         if plan.steps is None:
             raise ConfigError("the recipe gives no training length", fix="set training.steps or training.tokens")
         check_model(recipe)
+        found += check_hf(recipe)
         check_data(recipe)
         what = f"{plan.steps} steps"
     root = check_checkpoint_dir(recipe, run_dir)

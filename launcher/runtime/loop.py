@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .. import catalog, jobenv
 from ..jobenv import ExitCode
 from ..plan.cost import checkpoint_bytes
+from . import ckptdir
 from . import preflight as preflight_mod
 from .check import check_model
 from .checkpoint import Checkpointer, export_model
@@ -32,8 +33,9 @@ from .dist import World, init_distributed, set_collective_timeout
 from .failures import ConfigError, Diverged, HangError, Preempted, PreflightError
 from .faults import Faults
 from .metrics import Metrics
+from .models import build_for_recipe
+from .models.hf import load_weights
 from .optim import apply_schedule
-from .models import build_model
 from .parallel import Engine, resolve_layout, wrap_model
 from .signals import PreemptionFlag
 
@@ -153,8 +155,15 @@ class Trainer:
         set_collective_timeout(w, tr.timeout_seconds)
         torch.manual_seed(tr.seed)  # the same initial weights on every rank and every attempt
         meta = plan.params > META_INIT_PARAMS and self.layout.family == "dcp" and self.layout.spec.sharded
-        module = build_model(shape, self.layout.activation_checkpointing, device="meta" if meta else "cpu")
+        module = build_for_recipe(rec.model, self.layout.activation_checkpointing, device="meta" if meta else "cpu")
+        weights = rec.model.hf_weights if not ckptdir.complete_steps(self.ckpt_root) else None
+        if weights and not meta:  # fine-tuning: every rank reads the weights before the strategy wraps the model
+            n = load_weights(module, weights, sharded=False)
+            self.metrics.log(f"loaded {n} tensors of pretrained weights from {weights}")
         self.engine = wrap_model(module, self.layout, rec, plan, self.total_steps, w.device, w.is_gpu)
+        if weights and meta:  # built on meta and sharded: rank 0 reads, FSDP2 shards are filled by broadcast
+            n = load_weights(module, weights, sharded=True, rank=w.rank)
+            self.metrics.log(f"loaded {n} tensors of pretrained weights from {weights} (sharded)")
         ds_config = getattr(self.engine, "config", None)
         if ds_config is not None and w.is_main:  # what deepspeed.initialize really got, for the record
             self.run_dir.mkdir(parents=True, exist_ok=True)

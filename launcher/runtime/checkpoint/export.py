@@ -32,6 +32,9 @@ def export_model(engine: Engine, out_dir: Path, fmt: str, rank: int) -> Optional
     if rank != 0:
         return None
     out_dir.mkdir(parents=True, exist_ok=True)
+    hf_config = getattr(getattr(engine.module, "hf", None), "config", None)
+    if fmt == "safetensors" and hf_config is not None:
+        return _export_hf(full, hf_config, out_dir / "hf")
     if fmt == "safetensors":
         from safetensors.torch import save as st_save
 
@@ -41,4 +44,18 @@ def export_model(engine: Engine, out_dir: Path, fmt: str, rank: int) -> Optional
     else:
         path = out_dir / "model.pt"
         save_torch(full, path)
+    return path
+
+
+def _export_hf(full: dict, config, out: Path) -> Path:
+    """A Hugging Face model directory (config.json + model.safetensors) that `from_pretrained` loads."""
+    from safetensors.torch import save as st_save
+
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k[len("hf."):]: v.contiguous() for k, v in sorted(full.items()) if k.startswith("hf.")}
+    if getattr(config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    path = out / "model.safetensors"
+    ckptdir.write_file_durably(path, st_save(sd, metadata={"format": "pt", "dtlaunch": __version__}))
+    ckptdir.write_file_durably(out / "config.json", config.to_json_string().encode())
     return path
