@@ -30,6 +30,8 @@ _EXPORTS = {
     "build_dataloader": ".data",
     "build_model": ".models",
     "Trainer": ".loop",
+    "Job": ".job",
+    "init": ".job",
     "Metrics": ".metrics",
     "read_metrics": ".metrics",
     "ConfigError": ".failures",

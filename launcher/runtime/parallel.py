@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from ..strategies import STRATEGIES, Family, StrategySpec, spec
 from .failures import ConfigError
 from .optim import build_optimizer, build_scheduler
 
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Any]  # params -> a torch optimizer
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -97,9 +99,21 @@ class Engine:
     module: nn.Module  # the bare model (parameter names match the checkpoint and export)
     optimizer: Any
     scheduler: Any
+    step_lr: Optional[float] = None  # the learning rate the last optimizer step used
+
+    def accumulate(self, loss_fn: Callable[[nn.Module], torch.Tensor], last: bool) -> torch.Tensor:
+        """One micro-batch: `loss_fn(model)` runs the forward and returns the loss; its gradients are added
+        (divided by grad_accum), and reduced across ranks once the `last` micro-batch of the step is done.
+        Returns the loss, detached."""
+        raise NotImplementedError
 
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
-        raise NotImplementedError
+        """dtlaunch's own language-model loss on one micro-batch."""
+        return self.accumulate(lambda model: cross_entropy(model(inputs), targets), last)
+
+    @property
+    def grad_accum(self) -> int:
+        return self.layout.grad_accum
 
     def step(self) -> dict:
         raise NotImplementedError
@@ -113,7 +127,8 @@ class TorchEngine(Engine):
     """DDP and FSDP2, with torch.optim and an optional GradScaler for fp16."""
 
     def __init__(self, module: nn.Module, layout: RuntimeLayout, training, steps: int, device: torch.device, is_gpu: bool,
-                 loss_scaling: str = "dynamic"):
+                 loss_scaling: str = "dynamic", *, blocks: Optional[list[nn.Module]] = None,
+                 optimizer: Optional[OptimizerFactory] = None):
         import torch.distributed as dist
 
         self.layout, self.module, self.device = layout, module, device
@@ -134,8 +149,8 @@ class TorchEngine(Engine):
             if layout.precision != "fp32":
                 self.autocast_dtype = DTYPES[layout.precision]
         else:
-            self.model = shard_fsdp2(module, layout, device, is_gpu)
-        self.optimizer = build_optimizer(module, training)
+            self.model = shard_fsdp2(module, layout, device, is_gpu, blocks=blocks)
+        self.optimizer = optimizer(module.parameters()) if optimizer else build_optimizer(module, training)
         self.scheduler = build_scheduler(self.optimizer, training, steps)
         self.scaler = None
         if layout.precision == "fp16" and loss_scaling == "dynamic":
@@ -147,14 +162,13 @@ class TorchEngine(Engine):
         self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    def micro_step(self, inputs, targets, last):
+    def accumulate(self, loss_fn, last):
         with self._sync_context(last):
             if self.autocast_dtype is not None:
                 with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-                    logits = self.model(inputs)
+                    loss = loss_fn(self.model)
             else:
-                logits = self.model(inputs)
-            loss = cross_entropy(logits, targets)
+                loss = loss_fn(self.model)
             scaled = loss / self.layout.grad_accum
             if self.scaler is not None:
                 scaled = self.scaler.scale(scaled)
@@ -162,6 +176,7 @@ class TorchEngine(Engine):
         return loss.detach()
 
     def step(self) -> dict:
+        self.step_lr = self.lr
         skipped = False
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -193,7 +208,24 @@ def _make_scaler(device: torch.device, fsdp: bool):
     return torch.amp.GradScaler(device.type)
 
 
-def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, is_gpu: bool) -> nn.Module:
+def repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP2 shards one by one: the model's `layers`, else its largest ModuleList (a user's model)."""
+    layers = getattr(module, "layers", None)
+    if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        return list(layers)
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ConfigError(f"{layout_name(module)} has no list of repeated blocks for FSDP2 to shard one by one",
+                          fix="pass blocks=[...] to job.wrap (e.g. blocks=list(model.blocks))")
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def layout_name(module: nn.Module) -> str:
+    return type(module).__name__
+
+
+def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, is_gpu: bool,
+                blocks: Optional[list[nn.Module]] = None) -> nn.Module:
     """fully_shard each block, then the root (embeddings, final norm, head), on a 1-D or 2-D (HSDP) mesh."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -214,10 +246,11 @@ def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, 
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[layout.precision], reduce_dtype=torch.float32)
     offload: OffloadPolicy = CPUOffloadPolicy() if layout.offload in ("params", "optimizer") else OffloadPolicy()
     reshard = bool(layout.spec.reshard_after_forward)
-    meta = module.output.weight.is_meta  # materialised after sharding, so that no rank holds the full model
+    # materialised after sharding, so that no rank holds the full model
+    meta = any(p.is_meta for p in module.parameters())
     if not meta and not isinstance(offload, CPUOffloadPolicy):
         module.to(device)
-    for block in module.layers:
+    for block in blocks if blocks is not None else repeated_blocks(module):
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     if meta:
@@ -229,7 +262,8 @@ def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, 
 class DeepSpeedEngine(Engine):
     """ZeRO 1/2/3 through deepspeed.initialize, with the config from launcher.render.deepspeed."""
 
-    def __init__(self, module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: int, is_gpu: bool):
+    def __init__(self, module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: int, is_gpu: bool,
+                 optimizer: Optional[OptimizerFactory] = None):
         try:
             import deepspeed
         except ImportError:
@@ -253,15 +287,16 @@ class DeepSpeedEngine(Engine):
         self.config = cfg
         # DeepSpeedCPUAdam only pays off when the model computes on a GPU and its states live on the host.
         cpu_adam = "offload_optimizer" in cfg["zero_optimization"] and is_gpu and recipe.training.optimizer == "adamw"
-        optimizer = build_optimizer(module, recipe.training, cpu_adam=cpu_adam)
-        scheduler = build_scheduler(optimizer, recipe.training, steps)
+        opt = optimizer(module.parameters()) if optimizer else build_optimizer(module, recipe.training, cpu_adam=cpu_adam)
+        scheduler = build_scheduler(opt, recipe.training, steps)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+            model=module, optimizer=opt, lr_scheduler=scheduler, config=cfg)
 
-    def micro_step(self, inputs, targets, last):
+    def accumulate(self, loss_fn, last):
         self.model.set_gradient_accumulation_boundary(last)
-        logits = self.model(inputs)
-        loss = cross_entropy(logits, targets)
+        loss = loss_fn(self.model)
+        if last:
+            self.step_lr = self.lr  # before DeepSpeed's step moves the schedule on: the rate this step uses
         self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
         self.model.step()  # only updates at the accumulation boundary
         return loss.detach()
@@ -282,8 +317,11 @@ class DeepSpeedEngine(Engine):
 
 
 def wrap_model(module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: int, device: torch.device,
-               is_gpu: bool) -> Engine:
-    """The engine for `layout.strategy`: the one place that knows which library runs which strategy."""
+               is_gpu: bool, *, blocks: Optional[list[nn.Module]] = None,
+               optimizer: Optional[OptimizerFactory] = None) -> Engine:
+    """The engine for `layout.strategy`: the one place that knows which library runs which strategy.
+    `blocks` (FSDP2's units) and `optimizer` (a factory of params) serve user models (launcher.runtime.job)."""
     if layout.spec.family is Family.DEEPSPEED:
-        return DeepSpeedEngine(module, layout, recipe, plan, steps, is_gpu)
-    return TorchEngine(module, layout, recipe.training, steps, device, is_gpu, recipe.parallelism.loss_scaling)
+        return DeepSpeedEngine(module, layout, recipe, plan, steps, is_gpu, optimizer=optimizer)
+    return TorchEngine(module, layout, recipe.training, steps, device, is_gpu, recipe.parallelism.loss_scaling,
+                       blocks=blocks, optimizer=optimizer)
