@@ -88,7 +88,7 @@ class SshTransport:
             raise BackendError(f"ssh {self.where}: `{argv[0]}` did not complete ({type(e).__name__}: {e})",
                                fix="check the login node and its SLURM controller, then try again") from None
 
-    def upload(self, files: dict[str, str], executable: set[str], remote_dir: str) -> str:
+    def upload(self, files: dict[str, str | bytes], executable: set[str], remote_dir: str) -> str:
         """Write the files under remote_dir (created); return its absolute path."""
         sftp = self.connect().open_sftp()
         try:
@@ -98,7 +98,7 @@ class SshTransport:
                 path = posixpath.join(base, rel)
                 self._mkdirs(sftp, posixpath.dirname(path))
                 with sftp.open(path, "w") as f:
-                    f.write(content.encode())
+                    f.write(content if isinstance(content, bytes) else content.encode())
                 sftp.chmod(path, 0o755 if rel in executable else 0o644)
             return sftp.normalize(base)
         except OSError as e:

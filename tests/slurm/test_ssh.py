@@ -79,18 +79,18 @@ def test_submit_status_cancel_over_ssh(sshd, partition, tmp_path):
     _, art = render_to(tmp_path / "local", "tiny", _ssh_overrides(sshd, partition))
     be = SlurmBackend(poll_seconds=0.5)
     t0 = time.time()
-    rec = be.submit(art, str(tmp_path / "local"), wait=False)
+    rec = be.submit(art, str(tmp_path / "local"))
     submit_s = time.time() - t0
     remote = Path(rec.run_dir)
     assert remote.parent == sshd["dir"] / "remote" and remote.name.startswith("tiny-")
     assert (remote / "job.sbatch").read_text() == art.files["job.sbatch"]
     assert os.access(remote / "job.sbatch", os.X_OK) and (remote / "plan.json").exists()
-    assert rec.handle["ssh"]["host"] == "127.0.0.1"
-    st = be.status(rec)
+    assert rec.handle.ssh["host"] == "127.0.0.1"
+    st = be.status(rec).to_dict()
     assert st["state"] == "PENDING" and st["source"] == "squeue", st
     be.cancel(rec)
     wait_gone(rec.job_id, 30)
-    st = wait_for(lambda: (s := be.status(rec))["state"] == "CANCELLED" and s, 30, "sacct over ssh")
+    st = wait_for(lambda: (s := be.status(rec).to_dict())["state"] == "CANCELLED" and s, 30, "sacct over ssh")
     assert st["source"] == "sacct"
     print(f"ssh submit (connect + sftp + sbatch): {submit_s:.2f}s")
 
@@ -100,5 +100,23 @@ def test_unknown_or_changed_host_key_is_refused(sshd, partition, tmp_path, known
     _, art = render_to(tmp_path / "local", "tiny",
                        _ssh_overrides(sshd, partition, known_hosts, remote_dir=str(tmp_path / "remote")))
     with pytest.raises(BackendError, match="refusing to connect"):
-        SlurmBackend().submit(art, str(tmp_path / "local"), wait=False)
+        SlurmBackend().submit(art, str(tmp_path / "local"))
     assert not (tmp_path / "remote").exists()  # nothing was copied
+
+
+def test_ssh_submission_uploads_the_users_code(sshd, partition, tmp_path):
+    """entrypoint.workdir travels with an SSH submission as code/ (bytes as they are), beside job.sbatch."""
+    from launcher.plan import make_plan
+    from launcher.recipe import load
+    from launcher.render import render
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "plain-pytorch"
+    r = load(example / "recipe.yaml", _ssh_overrides(sshd, partition))
+    art = render(r, make_plan(r), "slurm")
+    rec = SlurmBackend(poll_seconds=0.5).submit(art, str(tmp_path / "local"))
+    try:
+        remote = Path(rec.run_dir)
+        assert (remote / "code" / "train.py").read_bytes() == (example / "train.py").read_bytes()
+        assert 'export DTLAUNCH_CODE_DIR="$SUBMIT_DIR/code"' in (remote / "job.sbatch").read_text()
+    finally:
+        SlurmBackend().cancel(rec)
