@@ -52,73 +52,94 @@ def measure_allreduce(device: torch.device, nbytes: int, iters: int = 5) -> floa
     return float(dt)
 
 
-def run(*, world, network, checkpoint_dir: Path, checkpoint_bytes: float, keep: int,
-        min_allreduce_fraction: float) -> Report:
-    """Collective. Returns rank 0's report (other ranks get the shared failures)."""
-    rep = Report()
-    rank, n = world.rank, world.world_size
-    distributed = world.distributed
-    # 1. Rendezvous: every rank is here, and we learn the hosts.
-    me = {"rank": rank, "host": socket.gethostname(), "local_rank": world.proc.local_rank, "pid": os.getpid()}
-    everyone = [None] * n
-    if distributed:
+def check_rendezvous(world, rep: Report) -> None:
+    """Every rank is here (ranks 0..n-1 exactly), and which hosts they are on."""
+    n = world.world_size
+    me = {"rank": world.rank, "host": socket.gethostname(), "local_rank": world.proc.local_rank, "pid": os.getpid()}
+    everyone: list = [me]
+    if world.distributed:
+        everyone = [None] * n
         dist.all_gather_object(everyone, me)
-    else:
-        everyone = [me]
     hosts = sorted({e["host"] for e in everyone})
     ranks = sorted(e["rank"] for e in everyone)
     if ranks != list(range(n)):
         rep.failures.append(f"rendezvous: expected ranks 0..{n - 1}, got {ranks}")
-    rep.lines.append(f"rendezvous: {n} ranks on {len(hosts)} host(s): {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''}")
+    more = " ..." if len(hosts) > 8 else ""
+    rep.lines.append(f"rendezvous: {n} ranks on {len(hosts)} host(s): {', '.join(hosts[:8])}{more}")
     rep.figures["hosts"] = len(hosts)
-    # 2. All-reduce bandwidth vs the network profile.
-    if distributed and n > 1:
-        nbytes = (256 << 20) if world.is_gpu else (16 << 20)
-        secs = measure_allreduce(world.device, nbytes)
-        bw = bus_bandwidth_gbps(nbytes, secs, n)
-        expected = network.node_gbps
-        frac = bw / expected if expected else 0.0
-        rep.figures.update(allreduce_gbps=round(bw, 3), expected_gbps=expected, allreduce_fraction=round(frac, 3))
-        msg = (f"all-reduce {nbytes >> 20} MB: {secs * 1e3:.1f} ms, bus bandwidth {bw:.2f} GB/s = {frac:.0%} of the "
-               f"'{network.name}' profile's {expected:g} GB/s")
-        if min_allreduce_fraction > 0 and frac < min_allreduce_fraction:
-            rep.failures.append(msg + f", below the required {min_allreduce_fraction:.0%} "
-                                       f"(training.min_allreduce_fraction); check the fabric / NCCL settings")
-        else:
-            rep.lines.append(msg)
-    # 3. Disk for checkpoints (rank 0 looks; on a shared FS that is everyone's view).
-    if rank == 0:
-        probe = checkpoint_dir
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        free = shutil.disk_usage(probe).free
-        rep.figures.update(checkpoint_free_bytes=free, checkpoint_bytes=int(checkpoint_bytes))
-        need = checkpoint_bytes * (keep + 1)
-        line = f"checkpoint dir {checkpoint_dir}: {free / 1e9:.2f} GB free, one checkpoint ~{checkpoint_bytes / 1e9:.3f} GB"
-        if free < checkpoint_bytes:
-            rep.failures.append(line + ": not enough room for a single checkpoint")
-        elif free < need:
-            rep.lines.append(line + f" (WARNING: keep={keep} needs ~{need / 1e9:.2f} GB)")
-        else:
-            rep.lines.append(line)
-    # 4. /dev/shm on GPU nodes (each node's rank with local_rank 0 would see its own; rank 0 reports its own).
+
+
+def check_bandwidth(world, network, min_fraction: float, rep: Report) -> None:
+    """All-reduce bus bandwidth against the network profile (a fraction below the minimum fails)."""
+    n = world.world_size
+    if not world.distributed or n < 2:
+        return
+    nbytes = (256 << 20) if world.is_gpu else (16 << 20)
+    secs = measure_allreduce(world.device, nbytes)
+    bw = bus_bandwidth_gbps(nbytes, secs, n)
+    expected = network.node_gbps
+    frac = bw / expected if expected else 0.0
+    rep.figures.update(allreduce_gbps=round(bw, 3), expected_gbps=expected, allreduce_fraction=round(frac, 3))
+    msg = (f"all-reduce {nbytes >> 20} MB: {secs * 1e3:.1f} ms, bus bandwidth {bw:.2f} GB/s = {frac:.0%} of the "
+           f"'{network.name}' profile's {expected:g} GB/s")
+    if min_fraction > 0 and frac < min_fraction:
+        rep.failures.append(msg + f", below the required {min_fraction:.0%} (training.min_allreduce_fraction); "
+                                  "check the fabric / NCCL settings")
+    else:
+        rep.lines.append(msg)
+
+
+def check_checkpoint_space(world, checkpoint_dir: Path, checkpoint_bytes: float, keep: int, rep: Report) -> None:
+    """Room for the checkpoints (rank 0 looks; on shared storage that is everyone's view)."""
+    if world.rank != 0:
+        return
+    probe = checkpoint_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    rep.figures.update(checkpoint_free_bytes=free, checkpoint_bytes=int(checkpoint_bytes))
+    need = checkpoint_bytes * (keep + 1)
+    line = f"checkpoint dir {checkpoint_dir}: {free / 1e9:.2f} GB free, one checkpoint ~{checkpoint_bytes / 1e9:.3f} GB"
+    if free < checkpoint_bytes:
+        rep.failures.append(line + ": not enough room for a single checkpoint")
+    elif free < need:
+        rep.lines.append(line + f" (WARNING: keep={keep} needs ~{need / 1e9:.2f} GB)")
+    else:
+        rep.lines.append(line)
+
+
+def check_shm(world, rep: Report) -> None:
+    """/dev/shm, which NCCL needs on GPU nodes (each rank looks at its own node's)."""
     shm = _shm_bytes()
-    if shm is not None:
-        rep.figures["shm_bytes"] = shm
-        if world.is_gpu and shm < MIN_SHM_BYTES:
-            rep.failures.append(f"/dev/shm is {shm / 2**20:.0f} MB; NCCL needs >= {MIN_SHM_BYTES >> 20} MB "
-                                f"(docker: --shm-size=16g or --ipc=host)")
-        else:
-            rep.lines.append(f"/dev/shm: {shm / 2**30:.1f} GB" + ("" if world.is_gpu else " (CPU run: not needed)"))
-    # Share rank 0's verdict plus any rank's local failures.
-    if distributed:
-        allf: list = [None] * n
-        dist.all_gather_object(allf, rep.failures)
-        merged = []
-        for r, fs in enumerate(allf):
-            for f in fs or []:
-                merged.append(f if r == 0 else f"rank {r}: {f}")
-        rep.failures = list(dict.fromkeys(merged))
+    if shm is None:
+        return
+    rep.figures["shm_bytes"] = shm
+    if world.is_gpu and shm < MIN_SHM_BYTES:
+        rep.failures.append(f"/dev/shm is {shm / 2**20:.0f} MB; NCCL needs >= {MIN_SHM_BYTES >> 20} MB "
+                            f"(docker: --shm-size=16g or --ipc=host)")
+    else:
+        rep.lines.append(f"/dev/shm: {shm / 2**30:.1f} GB" + ("" if world.is_gpu else " (CPU run: not needed)"))
+
+
+def share_failures(world, rep: Report) -> None:
+    """Every rank's local failures, merged, so that all ranks exit with PREFLIGHT together."""
+    if not world.distributed:
+        return
+    allf: list = [None] * world.world_size
+    dist.all_gather_object(allf, rep.failures)
+    merged = [f if r == 0 else f"rank {r}: {f}" for r, fs in enumerate(allf) for f in fs or []]
+    rep.failures = list(dict.fromkeys(merged))
+
+
+def run(*, world, network, checkpoint_dir: Path, checkpoint_bytes: float, keep: int,
+        min_allreduce_fraction: float) -> Report:
+    """Collective. Returns rank 0's report (other ranks get the shared failures)."""
+    rep = Report()
+    check_rendezvous(world, rep)
+    check_bandwidth(world, network, min_allreduce_fraction, rep)
+    check_checkpoint_space(world, checkpoint_dir, checkpoint_bytes, keep, rep)
+    check_shm(world, rep)
+    share_failures(world, rep)
     return rep
 
 
