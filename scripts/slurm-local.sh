@@ -466,6 +466,7 @@ EOF
 NODES=$NODES
 CPUS=$CPUS
 ACCOUNTING=$ACCOUNTING
+GPUS=$GPUS
 EOF
 }
 
@@ -584,7 +585,7 @@ do_start() {
         local running
         running=$(paste -sd' ' "$ROOT/cluster.env")
         echo "slurm-local: already running at $ROOT ($running)"
-        [[ $running == "NODES=$NODES CPUS=$CPUS ACCOUNTING=$ACCOUNTING" ]] \
+        [[ $running == "NODES=$NODES CPUS=$CPUS ACCOUNTING=$ACCOUNTING GPUS=$GPUS" ]] \
             || echo "slurm-local: note: the running cluster differs from the requested settings; stop it first to change them" >&2
         [[ -f $ROOT/env.sh ]] || write_env_sh
         echo READY

@@ -449,6 +449,11 @@ class SlurmTarget(_Strict):
         parse_time(v)  # raises ValueError with the accepted forms
         return v
 
+    @field_validator("mem", "mem_per_gpu", mode="before")
+    @classmethod
+    def _mem_number(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # `mem: 0`, `mem: 4096` (MB)
+
     @field_validator("mem")
     @classmethod
     def _mem(cls, v: Optional[str]) -> Optional[str]:
@@ -592,9 +597,11 @@ class SkyTarget(_Strict):
             return v
         raise ValueError(f"{str(v)[:40]!r}: a positive number, optionally followed by + (at least), e.g. 8 or 32+")
 
-    @field_validator("ports")
+    @field_validator("ports", mode="before")
     @classmethod
-    def _ports(cls, v: list) -> list:
+    def _ports(cls, v):
+        if not isinstance(v, list):
+            raise ValueError("ports is a list, e.g. [8080, 10000-10010]")
         out: list[Union[int, str]] = []
         for p in v:
             if isinstance(p, bool):
