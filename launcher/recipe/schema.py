@@ -590,7 +590,9 @@ class SkyTarget(_Strict):
             return v
         if isinstance(v, bool):
             raise ValueError("expected a number such as 8 or 8+, not true/false")
-        if isinstance(v, (int, float)):
+        if isinstance(v, int):
+            v = str(v) if 0 < v < 10**6 else "out of range"
+        elif isinstance(v, float):
             v = format(v, "g")
         if isinstance(v, str) and re.fullmatch(r"\d{1,6}(\.\d{1,3})?\+?", v, flags=re.ASCII) \
                 and float(v.rstrip("+")) > 0:

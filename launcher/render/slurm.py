@@ -30,6 +30,7 @@ from ..strategies import Family
 from .artifacts import Artifacts, SlurmRequest
 from .code import CODE_DIR
 from .environment import checkpoint_template, job_env
+from .package import build_wheel, wheel_name
 from .shell import ShellExpr, Word
 from .slurm_container import CHECK_ARG, MOUNTS_VAR, check_command, container, exec_prefix, srun_flags
 from .templates import render_template
@@ -39,8 +40,9 @@ JOB_SCRIPT = "job.sbatch"
 STEP_SCRIPT = "step.sh"
 JOBS_DIR = "jobs"  # jobs/$SLURM_JOB_ID: one allocation's ledgers and logs (a requeue keeps the id)
 RUNS_DIR = "runs"  # runs/$DTLAUNCH_RUN_ID: one training run's metrics, status and (by default) checkpoints
-IMAGE_HINT = ("the image needs python3 with torch and dtlaunch installed (pip install dtlaunch[train] in the image; "
-              "DTLAUNCH_PYTHON names another interpreter in it)")
+IMAGE_HINT = ("the image needs python3 with torch and dtlaunch's dependencies (pydantic, PyYAML, click, rich, jinja2, "
+              "safetensors, psutil); dtlaunch itself comes with the job; DTLAUNCH_PYTHON names another interpreter "
+              "in the image")
 SETUP_HINT = ("activate the environment that has torch and dtlaunch in targets.slurm.setup, "
               "e.g. `source /path/to/venv/bin/activate` or `module load ...`")
 # Options dtlaunch derives from the plan: extra_sbatch must not contradict them.
@@ -210,7 +212,7 @@ def _batch_context(recipe: Recipe, array: bool) -> dict:
                 setup=recipe.targets.slurm.setup, setup_hint=SETUP_HINT, default_python=None, port_base=PORT_BASE,
                 port_span=PORT_SPAN, signal_seconds=recipe.targets.slurm.signal_seconds,
                 code_dir=ShellExpr(f"$SUBMIT_DIR/{CODE_DIR}") if recipe.entrypoint else None,
-                container=c, image_hint=IMAGE_HINT, mounts_var=MOUNTS_VAR,
+                container=c, image_hint=IMAGE_HINT, mounts_var=MOUNTS_VAR, wheel=wheel_name() if c else None,
                 container_check=check_command(c, ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)) if c else None)
 
 
@@ -230,6 +232,10 @@ def _request(recipe: Recipe, array: bool) -> SlurmRequest:
 def render_slurm(recipe: Recipe, plan: Plan, files: dict[str, str]) -> Artifacts:
     """The SLURM artifacts; `files` already holds plan.json, recipe.yaml (and ds_config.json for ZeRO).
     Both submissions ship the same step.sh; sbatch gets job.sbatch, submitit its batch preamble and request."""
+    if container(recipe) is not None:
+        # The image brings torch; the job brings the dtlaunch that planned it (as for SkyPilot): imported from
+        # this wheel, first on PYTHONPATH in the container, whatever the image has installed.
+        files = {**files, wheel_name(): build_wheel()}
     if recipe.targets.slurm.submit == "submitit":
         from .slurm_submitit import render_submitit
 
@@ -280,5 +286,7 @@ def render_slurm_array(items: Sequence[tuple[Recipe, Plan]]) -> Artifacts:
             files[rel if rel.startswith(f"{CODE_DIR}/") else f"task-{i}/{rel}"] = content
     files[JOB_SCRIPT] = job_script(first, first_plan, array=f"0-{len(items) - 1}")
     files[STEP_SCRIPT] = step_script(first, first_plan)
+    if container(first) is not None:
+        files[wheel_name()] = build_wheel()
     return Artifacts("slurm", first.job_name, files, _request(first, array=True), {JOB_SCRIPT, STEP_SCRIPT},
                      notes=_notes(first, first_plan))

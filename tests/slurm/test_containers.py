@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from slurmkit import REPO, VENV_ACTIVATE, render_to, sh, wait_gone
 
+from launcher.render.package import wheel_name
+
 IMAGE = "nvcr.io/nvidia/pytorch:24.05-py3"
 STEPS = 4
 
@@ -51,7 +53,8 @@ IFS=, read -ra mounts <<< "$bind"
 for m in "${mounts[@]}"; do
   [ -e "${m%%:*}" ] || { echo "stub apptainer: bind source ${m%%:*} does not exist" >&2; exit 97; }
 done
-printf 'host=%s image=%s nv=%s bind=%s pwd=%s cmd=%s\n' "$(hostname)" "$image" "$nv" "$bind" "$pwd" "$*" >> "$log"
+printf 'host=%s image=%s nv=%s bind=%s pwd=%s pythonpath=%s cmd=%s\n' "$(hostname)" "$image" "$nv" "$bind" "$pwd" \
+  "${PYTHONPATH:-}" "$*" >> "$log"
 cd "$pwd" || exit 97
 exec "$@"
 """
@@ -76,8 +79,8 @@ if [ -n "$image" ]; then
     case "$m" in /*:/*) ;; *) echo "stub pyxis: mount '$m' is not SRC:DST" >&2; exit 97 ;; esac
     [ -e "${m%%:*}" ] || { echo "stub pyxis: mount source ${m%%:*} does not exist" >&2; exit 97; }
   done
-  printf 'host=%s image=%s mounts=%s workdir=%s name=%s cmd=%s\n' "$(hostname)" "$image" "$mounts" "$workdir" \
-    "$name" "${args[*]}" >> "${STUB_LOG:?}"
+  printf 'host=%s image=%s mounts=%s workdir=%s name=%s pythonpath=%s cmd=%s\n' "$(hostname)" "$image" "$mounts" \
+    "$workdir" "$name" "${PYTHONPATH:-}" "${args[*]}" >> "${STUB_LOG:?}"
   cd "$workdir" || exit 97
 fi
 exec /usr/bin/srun "${args[@]}"
@@ -128,6 +131,12 @@ def run_job(out: Path) -> str:
     return job
 
 
+def assert_wheel_first(c: dict, submit: str) -> None:
+    """The job imports the dtlaunch that rendered it from the shipped wheel, ahead of anything installed."""
+    assert c["pythonpath"].startswith(f"{submit}/{wheel_name()}"), c
+    assert (Path(submit) / wheel_name()).is_file()
+
+
 def assert_trained(out: Path, job: str, log_text: str) -> None:
     state = out / "jobs" / job / "state"
     assert state.exists() and state.read_text().strip() == "COMPLETED", log_text[-4000:]
@@ -154,6 +163,7 @@ def test_apptainer_runs_torchrun_in_the_image_on_every_node(tmp_path, partition,
         assert c["image"] == f"docker://{IMAGE}" and c["nv"] == "0"  # a CPU job: no --nv
         assert c["bind"] == mounts(submit, tmp_path)
         assert c["pwd"] == submit
+        assert_wheel_first(c, submit)
     assert check[0]["cmd"].startswith("python3 -m launcher.train --plan ")  # the image's python3, by name
     assert (tmp_path / "ckpt-root" / job).is_dir()  # created before mounting; the checkpoints are there
     assert any((tmp_path / "ckpt-root" / job).iterdir())
@@ -174,6 +184,7 @@ def test_pyxis_runs_the_step_in_the_image_on_every_node(tmp_path, partition, stu
         assert c["image"] == "nvcr.io#nvidia/pytorch:24.05-py3"  # enroot's spelling of the registry
         assert c["mounts"] == mounts(submit, tmp_path)
         assert c["workdir"] == submit and c["name"] == f"dtlaunch-{job}"  # one name: the check's import is reused
+        assert_wheel_first(c, submit)
     assert check["cmd"].startswith("--nodes=1 --ntasks=1") and check["cmd"].endswith(f"bash {submit}/step.sh --check")
     assert "--nodes=2 --ntasks=2" in train["cmd"] and train["cmd"].endswith(f"bash {submit}/step.sh")
     assert any((tmp_path / "ckpt-root" / job).iterdir())
