@@ -16,6 +16,11 @@ preemption logic is a few commented shell lines. What it guarantees:
   resumes that run's checkpoints;
 * ledgers under jobs/$SLURM_JOB_ID (attempts, requeues, continuations, failures, exit codes, `finished`)
   keep a requeued job from training twice or forever.
+
+A site's own options (memory and CPUs per GPU, --gres on clusters without cons_tres, node lists, a
+reservation, a dependency, mail) come from targets.slurm fields, checked where the recipe is read, so
+extra_sbatch must not repeat them (one value per option; validate says which field to use). With
+targets.slurm.container the steps run in an image (slurm_container.py); without it nothing of that renders.
 """
 from __future__ import annotations
 
