@@ -33,6 +33,8 @@
 #   SLURM_LOCAL_MIN_JOB_AGE seconds a finished job stays in slurmctld (60)
 #   SLURM_LOCAL_CRED_EXPIRE job credential lifetime; also sets the requeue
 #                           hold to this + 1 s (unset: Slurm's 120 -> 121 s hold)
+#   SLURM_LOCAL_GPUS        GPUs each node claims as GRES gpu:local (0); counted
+#                           only, no devices: for sbatch --test-only of GPU options
 #
 # Known-good settings and their reasons are recorded in docs/slurm-local.md;
 # the comments below only repeat the non-obvious.
@@ -49,6 +51,8 @@ DBD_PORT=${SLURM_LOCAL_DBD_PORT:-6819}
 SLURMD_PORT_BASE=${SLURM_LOCAL_SLURMD_PORT_BASE:-6830}
 MIN_JOB_AGE=${SLURM_LOCAL_MIN_JOB_AGE:-60}
 CRED_EXPIRE=${SLURM_LOCAL_CRED_EXPIRE:-}
+GPUS=${SLURM_LOCAL_GPUS:-0}
+GPU_TYPE=local
 ADDR_PREFIX=127.77.0
 CLUSTER=local
 PARTITION=debug
@@ -71,7 +75,7 @@ validate_knobs() {
     # sun_path is 108 bytes; munged would fail with a much less clear message.
     (( ${#MUNGE_SOCKET} < 100 )) || die "SLURM_LOCAL_ROOT is too long for a unix socket path: $MUNGE_SOCKET"
     local v
-    for v in NODES CPUS DB_PORT CTLD_PORT DBD_PORT SLURMD_PORT_BASE MIN_JOB_AGE; do
+    for v in NODES CPUS GPUS DB_PORT CTLD_PORT DBD_PORT SLURMD_PORT_BASE MIN_JOB_AGE; do
         [[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer (got '${!v}')"
     done
     [[ -z $CRED_EXPIRE || $CRED_EXPIRE =~ ^[0-9]+$ ]] || die "SLURM_LOCAL_CRED_EXPIRE must be an integer"
@@ -380,11 +384,30 @@ EOF
         else
             echo "AccountingStorageType=accounting_storage/none"
         fi
+        local gres=""
+        if (( GPUS > 0 )); then
+            # Counted GRES without device files: the scheduler and sbatch accept GPU
+            # options (--gpus-per-node, --gres, --mem-per-gpu) though no GPU exists.
+            echo "GresTypes=gpu"
+            gres=" Gres=gpu:$GPU_TYPE:$GPUS"
+        fi
         for (( i = 1; i <= NODES; i++ )); do
-            echo "NodeName=node$i NodeAddr=$ADDR_PREFIX.$i Port=$(( SLURMD_PORT_BASE + i )) CPUs=$CPUS RealMemory=$mem State=UNKNOWN"
+            echo "NodeName=node$i NodeAddr=$ADDR_PREFIX.$i Port=$(( SLURMD_PORT_BASE + i )) CPUs=$CPUS RealMemory=$mem$gres State=UNKNOWN"
         done
         echo "PartitionName=$PARTITION Nodes=$(nodelist) Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO"
     } >"$ROOT/etc/slurm.conf"
+    if (( GPUS > 0 )); then
+        # slurmd drops a GPU without device files and rejects a File that is not a
+        # device: character devices with /dev/null's numbers (opening one is harmless).
+        mkdir -p "$ROOT/dev"
+        for (( i = 0; i < GPUS; i++ )); do
+            [[ -c $ROOT/dev/gpu$i ]] || mknod "$ROOT/dev/gpu$i" c 1 3
+        done
+        printf 'AutoDetect=off\nName=gpu Type=%s File=%s/dev/gpu[0-%d]\n' "$GPU_TYPE" "$ROOT" $(( GPUS - 1 )) \
+            >"$ROOT/etc/gres.conf"
+    else
+        rm -f "$ROOT/etc/gres.conf"
+    fi
 
     # The hosts file every node sees: all node names, the controller's name,
     # and localhost.  127.0.0.0/8 is all on lo, so no address needs adding.
@@ -443,6 +466,7 @@ EOF
 NODES=$NODES
 CPUS=$CPUS
 ACCOUNTING=$ACCOUNTING
+GPUS=$GPUS
 EOF
 }
 
@@ -561,7 +585,7 @@ do_start() {
         local running
         running=$(paste -sd' ' "$ROOT/cluster.env")
         echo "slurm-local: already running at $ROOT ($running)"
-        [[ $running == "NODES=$NODES CPUS=$CPUS ACCOUNTING=$ACCOUNTING" ]] \
+        [[ $running == "NODES=$NODES CPUS=$CPUS ACCOUNTING=$ACCOUNTING GPUS=$GPUS" ]] \
             || echo "slurm-local: note: the running cluster differs from the requested settings; stop it first to change them" >&2
         [[ -f $ROOT/env.sh ]] || write_env_sh
         echo READY

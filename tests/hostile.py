@@ -34,6 +34,12 @@ FIELDS = [
     "targets.slurm.partition", "targets.slurm.time", "targets.slurm.mem", "targets.slurm.extra_sbatch",
     "targets.slurm.setup", "targets.slurm.signal_seconds", "targets.sky.infra", "targets.sky.workdir",
     "targets.sky.checkpoint_storage", "targets.sky.disk_size", "env", "secrets", "env.HOSTILE",
+    "resources.image", "targets.slurm.mem_per_gpu", "targets.slurm.cpus_per_gpu", "targets.slurm.gpu_request",
+    "targets.slurm.gpu_type", "targets.slurm.nodelist", "targets.slurm.exclude", "targets.slurm.reservation",
+    "targets.slurm.dependency", "targets.slurm.mail_type", "targets.slurm.mail_user", "targets.slurm.container",
+    "targets.slurm.container.mounts", "targets.slurm.container.image", "targets.sky.accelerators",
+    "targets.sky.fallback", "targets.sky.instance_type", "targets.sky.cpus", "targets.sky.memory", "targets.sky.ports",
+    "targets.sky.disk_tier",
 ]
 
 

@@ -21,6 +21,11 @@ PY = sys.executable
     ["render", RECIPES / "tiny.yaml", "--target", "local", "-o", "{tmp}/r", "-q"],
     ["render", RECIPES / "tiny.yaml", "--target", "slurm", "--set", "targets.slurm.submit=submitit", "-o", "{tmp}/s",
      "-q"],
+    ["plan", RECIPES / "llama70b.yaml", "--set", "targets.sky.accelerators=[A100-80GB:8]"],
+    ["render", RECIPES / "llama70b.yaml", "--target", "sky", "--set", "targets.sky.accelerators=[A100-80GB:8]",
+     "--set", "resources.image=nvcr.io/nvidia/pytorch:24.05-py3", "--force", "-o", "{tmp}/k"],
+    ["render", RECIPES / "tiny.yaml", "--target", "slurm", "--set", "resources.image=org/train:1", "--set",
+     "targets.slurm.container={runtime: pyxis}", "--set", "targets.slurm.submit=submitit", "-o", "{tmp}/c"],
 ])
 def test_fast_commands_import_nothing_heavy(args, tmp_path):
     args = [str(a).replace("{tmp}", str(tmp_path)) for a in args]

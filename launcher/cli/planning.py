@@ -85,9 +85,18 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps):
         return _plan_sweep(recipe_path, overrides, sweeps, as_json)
     recipe, p = load(recipe_path, overrides)
     if as_json:
-        click.echo(json.dumps(p.to_dict(), indent=2))
+        d = p.to_dict()
+        if recipe.targets.sky.accelerators:  # only then: the plain `plan --json` contract stays as it was
+            from .choices import choices_json
+
+            d["sky_accelerators"] = choices_json(recipe, p)
+        click.echo(json.dumps(d, indent=2))
     else:
         _print_plan(recipe, p)
+        if recipe.targets.sky.accelerators:
+            from .choices import print_choices
+
+            print_choices(recipe, p)
 
 
 @click.command("validate")

@@ -71,6 +71,44 @@ def render_cmd(recipe_path, target, out_dir, overrides, sweeps, show, quiet, for
     click.echo(f"submit by hand: cd {out} && {' '.join(art.submit_command)}")
 
 
+def _after(recipe_path, overrides, target, after) -> str:
+    """`--after JOB...` as a --set item: the recipe's dependency plus afterok on each job. A name is looked up
+    in the registry, and must be a SLURM job on the cluster this recipe submits to (job ids are per cluster)."""
+    from ..recipe import load as load_recipe
+    from ..recipe.slurmsyntax import parse_dependency
+    from ..targets.registry import Registry
+
+    recipe = load_recipe(recipe_path, list(overrides))
+    if (target or recipe.targets.default) != "slurm":
+        raise DtlaunchError("--after chains SLURM jobs", fix="use --target slurm")
+    host = recipe.targets.slurm.ssh.host if recipe.targets.slurm.ssh else None
+    ids = []
+    for key in after:
+        if key.replace("_", "").isdigit():
+            ids.append(key)
+            continue
+        rec = Registry().find(key)
+        rec_host = (rec.handle.ssh or {}).get("host") if rec.target == "slurm" else None
+        if rec.target != "slurm":
+            raise DtlaunchError(f"--after {key}: that is a {rec.target} job; SLURM can only wait for SLURM jobs",
+                                fix="chain SLURM jobs, or wait for it yourself")
+        if rec_host != host:
+            there, here = ("to " + rec_host if rec_host else "here"), ("to " + host if host else "here")
+            raise DtlaunchError(f"--after {key}: job {rec.job_id} was submitted {there}, this one goes {here}: job ids "
+                                "are per cluster", fix="chain jobs on the same cluster")
+        ids.append(rec.job_id)
+    existing = recipe.targets.slurm.dependency
+    if existing and "?" in existing:
+        raise DtlaunchError(f"targets.slurm.dependency {existing!r} is 'any of' (?); --after adds 'all of' (,), and "
+                            "SLURM allows one kind per job", fix="write the whole dependency in the recipe instead")
+    dep = ",".join(x for x in (existing, "afterok:" + ":".join(ids)) if x)
+    try:
+        parse_dependency(dep)
+    except ValueError as e:
+        raise DtlaunchError(f"--after: {e}") from None
+    return f"targets.slurm.dependency={dep}"
+
+
 def _out_dir(recipe, art, out_dir) -> Path:
     if out_dir is not None:
         return Path(out_dir)
@@ -91,12 +129,17 @@ def _out_dir(recipe, art, out_dir) -> Path:
                    "detach from SLURM and SkyPilot).")
 @click.option("--force", is_flag=True, help="Submit even if validate finds errors.")
 @SWEEP
-def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, sweeps):
+@click.option("--after", "after", multiple=True, metavar="JOB",
+              help="SLURM: start only after JOB (a recorded job's name, or a job id) completed successfully, e.g. an "
+                   "evaluation after its training run (adds afterok:ID to targets.slurm.dependency; repeatable).")
+def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, sweeps, after):
     """Validate, render and submit a job; record it so status/logs/down can follow it."""
     from ..render.artifacts import read_manifest
     from ..targets import backend
     from ..targets.registry import Registry
 
+    if after:
+        overrides = (*overrides, _after(recipe_path, overrides, target, after))
     recipe, p, art = _render(recipe_path, overrides, target, sweeps)
     _checked(recipe_path, recipe, p, art, force, "submitted")
     out = _out_dir(recipe, art, out_dir)

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -240,6 +241,10 @@ class ResourcesSpec(_Strict):
     socket_ifname: Optional[str] = Field(
         None, max_length=256, pattern=r"^[A-Za-z0-9_.:^,=-]+$",
         description="NCCL/gloo network interface(s), e.g. eth0 or ^docker; unset = let NCCL choose (best)")
+    image: Optional[str] = Field(
+        None, max_length=512,
+        description="a Docker/OCI image every target's job runs in, e.g. nvcr.io/nvidia/pytorch:24.05-py3 "
+                    "(SkyPilot: image_id; SLURM: targets.slurm.container picks pyxis or Apptainer)")
 
     @field_validator("accelerator")
     @classmethod
@@ -248,6 +253,15 @@ class ResourcesSpec(_Strict):
         if name not in catalog.ACCELERATORS:
             raise ValueError(f"unknown accelerator {name!r}{suggest(name, catalog.ACCELERATORS)}; "
                              f"known: {', '.join(catalog.ACCELERATORS)}")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            from .images import parse_image
+
+            parse_image(v)
         return v
 
     @field_validator("network")
@@ -357,13 +371,65 @@ class SshSpec(_Strict):
     remote_dir: Str = "~/.dtlaunch/jobs"
 
 
+# Paths that go into a bind-mount list (pyxis --container-mounts, apptainer --bind): ',' separates mounts and
+# ':' source, destination and flags, so neither may appear in a path; nor may anything a shell would expand.
+_MOUNT_PATH = r"/[A-Za-z0-9._/+@%=~-]*"
+_MOUNT = re.compile(rf"({_MOUNT_PATH})(?::({_MOUNT_PATH}))?(?::(ro|rw))?", re.ASCII)
+MOUNT_PATH = re.compile(_MOUNT_PATH, re.ASCII)
+# A runtime-specific image as the site spells it: a file on shared storage (.sqsh, .sif), an enroot URI
+# (nvcr.io#nvidia/pytorch:24.05-py3) or an Apptainer URI (docker://..., oras://...). No shell or list syntax.
+_SITE_IMAGE = re.compile(r"[A-Za-z0-9_./~][A-Za-z0-9._/:@#+=%~-]*", re.ASCII)
+
+
+class SlurmContainer(_Strict):
+    """The job's steps run in a container: pyxis (srun --container-image) or Apptainer/Singularity
+    (apptainer exec). The submit directory is always mounted at its own path."""
+
+    runtime: Literal["pyxis", "apptainer", "singularity"] = Field(
+        description="pyxis: srun's --container-* options (enroot); apptainer/singularity: `apptainer exec` on "
+                    "each node")
+    image: Optional[str] = Field(
+        None, max_length=1024,
+        description="the image as this cluster's runtime spells it (e.g. /shared/images/train.sqsh or .sif); "
+                    "default: resources.image, converted for the runtime")
+    mounts: list[Annotated[str, Field(max_length=2048)]] = Field(
+        default_factory=list, max_length=100,
+        description="extra bind mounts SRC[:DST[:ro|rw]], absolute paths, e.g. /datasets:/data:ro")
+    workdir: Optional[str] = Field(
+        None, max_length=1024, pattern=rf"^{_MOUNT_PATH}$",
+        description="working directory inside the container (default: the submit directory)")
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _SITE_IMAGE.fullmatch(v):
+            raise ValueError(f"{v[:80]!r}: an image path or URI of letters, digits and ._/:@#+=%~- only (no spaces, "
+                             "commas, quotes or $), not starting with '-'")
+        return v
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, v: list[str]) -> list[str]:
+        out = []
+        for m in v:
+            mm = _MOUNT.fullmatch(m)
+            if not mm:
+                raise ValueError(f"{m[:80]!r}: a mount is SRC[:DST[:ro|rw]] with absolute paths of letters, digits and "
+                                 "._/+@%=~- (no ',' or ':' inside a path), e.g. /datasets:/data:ro")
+            src, dst, flags = mm.groups()
+            out.append(f"{src}:{dst or src}" + (f":{flags}" if flags else ""))  # pyxis needs DST; both read this
+        return out
+
+
 class SlurmTarget(_Strict):
     partition: Optional[Line(256)] = None
     account: Optional[Line(256)] = None
     qos: Optional[Line(256)] = None
     time: str = Field("24:00:00", max_length=32, description="SLURM time limit, e.g. 24:00:00 or 2-00:00:00")
     cpus_per_task: Optional[Int(1, 100_000)] = None
-    mem: Optional[str] = Field(None, max_length=32, description="e.g. 0 (all), 500G")
+    mem: Optional[str] = Field(None, max_length=32, description="memory per node (--mem), e.g. 0 (all), 500G")
+    mem_per_gpu: Optional[str] = Field(None, max_length=32,
+                                       description="memory per allocated GPU (--mem-per-gpu), e.g. 80G; instead of mem")
     constraint: Optional[Line(1024)] = None
     exclusive: bool = True
     signal_seconds: Int(1, 65535, "send USR2 this long before the time limit") = 120
@@ -373,7 +439,31 @@ class SlurmTarget(_Strict):
     submit: Literal["sbatch", "submitit"] = "sbatch"
     array_parallelism: Optional[Int(1, 100_000)] = Field(
         None, description="sweeps: at most this many array tasks run at once (sbatch --array=0-N%P)")
-    cpus_per_gpu: Optional[Int(1, 10_000)] = Field(None, description="CPUs per GPU (sbatch --cpus-per-gpu)")
+    cpus_per_gpu: Optional[Int(1, 10_000)] = Field(
+        None, description="CPUs per GPU (sbatch --cpus-per-gpu), instead of cpus_per_task; GPU recipes only")
+    gpu_request: Literal["gpus_per_node", "gres"] = Field(
+        "gpus_per_node", description="how GPUs are asked for: --gpus-per-node (select/cons_tres), or --gres=gpu:N "
+                                     "for clusters without cons_tres")
+    gpu_type: Optional[str] = Field(
+        None, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="the cluster's GPU type name (its GRES type), e.g. a100: --gpus-per-node=a100:8 or "
+                    "--gres=gpu:a100:8")
+    nodelist: Optional[str] = Field(None, max_length=4096,
+                                    description="run on these nodes (--nodelist), e.g. gpu[01-04] or a list of names")
+    exclude: Optional[str] = Field(None, max_length=4096,
+                                   description="never run on these nodes (--exclude), e.g. gpu07,gpu[10-12]")
+    reservation: Optional[str] = Field(None, max_length=256, pattern=r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$",
+                                       description="allocate from this reservation (--reservation)")
+    dependency: Optional[str] = Field(
+        None, max_length=1024,
+        description="start after other jobs (--dependency), e.g. afterok:123 or singleton; `dtlaunch up --after` "
+                    "adds one")
+    mail_type: Optional[list[str]] = Field(None, max_length=20,
+                                           description="mail on these events (--mail-type), e.g. [END, FAIL]")
+    mail_user: Optional[str] = Field(None, max_length=256, pattern=r"^[A-Za-z0-9._%+-]+(@[A-Za-z0-9.-]+)?$",
+                                     description="who gets the mail (--mail-user; default: the submitting user)")
+    container: Optional[SlurmContainer] = Field(
+        None, description="run the steps in a container: {runtime: pyxis|apptainer, image?, mounts?, workdir?}")
     ssh: Optional[SshSpec] = None
     extra_sbatch: list[Line(1024)] = Field(default_factory=list, max_length=100)
     setup: list[Str] = Field(default_factory=list, max_length=1000,
@@ -392,13 +482,59 @@ class SlurmTarget(_Strict):
         parse_time(v)  # raises ValueError with the accepted forms
         return v
 
+    @field_validator("mem", "mem_per_gpu", mode="before")
+    @classmethod
+    def _mem_number(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # `mem: 0`, `mem: 4096` (MB)
+
     @field_validator("mem")
     @classmethod
     def _mem(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not re.fullmatch(r"\d{1,9}[KMGT]?", v, flags=re.ASCII):
-            raise ValueError(f"{v!r} is not a SLURM memory size: use a number with an optional K, M, G or T "
-                             "suffix (MB by default), e.g. 500G, or 0 for all of the node's memory")
+        from .slurmsyntax import parse_mem
+
+        return None if v is None else parse_mem(v)
+
+    @field_validator("mem_per_gpu")
+    @classmethod
+    def _mem_per_gpu(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        from .slurmsyntax import parse_mem
+
+        if v is None:
+            return v
+        parse_mem(v, zero=False)
+        if info.data.get("mem") is not None:
+            raise ValueError("set only one of `mem` (per node) and `mem_per_gpu`: sbatch refuses both "
+                             "(--mem and --mem-per-gpu are mutually exclusive)")
         return v
+
+    @field_validator("cpus_per_gpu")
+    @classmethod
+    def _cpus_per_gpu(cls, v: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if v is not None and info.data.get("cpus_per_task") is not None:
+            raise ValueError("set only one of `cpus_per_task` and `cpus_per_gpu`: sbatch refuses both "
+                             "(--cpus-per-gpu is mutually exclusive with --cpus-per-task)")
+        return v
+
+    @field_validator("nodelist", "exclude", mode="before")
+    @classmethod
+    def _hosts(cls, v):
+        from .slurmsyntax import parse_hostlist
+
+        return None if v is None else parse_hostlist(v)
+
+    @field_validator("dependency")
+    @classmethod
+    def _dependency(cls, v: Optional[str]) -> Optional[str]:
+        from .slurmsyntax import parse_dependency
+
+        return None if v is None else parse_dependency(v)
+
+    @field_validator("mail_type", mode="before")
+    @classmethod
+    def _mail_type(cls, v):
+        from .slurmsyntax import parse_mail_types
+
+        return None if v is None else parse_mail_types(v)
 
 
 class SkyStorage(_Strict):
@@ -452,6 +588,68 @@ class SkyTarget(_Strict):
     deepspeed_ssh: bool = Field(
         False, description="parallelism.launcher: deepspeed: the head starts every node's workers over ssh/pdsh "
                            "(default: every node runs DeepSpeed's launcher itself, --no_ssh)")
+    accelerators: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=16,
+        description="fallbacks after resources.accelerator, e.g. [A100-80GB:8]: each is planned on its own, those "
+                    "that cannot fit are dropped; same device count per node")
+    fallback: Literal["ordered", "any_of"] = Field(
+        "ordered", description="with accelerators: ordered = try the cheapest plan first (dtlaunch's cost estimate); "
+                               "any_of = let SkyPilot pick the cheapest available")
+    instance_type: Optional[str] = Field(None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                         description="a cloud instance type, e.g. p5.48xlarge, a3-highgpu-8g")
+    cpus: Optional[str] = Field(None, max_length=16, description="vCPUs per node: N, or N+ for at least N")
+    memory: Optional[str] = Field(None, max_length=16, description="memory per node in GB: N, or N+ for at least N")
+    ports: list[Union[int, str]] = Field(default_factory=list, max_length=100,
+                                         description="ports to open on the nodes: 8080 or ranges like 10000-10010")
+    disk_tier: Optional[Literal["low", "medium", "high", "ultra", "best"]] = Field(
+        None, description="disk performance tier (SkyPilot's disk_tier)")
+
+    @field_validator("accelerators")
+    @classmethod
+    def _fallbacks(cls, v: list[str]) -> list[str]:
+        for a in v:
+            name, _ = catalog.parse_accelerator(a)
+            if name not in catalog.ACCELERATORS:
+                raise ValueError(f"unknown accelerator {name!r}{suggest(name, catalog.ACCELERATORS)}; "
+                                 f"known: {', '.join(catalog.ACCELERATORS)}")
+            if not catalog.ACCELERATORS[name].is_gpu:
+                raise ValueError(f"{a!r}: SkyPilot has no cpu accelerator; a fallback is a GPU type, e.g. A100-80GB:8")
+        return v
+
+    @field_validator("cpus", "memory", mode="before")
+    @classmethod
+    def _amount(cls, v):
+        if v is None:
+            return v
+        if isinstance(v, bool):
+            raise ValueError("expected a number such as 8 or 8+, not true/false")
+        if isinstance(v, int):
+            v = str(v) if 0 < v < 10**6 else "out of range"
+        elif isinstance(v, float):
+            v = format(v, "g")
+        if isinstance(v, str) and re.fullmatch(r"\d{1,6}(\.\d{1,3})?\+?", v, flags=re.ASCII) \
+                and float(v.rstrip("+")) > 0:
+            return v
+        raise ValueError(f"{str(v)[:40]!r}: a positive number, optionally followed by + (at least), e.g. 8 or 32+")
+
+    @field_validator("ports", mode="before")
+    @classmethod
+    def _ports(cls, v):
+        if not isinstance(v, list):
+            raise ValueError("ports is a list, e.g. [8080, 10000-10010]")
+        out: list[Union[int, str]] = []
+        for p in v:
+            if isinstance(p, bool):
+                raise ValueError("a port is a number 1-65535 or a range like 10000-10010, not true/false")
+            lo, hi = (p, p) if isinstance(p, int) else (None, None)
+            if isinstance(p, str):
+                m = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", p, flags=re.ASCII)
+                if m:
+                    lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            if lo is None or not 1 <= lo <= hi <= 65535:
+                raise ValueError(f"{str(p)[:40]!r}: a port is a number 1-65535 or a range LOW-HIGH within it")
+            out.append(lo if lo == hi else f"{lo}-{hi}")
+        return out
 
 
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", re.ASCII)
@@ -604,4 +802,27 @@ class Recipe(_Strict):
         return self.model_dump(mode="json", by_alias=True)
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        """A recipe's identity: unchanged by a newer dtlaunch that only added optional fields it leaves unset."""
+        d = self.to_dict()
+        for path, default in LATER_FIELDS:
+            *parents, leaf = path.split(".")
+            cur = d
+            for k in parents:
+                cur = cur.get(k) if isinstance(cur, dict) else None
+            if isinstance(cur, dict) and cur.get(leaf, default) == default:
+                cur.pop(leaf, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Fields added after the first recipe format, with their defaults: left at the default, they are left out of
+# Recipe.digest(), so the same recipe keeps the same hash across dtlaunch versions.
+LATER_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("resources.image", None),
+    ("targets.slurm.mem_per_gpu", None), ("targets.slurm.gpu_request", "gpus_per_node"),
+    ("targets.slurm.gpu_type", None), ("targets.slurm.nodelist", None), ("targets.slurm.exclude", None),
+    ("targets.slurm.reservation", None), ("targets.slurm.dependency", None), ("targets.slurm.mail_type", None),
+    ("targets.slurm.mail_user", None), ("targets.slurm.container", None),
+    ("targets.sky.accelerators", []), ("targets.sky.fallback", "ordered"), ("targets.sky.instance_type", None),
+    ("targets.sky.cpus", None), ("targets.sky.memory", None), ("targets.sky.ports", []),
+    ("targets.sky.disk_tier", None),
+)

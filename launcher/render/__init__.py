@@ -33,5 +33,10 @@ def common_files(recipe: Recipe, plan: Plan) -> dict[str, str | bytes]:
 def render(recipe: Recipe, plan: Plan, target: str) -> Artifacts:
     if target not in TARGET_NAMES:
         raise DtlaunchError(f"unknown target {target!r}", fix=f"use one of {', '.join(TARGET_NAMES)}")
+    if target == "sky" and recipe.targets.sky.accelerators:
+        from ..plan.choices import plan_choices
+
+        # The task may land on any of several accelerators: ship the plan valid on all of them.
+        plan = plan_choices(recipe, plan).shipped
     renderer = load_attr(TARGETS[TargetName(target)].renderer)
     return renderer(recipe, plan, common_files(recipe, plan))

@@ -13,13 +13,14 @@ and supplied with `--secret NAME` from the submitting shell.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Optional
 
 import yaml
 
 from ..catalog import NETWORKS
 from ..jobenv import ExitCode
 from ..plan import Plan
-from ..recipe import Recipe
+from ..recipe import Recipe, images
 from ..strategies import Family
 from .artifacts import Artifacts, SkyRequest
 from .code import CODE_DIR
@@ -28,6 +29,9 @@ from .package import build_wheel, installed_version, wheel_name
 from .shell import ShellExpr, Word, flag
 from .templates import render_template
 from .torchrun import entry_args, entry_module, torchrun_command
+
+if TYPE_CHECKING:
+    from ..plan.choices import Choices
 
 DEFAULT_PORT = 29500
 JOB_MOUNT = "~/dtlaunch-job"  # where the rendered files land when the workdir is the user's project
@@ -72,13 +76,25 @@ def checkpoint_dir(recipe: Recipe) -> str | None:
     return f"{storage.mount}/{{run_id}}" if storage else None
 
 
-def resources(recipe: Recipe) -> dict:
+def resources(recipe: Recipe, choices: Optional[Choices] = None) -> dict:
+    """The task's `resources:`. With accelerator fallbacks (`choices`), SkyPilot's `ordered` (tried in this
+    order: dtlaunch's cheapest plan first) or `any_of` (SkyPilot picks), one entry per accelerator that can
+    run the shipped plan; every other field applies to all of them."""
     res, sk = recipe.resources, recipe.targets.sky
     out: dict = {}
-    if res.device().is_gpu:
-        out["accelerators"] = res.accelerator
-    else:  # SkyPilot has no "cpu" accelerator: ask for vCPUs instead, one rank per requested core
+    kept = [c.accelerator for c in choices.kept] if choices else []
+    if res.device().is_gpu and len(kept) > 1:
+        out[sk.fallback] = [{"accelerators": a} for a in kept]
+    elif res.device().is_gpu:
+        out["accelerators"] = kept[0] if kept else res.accelerator
+    elif sk.cpus is None:  # SkyPilot has no "cpu" accelerator: ask for vCPUs instead, one rank per requested core
         out["cpus"] = f"{res.per_node}+"
+    if sk.instance_type:
+        out["instance_type"] = sk.instance_type
+    if sk.cpus is not None:
+        out["cpus"] = sk.cpus
+    if sk.memory is not None:
+        out["memory"] = sk.memory
     # The fast fabric matters only between nodes; on one node `best` would only pin a special image.
     if NETWORKS[res.network].sky_network_tier == "best" and res.nodes > 1:
         out["network_tier"] = "best"
@@ -88,6 +104,12 @@ def resources(recipe: Recipe) -> dict:
     if sk.spot:
         out["use_spot"] = True
     out["disk_size"] = sk.disk_size
+    if sk.disk_tier:
+        out["disk_tier"] = sk.disk_tier
+    if sk.ports:
+        out["ports"] = list(sk.ports)
+    if res.image:  # the job runs in this container on every node (setup and run alike)
+        out["image_id"] = images.for_sky(res.image)
     if is_managed(recipe):
         out["job_recovery"] = {
             # Spot capacity vanishes region-wide; on-demand failures are usually one bad node.
@@ -167,9 +189,19 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
     )
 
 
+def choices_for(recipe: Recipe) -> Optional[Choices]:
+    """The accelerator choices when the recipe lists fallbacks (plan/choices.py), else None."""
+    if not recipe.targets.sky.accelerators:
+        return None
+    from ..plan.choices import plan_choices
+
+    return plan_choices(recipe)
+
+
 def task(recipe: Recipe, plan: Plan) -> dict:
     sk = recipe.targets.sky
-    out: dict = {"name": recipe.job_name, "num_nodes": recipe.resources.nodes, "resources": resources(recipe)}
+    out: dict = {"name": recipe.job_name, "num_nodes": recipe.resources.nodes,
+                 "resources": resources(recipe, choices_for(recipe))}
     mounts: dict = {}
     if sk.workdir:  # the user's project is the workdir; the rendered files ride along as a mount
         out["workdir"] = os.path.expanduser(sk.workdir)
@@ -206,7 +238,8 @@ def render_sky(recipe: Recipe, plan: Plan, files: dict[str, str]) -> Artifacts:
 
 
 def _notes(recipe: Recipe) -> list[str]:
-    notes = []
+    ch = choices_for(recipe)
+    notes = list(ch.notes) if ch else []
     sk = recipe.targets.sky
     if sk.checkpoint_storage is None and (recipe.resources.nodes > 1 or is_managed(recipe)):
         notes.append("no targets.sky.checkpoint_storage: checkpoints stay on each node's disk, so other nodes cannot "

@@ -16,6 +16,11 @@ preemption logic is a few commented shell lines. What it guarantees:
   resumes that run's checkpoints;
 * ledgers under jobs/$SLURM_JOB_ID (attempts, requeues, continuations, failures, exit codes, `finished`)
   keep a requeued job from training twice or forever.
+
+A site's own options (memory and CPUs per GPU, --gres on clusters without cons_tres, node lists, a
+reservation, a dependency, mail) come from targets.slurm fields, checked where the recipe is read, so
+extra_sbatch must not repeat them (one value per option; validate says which field to use). With
+targets.slurm.container the steps run in an image (slurm_container.py); without it nothing of that renders.
 """
 from __future__ import annotations
 
@@ -30,7 +35,9 @@ from ..strategies import Family
 from .artifacts import Artifacts, SlurmRequest
 from .code import CODE_DIR
 from .environment import checkpoint_template, job_env
+from .package import build_wheel, wheel_name
 from .shell import ShellExpr, Word
+from .slurm_container import CHECK_ARG, MOUNTS_VAR, check_command, container, exec_prefix, srun_flags
 from .templates import render_template
 from .torchrun import entry_args, torchrun_command
 
@@ -38,16 +45,78 @@ JOB_SCRIPT = "job.sbatch"
 STEP_SCRIPT = "step.sh"
 JOBS_DIR = "jobs"  # jobs/$SLURM_JOB_ID: one allocation's ledgers and logs (a requeue keeps the id)
 RUNS_DIR = "runs"  # runs/$DTLAUNCH_RUN_ID: one training run's metrics, status and (by default) checkpoints
+IMAGE_HINT = ("the image needs python3 with torch and dtlaunch's dependencies (pydantic, PyYAML, click, rich, jinja2, "
+              "safetensors, psutil); dtlaunch itself comes with the job; DTLAUNCH_PYTHON names another interpreter "
+              "in the image")
 SETUP_HINT = ("activate the environment that has torch and dtlaunch in targets.slurm.setup, "
               "e.g. `source /path/to/venv/bin/activate` or `module load ...`")
 # Options dtlaunch derives from the plan: extra_sbatch must not contradict them.
 PLAN_OPTIONS = ("--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node", "--gpus-per-node", "--gpus", "-G",
                 "--array", "-a", "--signal", "--requeue", "--no-requeue", "--output", "-o", "--open-mode",
                 "--job-name", "-J")
+# Options a targets.slurm field writes (the field that does), with sbatch's short spellings: an extra_sbatch
+# entry naming one of these, while directives() already writes it, is a second value for the same thing.
+FIELD_OPTIONS = {"--time": "time", "--mem": "mem", "--mem-per-gpu": "mem_per_gpu", "--cpus-per-task": "cpus_per_task",
+                 "--cpus-per-gpu": "cpus_per_gpu", "--gres": "gpu_request", "--partition": "partition",
+                 "--account": "account", "--qos": "qos", "--constraint": "constraint", "--exclusive": "exclusive",
+                 "--reservation": "reservation", "--nodelist": "nodelist", "--exclude": "exclude",
+                 "--dependency": "dependency", "--mail-type": "mail_type", "--mail-user": "mail_user"}
+SHORT_OPTIONS = {"-t": "--time", "-c": "--cpus-per-task", "-p": "--partition", "-A": "--account", "-q": "--qos",
+                 "-C": "--constraint", "-w": "--nodelist", "-x": "--exclude", "-d": "--dependency"}
+# sbatch refuses two of one group together (e.g. --mem with --mem-per-gpu), whichever wrote them.
+EXCLUSIVE_GROUPS = (("--mem", "--mem-per-gpu", "--mem-per-cpu"), ("--cpus-per-task", "--cpus-per-gpu"))
 
 
 def directives(recipe: Recipe, plan: Plan, array: Optional[str] = None) -> list[tuple[str, Optional[object]]]:
     """(option, value) pairs for the #SBATCH lines; the template quotes them for sbatch's own parser."""
+    opts = _field_directives(recipe, plan, array)
+    for extra in recipe.targets.slurm.extra_sbatch:
+        extra = extra.strip()
+        if not extra.startswith("-"):
+            raise DtlaunchError(f"targets.slurm.extra_sbatch: {extra!r} is not an sbatch option",
+                                fix="start each entry with --, e.g. --comment=nightly")
+        name, sep, val = extra.partition("=")
+        opts.append((name, val if sep else None))
+    return opts
+
+
+def option_name(entry: str) -> str:
+    """The long option an extra_sbatch entry sets: `-w node1` and `--nodelist=node1` are the same option."""
+    name = entry.strip().partition("=")[0].split()[0] if entry.strip() else ""
+    return SHORT_OPTIONS.get(name, name)
+
+
+def field_clashes(recipe: Recipe, plan: Plan) -> list[tuple[str, str, str]]:
+    """(extra_sbatch entry, what dtlaunch already writes, the targets.slurm field that writes it) for every
+    entry that would be a second value for an option a field sets, or that sbatch refuses next to one
+    (--mem-per-gpu beside the --mem=0 an exclusive job gets). Plan options are the other rule's."""
+    t = recipe.targets.slurm
+    written = {o: v for o, v in _field_directives(recipe, plan)}
+    out = []
+    for entry in t.extra_sbatch:
+        name = option_name(entry)
+        if name in PLAN_OPTIONS:
+            continue
+        if name == "--gres":  # another generic resource is fine, unless the GPUs are already a --gres
+            if "--gres" in written or "gpu" in entry.partition("=")[2]:
+                out.append((entry, f"--gres={written['--gres']}" if "--gres" in written else "--gpus-per-node",
+                            "gpu_request"))
+            continue
+        for group in EXCLUSIVE_GROUPS:
+            if name in group:
+                hit = [o for o in group if o in written]
+                if hit:
+                    o = hit[0]
+                    out.append((entry, o + ("" if written[o] is None else f"={written[o]}"), FIELD_OPTIONS[o]))
+                break
+        else:
+            if name in written and name in FIELD_OPTIONS:
+                v = written[name]
+                out.append((entry, name + ("" if v is None else f"={v}"), FIELD_OPTIONS[name]))
+    return out
+
+
+def _field_directives(recipe: Recipe, plan: Plan, array: Optional[str] = None) -> list[tuple[str, Optional[object]]]:
     t = recipe.targets.slurm
     res = recipe.resources
     gpu = res.device().is_gpu
@@ -57,23 +126,34 @@ def directives(recipe: Recipe, plan: Plan, array: Optional[str] = None) -> list[
         ("--ntasks-per-node", 1),  # one torchrun per node; it spawns one process per device
     ]
     if gpu:
-        opts.append(("--gpus-per-node", plan.gpus_per_node))
+        count = f"{t.gpu_type}:{plan.gpus_per_node}" if t.gpu_type else plan.gpus_per_node
+        if t.gpu_request == "gres":  # clusters without select/cons_tres know GPUs only as generic resources
+            opts.append(("--gres", f"gpu:{count}"))
+        else:
+            opts.append(("--gpus-per-node", count))
     cpus = t.cpus_per_task or (None if gpu else plan.gpus_per_node)
     if cpus:
         opts.append(("--cpus-per-task", cpus))
-    if t.cpus_per_gpu and gpu:
+    if t.cpus_per_gpu and gpu:  # validate refuses cpus_per_gpu on a CPU recipe (no GPU to count)
         opts.append(("--cpus-per-gpu", t.cpus_per_gpu))
     mem = t.mem
-    if mem is None and (t.exclusive or plan.layout.offload != "none"):
+    if mem is None and t.mem_per_gpu is None and (t.exclusive or plan.layout.offload != "none"):
         # sbatch(1): an --exclusive job "is only allocated as much memory as it requested"; 0 asks for all of
-        # the node's memory, which host-offloaded optimizer states need in any case.
+        # the node's memory, which host-offloaded optimizer states need in any case. With mem_per_gpu the
+        # request is per GPU instead (sbatch refuses --mem together with --mem-per-gpu).
         mem = "0"
     if mem is not None:
         opts.append(("--mem", mem))
+    if t.mem_per_gpu is not None and gpu:
+        opts.append(("--mem-per-gpu", t.mem_per_gpu))
     opts.append(("--time", t.time))
-    for key in ("partition", "account", "qos", "constraint"):
+    for key in ("partition", "account", "qos", "constraint", "reservation", "nodelist", "exclude", "dependency"):
         if getattr(t, key):
             opts.append((f"--{key}", getattr(t, key)))
+    if t.mail_type:
+        opts.append(("--mail-type", ",".join(t.mail_type)))
+    if t.mail_user:
+        opts.append(("--mail-user", t.mail_user))
     if array is not None:
         opts.append(("--array", array + (f"%{t.array_parallelism}" if t.array_parallelism else "")))
     opts += [
@@ -84,13 +164,6 @@ def directives(recipe: Recipe, plan: Plan, array: Optional[str] = None) -> list[
     ]
     if t.exclusive:
         opts.append(("--exclusive", None))
-    for extra in t.extra_sbatch:
-        extra = extra.strip()
-        if not extra.startswith("-"):
-            raise DtlaunchError(f"targets.slurm.extra_sbatch: {extra!r} is not an sbatch option",
-                                fix="start each entry with --, e.g. --reservation=big")
-        name, sep, val = extra.partition("=")
-        opts.append((name, val if sep else None))
     return opts
 
 
@@ -105,9 +178,16 @@ def _step_command(recipe: Recipe, plan: Plan) -> list[Word]:
 
 
 def step_script(recipe: Recipe, plan: Plan) -> str:
-    """What srun runs once per node: torchrun, then the workers' own exit code for this node."""
-    return render_template("slurm_step.sh.j2", job_script=JOB_SCRIPT, torchrun=_step_command(recipe, plan),
-                           code=ExitCode, code_dir=recipe.entrypoint is not None)
+    """What srun runs once per node: torchrun, then the workers' own exit code for this node. With a
+    container, also the interpreter check (`step.sh --check`), so it runs where training will."""
+    c = container(recipe)
+    torchrun = _step_command(recipe, plan)
+    check: list[Word] = [ShellExpr("$PYTHON"), "-m", "launcher.train", "--plan", ShellExpr("$DTLAUNCH_PLAN"), "--check"]
+    if c is not None and not c.pyxis:
+        torchrun, check = exec_prefix(c) + torchrun, exec_prefix(c) + check
+    return render_template("slurm_step.sh.j2", job_script=JOB_SCRIPT, torchrun=torchrun, code=ExitCode,
+                           code_dir=recipe.entrypoint is not None, container=c, check=check, check_arg=CHECK_ARG,
+                           image_hint=IMAGE_HINT)
 
 
 def srun_words(recipe: Recipe) -> list[str | ShellExpr]:
@@ -121,6 +201,9 @@ def srun_words(recipe: Recipe) -> list[str | ShellExpr]:
     if recipe.targets.slurm.cpus_per_task or not recipe.resources.device().is_gpu:
         # Since SLURM 22.05 srun no longer inherits the job's --cpus-per-task: say it again for the step.
         srun.append(ShellExpr("--cpus-per-task=$SLURM_CPUS_PER_TASK"))
+    c = container(recipe)
+    if c is not None and c.pyxis:
+        srun += srun_flags(c)
     return srun + ["bash", ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)]
 
 
@@ -128,11 +211,14 @@ def _batch_context(recipe: Recipe, array: bool) -> dict:
     """What the shared batch-level template (_slurm_batch.sh.j2) needs, for either submission."""
     plan_file = ShellExpr("$SUBMIT_DIR/task-$SLURM_ARRAY_TASK_ID/plan.json") if array else ShellExpr("$SUBMIT_DIR/plan.json")
     default_run_id = recipe.run_id or ShellExpr("$SLURM_ARRAY_JOB_ID" if array else "$SLURM_JOB_ID")
+    c = container(recipe)
     return dict(code=ExitCode, array=array, default_run_id=default_run_id, plan_file=plan_file, env=job_env(recipe),
                 checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets,
                 setup=recipe.targets.slurm.setup, setup_hint=SETUP_HINT, default_python=None, port_base=PORT_BASE,
                 port_span=PORT_SPAN, signal_seconds=recipe.targets.slurm.signal_seconds,
-                code_dir=ShellExpr(f"$SUBMIT_DIR/{CODE_DIR}") if recipe.entrypoint else None)
+                code_dir=ShellExpr(f"$SUBMIT_DIR/{CODE_DIR}") if recipe.entrypoint else None,
+                container=c, image_hint=IMAGE_HINT, mounts_var=MOUNTS_VAR, wheel=wheel_name() if c else None,
+                container_check=check_command(c, ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)) if c else None)
 
 
 def job_script(recipe: Recipe, plan: Plan, *, array: Optional[str] = None) -> str:
@@ -140,7 +226,7 @@ def job_script(recipe: Recipe, plan: Plan, *, array: Optional[str] = None) -> st
     return render_template(
         "slurm_job.sh.j2", directives=directives(recipe, plan, array), job_script=JOB_SCRIPT,
         outside_hint=f"submit with sbatch {JOB_SCRIPT}", srun=srun_words(recipe), max_requeues=t.max_requeues,
-        max_failures=t.max_failures, **_batch_context(recipe, array is not None),
+        max_failures=t.max_failures, host_python=False, **_batch_context(recipe, array is not None),
     )
 
 
@@ -151,6 +237,10 @@ def _request(recipe: Recipe, array: bool) -> SlurmRequest:
 def render_slurm(recipe: Recipe, plan: Plan, files: dict[str, str]) -> Artifacts:
     """The SLURM artifacts; `files` already holds plan.json, recipe.yaml (and ds_config.json for ZeRO).
     Both submissions ship the same step.sh; sbatch gets job.sbatch, submitit its batch preamble and request."""
+    if container(recipe) is not None:
+        # The image brings torch; the job brings the dtlaunch that planned it (as for SkyPilot): imported from
+        # this wheel, first on PYTHONPATH in the container, whatever the image has installed.
+        files = {**files, wheel_name(): build_wheel()}
     if recipe.targets.slurm.submit == "submitit":
         from .slurm_submitit import render_submitit
 
@@ -201,5 +291,7 @@ def render_slurm_array(items: Sequence[tuple[Recipe, Plan]]) -> Artifacts:
             files[rel if rel.startswith(f"{CODE_DIR}/") else f"task-{i}/{rel}"] = content
     files[JOB_SCRIPT] = job_script(first, first_plan, array=f"0-{len(items) - 1}")
     files[STEP_SCRIPT] = step_script(first, first_plan)
+    if container(first) is not None:
+        files[wheel_name()] = build_wheel()
     return Artifacts("slurm", first.job_name, files, _request(first, array=True), {JOB_SCRIPT, STEP_SCRIPT},
                      notes=_notes(first, first_plan))

@@ -34,9 +34,13 @@ FOLDER = "submitit"
 # batch process itself submitit's python, the one process --signal=B:USR2@N signals.
 PYTHON = 'exec "$PYTHON"'
 # sbatch options submitit has a parameter for (it writes these lines itself, under these names).
+# --cpus-per-gpu and --reservation go through additional_parameters: submitit has no `reservation`, and its
+# `cpus_per_gpu` warns that it "requires gpus_per_task" (untrue for a --gpus-per-node job) on every submit.
 NAMED = {"--job-name": "job_name", "--nodes": "nodes", "--ntasks-per-node": "ntasks_per_node",
          "--gpus-per-node": "gpus_per_node", "--cpus-per-task": "cpus_per_task", "--mem": "mem",
-         "--partition": "partition", "--account": "account", "--qos": "qos", "--constraint": "constraint"}
+         "--mem-per-gpu": "mem_per_gpu", "--gres": "gres", "--partition": "partition", "--account": "account",
+         "--qos": "qos", "--constraint": "constraint", "--exclude": "exclude", "--nodelist": "nodelist",
+         "--dependency": "dependency", "--mail-type": "mail_type", "--mail-user": "mail_user"}
 # submitit writes the job's log into its own folder (--output/--error with %j) and appends across requeues.
 SUBMITIT_WRITES = ("--output", "--open-mode")
 SUBMITIT_HINT = ("the batch step runs submitit in the job's own interpreter: install dtlaunch[slurm] (submitit) in "
@@ -117,7 +121,7 @@ def render_submitit(recipe: Recipe, plan: Plan, files: dict[str, str], *, batch_
                         step_settings(recipe, plan))
     setup = render_template("submitit_setup.sh.j2", setup_script=SETUP_SCRIPT, step_script=STEP_SCRIPT,
                             outside_hint=f"submitit's batch script sources {SETUP_SCRIPT}",
-                            submitit_hint=SUBMITIT_HINT, **batch_context)
+                            submitit_hint=SUBMITIT_HINT, host_python=True, **batch_context)
     out = {**files, SETUP_SCRIPT: setup, REQUEST_FILE: spec.to_json()}
     request = SlurmRequest(REQUEST_FILE, recipe.targets.slurm, secrets=tuple(recipe.secrets), submit="submitit",
                            submitit=spec)

@@ -43,6 +43,7 @@ class SlurmHandle:
     ssh: Optional[dict] = None
     submit: str = "sbatch"  # or "submitit": the job's log is then in submitit's folder
     submitit_folder: str | None = None
+    dependency: str | None = None  # --dependency it was submitted with (`up --after`): status says what it waits for
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ class SlurmBackend:
         if req.submit == "submitit":
             from .submitit_job import record, submit
 
-            return record(submit(req, out_dir), artifacts.job_name, out_dir)
+            return record(submit(req, out_dir), artifacts.job_name, out_dir, dependency=req.settings.dependency)
         settings = req.settings
         ssh = settings.ssh.model_dump() if settings.ssh else None
         tr = SshTransport(ssh) if ssh else LocalShell()
@@ -104,7 +104,7 @@ class SlurmBackend:
         job_id = out.strip().splitlines()[-1].split(";")[0] if out.strip() else ""
         if not job_id.isdigit():
             raise BackendError(f"sbatch printed no job id (stdout {out!r}, stderr {err!r})")
-        handle = SlurmHandle(submit_dir, artifacts.job_name, req.array, ssh)
+        handle = SlurmHandle(submit_dir, artifacts.job_name, req.array, ssh, dependency=settings.dependency)
         return JobRecord(artifacts.job_name, "slurm", job_id, submit_dir, handle)
 
     # ---------------------------------------------------------------- status
@@ -121,7 +121,12 @@ class SlurmBackend:
         rc, out, _ = tr.run(["squeue", "-h", "-j", job.job_id, "-o", "%T"])
         states = [s for s in out.split() if s]
         if rc == 0 and states:
-            return JobStatus(_merge(states), None, extra={"source": "squeue", **files})
+            state = _merge(states)
+            detail = None
+            if state == "PENDING" and getattr(job.handle, "dependency", None):
+                _, reason, _ = tr.run(["squeue", "-h", "-j", job.job_id, "-o", "%r"])
+                detail = f"after {job.handle.dependency}" + (f" ({reason.split()[0]})" if reason.strip() else "")
+            return JobStatus(state, None, detail, extra={"source": "squeue", **files})
         rc, out, _ = tr.run(["sacct", "-n", "-X", "-P", "-j", job.job_id, "-o", "State,ExitCode"])
         rows = [line.split("|") for line in out.splitlines() if "|" in line]
         if rc == 0 and rows:

@@ -430,12 +430,12 @@ def job(folder: str | Path, job_id: str) -> submitit.Job:
     return submitit.SlurmJob(folder=Path(folder), job_id=str(job_id), tasks=[0])
 
 
-def record(j: submitit.Job, job_name: str, submit_dir: str | Path) -> JobRecord:
+def record(j: submitit.Job, job_name: str, submit_dir: str | Path, dependency: str | None = None) -> JobRecord:
     """The registry's record: status/logs/down follow a submitit job like any SLURM job, by its id."""
     from .registry import JobRecord, SlurmHandle
 
     d = str(Path(submit_dir).resolve())
-    handle = SlurmHandle(d, job_name, submit="submitit", submitit_folder=str(j.paths.folder))
+    handle = SlurmHandle(d, job_name, submit="submitit", submitit_folder=str(j.paths.folder), dependency=dependency)
     return JobRecord(job_name, "slurm", str(j.job_id), d, handle)
 
 

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 
 from ..plan import Plan
 from ..recipe import Recipe
-from ..render.slurm import PLAN_OPTIONS
+from ..recipe.schema import MOUNT_PATH
+from ..recipe.slurmsyntax import expand_hostlist
+from ..render.slurm import PLAN_OPTIONS, field_clashes
+from ..render.slurm_container import checkpoint_root, image_for
 from ..render.torchrun import grace_seconds
 from .core import rule
 
@@ -121,3 +125,162 @@ def _slurm_signal(r: Recipe, p: Plan):
         return (f"USR2 comes {t.signal_seconds} s before the time limit, but saving may take up to {need} s "
                 f"(a checkpoint write is ~{math.ceil(p.checkpoint_write_seconds)} s)",
                 f"set targets.slurm.signal_seconds to at least {need}")
+
+
+# ----------------------------------------------------------------------------- SLURM knobs
+
+
+@rule("slurm-extra-sbatch-field", "error", "targets.slurm.extra_sbatch",
+      "extra_sbatch options that a targets.slurm field already writes", SLURM)
+def _extra_field(r: Recipe, p: Plan):
+    clash = field_clashes(r, p)
+    if clash:
+        return ("; ".join(f"{e!r} beside {w} (from targets.slurm.{f})" for e, w, f in clash)
+                + ": two values for one option, or options sbatch refuses together",
+                "set the targets.slurm field instead (" + ", ".join(sorted({f for _, _, f in clash}))
+                + ") and drop the entry from extra_sbatch")
+
+
+@rule("slurm-mem-per-gpu-without-gpus", "error", "targets.slurm.mem_per_gpu", "mem_per_gpu on a CPU recipe", SLURM)
+def _mem_per_gpu_cpu(r: Recipe, p: Plan):
+    if r.targets.slurm.mem_per_gpu is not None and not r.resources.device().is_gpu:
+        return (f"the job asks for no GPUs ({r.resources.accelerator}), so there is nothing to count memory per; "
+                "sbatch refuses --mem-per-gpu without GPUs", "use targets.slurm.mem (per node) instead")
+
+
+@rule("slurm-cpus-per-gpu-without-gpus", "error", "targets.slurm.cpus_per_gpu", "cpus_per_gpu on a CPU recipe", SLURM)
+def _cpus_per_gpu_cpu(r: Recipe, p: Plan):
+    if r.targets.slurm.cpus_per_gpu is not None and not r.resources.device().is_gpu:
+        return (f"the job asks for no GPUs ({r.resources.accelerator}), so there is nothing to count CPUs per; "
+                "sbatch refuses --cpus-per-gpu without GPUs", "use targets.slurm.cpus_per_task instead")
+
+
+@rule("slurm-gpu-type-without-gpus", "warning", "targets.slurm.gpu_type", "gpu_type on a CPU recipe", SLURM)
+def _gpu_type_cpu(r: Recipe, p: Plan):
+    if r.targets.slurm.gpu_type is not None and not r.resources.device().is_gpu:
+        return (f"the job asks for no GPUs ({r.resources.accelerator}): gpu_type is not used",
+                "remove targets.slurm.gpu_type, or set resources.accelerator to a GPU")
+
+
+@rule("slurm-gres-per-gpu-options", "warning", "targets.slurm.gpu_request",
+      "per-GPU options on a cluster asked for GPUs as --gres", SLURM)
+def _gres_per_gpu(r: Recipe, p: Plan):
+    t = r.targets.slurm
+    used = [f for f in ("cpus_per_gpu", "mem_per_gpu") if getattr(t, f) is not None]
+    if t.gpu_request == "gres" and used and r.resources.device().is_gpu:
+        return (f"{' and '.join(used)} (--{used[0].replace('_', '-')}) are options of SLURM's select/cons_tres, and "
+                "gpu_request: gres is for clusters without it: sbatch there refuses them",
+                "use cpus_per_task and mem (per node) on such a cluster, or gpu_request: gpus_per_node if it has "
+                "cons_tres")
+
+
+@rule("slurm-nodelist-count", "error", "targets.slurm.nodelist", "a nodelist with more nodes than the job", SLURM)
+def _nodelist_count(r: Recipe, p: Plan):
+    t = r.targets.slurm
+    if t.nodelist:
+        hosts = expand_hostlist(t.nodelist)
+        if len(hosts) > p.nodes:
+            return (f"{t.nodelist} names {len(hosts)} nodes but the job has {p.nodes}: sbatch refuses a node list "
+                    "longer than --nodes (it would run on all of them)",
+                    f"list at most {p.nodes} node(s), or raise resources.nodes")
+
+
+@rule("slurm-nodelist-excluded", "error", "targets.slurm.exclude", "a node both listed and excluded", SLURM)
+def _nodelist_excluded(r: Recipe, p: Plan):
+    t = r.targets.slurm
+    if t.nodelist and t.exclude:
+        both = [h for h in expand_hostlist(t.nodelist) if h in set(expand_hostlist(t.exclude))]
+        if both:
+            return (f"{', '.join(both[:5])}{' ...' if len(both) > 5 else ''} in both nodelist and exclude: sbatch "
+                    "refuses the job (Invalid node name specified)", "remove those nodes from one of the two")
+
+
+@rule("slurm-mail-user-no-type", "warning", "targets.slurm.mail_user", "a mail address without mail events", SLURM)
+def _mail_user(r: Recipe, p: Plan):
+    t = r.targets.slurm
+    if t.mail_user and not t.mail_type:
+        return (f"mail_user {t.mail_user} gets no mail: without mail_type SLURM sends none",
+                "add targets.slurm.mail_type, e.g. [END, FAIL]")
+
+
+@rule("slurm-image-no-container", "error", "resources.image", "an image but no SLURM container runtime", SLURM)
+def _image_runtime(r: Recipe, p: Plan):
+    if r.resources.image and r.targets.slurm.container is None:
+        return (f"resources.image is {r.resources.image}, but targets.slurm.container does not say how this cluster "
+                "runs containers: the job would run outside the image",
+                "add targets.slurm.container: {runtime: pyxis} (srun --container-image) or {runtime: apptainer}")
+
+
+@rule("slurm-container-no-image", "error", "targets.slurm.container", "a SLURM container without an image", SLURM)
+def _container_image(r: Recipe, p: Plan):
+    if r.targets.slurm.container is not None and image_for(r) is None:
+        return ("targets.slurm.container names a runtime but no image",
+                "set resources.image (e.g. nvcr.io/nvidia/pytorch:24.05-py3) or targets.slurm.container.image")
+
+
+@rule("slurm-container-checkpoint-mount", "error", "checkpoint.dir",
+      "a checkpoint directory that cannot be mounted into the container", SLURM)
+def _container_ckpt(r: Recipe, p: Plan):
+    root = checkpoint_root(r) if r.targets.slurm.container is not None else None
+    if root and not MOUNT_PATH.fullmatch(root):
+        return (f"checkpoints go to {root}, outside the submit directory, so it is bind-mounted into the container; "
+                "a mount path cannot hold ',', ':', spaces or quotes",
+                "use a plainer checkpoint.dir, or a relative one (under the submit directory)")
+
+
+@rule("slurm-container-data-unmounted", "warning", "training.data.path",
+      "a data file the container does not see", SLURM)
+def _container_data(r: Recipe, p: Plan):
+    c = r.targets.slurm.container
+    path = r.training.data.path
+    if c is None or r.training.data.source != "file" or not path or not path.startswith("/"):
+        return None
+    root = checkpoint_root(r)
+    dests = [m.split(":")[1] for m in c.mounts] + ([root] if root else [])
+    if not any(path == d or path.startswith(d.rstrip("/") + "/") for d in dests):
+        return (f"{path} is outside every mount: the container sees only the submit directory and "
+                "targets.slurm.container.mounts", f"add {os.path.dirname(path)}:{os.path.dirname(path)}:ro to "
+                "targets.slurm.container.mounts")
+
+
+@rule("image-local", "warning", "resources.image", "resources.image on the local target", LOCAL)
+def _image_local(r: Recipe, p: Plan):
+    if r.resources.image:
+        return (f"the local target runs this machine's Python, not {r.resources.image}",
+                "fine for a quick test; the image is used on SLURM and SkyPilot")
+
+
+# ----------------------------------------------------------------------------- SkyPilot knobs
+
+
+@rule("sky-fallback-dropped", "warning", "targets.sky.accelerators",
+      "accelerator fallbacks that cannot run the job", SKY)
+def _fallbacks(r: Recipe, p: Plan):
+    if not r.targets.sky.accelerators:
+        return None
+    from ..plan.choices import plan_choices
+
+    dropped = plan_choices(r, p).dropped
+    if dropped:
+        return ("; ".join(f"{c.accelerator}: {c.dropped}" for c in dropped)
+                + " -- the task does not ask for " + ("it" if len(dropped) == 1 else "them"),
+                "remove them, or change the recipe so that they fit (dtlaunch plan shows each one)")
+
+
+@rule("sky-instance-type-fallbacks", "error", "targets.sky.instance_type",
+      "an instance type together with accelerator fallbacks", SKY)
+def _instance_fallbacks(r: Recipe, p: Plan):
+    sk = r.targets.sky
+    if sk.instance_type and sk.accelerators and r.resources.device().is_gpu:
+        return (f"instance type {sk.instance_type} has one kind of GPU, but the task lists "
+                f"{len(sk.accelerators) + 1} accelerators: every choice but one would fail to launch",
+                "drop targets.sky.instance_type, or the fallbacks")
+
+
+@rule("sky-cpus-fewer-than-ranks", "error", "targets.sky.cpus", "fewer vCPUs than CPU ranks", SKY)
+def _sky_cpus(r: Recipe, p: Plan):
+    cpus = r.targets.sky.cpus
+    if cpus is not None and not r.resources.device().is_gpu and float(cpus.rstrip("+")) < r.resources.per_node:
+        return (f"{r.resources.accelerator} runs {r.resources.per_node} ranks per node, but cpus: {cpus} may give "
+                "fewer cores than that",
+                f"set targets.sky.cpus to at least {r.resources.per_node}+ (or leave it unset)")

@@ -7,6 +7,7 @@ so dtlaunch rejects those itself before rendering (see test_validation.py).
 """
 from __future__ import annotations
 
+import json
 import os
 import zipfile
 
@@ -145,3 +146,45 @@ def test_autostop_can_be_turned_off(sky_lib, tmp_path):
     assert "autostop" not in yaml.safe_load(art.files["task.yaml"])["resources"]
     (r,) = from_yaml(sky_lib, out).resources
     assert not (r.autostop_config and r.autostop_config.enabled)
+
+
+# ----------------------------------------------------------------------------- the knobs users reach for first
+
+LLAMA70B = next(p for p in RECIPES if p.stem == "llama70b")
+IMAGE = "nvcr.io/nvidia/pytorch:24.05-py3"
+KNOBS = [BUCKET, "checkpoint.dir=null", f"resources.image={IMAGE}", "targets.sky.disk_tier=high",
+         "targets.sky.ports=[8888, '10000-10010']", "targets.sky.memory=256+", "targets.sky.cpus=32+"]
+
+
+@pytest.mark.parametrize("order", ["ordered", "any_of"])
+def test_accelerator_fallbacks_and_knobs_are_accepted_by_skypilot(sky_lib, tmp_path, order):
+    """SkyPilot gets one candidate per accelerator that can run the shipped plan (V100 cannot: no bf16), in
+    dtlaunch's cheapest-first order for `ordered`; every other field applies to each candidate."""
+    from launcher.plan.choices import plan_choices
+
+    rec, art, out = render_to(tmp_path, LLAMA70B, KNOBS + [
+        "targets.sky.accelerators=[A100-80GB:8, H200:8, V100:8]", f"targets.sky.fallback={order}"])
+    task = from_yaml(sky_lib, out)
+    kept = [c.accelerator for c in plan_choices(rec).kept]
+    assert sorted(kept) == ["A100-80GB:8", "H100:8", "H200:8"]
+    got = [dict(r.accelerators) for r in task.resources]
+    want = [{a.split(":")[0]: 8} for a in kept]
+    if order == "ordered":  # a list, tried in this order
+        assert isinstance(task.resources, list) and got == want
+    else:  # a set: SkyPilot's optimizer picks
+        assert isinstance(task.resources, set) and sorted(map(str, got)) == sorted(map(str, want))
+    for r in task.resources:
+        assert r.image_id == {None: f"docker:{IMAGE}"} and r.disk_tier.value == "high"
+        assert r.ports == ["8888", "10000-10010"] and (r.memory, r.cpus) == ("256+", "32+")
+        assert r.job_recovery["recover_on_exit_codes"] == [ExitCode.PREEMPTED]  # the common fields, on each
+    doc = yaml.safe_load(art.files["task.yaml"])
+    assert "accelerators" not in doc["resources"] and len(doc["resources"][order]) == 3
+    assert json.loads(art.files["plan.json"])["plan"]["accelerator"] == "H100"  # the least memory (80 GB), first
+
+
+def test_instance_type_and_cpus_are_accepted_by_skypilot(sky_lib, tmp_path):
+    rec, art, out = render_to(tmp_path, RECIPES[0], ["resources.accelerator=cpu:4", "targets.sky.cpus=8",
+                                                     "targets.sky.instance_type=n2-standard-8",
+                                                     "targets.sky.infra=gcp"])
+    (r,) = from_yaml(sky_lib, out).resources
+    assert (r.instance_type, r.cpus, r.accelerators) == ("n2-standard-8", "8", None)

@@ -4,6 +4,9 @@ Nothing is skipped: if the packages are missing, `scripts/slurm-local.sh start` 
 test here, loudly (CI installs them with scripts/install-system.sh). The cluster gets its own state dir
 and ports, so it never collides with a developer's default instance (/tmp/dtlaunch-slurm, 6817...);
 DTLAUNCH_TEST_SLURM_ROOT, _CTLD_PORT, _DBD_PORT, _SLURMD_PORT_BASE and _DB_PORT move it elsewhere.
+Each node claims 2 GPUs (counted GRES, no devices; DTLAUNCH_TEST_SLURM_GPUS), so the real sbatch checks
+GPU options (--gpus-per-node, --gres, --mem-per-gpu, --cpus-per-gpu) too; a job that asks for none gets
+none, except that an --exclusive job's batch shell sees CUDA_VISIBLE_DEVICES (its steps do not).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ KNOBS = {
     "SLURM_LOCAL_DBD_PORT": os.environ.get("DTLAUNCH_TEST_SLURM_DBD_PORT", "8819"),
     "SLURM_LOCAL_SLURMD_PORT_BASE": os.environ.get("DTLAUNCH_TEST_SLURM_SLURMD_PORT_BASE", "8830"),
     "SLURM_LOCAL_DB_PORT": os.environ.get("DTLAUNCH_TEST_SLURM_DB_PORT", "3507"),
+    "SLURM_LOCAL_GPUS": os.environ.get("DTLAUNCH_TEST_SLURM_GPUS", "2"),
 }
 
 
