@@ -825,4 +825,5 @@ LATER_FIELDS: tuple[tuple[str, Any], ...] = (
     ("targets.sky.accelerators", []), ("targets.sky.fallback", "ordered"), ("targets.sky.instance_type", None),
     ("targets.sky.cpus", None), ("targets.sky.memory", None), ("targets.sky.ports", []),
     ("targets.sky.disk_tier", None),
+    ("entrypoint", None), ("model.hf", None), ("model.hf_config", None), ("model.hf_weights", None),
 )

@@ -92,27 +92,27 @@ def test_backend_submit_status_logs_cancel(tmp_path, partition):
     _, art = render_to(tmp_path, "tiny", [f"targets.slurm.partition={partition}",
                                           "targets.slurm.extra_sbatch=['--hold']"])
     be = SlurmBackend(poll_seconds=0.5)
-    rec = be.submit(art, str(tmp_path), wait=False)
+    rec = be.submit(art, str(tmp_path))
     assert rec.job_id.isdigit() and rec.run_dir == str(tmp_path.resolve())
-    st = be.status(rec)
+    st = be.status(rec).to_dict()
     assert st["state"] == "PENDING" and st["source"] == "squeue"
     be.cancel(rec)
     wait_gone(rec.job_id, 30)
-    st = be.status(rec)
+    st = be.status(rec).to_dict()
     assert st["state"] == "CANCELLED" and st["source"] == "sacct", st
     assert list(be.logs(rec, follow=True)) == []  # never ran: no output file, and follow ends
 
 
 def test_status_falls_back_to_job_files_without_accounting(tmp_path, partition):
     """Without squeue/sacct records (sacct off, job aged out), the script's own state files answer."""
-    from launcher.targets.registry import JobRecord
+    from launcher.targets.registry import JobRecord, SlurmHandle
 
     run = tmp_path / "jobs" / "999999"
     run.mkdir(parents=True)
     (run / "state").write_text("COMPLETED\n")
     (run / "attempts").write_text("0 1 node1 node[1-2]\n1 2 node1 node[1-2]\n")
     (run / "exit_codes").write_text("0 42 USR2\n1 0 none\n")
-    rec = JobRecord("tiny", "slurm", "999999", str(tmp_path), {"ssh": None, "job_name": "tiny"})
-    st = SlurmBackend().status(rec)
-    assert st == {"state": "COMPLETED", "exit_code": 0, "source": "job files", "job_state": "COMPLETED",
+    rec = JobRecord("tiny", "slurm", "999999", str(tmp_path), SlurmHandle(str(tmp_path), "tiny"))
+    st = SlurmBackend().status(rec).to_dict()
+    assert st == {"state": "COMPLETED", "exit_code": 0, "detail": None, "source": "job files", "job_state": "COMPLETED",
                   "attempts": 2, "last_exit_code": 0}

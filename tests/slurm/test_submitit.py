@@ -148,7 +148,7 @@ def test_hostile_values_stay_data_or_are_refused(tmp_path, monkeypatch):
         assert "s3cr3t-value-42" not in (tmp_path / rel).read_text(), rel
     # submitit writes #SBATCH values through shlex.quote: a line break would start a shell command there,
     # and sbatch reads a backslash as an escape even in single quotes.
-    for bad, what in (("--comment=x\ntouch /tmp/pwned #", "newline"), ("--comment=a\\b", "backslash"),
+    for bad, what in (("--comment=x\ntouch /tmp/pwned #", "single line"), ("--comment=a\\b", "backslash"),
                       ("-w node1", "long options")):
         with pytest.raises(DtlaunchError, match=what):
             render_to(tmp_path / "bad", "tiny", [SUBMITIT, f"targets.slurm.extra_sbatch=[{json.dumps(bad)}]"])
