@@ -1,9 +1,14 @@
 """Wrapping a model for a strategy: DDP, FSDP2 (full, grad-op, hybrid) or DeepSpeed ZeRO 1/2/3.
 
 Every strategy is driven through the same small `Engine` surface (micro-step, optimizer step,
-state for checkpoints), so the training loop has no per-strategy branches. Gradients are reduced
-once per optimizer step: DDP `no_sync` and FSDP2 `set_requires_gradient_sync(False)` on the non-final
-micro-steps, DeepSpeed by its own gradient_accumulation_steps.
+state for checkpoints), so the training loop has no per-strategy branches.
+
+Gradient accumulation: DDP all-reduces once per optimizer step (`no_sync` on the non-final micro-steps; its
+full gradients exist anyway). FSDP2 reduce-scatters on every micro-step, as torchtitan does: skipping it
+(`set_requires_gradient_sync(False)`) would keep every unsharded gradient, in fp32, on every rank until the
+last micro-step, i.e. DDP-sized gradient memory under FSDP. HSDP skips only the all-reduce across replicas
+until the last micro-step (`set_requires_all_reduce`), which keeps gradients sharded. DeepSpeed accumulates
+by its own gradient_accumulation_steps.
 """
 from __future__ import annotations
 
@@ -13,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..strategies import STRATEGIES, Family, StrategySpec, spec
 from .failures import ConfigError
+from .loss import cross_entropy
 from .optim import build_optimizer, build_scheduler
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -85,10 +90,6 @@ def resolve_layout(plan, world_size: int) -> tuple[RuntimeLayout, list[str]]:
                          micro, ga, world_size, shard), notes
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
-
-
 class Engine:
     """One optimizer step = `grad_accum` calls of `micro_step`, then `step()`."""
 
@@ -144,7 +145,8 @@ class TorchEngine(Engine):
     def _sync_context(self, last: bool):
         if not self.layout.spec.sharded:  # DDP
             return contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-        self.model.set_requires_gradient_sync(last)
+        if self.layout.spec.replicate_across_nodes:  # HSDP: reduce-scatter now, all-reduce replicas at the end
+            self.model.set_requires_all_reduce(last)
         return contextlib.nullcontext()
 
     def micro_step(self, inputs, targets, last):
@@ -155,6 +157,7 @@ class TorchEngine(Engine):
             else:
                 logits = self.model(inputs)
             loss = cross_entropy(logits, targets)
+            del logits  # the loss keeps what backward needs; this name would hold the logits to the end of backward
             scaled = loss / self.layout.grad_accum
             if self.scaler is not None:
                 scaled = self.scaler.scale(scaled)
@@ -193,8 +196,21 @@ def _make_scaler(device: torch.device, fsdp: bool):
     return torch.amp.GradScaler(device.type)
 
 
+def fsdp_units(module: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units in forward order: the token embedding, each block, the output head, then the root
+    (which keeps only the final norm's weight).
+
+    Separate embedding and head units are gathered only around their own forward and backward, where one root
+    unit holding both keeps both gathered through the whole forward and backward (torchtitan shards them
+    apart too). Tied embeddings share one parameter, so they stay in the root.
+    """
+    if module.shape.tied_embeddings:
+        return [*module.layers, module]
+    return [module.tok_embeddings, *module.layers, module.output, module]
+
+
 def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, is_gpu: bool) -> nn.Module:
-    """fully_shard each block, then the root (embeddings, final norm, head), on a 1-D or 2-D (HSDP) mesh."""
+    """fully_shard each unit of `fsdp_units` on a 1-D or 2-D (HSDP) mesh, the root last."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -217,9 +233,8 @@ def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, 
     meta = module.output.weight.is_meta  # materialised after sharding, so that no rank holds the full model
     if not meta and not isinstance(offload, CPUOffloadPolicy):
         module.to(device)
-    for block in module.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
-    fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    for unit in fsdp_units(module):
+        fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     if meta:
         module.to_empty(device="cpu" if isinstance(offload, CPUOffloadPolicy) else device)
         module.init_weights()
@@ -262,6 +277,7 @@ class DeepSpeedEngine(Engine):
         self.model.set_gradient_accumulation_boundary(last)
         logits = self.model(inputs)
         loss = cross_entropy(logits, targets)
+        del logits  # as in TorchEngine.micro_step
         self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
         self.model.step()  # only updates at the accumulation boundary
         return loss.detach()
