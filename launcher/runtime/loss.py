@@ -4,7 +4,8 @@
 log-softmax and two fp32 gradients of the whole (tokens x vocab) matrix: 14 bytes per element in bf16, the
 largest single block of memory of a Llama step at a 128K vocabulary. This function keeps the logits and one
 fp32 log-sum-exp per token, and works on `chunk_rows` tokens at a time in fp32 in both directions, so the
-whole step holds the logits, their gradient (same dtype) and one chunk of fp32 temporaries.
+whole step holds the logits, their gradient (same dtype) and one chunk of fp32 temporaries. Each chunk is
+computed in place on one fp32 copy, so that the temporaries are the ones written here, on any device.
 
 The gradient is the textbook one, (softmax - onehot) / N, computed from the saved log-sum-exp.
 """
@@ -28,7 +29,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         n = logits.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         for i in range(0, n, rows):
-            lse[i:i + rows] = torch.logsumexp(logits[i:i + rows].float(), dim=-1)
+            # log-sum-exp by hand, in place on one fp32 copy: the one temporary is this chunk (logsumexp would
+            # allocate a second one inside the kernel)
+            x = logits[i:i + rows].to(torch.float32, copy=True)
+            m = x.amax(dim=-1)
+            lse[i:i + rows] = x.sub_(m.unsqueeze(1)).exp_().sum(dim=-1).log_().add_(m)
+            del x
         picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()
         ctx.save_for_backward(logits, targets, lse)
         ctx.rows = rows

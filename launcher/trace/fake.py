@@ -206,7 +206,7 @@ def _make_tracker(model, optimizer, units: list[str]):
         def _labelled(self, allocate, ref):
             def wrapped(*args, **kwargs):
                 t = allocate(*args, **kwargs)
-                self._update_and_maybe_create_winfos(t, ref)
+                self._relabel(t, ref)
                 return t
             return wrapped
 
@@ -293,7 +293,7 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
     dev = next(iter(peak.values()), {"Total": 0})
     cats = {str(getattr(k, "value", k)): int(v) for k, v in dev.items() if k != "Total" and v}
     at, where = tracker.peak_at
-    moments = {m: {str(getattr(k, "value", k)): int(v) for k, v in snap.items() if v}
+    moments = {m: {str(getattr(k, "value", k)): int(v) for k, v in snap.items() if v and k != "Total"}
                for m, (snap, _) in tracker.moments.items()}
     return Snapshot(shape.layers, plan.world_size, cats, int(dev["Total"]), at, where, time.monotonic() - t0,
                     moments)
