@@ -28,7 +28,7 @@ def _gpt_layer(shape: ModelShape, s: int, b: int, t: int, sp: bool, ac: str, sca
 
 
 def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, ac: str,
-                               act_bytes: int = 2) -> float:
+                               act_bytes: int = 2, cast_inputs: bool = True) -> float:
     """Activations one transformer layer keeps for backward, per GPU, between its forward and its backward.
 
     Llama block of the runtime (pre-norm RMSNorm, GQA attention through SDPA with `enable_gqa`, SwiGLU):
@@ -37,8 +37,9 @@ def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: 
       attention: SDPA keeps q (e sbh), k and v at kv width (2e sbh g/a), its output O (e sbh, also what wo
       keeps) and an fp32 log-sum-exp per head and token (4asb); no s x s scores (flash attention);
       SwiGLU w2(silu(w1 x) * w3 x): w1 x, w3 x, silu(w1 x) and their product, 4e sbf;
-      => e sbh (6 + 2g/a) + 4e sbf + 4asb, divided by t for the tensor-parallel parts ([MLM3]'s split:
-      norms are replicated unless sequence parallel).
+      the block's own 16-bit copy of the RoPE tables (FSDP2 casts a block's inputs; `cast_inputs`), e s h/a;
+      => e sbh (6 + 2g/a) + 4e sbf + 4asb + e s h/a, divided by t for the tensor-parallel parts ([MLM3]'s
+      split: norms are replicated unless sequence parallel).
     selective: the SwiGLU tail is recomputed from (w1 x, w3 x): the two others are dropped, -2e sbf.
     full: the block keeps its input only, e sbh (/t with SP).
     """
@@ -53,9 +54,14 @@ def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: 
     split = e * sbh * (2 + 2 * g / a) + 4 * e * s * b * f + 4 * a * s * b
     if ac == "selective":
         split -= 2 * e * s * b * f
+    # FSDP2 casts a block's floating-point inputs to param_dtype (MixedPrecisionPolicy.cast_forward_inputs), so
+    # each block gets its own copies of the fp32 RoPE tables, cos and sin (s x head_dim/2 each), kept by the
+    # rotation's multiplications (`cast_inputs`). Under full checkpointing they are made inside the recomputed
+    # region, and in fp32 there is nothing to cast.
+    rope = e * s * h / a if cast_inputs and act_bytes < 4 else 0.0
     if sp:
-        return (replicated + split) / t
-    return replicated + split / t
+        return (replicated + split) / t + rope
+    return replicated + split / t + rope
 
 
 def layer_backward_extra(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, act_bytes: int) -> float:
@@ -72,11 +78,12 @@ def layer_backward_extra(shape: ModelShape, arch: str, s: int, b: int, t: int, s
     return (e * s * b * shape.hidden + 2 * e * s * b * f) / t
 
 
-def layer_in_backward(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, act_bytes: int) -> float:
+def layer_in_backward(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, act_bytes: int,
+                      cast_inputs: bool = True) -> float:
     """One layer at its backward's peak, whatever the checkpointing: with `selective` or `full`, backward first
     recomputes what forward did not keep, so the layer holds its no-checkpointing activations, then adds
     `layer_backward_extra`."""
-    return (activation_bytes_per_layer(shape, arch, s, b, t, sp, "none", act_bytes)
+    return (activation_bytes_per_layer(shape, arch, s, b, t, sp, "none", act_bytes, cast_inputs)
             + layer_backward_extra(shape, arch, s, b, t, sp, act_bytes))
 
 

@@ -212,8 +212,9 @@ def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: 
     b, t, spar = lay.micro_batch, lay.tp, lay.sequence_parallel
     layers_here = math.ceil(shape.layers / lay.pp)
     in_flight = min(lay.pp, max(lay.grad_accum, 1)) if lay.pp > 1 else 1  # 1F1B: [MLM3] sec. 4.2.3
-    per = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, lay.activation_checkpointing, e)
-    in_bw = act.layer_in_backward(shape, arch, seq, b, t, spar, e) - per
+    cast = lay.spec.family is Family.TORCH and lay.spec.sharded  # FSDP2 casts each block's inputs
+    per = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, lay.activation_checkpointing, e, cast)
+    in_bw = act.layer_in_backward(shape, arch, seq, b, t, spar, e, cast) - per
     head = act.head_bytes(shape, seq, b, t, e)
     logits = act.logits_bytes(shape, seq, b, t, e)
     grad_h = e * seq * b * shape.hidden / t  # the gradient of the final norm's output, in the head's backward

@@ -227,6 +227,15 @@ def _make_tracker(model, optimizer, units: list[str]):
                         h = fp._unsharded_param.register_post_accumulate_grad_hook(hook)
                         self._undo.append(h.remove)
 
+        def label_partial_grads(self):
+            """HSDP between micro-steps keeps reduce-scattered, not yet all-reduced, gradients per unit
+            (`_partial_reduce_output`): accumulated gradients, whatever buffer they were born in."""
+            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+            for group in self._param_groups():
+                if getattr(group, "_partial_reduce_output", None) is not None:
+                    self._update_and_maybe_create_winfos(group._partial_reduce_output, _FSDPRefType.SHARDED_GRAD)
+
         def _deregister_module_and_optimizer_hooks(self):
             for undo in getattr(self, "_undo", []):
                 undo()
@@ -285,6 +294,7 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
                 for i in range(n_micro):
                     if i:
                         tracker.reset_mod_stats()
+                        tracker.label_partial_grads()
                     engine.micro_step(x, y, last=i == n_micro - 1)
                 if recipe.training.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(module.parameters(), recipe.training.grad_clip)
