@@ -79,15 +79,32 @@ def _plan_sweep(recipe_path, overrides, sweeps, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (a stable contract).")
 @click.option("--sweep", "sweeps", multiple=True, metavar="KEY=V1,V2",
               help="Plan every combination, one line each, e.g. --sweep resources.nodes=1,2,4 (repeatable).")
-def plan_cmd(recipe_path, overrides, as_json, sweeps):
+@click.option("--trace", "trace", is_flag=True,
+              help="Also run the runtime's own model and FSDP2 wrapping for this plan on fake tensors under "
+                   "PyTorch's memory tracker, and compare it with the estimate term by term (needs torch).")
+def plan_cmd(recipe_path, overrides, as_json, sweeps, trace):
     """Show per-GPU memory for each strategy, the chosen one and why, step time, total time and cost."""
     if sweeps:
+        if trace:
+            raise click.UsageError("--trace checks one plan: drop --sweep, or pick the combination with --set")
         return _plan_sweep(recipe_path, overrides, sweeps, as_json)
     recipe, p = load(recipe_path, overrides)
+    comparison = None
+    if trace:
+        from . import tracing
+
+        comparison = tracing.run(recipe, p)
     if as_json:
-        click.echo(json.dumps(p.to_dict(), indent=2))
+        d = p.to_dict()
+        if comparison is not None:
+            d["trace"] = comparison.to_dict()
+        click.echo(json.dumps(d, indent=2))
     else:
         _print_plan(recipe, p)
+        if comparison is not None:
+            from . import tracing
+
+            tracing.print_comparison(comparison)
 
 
 @click.command("validate")

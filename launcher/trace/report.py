@@ -147,3 +147,64 @@ def flagged(rows: list[Row]) -> list[Row]:
         if big and (r.ratio is None or abs(r.ratio - 1) > WARN_RATIO):
             out.append(r)
     return out
+
+
+@dataclass
+class Comparison:
+    """The trace beside the plan: the rows at the traced peak, every moment's totals, and what to warn about."""
+
+    peak_traced: str
+    peak_planned: str
+    rows: list[Row]
+    moments: list[tuple[str, float, float]]  # (moment, planned tensors, traced tensors)
+    context: float
+    fragmentation: float  # the planner's fraction, applied to the traced peak
+    gpu: float
+    warnings: list[str]
+    traced: TracedStep
+
+    @property
+    def traced_total(self) -> float:
+        return next(r.traced for r in self.rows if r.term == "total")
+
+    @property
+    def projected(self) -> float:
+        """What the trace says a GPU needs: its tensors plus the context and slack it cannot see."""
+        return self.traced_total * (1 + self.fragmentation) + self.context
+
+    @property
+    def fits(self) -> bool:
+        return self.projected <= self.gpu
+
+    def to_dict(self) -> dict:
+        return {
+            "depths": self.traced.depths, "seconds": round(self.traced.seconds, 1),
+            "linearity": self.traced.linearity, "peak_at": self.peak_traced, "planner_peak_at": self.peak_planned,
+            "terms": {r.term: {"planned": int(r.planned), "traced": int(r.traced),
+                               "ratio": None if r.ratio is None else round(r.ratio, 4)} for r in self.rows},
+            "moments": {m: {"planned": int(p), "traced": int(t)} for m, p, t in self.moments},
+            "projected_total": int(self.projected), "fits": self.fits, "warnings": list(self.warnings),
+        }
+
+
+def compare_plan(planned: dict[str, dict[str, float]], traced: TracedStep, context: float, fragmentation: float,
+                 gpu: float) -> Comparison:
+    """`planned` is `launcher.plan.moments.timeline` for the plan; `traced` the extrapolated trace."""
+    peak_t = traced.peak_at
+    peak_p = max(planned, key=lambda m: sum(planned[m].values()))
+    split = not traced.exact
+    rows = compare(planned.get(peak_t, {}), traced.moments[peak_t], split)
+    moments = [(m, sum(planned[m].values()), traced.totals[m]) for m in planned if m in traced.moments]
+    warnings = []
+    if peak_t != peak_p:
+        warnings.append(f"the trace peaks at {peak_t}, the planner at {peak_p}")
+    for r in flagged(rows):
+        ratio = "no traced bytes" if r.ratio is None else f"planner/trace {r.ratio:.2f}"
+        warnings.append(f"{r.term}: planned {r.planned / 1e9:.2f} GB, traced {r.traced / 1e9:.2f} GB ({ratio})")
+    for m, p, t in moments:
+        if t and abs(p / t - 1) > WARN_RATIO and m != peak_t:
+            warnings.append(f"{m}: planned {p / 1e9:.2f} GB, traced {t / 1e9:.2f} GB (planner/trace {p / t:.2f})")
+    if traced.linearity is not None and traced.linearity > LINEARITY_TOLERANCE:
+        warnings.append(f"memory is not affine in depth here (depth {traced.depths[-1]} is {traced.linearity:.1%} "
+                        "off the line): the extrapolation is uncertain")
+    return Comparison(peak_t, peak_p, rows, moments, context, fragmentation, gpu, warnings, traced)
