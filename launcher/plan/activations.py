@@ -87,6 +87,19 @@ def layer_in_backward(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: 
             + layer_backward_extra(shape, arch, s, b, t, sp, act_bytes))
 
 
+def norm_backward_extra(shape: ModelShape, s: int, b: int, t: int, act_bytes: int) -> float:
+    """What an RMSNorm's backward holds beyond its input, per element of sbh.
+
+    The runtime recomputes the norm in backward (`_rms_norm` under a checkpoint) and autograd differentiates
+    it: the fp32 upcast x.float() (4, kept for backward; none in fp32, where it is x itself) and five fp32
+    temporaries of the pow/mean/mul gradient chain alive at once (20): 24 bytes per element in 16-bit, 20 in
+    fp32. It matters for the final norm, in the head's backward, when the vocabulary is small (V < ~10h):
+    in the blocks the SwiGLU peak is larger.
+    """
+    per_element = 20 + (4 if act_bytes < 4 else 0)
+    return per_element * s * b * shape.hidden / t
+
+
 def head_bytes(shape: ModelShape, s: int, b: int, t: int, act_bytes: int) -> float:
     """The final RMSNorm's saved input and its output (kept by the output projection): 2e sbh."""
     return 2 * act_bytes * s * b * shape.hidden / t

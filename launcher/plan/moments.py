@@ -123,41 +123,50 @@ def units(shape: ModelShape | None, arch: str, n: float, lay: Layout) -> Units:
     return Units(vh, layer, vh, shape.hidden, w2)
 
 
+# Candidate peaks of a moment: "moment (variant)" rows are folded into "moment" by keeping the larger total.
+VARIANTS = {
+    "forward (last block)": "forward",  # the last block's forward, before the head's
+    "head backward (norm)": "head backward",  # the final norm's backward, after the output projection's
+    "layer backward (second)": "layer backward",  # the second layer in backward, holding a layer's RS input
+    "end of backward (reduce)": "end of backward",  # the embedding's reduce-scatter, after its gradient
+}
+
+
 def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]:
     """FSDP2's gathered weights, unsharded gradients and reduce-scatter inputs alive at each moment.
 
-    w = param_dtype bytes; a reduce-scatter input is fp32 (reduce_dtype), 4 bytes per parameter, and its
-    output 4/d. reshard_after_forward=False (fsdp_grad_op) keeps every unit gathered from its forward to its
-    backward. SwiGLU's backward peak comes right after w2's backward: of the block's gradients only w2's exists
-    then. "layer backward" is the first layer in backward (it holds the head's reduce-scatter input), "second
-    layer backward" the next one (it holds a layer's, larger than the head's for a small vocabulary).
+    w = param_dtype bytes; a reduce-scatter input is fp32 (reduce_dtype), 4 bytes per parameter, and its output
+    4/d. In forward a unit's all-gather buffer lives until the next unit's copy-out, so a unit computes with 2w
+    per parameter; in backward the next unit is prefetched (w) and the last reduce-scatter input is held until
+    the next unit's post-backward. reshard_after_forward=False (fsdp_grad_op) keeps every unit gathered from
+    its forward to its backward. SwiGLU's backward peak comes right after w2's backward: of the block's
+    gradients only w2's exists then.
     """
     keep = lay.spec.reshard_after_forward is False
+    ag = 0.0 if lay.shard_group == 1 else 1.0  # a group of one copies its shard in place: no all-gather buffer
     root = w * u.root  # gathered from the start of forward to the end of backward (the final norm: tiny)
     kept = w * n if keep else 0.0
-    gathered_layers = (kept - w * u.head) if keep else 2 * w * u.layer  # current + prefetched, or all kept
+    kept_but_head = kept - w * u.head if keep else 0.0
+    first, other = (u.emb, 0.0) if u.emb else (u.root, -root)  # the last unit in backward
+    if keep:  # every unit but the head, the layer in backward among them (the one before it resharded)
+        layer_bw, second_bw = kept_but_head, kept_but_head - w * u.layer
+    else:  # the layer in backward and the next one, prefetched (its all-gather buffer)
+        layer_bw = second_bw = (1 + ag) * w * u.layer
     return {
-        "forward": root + (kept if keep else w * u.head) + w * u.head,
+        "forward": root + kept_but_head + (1 + ag) * w * u.head,
+        "forward (last block)": root + kept_but_head - (w * u.layer if keep else 0.0) + (1 + ag) * w * u.layer,
         "loss forward": root + kept,
         "loss backward": root + kept,
-        "head backward": root + (kept if keep else w * u.head + w * u.layer) + w * u.head,
-        "layer backward": root + gathered_layers + w * u.w2 + 4 * u.head,
-        "second layer backward": root + gathered_layers + w * u.w2 + 4 * u.layer,
-        "end of backward": _first_unit_backward(u, lay, w)[0],
-        "end of backward (reduce)": _first_unit_backward(u, lay, w)[1],
+        "head backward": root + kept_but_head + 2 * w * u.head + (0.0 if keep else ag * w * u.layer),
+        "head backward (norm)": root + (kept_but_head if keep else ag * w * u.layer) + 4 * u.head,
+        "layer backward": root + layer_bw + w * u.w2 + 4 * u.head,
+        "layer backward (second)": root + second_bw + w * u.w2 + 4 * u.layer,
+        # its gradient computed with its weights gathered (plus the all-gather buffer at the copy-out) and the
+        # first layer's reduce-scatter input held; or its own reduce-scatter, its weights resharded
+        "end of backward": root + other + (1 + ag) * w * first + 4 * u.layer,
+        "end of backward (reduce)": root + other + w * first + 4 * first * (1 + 1 / lay.shard_group),
         "optimizer step": 0.0,
     }
-
-
-def _first_unit_backward(u: Units, lay: Layout, w: float) -> tuple[float, float]:
-    """The last unit in backward (the embedding; the root when tied), at its two candidate peaks: (while its
-    gradient is computed, with its weights gathered, plus at the copy-out the all-gather buffer of the same
-    size, and the first layer's reduce-scatter input still held; at its own reduce-scatter, its weights
-    resharded and its gradient copied into an fp32 input, 4/d more for the output)."""
-    first, other = (u.emb, w * u.root) if u.emb else (u.root, 0.0)
-    computing = 2 * w * first + 4 * u.layer
-    reducing = w * first + 4 * first * (1 + 1 / lay.shard_group)
-    return other + computing, other + reducing
 
 
 def _grads_at(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
@@ -165,9 +174,9 @@ def _grads_at(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
     with one micro-step, only those of the units already reduce-scattered in this backward."""
     if lay.grad_accum > 1 or g == 0 or not n:
         return g
-    done = {"layer backward": u.head, "second layer backward": u.head + u.layer, "end of backward": n - u.emb,
-            "optimizer step": n}.get(moment, 0.0)
-    return g * done / n
+    done = {"head backward (norm)": u.head, "layer backward": u.head, "layer backward (second)": u.head + u.layer,
+            "end of backward": n - u.emb, "end of backward (reduce)": n - u.emb, "optimizer step": n}
+    return g * done.get(moment, 0.0) / n
 
 
 def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layout) -> dict[str, dict[str, float]]:
@@ -176,51 +185,78 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
     sp = lay.spec
     fsdp = sp.family is Family.TORCH and sp.sharded
     w = 2 if lay.precision in ("bf16", "fp16") else 4  # param_dtype, 16-bit weights, autocast copies
-    e = w  # activations: the compute dtype
     u = units(shape, arch, n, lay)
-    layers, in_bw, per, loss = _activations(shape, arch, seq, lay, e)
-    grad_h0 = e * seq * lay.micro_batch * shape.hidden / lay.tp if shape is not None else 0.0
-    buffers = _fsdp_buffers(u, n, lay, w) if fsdp else {m: _other_buffers(u, n, lay, w) for m in MOMENTS}
+    acts = _activations(shape, arch, seq, lay, e=w)
+    other = _other_buffers(u, n, lay, w)
+    buffers = _fsdp_buffers(u, n, lay, w) if fsdp else {m: other for m in (*MOMENTS, *VARIANTS)}
     buffers["optimizer step"] = 0.0
-    out = {}
-    for m in (*MOMENTS, "second layer backward", "end of backward (reduce)"):
-        out[m] = {
-            "params": st.params,
+    # The model's buffers: the fp32 RoPE tables, cos and sin of (seq_len, head_dim/2), on every rank.
+    rope = 4 * shape.seq_len * shape.hidden / shape.heads if shape is not None and arch != "gpt" else 0.0
+    rows = {}
+    for m in (*MOMENTS, *VARIANTS):
+        rows[m] = {
+            "params": st.params + rope,
             "grads": _grads_at(m, st.grads, n, u, lay) if fsdp else st.grads,
             "optimizer": st.optimizer + (st.step_temp if m == "optimizer step" else 0.0),
-            "activations": 0.0 if m.startswith(("end of backward", "optimizer step")) else layers,
-            "backward": in_bw if m.endswith("layer backward") else 0.0,
-            "loss": loss.get(m, 0.0),
-            "buffers": buffers.get(m, buffers["layer backward"]),
+            "activations": acts.layers if acts.during_step(m) else 0.0,
+            "backward": acts.backward.get(m, 0.0),
+            "loss": acts.loss.get(m, 0.0) + acts.tokens,
+            "buffers": buffers[m],
         }
-    # Two moments have two candidate peaks; keep the larger of each.
-    second = out.pop("second layer backward")
-    second["backward"] -= per  # the first layer in backward has freed its activations
-    if sum(second.values()) > sum(out["layer backward"].values()):
-        out["layer backward"] = second
-    reduce = out.pop("end of backward (reduce)")
-    out["end of backward"]["backward"] = grad_h0  # the embedding's output gradient, while its own is computed
-    if fsdp and sum(reduce.values()) > sum(out["end of backward"].values()):
-        out["end of backward"] = reduce
-    return out
+    for variant, moment in VARIANTS.items():
+        if sum(rows[variant].values()) > sum(rows[moment].values()):
+            rows[moment] = rows[variant]
+        del rows[variant]
+    return rows
 
 
-def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: int):
-    """(all layers' saved activations, what the layer in backward adds, one layer's, loss terms by moment)."""
+@dataclass(frozen=True)
+class _Acts:
+    layers: float  # every layer's saved activations (the pipeline's first stage: its in-flight micro-batches)
+    backward: dict[str, float]  # by moment: what the layer in backward (or the last in forward) adds
+    loss: dict[str, float]  # by moment: the head's activations, the logits and the loss's temporaries
+    tokens: float  # the step's token ids, alive through the whole step
+
+    @staticmethod
+    def during_step(moment: str) -> bool:
+        return not moment.startswith(("end of backward", "optimizer step"))
+
+
+def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: int) -> _Acts:
+    """The activation terms of each moment (e = bytes of an activation)."""
     if shape is None:
-        return 0.0, 0.0, 0.0, {}
+        return _Acts(0.0, {}, {}, 0.0)
     b, t, spar = lay.micro_batch, lay.tp, lay.sequence_parallel
     layers_here = math.ceil(shape.layers / lay.pp)
     in_flight = min(lay.pp, max(lay.grad_accum, 1)) if lay.pp > 1 else 1  # 1F1B: [MLM3] sec. 4.2.3
     cast = lay.spec.family is Family.TORCH and lay.spec.sharded  # FSDP2 casts each block's inputs
     per = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, lay.activation_checkpointing, e, cast)
+    whole = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, "none", e, cast)
     in_bw = act.layer_in_backward(shape, arch, seq, b, t, spar, e, cast) - per
     head = act.head_bytes(shape, seq, b, t, e)
     logits = act.logits_bytes(shape, seq, b, t, e)
-    grad_h = e * seq * b * shape.hidden / t  # the gradient of the final norm's output, in the head's backward
-    loss = {"forward": head + logits, "loss forward": head + act.loss_forward(shape, seq, b, t, e),
-            "loss backward": head + act.loss_backward(shape, seq, b, t, e), "head backward": head + logits + grad_h}
-    return per * layers_here * in_flight, in_bw, per * in_flight, loss
+    sbh = e * seq * b * shape.hidden / t
+    backward = {
+        "layer backward": in_bw,
+        "layer backward (second)": in_bw - per * in_flight,  # the first layer in backward has freed its own
+        # the last block's forward at its end: all its activations (transiently, under checkpointing too) and
+        # its output; the layers term counts it once already
+        "forward (last block)": whole - per + sbh,
+        "end of backward": sbh,  # the embedding's output gradient, while the embedding's is computed
+    }
+    loss = {
+        "forward": head + logits,
+        "loss forward": head + act.loss_forward(shape, seq, b, t, e),
+        "loss backward": head + act.loss_backward(shape, seq, b, t, e),
+        # the output projection's backward: the logits' gradient and the gradient of the norm's output
+        "head backward": head + logits + sbh,
+        # then the final norm's backward: its input and its recompute (the incoming gradient is freed by the
+        # first op of its backward)
+        "head backward (norm)": sbh + act.norm_backward_extra(shape, seq, b, t, e),
+    }
+    # The step's token ids: grad_accum micro-batches of (b, s+1) int64, loaded at the start of the step.
+    tokens = lay.grad_accum * 8 * b * (seq + 1)
+    return _Acts(per * layers_here * in_flight, backward, loss, tokens)
 
 
 def _other_buffers(u: Units, n: float, lay: Layout, w: float) -> float:

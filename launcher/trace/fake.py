@@ -27,6 +27,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Tracker categories, grouped into the planner's terms (see launcher.trace.report).
 CATEGORIES = ("Sharded Param", "Parameter", "Buffer", "Sharded Grad", "Gradient", "OptState", "Optstate",
@@ -108,154 +111,141 @@ def _moment(stage: str, unit: str | None, is_bw: bool, in_opt: bool, units: list
     return "layer backward", f"backward of {unit}"
 
 
-def _make_tracker(model, optimizer, units: list[str]):
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+class StepTracker(FSDPMemTracker):
+    """FSDPMemTracker that also records where in the step the peak is reached, and each moment's own peak.
 
-    class Tracker(FSDPMemTracker):
-        """FSDPMemTracker that also records where in the step the peak is reached, and each moment's own peak."""
+    `units` are the FSDP units' names in forward order, the root last (`runtime.parallel.fsdp_units`).
+    """
 
-        stage, unit, peak_at = "start", None, ("start", "start")
-        moments: dict = {}  # moment -> (snapshot at its own peak, op index)
+    def __init__(self, model, optimizer, units: list[str]):
+        super().__init__(model, optimizer)
+        self.model, self.units = model, units
+        self.stage, self.unit, self.peak_at = "start", None, ("start", "start")
+        self.moments: dict = {}  # moment -> (snapshot at its own peak, op index)
+        self._born = WeakIdKeyDictionary()  # storage -> the op that made it
+        self._ops, self._peak_op = 0, 0
+        self._undo: list = []
 
-        def _mark(self, fsdp_mod, inner, stage):
-            def wrapped(*args, **kwargs):
-                fqn = self._mod_tracker.get_known_fqn(fsdp_mod) or "?"
-                fqn = "root" if fsdp_mod is model else fqn.removeprefix(type(model).__name__ + ".")
-                recompute = stage == "forward" and self._mod_tracker.is_bw  # activation checkpointing
-                if not recompute and stage != "forward-done":
-                    self.stage, self.unit = stage, fqn
-                out = inner(*args, **kwargs)
-                if stage == "forward-done" and fsdp_mod is model and not self._mod_tracker.is_bw:
-                    self.stage, self.unit = "after forward", fqn
-                elif stage == "backward-done":
-                    self.stage, self.unit = "after backward", fqn
-                return out
-            return wrapped
+    def _mark(self, fsdp_mod, inner, stage):
+        def wrapped(*args, **kwargs):
+            fqn = self._mod_tracker.get_known_fqn(fsdp_mod) or "?"
+            fqn = "root" if fsdp_mod is self.model else fqn.removeprefix(type(self.model).__name__ + ".")
+            recompute = stage == "forward" and self._mod_tracker.is_bw  # activation checkpointing
+            if not recompute and stage != "forward-done":
+                self.stage, self.unit = stage, fqn
+            out = inner(*args, **kwargs)
+            if stage == "forward-done" and fsdp_mod is self.model and not self._mod_tracker.is_bw:
+                self.stage, self.unit = "after forward", fqn
+            elif stage == "backward-done":
+                self.stage, self.unit = "after backward", fqn
+            return out
+        return wrapped
 
-        def _fsdp_state_pre_forward(self, fsdp_mod, orig):
-            return self._mark(fsdp_mod, super()._fsdp_state_pre_forward(fsdp_mod, orig), "forward")
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig):
+        return self._mark(fsdp_mod, super()._fsdp_state_pre_forward(fsdp_mod, orig), "forward")
 
-        def _fsdp_state_post_forward(self, fsdp_mod, orig):
-            return self._mark(fsdp_mod, super()._fsdp_state_post_forward(fsdp_mod, orig), "forward-done")
+    def _fsdp_state_post_forward(self, fsdp_mod, orig):
+        return self._mark(fsdp_mod, super()._fsdp_state_post_forward(fsdp_mod, orig), "forward-done")
 
-        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
-            return self._mark(fsdp_mod, super()._fsdp_param_group_pre_backward(fsdp_mod, orig), "backward")
+    def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+        return self._mark(fsdp_mod, super()._fsdp_param_group_pre_backward(fsdp_mod, orig), "backward")
 
-        def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
-            return self._mark(fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig), "backward-done")
+    def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+        return self._mark(fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig), "backward-done")
 
-        # Op counter and each storage's birth op: a gradient is known as one only when it is accumulated into
-        # `.grad`, an op or two after the matmul that made it; `_relabel` also moves its bytes in the peaks
-        # recorded in between, during which it was alive.
-        _ops, _peak_op = 0, 0
+    # Op counter and each storage's birth op: a gradient is known as one only when it is accumulated into
+    # `.grad`, an op or two after the matmul that made it; `_relabel` also moves its bytes in the peaks
+    # recorded in between, during which it was alive.
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._ops += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self._ops += 1
-            return super().__torch_dispatch__(func, types, args, kwargs)
+    def _track(self, reftype, t):
+        super()._track(reftype, t)
+        for st in get_untyped_storages(t):
+            if st not in self._born:
+                self._born[st] = self._ops
 
-        def _track(self, reftype, t):
-            from torch.distributed._tools.common_utils import get_untyped_storages
+    def _relabel(self, t, reftype):
+        for st in get_untyped_storages(t):
+            winfo, _ = self._WINFO.get(st, (None, None))
+            born = self._born.get(st)
+            if winfo is None or born is None or winfo.reftype == reftype:
+                continue
+            recorded = [(self._peak_mem_snap.get(winfo.device), self._peak_op)]
+            recorded += [(snap, op) for snap, op in self.moments.values()]
+            for snap, op in recorded:
+                if snap is not None and born <= op:
+                    snap[winfo.reftype] -= winfo.mem_consumed
+                    snap[reftype] = snap.get(reftype, 0) + winfo.mem_consumed
+        self._update_and_maybe_create_winfos(t, reftype)
 
-            super()._track(reftype, t)
-            for st in get_untyped_storages(t):
-                if st not in self._born:
-                    self._born[st] = self._ops
+    def _update_peak_stats(self, peak_state):
+        before = dict(self._peak_mem)
+        super()._update_peak_stats(peak_state)
+        moment = _moment(self.stage, self.unit, self._mod_tracker.is_bw, self._in_opt, self.units)
+        if self._peak_mem != before:
+            self.peak_at, self._peak_op = moment, self._ops
+        cur = next(iter(self._curr_mem_snap.values()), None)
+        if cur is not None and cur["Total"] > self.moments.get(moment[0], ({"Total": -1}, 0))[0]["Total"]:
+            self.moments[moment[0]] = (dict(cur), self._ops)
 
-        def _relabel(self, t, reftype):
-            from torch.distributed._tools.common_utils import get_untyped_storages
+    # The tracker files a buffer by the op that first touches it; these make the filing exact for the two
+    # kinds it would otherwise see as Temp for a while: an unsharded gradient (until its unit's
+    # post-backward) and a collective's buffer (between its allocation and the collective).
+    def _instrument_fsdp_module(self):
+        super()._instrument_fsdp_module()
+        for group in self._param_groups():
+            for comm, ref in ((group._all_gather_comm, _FSDPRefType.ALL_GATHER),
+                              (group._reduce_scatter_comm, _FSDPRefType.REDUCE_SCATTER)):
+                if "allocate" in vars(comm):
+                    continue  # one comm object may serve several groups
+                comm.allocate = self._labelled(comm.allocate, ref)
+                self._undo.append(lambda c=comm: vars(c).pop("allocate", None))
 
-            for st in get_untyped_storages(t):
-                winfo, _ = self._WINFO.get(st, (None, None))
-                born = self._born.get(st)
-                if winfo is None or born is None or winfo.reftype == reftype:
-                    continue
-                recorded = [(self._peak_mem_snap.get(winfo.device), self._peak_op)]
-                recorded += [(snap, op) for snap, op in self.moments.values()]
-                for snap, op in recorded:
-                    if snap is not None and born <= op:
-                        snap[winfo.reftype] -= winfo.mem_consumed
-                        snap[reftype] = snap.get(reftype, 0) + winfo.mem_consumed
-            self._update_and_maybe_create_winfos(t, reftype)
+    def _labelled(self, allocate, ref):
+        def wrapped(*args, **kwargs):
+            t = allocate(*args, **kwargs)
+            self._relabel(t, ref)
+            return t
+        return wrapped
 
-        def _update_peak_stats(self, peak_state):
-            before = dict(self._peak_mem)
-            super()._update_peak_stats(peak_state)
-            moment = _moment(self.stage, self.unit, self._mod_tracker.is_bw, self._in_opt, units)
-            if self._peak_mem != before:
-                self.peak_at, self._peak_op = moment, self._ops
-            cur = next(iter(self._curr_mem_snap.values()), None)
-            if cur is not None and cur["Total"] > self.moments.get(moment[0], ({"Total": -1}, 0))[0]["Total"]:
-                self.moments[moment[0]] = (dict(cur), self._ops)
+    def _param_groups(self):
+        for m in self._root_mod.modules():
+            if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None:
+                yield m._get_fsdp_state()._fsdp_param_group
 
-        # The tracker files a buffer by the op that first touches it; these make the filing exact for the two
-        # kinds it would otherwise see as Temp for a while: an unsharded gradient (until its unit's
-        # post-backward) and a collective's buffer (between its allocation and the collective).
-        def _instrument_fsdp_module(self):
-            super()._instrument_fsdp_module()
-            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    def _label_unsharded_grads(self):
+        def hook(p):
+            self._relabel(p.grad, _FSDPRefType.UNSHARDED_GRAD)
 
-            self._undo = []
-            for group in self._param_groups():
-                for comm, ref in ((group._all_gather_comm, _FSDPRefType.ALL_GATHER),
-                                  (group._reduce_scatter_comm, _FSDPRefType.REDUCE_SCATTER)):
-                    if "allocate" in vars(comm):
-                        continue  # one comm object may serve several groups
-                    comm.allocate = self._labelled(comm.allocate, ref)
-                    self._undo.append(lambda c=comm: vars(c).pop("allocate", None))
+        for group in self._param_groups():
+            for fp in group.fsdp_params:
+                if hasattr(fp, "_unsharded_param"):
+                    h = fp._unsharded_param.register_post_accumulate_grad_hook(hook)
+                    self._undo.append(h.remove)
 
-        def _labelled(self, allocate, ref):
-            def wrapped(*args, **kwargs):
-                t = allocate(*args, **kwargs)
-                self._relabel(t, ref)
-                return t
-            return wrapped
+    def label_partial_grads(self):
+        """HSDP between micro-steps keeps reduce-scattered, not yet all-reduced, gradients per unit
+        (`_partial_reduce_output`): accumulated gradients, whatever buffer they were born in."""
+        for group in self._param_groups():
+            if getattr(group, "_partial_reduce_output", None) is not None:
+                self._update_and_maybe_create_winfos(group._partial_reduce_output, _FSDPRefType.SHARDED_GRAD)
 
-        def _param_groups(self):
-            for m in self._root_mod.modules():
-                if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None:
-                    yield m._get_fsdp_state()._fsdp_param_group
+    def _deregister_module_and_optimizer_hooks(self):
+        for undo in getattr(self, "_undo", []):
+            undo()
+        self._undo = []
+        super()._deregister_module_and_optimizer_hooks()
 
-        def _label_unsharded_grads(self):
-            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-
-            def hook(p):
-                self._relabel(p.grad, _FSDPRefType.UNSHARDED_GRAD)
-
-            for group in self._param_groups():
-                for fp in group.fsdp_params:
-                    if hasattr(fp, "_unsharded_param"):
-                        h = fp._unsharded_param.register_post_accumulate_grad_hook(hook)
-                        self._undo.append(h.remove)
-
-        def label_partial_grads(self):
-            """HSDP between micro-steps keeps reduce-scattered, not yet all-reduced, gradients per unit
-            (`_partial_reduce_output`): accumulated gradients, whatever buffer they were born in."""
-            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-
-            for group in self._param_groups():
-                if getattr(group, "_partial_reduce_output", None) is not None:
-                    self._update_and_maybe_create_winfos(group._partial_reduce_output, _FSDPRefType.SHARDED_GRAD)
-
-        def _deregister_module_and_optimizer_hooks(self):
-            for undo in getattr(self, "_undo", []):
-                undo()
-            self._undo = []
-            super()._deregister_module_and_optimizer_hooks()
-
-        def reset_peak(self):
-            """Start counting the peak afresh (the second iteration); the unsharded parameters exist by now."""
-            self._label_unsharded_grads()
-            self.reset_mod_stats()
-            self._peak_mem_snap = self.get_tracker_snapshot("current")
-            self._peak_mem = {d: s["Total"] for d, s in self._peak_mem_snap.items()}
-            self.peak_at = ("start", "start")
-            self.moments = {}
-
-    from torch.utils.weak import WeakIdKeyDictionary
-
-    tracker = Tracker(model, optimizer)
-    tracker._born = WeakIdKeyDictionary()
-    return tracker
+    def reset_peak(self):
+        """Start counting the peak afresh (the second iteration); the unsharded parameters exist by now."""
+        self._label_unsharded_grads()
+        self.reset_mod_stats()
+        self._peak_mem_snap = self.get_tracker_snapshot("current")
+        self._peak_mem = {d: s["Total"] for d, s in self._peak_mem_snap.items()}
+        self.peak_at = ("start", "start")
+        self.moments = {}
 
 
 def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
@@ -282,10 +272,12 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
             group["foreach"] = True  # what AdamW picks on CUDA
         names = {m: n for n, m in module.named_modules()}
         units = [names[u] or "root" for u in fsdp_units(module)]
-        x = torch.randint(0, shape.vocab, (layout.micro_batch, plan.seq_len))
-        y = torch.randint(0, shape.vocab, (layout.micro_batch, plan.seq_len))
-        tracker = _make_tracker(engine.model, engine.optimizer, units)
-        tracker.track_inputs((x, y))
+        # As `runtime.data.Batches`: the step's grad_accum micro-batches of s+1 tokens, loaded up front.
+        batches = [torch.randint(0, shape.vocab, (layout.micro_batch, plan.seq_len + 1))
+                   for _ in range(layout.grad_accum)]
+        x, y = batches[0][:, :-1], batches[0][:, 1:]
+        tracker = StepTracker(engine.model, engine.optimizer, units)
+        tracker.track_inputs(tuple(batches))
         with tracker:
             for it in range(2):
                 if it == 1:
