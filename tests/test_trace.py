@@ -138,4 +138,4 @@ def test_trace_without_torch_is_an_error_with_a_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
     with pytest.raises(TraceError, match="needs torch") as e:
         check_torch()
-    assert "dtlaunch[train]" in e.value.fix
+    assert "dtlaunch[trace]" in e.value.fix

@@ -33,7 +33,7 @@ def check_torch() -> str:
         import torch
     except ImportError:
         raise TraceError("--trace runs the training code on fake tensors and needs torch, which is not installed",
-                         fix="pip install 'dtlaunch[train]' (or plan without --trace)") from None
+                         fix="pip install 'dtlaunch[trace]' (or plan without --trace)") from None
     version = torch.__version__.split("+")[0]
     major_minor = tuple(int(x) for x in version.split(".")[:2])
     lo, hi = SUPPORTED_TORCH

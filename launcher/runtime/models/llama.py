@@ -7,7 +7,6 @@ checkpointing can wrap a block or just the SwiGLU tail. The parameter set is exa
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -181,7 +180,7 @@ class Llama(nn.Module):
 
 
 def build_model(shape: ModelShape, activation_checkpointing: str = "none",
-                device: Optional[str | torch.device] = "cpu") -> Llama:
+                device: str | torch.device | None = "cpu") -> Llama:
     """Build on `device`; "meta" allocates nothing (for presets too big for one host, and for counting).
 
     Always constructed on meta and then initialised by `init_weights`, so a model materialised later
