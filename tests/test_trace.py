@@ -4,7 +4,7 @@ must match the planner's formulas (`launcher.plan.moments`). A change to the mod
 that moves memory fails here, not in a job on an H100.
 
 The expectations are the tracker's measurements, never the planner's own numbers; the planner is what is
-tested. Fast by design (~20 s): the tiny preset is traced whole, the 8B shapes at 2 and 4 layers and
+tested. Fast by design (~20 s): the tiny preset is traced whole, an 8B shape at 3 and 5 layers and
 extrapolated (each moment's memory is affine in the depth; one test checks that claim on real traces).
 """
 from __future__ import annotations
@@ -69,18 +69,29 @@ def test_tiny_preset_traced_in_full_matches_the_planner_term_by_term(tiny):
     _assert_matches(_planned(recipe, plan), traced, exact_split=False)
 
 
-def test_8b_shape_extrapolated_from_2_and_4_layers_matches_the_planner():
+def test_8b_shape_extrapolated_from_3_and_5_layers_matches_the_planner():
     """The shipped 8B layout (FSDP, no checkpointing, micro-batch 1 of 8192 tokens, 128K vocabulary)."""
     recipe, plan = _plan("llama3-8b.yaml", "parallelism.strategy=fsdp", "parallelism.activation_checkpointing=none",
                          "parallelism.offload=none", "training.micro_batch=1")
-    traced = trace(recipe, plan, depths=(2, 4))
+    traced = trace(recipe, plan, depths=(3, 5))
     assert not traced.exact and traced.layers == 32
     _assert_matches(_planned(recipe, plan), traced, exact_split=True)
+    assert traced.peak_at == "head backward"
     # Gradient accumulation keeps only the sharded fp32 gradients between micro-steps (4 bytes per parameter
     # over the world), never an unsharded copy: at the loss, no FSDP buffer is alive at all.
     loss = traced.moments["loss backward"]
     assert loss["grads"] == pytest.approx(4 * count_params(recipe.model.shape()) / plan.world_size, rel=1e-3)
     assert loss.get("buffers", 0) == 0
+
+
+def test_small_vocabulary_shape_peaks_at_the_second_layers_backward():
+    """Llama 2 13B's layout of the shipped ZeRO-3 recipe, on FSDP (32K vocabulary, no GQA, full checkpointing,
+    micro-batch 4): a block is larger than the head, so the second layer in backward, holding the first one's
+    reduce-scatter input, is the peak."""
+    recipe, plan = _plan("llama2-13b-zero3.yaml", "parallelism.strategy=fsdp", "parallelism.offload=none")
+    traced = trace(recipe, plan, depths=(3, 5))
+    _assert_matches(_planned(recipe, plan), traced, exact_split=True)
+    assert traced.peak_at == "layer backward"
 
 
 @pytest.mark.parametrize("sets", [
@@ -97,11 +108,12 @@ def test_tiny_variants_match_the_planner(sets):
     _assert_matches(_planned(recipe, plan), trace(recipe, plan), exact_split=False)
 
 
-def test_two_depths_extrapolate_to_the_full_trace(tiny):
-    """The claim the fast trace rests on: each moment's memory is affine in the number of layers."""
-    recipe, plan, full = tiny
-    line = trace(recipe, plan, depths=(2, 3))  # extrapolated to the preset's 4 layers
-    assert line.layers == 4 and not line.exact
+def test_two_depths_extrapolate_to_the_full_trace():
+    """The claim the fast trace rests on: from 3 layers on, each moment's memory is affine in the depth."""
+    recipe, plan = _plan("tiny.yaml", "model.layers=6")
+    full = trace(recipe, plan, depths=(6,))
+    line = trace(recipe, plan, depths=(3, 4))  # extrapolated to 6
+    assert full.exact and not line.exact and line.layers == 6
     for moment, total in full.totals.items():
         assert line.totals[moment] == pytest.approx(total, rel=1e-9, abs=1), moment
 

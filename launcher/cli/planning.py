@@ -89,22 +89,19 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps, trace):
             raise click.UsageError("--trace checks one plan: drop --sweep, or pick the combination with --set")
         return _plan_sweep(recipe_path, overrides, sweeps, as_json)
     recipe, p = load(recipe_path, overrides)
-    comparison = None
-    if trace:
-        from . import tracing
-
-        comparison = tracing.run(recipe, p)
     if as_json:
         d = p.to_dict()
-        if comparison is not None:
-            d["trace"] = comparison.to_dict()
-        click.echo(json.dumps(d, indent=2))
-    else:
-        _print_plan(recipe, p)
-        if comparison is not None:
+        if trace:
             from . import tracing
 
-            tracing.print_comparison(comparison)
+            d["trace"] = tracing.run(recipe, p).to_dict()
+        click.echo(json.dumps(d, indent=2))
+        return
+    _print_plan(recipe, p)
+    if trace:  # after the plan, so that a plan that cannot be traced is still shown
+        from . import tracing
+
+        tracing.print_comparison(tracing.run(recipe, p))
 
 
 @click.command("validate")

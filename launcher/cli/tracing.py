@@ -32,7 +32,7 @@ def print_comparison(c) -> None:
            + (f" (third depth {tr.linearity:.2%} off the line)" if tr.linearity is not None else ""))
     con.print(f"[bold]trace[/]: the runtime's model and wrapping on fake tensors under PyTorch's FSDPMemTracker, "
               f"{how}, {tr.seconds:.1f} s; the second iteration")
-    t = Table(title=f"At the traced peak ({c.peak_traced}), GB; the planner's peak: {c.peak_planned}")
+    t = Table(title=f"At the peak, GB: trace {c.peak_traced}, planner {c.peak_planned}")
     for col in ("term", "planner", "trace", "planner/trace"):
         t.add_column(col, justify="left" if col == "term" else "right", no_wrap=True)
     flagged_terms = {w.split(":")[0] for w in c.warnings}

@@ -126,8 +126,11 @@ def units(shape: ModelShape | None, arch: str, n: float, lay: Layout) -> Units:
 # Candidate peaks of a moment: "moment (variant)" rows are folded into "moment" by keeping the larger total.
 VARIANTS = {
     "forward (last block)": "forward",  # the last block's forward, before the head's
-    "head backward (norm)": "head backward",  # the final norm's backward, after the output projection's
+    "head backward (reduce)": "head backward",  # the head's reduce-scatter, after the output projection's backward
+    "head backward (norm)": "head backward",  # then the final norm's backward
     "layer backward (second)": "layer backward",  # the second layer in backward, holding a layer's RS input
+    "layer backward (end)": "layer backward",  # the end of a layer's backward: all its gradients, its first norm
+    "layer backward (end, second)": "layer backward",
     "end of backward (reduce)": "end of backward",  # the embedding's reduce-scatter, after its gradient
 }
 
@@ -158,9 +161,14 @@ def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]
         "loss forward": root + kept,
         "loss backward": root + kept,
         "head backward": root + kept_but_head + 2 * w * u.head + (0.0 if keep else ag * w * u.layer),
+        "head backward (reduce)": root + (kept_but_head if keep else ag * w * u.layer) + w * u.head
+        + 4 * u.head * (1 + 1 / lay.shard_group),
         "head backward (norm)": root + (kept_but_head if keep else ag * w * u.layer) + 4 * u.head,
         "layer backward": root + layer_bw + w * u.w2 + 4 * u.head,
         "layer backward (second)": root + second_bw + w * u.w2 + 4 * u.layer,
+        # at the end of a layer's backward every gradient of it exists, the next layer is still prefetched
+        "layer backward (end)": root + layer_bw + w * u.layer + 4 * u.head,
+        "layer backward (end, second)": root + second_bw + w * u.layer + 4 * u.layer,
         # its gradient computed with its weights gathered (plus the all-gather buffer at the copy-out) and the
         # first layer's reduce-scatter input held; or its own reduce-scatter, its weights resharded
         "end of backward": root + other + (1 + ag) * w * first + 4 * u.layer,
@@ -175,6 +183,7 @@ def _grads_at(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
     if lay.grad_accum > 1 or g == 0 or not n:
         return g
     done = {"head backward (norm)": u.head, "layer backward": u.head, "layer backward (second)": u.head + u.layer,
+            "layer backward (end)": u.head, "layer backward (end, second)": u.head + u.layer,
             "end of backward": n - u.emb, "end of backward (reduce)": n - u.emb, "optimizer step": n}
     return g * done.get(moment, 0.0) / n
 
@@ -236,9 +245,14 @@ def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: 
     head = act.head_bytes(shape, seq, b, t, e)
     logits = act.logits_bytes(shape, seq, b, t, e)
     sbh = e * seq * b * shape.hidden / t
+    # The end of a layer's backward is its first norm's: of its activations only that norm's input is left,
+    # with the gradient of the norm's output and the norm's recompute (`activations.norm_backward_extra`).
+    norm_end = 2 * sbh + act.norm_backward_extra(shape, seq, b, t, e) - per * in_flight
     backward = {
         "layer backward": in_bw,
         "layer backward (second)": in_bw - per * in_flight,  # the first layer in backward has freed its own
+        "layer backward (end)": norm_end,
+        "layer backward (end, second)": norm_end - per * in_flight,
         # the last block's forward at its end: all its activations (transiently, under checkpointing too) and
         # its output; the layers term counts it once already
         "forward (last block)": whole - per + sbh,
@@ -250,6 +264,9 @@ def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: 
         "loss backward": head + act.loss_backward(shape, seq, b, t, e),
         # the output projection's backward: the logits' gradient and the gradient of the norm's output
         "head backward": head + logits + sbh,
+        # the head's reduce-scatter (its post-backward comes before the final norm's backward): the norm's
+        # input and the gradient of its output
+        "head backward (reduce)": 2 * sbh,
         # then the final norm's backward: its input and its recompute (the incoming gradient is freed by the
         # first op of its backward)
         "head backward (norm)": sbh + act.norm_backward_extra(shape, seq, b, t, e),

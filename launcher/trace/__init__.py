@@ -20,7 +20,10 @@ from .report import Point, TracedStep, extrapolate
 # The torch versions whose private FSDPMemTracker / fake process group this was written against (the `train`
 # extra's range). Outside it the internals the harness touches may have moved.
 SUPPORTED_TORCH = ((2, 12), (2, 15))  # [lower, upper)
-DEPTHS = (2, 4, 6)  # traced depths: the line from the first two, the third checks it
+# Traced depths: the line from the first two, the third checks it. Three layers at least: a model of two is
+# not yet shaped like a deep one (its second layer in backward prefetches the embedding, not a layer), and
+# the second layer's backward is where a small-vocabulary model peaks.
+DEPTHS = (3, 5, 7)
 
 
 class TraceError(DtlaunchError):
@@ -68,8 +71,8 @@ def check_plan(recipe, plan) -> None:
 
 
 def trace(recipe, plan, depths: tuple[int, ...] | None = None) -> TracedStep:
-    """The traced step at the recipe's depth: the preset in full if it has at most 4 layers, else `DEPTHS`
-    extrapolated. Raises TraceError for what cannot be traced."""
+    """The traced step at the recipe's depth: the preset in full if it has at most DEPTHS[1] layers, else
+    `DEPTHS` extrapolated. Raises TraceError for what cannot be traced."""
     check_plan(recipe, plan)
     check_torch()
     from .fake import fake_world, trace_step
