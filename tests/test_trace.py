@@ -151,3 +151,52 @@ def test_trace_without_torch_is_an_error_with_a_fix(monkeypatch):
     with pytest.raises(TraceError, match="needs torch") as e:
         check_torch()
     assert "dtlaunch[trace]" in e.value.fix
+
+
+@pytest.mark.parametrize("sets", [("parallelism.precision=fp32",), ("parallelism.precision=bf16",),
+                                  ("parallelism.precision=bf16", "parallelism.activation_checkpointing=selective")],
+                         ids=["fp32", "bf16-autocast", "bf16-autocast-selective"])
+def test_ddp_on_real_tensors_matches_the_planner(sets, tmp_path):
+    """DDP cannot run on fake tensors (its C++ reducer and `module.to` need real storage), so its formulas are
+    pinned on the tiny model's real tensors, in a gloo world of one rank (DDP keeps the same per rank at any
+    world size): the whole step's peak under PyTorch's MemTracker against the planner's largest moment."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from launcher.runtime.models import build_model
+    from launcher.runtime.parallel import resolve_layout, wrap_model
+
+    recipe, plan = _plan("tiny.yaml", "parallelism.strategy=ddp", "resources.accelerator=cpu:1", "model.layers=2",
+                         *sets)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        layout, _ = resolve_layout(plan, 1)
+        torch.manual_seed(0)
+        module = build_model(recipe.model.shape(), layout.activation_checkpointing, device="cpu")
+        training = recipe.training.model_copy(update={"grad_clip": 0.0})
+        engine = wrap_model(module, layout, recipe.model_copy(update={"training": training}), plan, 10,
+                            torch.device("cpu"), is_gpu=False)
+        for group in engine.optimizer.param_groups:
+            group["foreach"] = True  # as on CUDA
+        batches = [torch.randint(0, 512, (layout.micro_batch, plan.seq_len + 1)) for _ in range(layout.grad_accum)]
+        tracker = MemTracker()
+        tracker.track_external(engine.model, engine.optimizer, *batches)
+        with tracker:
+            for it in range(2):
+                if it:  # the second iteration, as the fake-tensor trace
+                    gc.collect()
+                    tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+                    tracker._peak_mem = {d: s["Total"] for d, s in tracker._peak_mem_snap.items()}
+                for i in range(2):
+                    tracker.reset_mod_stats()
+                    engine.micro_step(batches[i][:, :-1], batches[i][:, 1:], last=i == 1)
+                engine.step()
+        traced = next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
+    finally:
+        dist.destroy_process_group()
+    planned = max(sum(t.values()) for t in _planned(recipe, plan).values())
+    assert planned == pytest.approx(traced, rel=TOLERANCE)

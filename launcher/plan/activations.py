@@ -28,7 +28,7 @@ def _gpt_layer(shape: ModelShape, s: int, b: int, t: int, sp: bool, ac: str, sca
 
 
 def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, ac: str,
-                               act_bytes: int = 2, cast_inputs: bool = True) -> float:
+                               act_bytes: int = 2, cast_inputs: bool = True, autocast: bool = False) -> float:
     """Activations one transformer layer keeps for backward, per GPU, between its forward and its backward.
 
     Llama block of the runtime (pre-norm RMSNorm, GQA attention through SDPA with `enable_gqa`, SwiGLU):
@@ -42,15 +42,20 @@ def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: 
       split: norms are replicated unless sequence parallel).
     selective: the SwiGLU tail is recomputed from (w1 x, w3 x): the two others are dropped, -2e sbf.
     full: the block keeps its input only, e sbh (/t with SP).
+    `autocast` (DDP in 16-bit: fp32 weights, torch.autocast): the residual stream stays fp32 (the embedding is
+    not autocast), so each norm's input is 4 sbh, and autocast casts the norm's fp32 output once per projection
+    that reads it, each copy kept: 3 for q, k, v and 2 for w1, w3: 8 + 5e sbh instead of 4e sbh.
     """
     scale = act_bytes / 2
+    e = act_bytes
+    res = _residual_bytes(act_bytes, autocast)
     if ac == "full":
-        return act_bytes * s * b * shape.hidden / (t if sp else 1)
+        return res * s * b * shape.hidden / (t if sp else 1)
     if arch == "gpt":
         return _gpt_layer(shape, s, b, t, sp, ac, scale)
-    e, h, a, g, f = act_bytes, shape.hidden, shape.heads, shape.kv_heads, shape.ffn_hidden
+    h, a, g, f = shape.hidden, shape.heads, shape.kv_heads, shape.ffn_hidden
     sbh = s * b * h
-    replicated = 4 * e * sbh
+    replicated = 2 * res * sbh + (5 if autocast else 2) * e * sbh
     split = e * sbh * (2 + 2 * g / a) + 4 * e * s * b * f + 4 * a * s * b
     if ac == "selective":
         split -= 2 * e * s * b * f
@@ -64,45 +69,53 @@ def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: 
     return replicated + split / t + rope
 
 
-def layer_backward_extra(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, act_bytes: int) -> float:
+def _residual_bytes(act_bytes: int, autocast: bool) -> int:
+    """Bytes per element of the residual stream: the compute dtype, or fp32 under autocast."""
+    return 4 if autocast else act_bytes
+
+
+def layer_backward_extra(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, act_bytes: int,
+                         autocast: bool = False) -> float:
     """What one layer's backward holds on top of the activations it saved in forward (no checkpointing).
 
     In the runtime's block the backward peaks in SwiGLU, right after w2's backward: alive are the gradient of
-    the block's output (the residual stream's, e sbh), the gradient of the product and the two gradients of
-    its factors (3e sbf), while the product itself, w2's saved input, is already freed (-e sbf):
-    e sbh + 2e sbf. (Attention's backward holds less: its widest tensors are sbh, not sbf.)
+    the block's output (the residual stream's, e sbh, fp32 under autocast), the gradient of the product and the
+    two gradients of its factors (3e sbf), while the product itself, w2's saved input, is already freed
+    (-e sbf): e sbh + 2e sbf. (Attention's backward holds less: its widest tensors are sbh, not sbf.)
     GPT: the same reasoning on its 4h-wide MLP, e sbh + 2 x 4e sbh, as an estimate.
     """
     e = act_bytes
     f = shape.ffn_hidden if arch != "gpt" else 4 * shape.hidden
-    return (e * s * b * shape.hidden + 2 * e * s * b * f) / t
+    return (_residual_bytes(e, autocast) * s * b * shape.hidden + 2 * e * s * b * f) / t
 
 
 def layer_in_backward(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, act_bytes: int,
-                      cast_inputs: bool = True) -> float:
+                      cast_inputs: bool = True, autocast: bool = False) -> float:
     """One layer at its backward's peak, whatever the checkpointing: with `selective` or `full`, backward first
     recomputes what forward did not keep, so the layer holds its no-checkpointing activations, then adds
     `layer_backward_extra`."""
-    return (activation_bytes_per_layer(shape, arch, s, b, t, sp, "none", act_bytes, cast_inputs)
-            + layer_backward_extra(shape, arch, s, b, t, sp, act_bytes))
+    return (activation_bytes_per_layer(shape, arch, s, b, t, sp, "none", act_bytes, cast_inputs, autocast)
+            + layer_backward_extra(shape, arch, s, b, t, sp, act_bytes, autocast))
 
 
-def norm_backward_extra(shape: ModelShape, s: int, b: int, t: int, act_bytes: int) -> float:
+def norm_backward_extra(shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autocast: bool = False) -> float:
     """What an RMSNorm's backward holds beyond its input, per element of sbh.
 
     The runtime recomputes the norm in backward (`_rms_norm` under a checkpoint) and autograd differentiates
-    it: the fp32 upcast x.float() (4, kept for backward; none in fp32, where it is x itself) and five fp32
-    temporaries of the pow/mean/mul gradient chain alive at once (20): 24 bytes per element in 16-bit, 20 in
-    fp32. It matters for the final norm, in the head's backward, when the vocabulary is small (V < ~10h):
-    in the blocks the SwiGLU peak is larger.
+    it: the fp32 upcast x.float() (4, kept for backward; none when the input is fp32 already, where it is x
+    itself) and five fp32 temporaries of the pow/mean/mul gradient chain alive at once (20): 24 bytes per
+    element in 16-bit, 20 in fp32 (and under autocast, whose residual stream is fp32). It matters for the
+    final norm, in the head's backward, when the vocabulary is small (V < ~10h), and at the end of a large
+    layer's backward.
     """
-    per_element = 20 + (4 if act_bytes < 4 else 0)
+    per_element = 20 + (4 if _residual_bytes(act_bytes, autocast) < 4 else 0)
     return per_element * s * b * shape.hidden / t
 
 
-def head_bytes(shape: ModelShape, s: int, b: int, t: int, act_bytes: int) -> float:
-    """The final RMSNorm's saved input and its output (kept by the output projection): 2e sbh."""
-    return 2 * act_bytes * s * b * shape.hidden / t
+def head_bytes(shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autocast: bool = False) -> float:
+    """The final RMSNorm's saved input and its output, kept by the output projection: 2e sbh (under autocast
+    an fp32 input and the projection's 16-bit cast of the output)."""
+    return (_residual_bytes(act_bytes, autocast) + act_bytes) * s * b * shape.hidden / t
 
 
 def loss_chunk_bytes(shape: ModelShape, s: int, b: int, t: int) -> float:

@@ -5,18 +5,27 @@ temporaries exist only around the loss, FSDP's gathered weights and reduce-scatt
 unit, the optimizer's temporaries only in its step. So each moment below lists what is alive then, and the
 plan's figure is the largest moment, not a sum of maxima that never coincide.
 
-Moments, in step order (`launcher.trace` finds the same ones in the tracker's timeline):
+Moments, in step order (`launcher.trace` finds the same ones in the tracker's timeline), each the largest of
+its candidate points (`VARIANTS`):
 - forward: the head's forward, the last FSDP unit of forward: every layer's activations, the logits, and the
   head's weights all-gathered (FSDP2 keeps a unit's all-gather buffer until the next unit's copy-out, so 2x);
+  or the last block's forward, with a block's weights twice;
 - loss forward: the logits plus one fp32 chunk of the loss;
 - loss backward: the logits, their gradient and one fp32 chunk, on top of every layer's activations;
-- head backward: the logits' gradient, the head's gathered weights and its unsharded weight gradient, the
-  last layer's weights prefetched;
-- layer backward: the first layer in backward at its peak (`activations.layer_in_backward`), its gathered
+- head backward: the output projection's backward (the logits' gradient, the head's weights and its unsharded
+  weight gradient, the last layer prefetched), then the head's reduce-scatter, then the final norm's backward;
+- layer backward: the first layer in backward at SwiGLU's backward peak (`activations.layer_in_backward`), its
   weights, the next layer prefetched, and the head's fp32 reduce-scatter input (FSDP2 keeps one until the next
-  unit's post-backward); later layers hold fewer activations and a smaller reduce-scatter buffer;
-- end of backward: the embedding's unsharded gradient and its fp32 reduce-scatter input;
+  unit's post-backward); or the second layer, holding a layer's reduce-scatter input (larger than the head's
+  for a small vocabulary); or the end of either's backward, its first norm's recompute beside all of its
+  gradients (for large layers and few activations, e.g. full checkpointing at 70B+);
+- end of backward: the embedding's gradient computed, or its reduce-scatter;
 - optimizer step: the states plus AdamW's foreach temporary (sqrt of the second moment, 4 bytes per param).
+Later layers hold fewer activations and the same buffers, so they never peak higher.
+
+Not counted, because no tensor holds them: kernel workspaces (flash attention's fp32 gradient accumulator, about
+4 bytes x sbh for one layer, cuBLAS workspaces), NCCL's buffers and the CUDA context, which `memory`'s 1 GB
+context and 5% fragmentation cover.
 
 FSDP2 facts used (torch.distributed.fsdp, `fully_shard` with MixedPrecisionPolicy(param_dtype, fp32 reduce)):
 weights are all-gathered per unit in param_dtype; gradients are produced unsharded in param_dtype and copied
@@ -196,8 +205,12 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
     w = 2 if lay.precision in ("bf16", "fp16") else 4  # param_dtype, 16-bit weights, autocast copies
     u = units(shape, arch, n, lay)
     acts = _activations(shape, arch, seq, lay, e=w)
-    other = _other_buffers(u, n, lay, w)
-    buffers = _fsdp_buffers(u, n, lay, w) if fsdp else {m: other for m in (*MOMENTS, *VARIANTS)}
+    if fsdp:
+        buffers = _fsdp_buffers(u, n, lay, w)
+    elif not sp.sharded:
+        buffers = _ddp_buffers(shape, u, n, lay, w)
+    else:
+        buffers = dict.fromkeys((*MOMENTS, *VARIANTS), _deepspeed_buffers(u, lay, w))
     buffers["optimizer step"] = 0.0
     # The model's buffers: the fp32 RoPE tables, cos and sin of (seq_len, head_dim/2), on every rank.
     rope = 4 * shape.seq_len * shape.hidden / shape.heads if shape is not None and arch != "gpt" else 0.0
@@ -238,16 +251,20 @@ def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: 
     b, t, spar = lay.micro_batch, lay.tp, lay.sequence_parallel
     layers_here = math.ceil(shape.layers / lay.pp)
     in_flight = min(lay.pp, max(lay.grad_accum, 1)) if lay.pp > 1 else 1  # 1F1B: [MLM3] sec. 4.2.3
-    cast = lay.spec.family is Family.TORCH and lay.spec.sharded  # FSDP2 casts each block's inputs
-    per = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, lay.activation_checkpointing, e, cast)
-    whole = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, "none", e, cast)
-    in_bw = act.layer_in_backward(shape, arch, seq, b, t, spar, e, cast) - per
-    head = act.head_bytes(shape, seq, b, t, e)
+    torch_family = lay.spec.family is Family.TORCH
+    cast = torch_family and lay.spec.sharded  # FSDP2 casts each block's inputs
+    autocast = torch_family and not lay.spec.sharded and e < 4  # DDP in 16-bit runs under torch.autocast
+    per = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, lay.activation_checkpointing, e, cast,
+                                         autocast)
+    whole = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, "none", e, cast, autocast)
+    in_bw = act.layer_in_backward(shape, arch, seq, b, t, spar, e, cast, autocast) - per
+    head = act.head_bytes(shape, seq, b, t, e, autocast)
     logits = act.logits_bytes(shape, seq, b, t, e)
-    sbh = e * seq * b * shape.hidden / t
+    sbh = (4 if autocast else e) * seq * b * shape.hidden / t  # a tensor of the residual stream
+    norm_extra = act.norm_backward_extra(shape, seq, b, t, e, autocast)
     # The end of a layer's backward is its first norm's: of its activations only that norm's input is left,
     # with the gradient of the norm's output and the norm's recompute (`activations.norm_backward_extra`).
-    norm_end = 2 * sbh + act.norm_backward_extra(shape, seq, b, t, e) - per * in_flight
+    norm_end = 2 * sbh + norm_extra - per * in_flight
     backward = {
         "layer backward": in_bw,
         "layer backward (second)": in_bw - per * in_flight,  # the first layer in backward has freed its own
@@ -269,21 +286,38 @@ def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: 
         "head backward (reduce)": 2 * sbh,
         # then the final norm's backward: its input and its recompute (the incoming gradient is freed by the
         # first op of its backward)
-        "head backward (norm)": sbh + act.norm_backward_extra(shape, seq, b, t, e),
+        "head backward (norm)": sbh + norm_extra,
     }
     # The step's token ids: grad_accum micro-batches of (b, s+1) int64, loaded at the start of the step.
     tokens = lay.grad_accum * 8 * b * (seq + 1)
     return _Acts(per * layers_here * in_flight, backward, loss, tokens)
 
 
-def _other_buffers(u: Units, n: float, lay: Layout, w: float) -> float:
-    """DDP and DeepSpeed: DDP's buckets are its gradients (gradient_as_bucket_view), so nothing extra but the
-    autocast 16-bit weight copies (kept by autograd from forward to backward); DeepSpeed's reduce/all-gather
-    buckets as rendered, and for ZeRO-3 the largest unit gathered twice plus its fp32 gradient."""
-    sp = lay.spec
-    if not sp.sharded:
-        return w * n if lay.precision in ("bf16", "fp16") else 0.0
-    if "params" not in sp.shards:  # ZeRO-1/2
+def _ddp_buffers(shape: ModelShape | None, u: Units, n: float, lay: Layout, w: float) -> dict[str, float]:
+    """DDP: its buckets are its gradients (gradient_as_bucket_view; the runtime zeroes them in place), so the
+    only extra is, in 16-bit, torch.autocast's copy of each linear layer's fp32 weight, kept by autograd from
+    forward to that layer's backward. Not copied: the embedding and the norms (their ops run in fp32), the
+    tensors made inside a checkpointed region (w2 under selective; every block under full, where only the
+    layer being recomputed holds its copies)."""
+    if lay.precision == "fp32":
+        return dict.fromkeys((*MOMENTS, *VARIANTS), 0.0)
+    layers = shape.layers if shape is not None else 40
+    linear = u.layer - (2 * shape.hidden / lay.tp if shape is not None else 0.0)  # a block's linear weights
+    saved_per_layer = {"none": linear, "selective": linear - u.w2, "full": 0.0}[lay.activation_checkpointing]
+    copies = w * (u.head + layers * saved_per_layer)
+    if shape is None:
+        copies = w * n
+    out = dict.fromkeys((*MOMENTS, *VARIANTS), copies)
+    for m in ("layer backward", "layer backward (second)", "layer backward (end)", "layer backward (end, second)"):
+        out[m] = copies + (w * linear if lay.activation_checkpointing == "full" else 0.0)  # the recomputed layer
+    out["end of backward"] = out["end of backward (reduce)"] = out["optimizer step"] = 0.0
+    return out
+
+
+def _deepspeed_buffers(u: Units, lay: Layout, w: float) -> float:
+    """DeepSpeed's reduce/all-gather buckets as rendered; for ZeRO-3 the largest unit gathered twice plus its
+    fp32 gradient (DeepSpeed cannot be traced: its own estimate, not derived from a trace)."""
+    if "params" not in lay.spec.shards:  # ZeRO-1/2
         return (DS_REDUCE_BUCKET + DS_ALLGATHER_BUCKET) * w
     unit = max(u.layer, u.emb, u.head, u.root)
     return 2 * unit * w + unit * 4

@@ -182,7 +182,11 @@ class TorchEngine(Engine):
         else:
             self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view), which live as long as
+        # the model: zeroing them in place keeps them views. Set to None, the next backward would allocate fresh
+        # gradients beside the buckets, twice the gradient memory until the next all-reduce. FSDP2's sharded
+        # gradients are set to None, freed until the next reduce-scatter.
+        self.optimizer.zero_grad(set_to_none=self.layout.spec.sharded)
         return {"grad_norm": norm, "skipped": skipped,
                 "loss_scale": self.scaler.get_scale() if self.scaler is not None else None}
 
