@@ -9,7 +9,8 @@ were checked on.
 
 Cannot be traced: DeepSpeed ZeRO (it allocates its flat buffers and launches its own kernels outside what fake
 tensors can follow), FSDP2 CPU offload (it pins host memory), tensor/pipeline parallel layouts (the runtime
-does not train them), and DDP (its C++ reducer allocates gradient buckets the tracker does not see).
+does not train them), and DDP (moving the model and building its C++ reducer need real storage; its formulas
+are checked on the tiny model's real tensors by tests/test_trace.py instead).
 """
 from __future__ import annotations
 
@@ -66,8 +67,10 @@ def check_plan(recipe, plan) -> None:
         raise TraceError(f"offload {lay.offload} cannot be traced: FSDP2's CPUOffloadPolicy pins host memory, which "
                          "fake tensors on a CPU cannot do", fix="--set parallelism.offload=none to trace the rest")
     if not lay.spec.sharded:
-        raise TraceError("ddp cannot be traced: DDP's C++ reducer allocates the gradient buckets where the tracker "
-                         "does not see them", fix="trace an FSDP2 strategy (--set parallelism.strategy=fsdp)")
+        raise TraceError("ddp cannot be traced on fake tensors: moving the model and building DDP's C++ reducer "
+                         "need real storage (its formulas are checked on a small model's real tensors in the test "
+                         "suite)", fix="trace the same model with --set parallelism.strategy=fsdp for its activations "
+                                       "and loss")
 
 
 def trace(recipe, plan, depths: tuple[int, ...] | None = None) -> TracedStep:

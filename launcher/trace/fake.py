@@ -14,7 +14,8 @@ or a CPU-only torch cannot do otherwise, none of which moves a byte the planner 
   saves what the CUDA one saves (q, k, v, the output and an fp32 log-sum-exp).
 
 Two iterations run; the second is reported: the first also counts DTensor's one-off sharding propagation and
-creates the optimizer state. Uses private torch APIs (`torch.distributed._tools`, `torch.testing._internal`),
+creates the optimizer state. `StepTracker` files each tensor by what it is (an unsharded gradient, a collective's
+buffer) from the moment it exists, and records each moment's own peak besides the step's. Uses private torch APIs (`torch.distributed._tools`, `torch.testing._internal`),
 checked against the supported torch range by `launcher.trace.check_torch`.
 """
 from __future__ import annotations
@@ -31,11 +32,6 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.utils.weak import WeakIdKeyDictionary
 
-# Tracker categories, grouped into the planner's terms (see launcher.trace.report).
-CATEGORIES = ("Sharded Param", "Parameter", "Buffer", "Sharded Grad", "Gradient", "OptState", "Optstate",
-              "Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Activation", "Temp", "Inputs",
-              "Other")
-
 
 @dataclass
 class Snapshot:
@@ -45,7 +41,7 @@ class Snapshot:
     world_size: int
     categories: dict[str, int]
     total: int
-    at: str  # the planner's name of the moment: see launcher.plan.memory.MOMENTS
+    at: str  # the planner's name of the moment: see launcher.plan.moments.MOMENTS
     where: str  # the tracker's finer position, e.g. "backward of layers.31"
     seconds: float
     moments: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # moment -> its own peak
