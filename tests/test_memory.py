@@ -4,6 +4,7 @@ import pytest
 from launcher.catalog import ModelShape
 from launcher.plan import make_plan
 from launcher.plan.memory import Layout, activation_bytes_per_layer, model_states
+from launcher.plan.moments import timeline
 from launcher.recipe import load_text
 
 GB = 1e9
@@ -23,7 +24,8 @@ def test_zero_paper_worked_example():
 
 
 def test_zero_example_through_a_recipe():
-    """The same numbers come out of a params-only recipe on 64 GPUs, through the whole planner."""
+    """The same numbers come out of a params-only recipe on 64 GPUs, through the recipe's plan and layout; the
+    plan's peak holds at least the states (torch's AdamW adds its step temporary on top for ddp)."""
     for strategy, expected in (("ddp", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.88)):
         r = load_text(f"""
 name: zero-example
@@ -32,8 +34,9 @@ parallelism: {{strategy: {strategy}, offload: none}}
 resources: {{accelerator: "A100:8", nodes: 8}}
 training: {{steps: 10, global_batch: 64}}
 """)
-        m = make_plan(r).memory
-        assert (m.params + m.grads + m.optimizer) / GB == pytest.approx(expected, rel=0.01)
+        p = make_plan(r)
+        assert sum(model_states(p.params, p.layout)) / GB == pytest.approx(expected, rel=0.01)
+        assert p.memory.params + p.memory.grads + p.memory.optimizer >= sum(model_states(p.params, p.layout))
 
 
 def test_fsdp_full_shard_equals_zero3_states_and_grad_op_keeps_unsharded_weights():
@@ -43,7 +46,12 @@ def test_fsdp_full_shard_equals_zero3_states_and_grad_op_keeps_unsharded_weights
     grad_op = sum(model_states(n, Layout(strategy="fsdp_grad_op", dp=d)))
     assert full == pytest.approx(16 * n / d)
     assert z3 == pytest.approx(16 * n / d)
-    assert grad_op == pytest.approx(16 * n / d + 2 * n)  # + the bf16 weights kept between forward and backward
+    assert grad_op == pytest.approx(16 * n / d)
+    # reshard_after_forward=False: the bf16 weights of every unit stay gathered from forward to backward,
+    # a buffer of the loss, not a state of the optimizer step
+    kept = timeline(None, "llama", n, 4096, Layout(strategy="fsdp_grad_op", dp=d))
+    assert kept["loss backward"]["buffers"] >= 2 * n
+    assert kept["optimizer step"]["buffers"] == 0
 
 
 def test_offload_moves_optimizer_then_params_off_the_gpu():
@@ -80,13 +88,17 @@ def test_korthikanti_gpt3_175b_reduction():
 
 
 def test_llama_layer_derivation():
-    """Llama with SDPA: 8sbh replicated + (4sbh + 4sbh g/a + 8sbf) split + fp32 lse 4asb, no s^2 terms."""
+    """The runtime's Llama block with SDPA (GQA inside the kernel) and recomputing RMSNorms, bf16 under FSDP2:
+    norms' inputs and outputs 8sbh, q 2sbh, k and v 4sbh g/a, O 2sbh, fp32 lse 4asb, SwiGLU 8sbf, and the block's
+    bf16 copies of the RoPE tables, 2s(h/a); no s^2 terms."""
     sh = ModelShape(layers=32, hidden=4096, ffn_hidden=14336, heads=32, kv_heads=8, vocab=128256)
     S, B, H, F, A, G = 8192, 1, 4096, 14336, 32, 8
-    expected = 8 * S * B * H + 4 * S * B * H + 4 * S * B * H * G / A + 8 * S * B * F + 4 * A * S * B
+    expected = 8 * S * B * H + 2 * S * B * H + 4 * S * B * H * G / A + 2 * S * B * H + 8 * S * B * F + 4 * A * S * B
+    expected += 2 * S * H / A
     assert activation_bytes_per_layer(sh, "llama", S, B, 1, False, "none") == pytest.approx(expected)
     sel = activation_bytes_per_layer(sh, "llama", S, B, 1, False, "selective")
     assert expected - sel == pytest.approx(4 * S * B * F)
+    assert activation_bytes_per_layer(sh, "llama", S, B, 1, False, "full") == pytest.approx(2 * S * B * H)
     # flash attention never stores the s x s scores: far below a GPT layer of the same width at long s
     gpt_like = activation_bytes_per_layer(sh, "gpt", S, B, 1, False, "none")
     assert activation_bytes_per_layer(sh, "llama", S, B, 1, False, "none") < gpt_like / 5
@@ -97,7 +109,10 @@ def test_activation_orderings():
     f = lambda t=1, sp=False, ac="none": activation_bytes_per_layer(sh, "llama", 4096, 1, t, sp, ac)  # noqa: E731
     assert f(ac="full") < f(ac="selective") < f()
     assert f(t=8, sp=True) < f(t=8) < f()
-    assert activation_bytes_per_layer(sh, "llama", 4096, 2, 1, False, "none") == pytest.approx(2 * f())
+    # linear in the micro-batch, but for the per-block RoPE table copies, which do not depend on it
+    per_sequence = (activation_bytes_per_layer(sh, "llama", 4096, 1, 1, False, "none", cast_inputs=False))
+    assert activation_bytes_per_layer(sh, "llama", 4096, 2, 1, False, "none", cast_inputs=False) == pytest.approx(
+        2 * per_sequence)
 
 
 def test_pipeline_first_stage_holds_all_layers_worth():
@@ -107,5 +122,4 @@ def test_pipeline_first_stage_holds_all_layers_worth():
     sh = ModelShape(layers=32, hidden=4096, ffn_hidden=11008, heads=32, kv_heads=32, vocab=32000)
     one = activations(sh, "llama", 4096, Layout(strategy="ddp", dp=1, pp=1, grad_accum=8))
     four = activations(sh, "llama", 4096, Layout(strategy="ddp", dp=1, pp=4, grad_accum=8))
-    logits = 6 * 4096 * 32000
-    assert four - logits == pytest.approx(one - logits)
+    assert four == pytest.approx(one)

@@ -79,9 +79,14 @@ def _plan_sweep(recipe_path, overrides, sweeps, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (a stable contract).")
 @click.option("--sweep", "sweeps", multiple=True, metavar="KEY=V1,V2",
               help="Plan every combination, one line each, e.g. --sweep resources.nodes=1,2,4 (repeatable).")
-def plan_cmd(recipe_path, overrides, as_json, sweeps):
+@click.option("--trace", "trace", is_flag=True,
+              help="Also run the runtime's own model and FSDP2 wrapping for this plan on fake tensors under "
+                   "PyTorch's memory tracker, and compare it with the estimate term by term (needs torch).")
+def plan_cmd(recipe_path, overrides, as_json, sweeps, trace):
     """Show per-GPU memory for each strategy, the chosen one and why, step time, total time and cost."""
     if sweeps:
+        if trace:
+            raise click.UsageError("--trace checks one plan: drop --sweep, or pick the combination with --set")
         return _plan_sweep(recipe_path, overrides, sweeps, as_json)
     recipe, p = load(recipe_path, overrides)
     if as_json:
@@ -90,13 +95,21 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps):
             from .choices import choices_json
 
             d["sky_accelerators"] = choices_json(recipe, p)
-        click.echo(json.dumps(d, indent=2))
-    else:
-        _print_plan(recipe, p)
-        if recipe.targets.sky.accelerators:
-            from .choices import print_choices
+        if trace:
+            from . import tracing
 
-            print_choices(recipe, p)
+            d["trace"] = tracing.run(recipe, p).to_dict()
+        click.echo(json.dumps(d, indent=2))
+        return
+    _print_plan(recipe, p)
+    if recipe.targets.sky.accelerators:
+        from .choices import print_choices
+
+        print_choices(recipe, p)
+    if trace:  # after the plan, so that a plan that cannot be traced is still shown
+        from . import tracing
+
+        tracing.print_comparison(tracing.run(recipe, p))
 
 
 @click.command("validate")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 from ..catalog import ModelShape
 from ..jobenv import gb
@@ -150,7 +150,7 @@ def choose(ctx: Context, base: Layout, req: Request) -> tuple[Layout, list[str]]
                 lay, why = prefer_hybrid(ctx, lay, req)
                 mem = ctx.memory(lay)
                 return lay, reasons + tried + why + [f"{describe(lay)} fits: {gb(mem.total)} of {gb(mem.gpu)} per GPU"]
-            tried.append(f"{describe(lay)} needs {gb(mem.total)} > {gb(mem.gpu)} "
+            tried.append(f"{describe(lay)} needs {gb(mem.total)} > {gb(mem.gpu)} at its peak, the {mem.peak_at} "
                          f"(states {gb(mem.params + mem.grads + mem.optimizer)}, activations {gb(mem.activations)})")
             if group_best is None or mem.total < group_best[1].total:
                 group_best = (lay, mem)

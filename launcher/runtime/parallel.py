@@ -1,9 +1,14 @@
 """Wrapping a model for a strategy: DDP, FSDP2 (full, grad-op, hybrid) or DeepSpeed ZeRO 1/2/3.
 
 Every strategy is driven through the same small `Engine` surface (micro-step, optimizer step,
-state for checkpoints), so the training loop has no per-strategy branches. Gradients are reduced
-once per optimizer step: DDP `no_sync` and FSDP2 `set_requires_gradient_sync(False)` on the non-final
-micro-steps, DeepSpeed by its own gradient_accumulation_steps.
+state for checkpoints), so the training loop has no per-strategy branches.
+
+Gradient accumulation: DDP all-reduces once per optimizer step (`no_sync` on the non-final micro-steps; its
+full gradients exist anyway). FSDP2 reduce-scatters on every micro-step, as torchtitan does: skipping it
+(`set_requires_gradient_sync(False)`) would keep every unsharded gradient, in fp32, on every rank until the
+last micro-step, i.e. DDP-sized gradient memory under FSDP. HSDP skips only the all-reduce across replicas
+until the last micro-step (`set_requires_all_reduce`), which keeps gradients sharded. DeepSpeed accumulates
+by its own gradient_accumulation_steps.
 """
 from __future__ import annotations
 
@@ -14,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..strategies import STRATEGIES, Family, StrategySpec, spec
 from .failures import ConfigError
+from .loss import cross_entropy
 from .optim import build_optimizer, build_scheduler
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Any]  # params -> a torch optimizer
@@ -85,10 +90,6 @@ def resolve_layout(plan, world_size: int) -> tuple[RuntimeLayout, list[str]]:
             raise ConfigError(f"hybrid sharding groups of {shard} do not divide {world_size} ranks")
     return RuntimeLayout(strategy, lay.precision, lay.activation_checkpointing, lay.offload,
                          micro, ga, world_size, shard), notes
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
 
 
 class Engine:
@@ -159,7 +160,8 @@ class TorchEngine(Engine):
     def _sync_context(self, last: bool):
         if not self.layout.spec.sharded:  # DDP
             return contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-        self.model.set_requires_gradient_sync(last)
+        if self.layout.spec.replicate_across_nodes:  # HSDP: reduce-scatter now, all-reduce replicas at the end
+            self.model.set_requires_all_reduce(last)
         return contextlib.nullcontext()
 
     def accumulate(self, loss_fn, last):
@@ -194,7 +196,11 @@ class TorchEngine(Engine):
         else:
             self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view), which live as long as
+        # the model: zeroing them in place keeps them views. Set to None, the next backward would allocate fresh
+        # gradients beside the buckets, twice the gradient memory until the next all-reduce. FSDP2's sharded
+        # gradients are set to None, freed until the next reduce-scatter.
+        self.optimizer.zero_grad(set_to_none=self.layout.spec.sharded)
         return {"grad_norm": norm, "skipped": skipped,
                 "loss_scale": self.scaler.get_scale() if self.scaler is not None else None}
 
@@ -215,18 +221,32 @@ def repeated_blocks(module: nn.Module) -> list[nn.Module]:
         return list(layers)
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
-        raise ConfigError(f"{layout_name(module)} has no list of repeated blocks for FSDP2 to shard one by one",
+        raise ConfigError(f"{type(module).__name__} has no list of repeated blocks for FSDP2 to shard one by one",
                           fix="pass blocks=[...] to job.wrap (e.g. blocks=list(model.blocks))")
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def layout_name(module: nn.Module) -> str:
-    return type(module).__name__
+def fsdp_units(module: nn.Module, blocks: Optional[list[nn.Module]] = None) -> list[nn.Module]:
+    """The FSDP2 units in forward order: the token embedding, each block, the output head, then the root
+    (which keeps only the final norm's weight).
+
+    Separate embedding and head units are gathered only around their own forward and backward, where one root
+    unit holding both keeps both gathered through the whole forward and backward (torchtitan shards them
+    apart too). Tied embeddings share one parameter, so they stay in the root. A model that does not name
+    its embedding and head (a user's own, given to launcher.init().wrap) gets its blocks, then the root.
+    """
+    shape = getattr(module, "shape", None)
+    named = all(hasattr(module, a) for a in ("tok_embeddings", "layers", "output")) and shape is not None
+    if blocks is not None or not named:
+        return [*(blocks if blocks is not None else repeated_blocks(module)), module]
+    if shape.tied_embeddings:
+        return [*module.layers, module]
+    return [module.tok_embeddings, *module.layers, module.output, module]
 
 
 def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, is_gpu: bool,
                 blocks: Optional[list[nn.Module]] = None) -> nn.Module:
-    """fully_shard each block, then the root (embeddings, final norm, head), on a 1-D or 2-D (HSDP) mesh."""
+    """fully_shard each unit of `fsdp_units` on a 1-D or 2-D (HSDP) mesh, the root last."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -250,9 +270,8 @@ def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, 
     meta = any(p.is_meta for p in module.parameters())
     if not meta and not isinstance(offload, CPUOffloadPolicy):
         module.to(device)
-    for block in blocks if blocks is not None else repeated_blocks(module):
-        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
-    fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    for unit in fsdp_units(module, blocks):
+        fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     if meta:
         module.to_empty(device="cpu" if isinstance(offload, CPUOffloadPolicy) else device)
         module.init_weights()

@@ -7,7 +7,6 @@ checkpointing can wrap a block or just the SwiGLU tail. The parameter set is exa
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +18,31 @@ from ...catalog import ModelShape
 AC_MODES = ("none", "selective", "full")
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32: bf16 squares lose too much precision for the mean.
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return y.type_as(x) * weight
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm that keeps only its input for backward, not the fp32 intermediates.
+
+    Autograd on `_rms_norm` would save the fp32 upcast of the input (4 bytes per element) and the normalised
+    value beside the input it already keeps alive: 8 bytes per element per norm in 16-bit training. Recomputing
+    the few elementwise ops in backward (a checkpoint around the norm alone) keeps only the 16-bit input and
+    gives the same gradients, since backward replays the same ops on the same values.
+    """
+
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: bf16 squares lose too much precision for the mean.
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
+        if torch.is_grad_enabled():
+            return checkpoint(_rms_norm, x, self.weight, self.eps, use_reentrant=False, preserve_rng_state=False)
+        return _rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -71,11 +84,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        if self.kv_heads != self.heads:  # GQA: each kv head serves heads/kv_heads query heads
-            rep = self.heads // self.kv_heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # GQA inside the kernel (each kv head serves heads/kv_heads query heads): autograd keeps k and v at
+        # kv_heads, where expanding them first (repeat_interleave) would save heads-sized copies.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -169,7 +180,7 @@ class Llama(nn.Module):
 
 
 def build_model(shape: ModelShape, activation_checkpointing: str = "none",
-                device: Optional[str | torch.device] = "cpu") -> Llama:
+                device: str | torch.device | None = "cpu") -> Llama:
     """Build on `device`; "meta" allocates nothing (for presets too big for one host, and for counting).
 
     Always constructed on meta and then initialised by `init_weights`, so a model materialised later

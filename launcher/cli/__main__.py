@@ -1,0 +1,4 @@
+"""`python -m launcher.cli ...`, the same as the `dtlaunch` script."""
+from . import main
+
+main()

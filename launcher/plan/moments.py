@@ -1,0 +1,323 @@
+"""The per-GPU memory of one training step, moment by moment, for the runtime as it is.
+
+A step's memory does not peak everywhere at once: activations are largest at the end of forward, the loss's
+temporaries exist only around the loss, FSDP's gathered weights and reduce-scatter buffers only around one
+unit, the optimizer's temporaries only in its step. So each moment below lists what is alive then, and the
+plan's figure is the largest moment, not a sum of maxima that never coincide.
+
+Moments, in step order (`launcher.trace` finds the same ones in the tracker's timeline), each the largest of
+its candidate points (`VARIANTS`):
+- forward: the head's forward, the last FSDP unit of forward: every layer's activations, the logits, and the
+  head's weights all-gathered (FSDP2 keeps a unit's all-gather buffer until the next unit's copy-out, so 2x);
+  or the last block's forward, with a block's weights twice;
+- loss forward: the logits plus one fp32 chunk of the loss;
+- loss backward: the logits, their gradient and one fp32 chunk, on top of every layer's activations;
+- head backward: the output projection's backward (the logits' gradient, the head's weights and its unsharded
+  weight gradient, the last layer prefetched), then the head's reduce-scatter, then the final norm's backward;
+- layer backward: the first layer in backward at SwiGLU's backward peak (`activations.layer_in_backward`), its
+  weights, the next layer prefetched, and the head's fp32 reduce-scatter input (FSDP2 keeps one until the next
+  unit's post-backward); or the second layer, holding a layer's reduce-scatter input (larger than the head's
+  for a small vocabulary); or the end of either's backward, its first norm's recompute beside all of its
+  gradients (for large layers and few activations, e.g. full checkpointing at 70B+);
+- end of backward: the embedding's gradient computed, or its reduce-scatter;
+- optimizer step: the states plus AdamW's foreach temporary (sqrt of the second moment, 4 bytes per param).
+Later layers hold fewer activations and the same buffers, so they never peak higher.
+
+Not counted, because no tensor holds them: kernel workspaces (flash attention's fp32 gradient accumulator, about
+4 bytes x sbh for one layer, cuBLAS workspaces), NCCL's buffers and the CUDA context, which `memory`'s 1 GB
+context and 5% fragmentation cover.
+
+FSDP2 facts used (torch.distributed.fsdp, `fully_shard` with MixedPrecisionPolicy(param_dtype, fp32 reduce)):
+weights are all-gathered per unit in param_dtype; gradients are produced unsharded in param_dtype and copied
+into an fp32 reduce-scatter input of the unit's size; sharded fp32 gradients accumulate across micro-steps
+because the runtime reduce-scatters on every micro-step. Units are `runtime.parallel.fsdp_units`: the token
+embedding, each block, the output head, and the root with the final norm.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..catalog import ModelShape
+from ..deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
+from ..strategies import Family
+from . import activations as act
+from .layout import Layout
+from .params import embedding_params, layer_params
+
+MOMENTS = ("forward", "loss forward", "loss backward", "head backward", "layer backward", "end of backward",
+           "optimizer step")
+# Tensor terms of a moment; `activations` is what the layers keep (L x per layer), `backward` what the layer
+# in backward adds, `loss` the head, logits and loss temporaries, `buffers` the strategy's communication and
+# gathered-weight buffers.
+TERMS = ("params", "grads", "optimizer", "activations", "backward", "loss", "buffers")
+
+@dataclass(frozen=True)
+class States:
+    """Model states per GPU, bytes: what the strategy keeps for the whole step."""
+
+    params: float
+    grads: float
+    optimizer: float
+    step_temp: float  # extra during the optimizer step
+
+
+def optimizer_state_bytes(precision: str, optimizer: str = "adamw") -> int:
+    """Bytes of optimizer state per parameter: [ZeRO] K=12 for mixed-precision Adam (fp32 master + m + v)."""
+    moments = 8 if optimizer == "adamw" else 4
+    return moments + (4 if precision in ("bf16", "fp16") else 0)
+
+
+def model_states(n: float, lay: Layout) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per GPU for `n` parameters in this model-parallel shard.
+
+    [ZeRO] Rajbhandari et al. 2019, sec. 5, mixed-precision Adam: weights 2, grads 2, optimizer K=12 bytes per
+    parameter; ZeRO-1 shards the optimizer over dp, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+    DDP and FSDP2 keep what torch keeps: fp32 weights (autocast, or FSDP2's sharded fp32 master) and fp32
+    gradients; the fp32 weights double as the master copy, so the optimizer holds moments only (4+4+8 = 16
+    bytes, [ZeRO]'s 2+2+12). FSDP2's gathered 16-bit weights are buffers (`moments`), not states.
+    """
+    mixed = lay.precision in ("bf16", "fp16")
+    opt = optimizer_state_bytes(lay.precision, lay.optimizer)
+    sp = lay.spec
+    if sp.family is Family.TORCH:
+        weight, grad, optim = 4, 4, opt - (4 if mixed else 0)
+    else:
+        w16 = 2 if mixed else 4
+        weight, grad, optim = w16, w16, opt
+    group = lay.shard_group
+    p = weight * n / (group if "params" in sp.shards else 1)
+    g = grad * n / (group if "grads" in sp.shards else 1)
+    o = optim * n / (group if "optimizer" in sp.shards else 1)
+    if lay.offload in ("optimizer", "params"):
+        o = 0.0  # ZeRO-Offload / FSDP2 CPUOffloadPolicy keep optimizer state in host memory
+    if lay.offload == "params":
+        if sp.family is Family.DEEPSPEED:
+            p = 0.0  # ZeRO-Infinity offload_param: only gathered layers live on the GPU (in buffers)
+        else:
+            p, g = 0.0, 0.0  # FSDP2 CPUOffloadPolicy moves sharded params and grads to the host
+    return p, g, o
+
+
+def states(n: float, lay: Layout) -> States:
+    p, g, o = model_states(n, lay)
+    # torch AdamW with foreach (its CUDA default) allocates sqrt(exp_avg_sq) for every parameter at once.
+    temp = 4 * n / (lay.shard_group if "optimizer" in lay.spec.shards else 1) if lay.optimizer == "adamw" else 0.0
+    if lay.spec.family is Family.DEEPSPEED or o == 0:
+        temp = 0.0  # DeepSpeed steps its own flat fp32 partitions (fused); offloaded states step on the host
+    return States(p, g, o, temp)
+
+
+@dataclass(frozen=True)
+class Units:
+    """Parameter counts of the FSDP units (per model-parallel shard): embedding, one block, head, root; and
+    the block's down projection w2, whose gradient is the one alive at the block's backward peak."""
+
+    emb: float
+    layer: float
+    head: float
+    root: float
+    w2: float
+
+
+def units(shape: ModelShape | None, arch: str, n: float, lay: Layout) -> Units:
+    t = lay.tp
+    if shape is None:  # a params-only model: a typical block is ~1/40 of it, w2 ~1/3 of a block
+        return Units(0.0, n / 40, 0.0, 0.0, n / 120)
+    vh = shape.vocab * shape.hidden / t
+    layer = layer_params(shape, arch) / t
+    w2 = shape.hidden * (shape.ffn_hidden if arch != "gpt" else 4 * shape.hidden) / t
+    if shape.tied_embeddings or arch == "gpt":  # tied (or GPT's extra tables): embedding and head in the root
+        return Units(0.0, layer, 0.0, embedding_params(shape, arch) / t, w2)
+    return Units(vh, layer, vh, shape.hidden, w2)
+
+
+# Candidate peaks of a moment: "moment (variant)" rows are folded into "moment" by keeping the larger total.
+VARIANTS = {
+    "forward (last block)": "forward",  # the last block's forward, before the head's
+    "head backward (reduce)": "head backward",  # the head's reduce-scatter, after the output projection's backward
+    "head backward (norm)": "head backward",  # then the final norm's backward
+    "layer backward (second)": "layer backward",  # the second layer in backward, holding a layer's RS input
+    "layer backward (end)": "layer backward",  # the end of a layer's backward: all its gradients, its first norm
+    "layer backward (end, second)": "layer backward",
+    "end of backward (reduce)": "end of backward",  # the embedding's reduce-scatter, after its gradient
+}
+
+
+def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]:
+    """FSDP2's gathered weights, unsharded gradients and reduce-scatter inputs alive at each moment.
+
+    w = param_dtype bytes; a reduce-scatter input is fp32 (reduce_dtype), 4 bytes per parameter, and its output
+    4/d. In forward a unit's all-gather buffer lives until the next unit's copy-out, so a unit computes with 2w
+    per parameter; in backward the next unit is prefetched (w) and the last reduce-scatter input is held until
+    the next unit's post-backward. reshard_after_forward=False (fsdp_grad_op) keeps every unit gathered from
+    its forward to its backward. SwiGLU's backward peak comes right after w2's backward: of the block's
+    gradients only w2's exists then.
+    """
+    keep = lay.spec.reshard_after_forward is False
+    ag = 0.0 if lay.shard_group == 1 else 1.0  # a group of one copies its shard in place: no all-gather buffer
+    root = w * u.root  # gathered from the start of forward to the end of backward (the final norm: tiny)
+    kept = w * n if keep else 0.0
+    kept_but_head = kept - w * u.head if keep else 0.0
+    first, other = (u.emb, 0.0) if u.emb else (u.root, -root)  # the last unit in backward
+    if keep:  # every unit but the head, the layer in backward among them (the one before it resharded)
+        layer_bw, second_bw = kept_but_head, kept_but_head - w * u.layer
+    else:  # the layer in backward and the next one, prefetched (its all-gather buffer)
+        layer_bw = second_bw = (1 + ag) * w * u.layer
+    return {
+        "forward": root + kept_but_head + (1 + ag) * w * u.head,
+        "forward (last block)": root + kept_but_head - (w * u.layer if keep else 0.0) + (1 + ag) * w * u.layer,
+        "loss forward": root + kept,
+        "loss backward": root + kept,
+        "head backward": root + kept_but_head + 2 * w * u.head + (0.0 if keep else ag * w * u.layer),
+        "head backward (reduce)": root + (kept_but_head if keep else ag * w * u.layer) + w * u.head
+        + 4 * u.head * (1 + 1 / lay.shard_group),
+        "head backward (norm)": root + (kept_but_head if keep else ag * w * u.layer) + 4 * u.head,
+        "layer backward": root + layer_bw + w * u.w2 + 4 * u.head,
+        "layer backward (second)": root + second_bw + w * u.w2 + 4 * u.layer,
+        # at the end of a layer's backward every gradient of it exists, the next layer is still prefetched
+        "layer backward (end)": root + layer_bw + w * u.layer + 4 * u.head,
+        "layer backward (end, second)": root + second_bw + w * u.layer + 4 * u.layer,
+        # its gradient computed with its weights gathered (plus the all-gather buffer at the copy-out) and the
+        # first layer's reduce-scatter input held; or its own reduce-scatter, its weights resharded
+        "end of backward": root + other + (1 + ag) * w * first + 4 * u.layer,
+        "end of backward (reduce)": root + other + w * first + 4 * first * (1 + 1 / lay.shard_group),
+        "optimizer step": 0.0,
+    }
+
+
+def _grads_at(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
+    """Sharded gradients alive: all of them from the second micro-step on (they accumulate across micro-steps);
+    with one micro-step, only those of the units already reduce-scattered in this backward."""
+    if lay.grad_accum > 1 or g == 0 or not n:
+        return g
+    done = {"head backward (norm)": u.head, "layer backward": u.head, "layer backward (second)": u.head + u.layer,
+            "layer backward (end)": u.head, "layer backward (end, second)": u.head + u.layer,
+            "end of backward": n - u.emb, "end of backward (reduce)": n - u.emb, "optimizer step": n}
+    return g * done.get(moment, 0.0) / n
+
+
+def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layout) -> dict[str, dict[str, float]]:
+    """moment -> term -> bytes per GPU, for `n` parameters per model-parallel shard."""
+    st = states(n, lay)
+    sp = lay.spec
+    fsdp = sp.family is Family.TORCH and sp.sharded
+    w = 2 if lay.precision in ("bf16", "fp16") else 4  # param_dtype, 16-bit weights, autocast copies
+    u = units(shape, arch, n, lay)
+    acts = _activations(shape, arch, seq, lay, e=w)
+    if fsdp:
+        buffers = _fsdp_buffers(u, n, lay, w)
+    elif not sp.sharded:
+        buffers = _ddp_buffers(shape, u, n, lay, w)
+    else:
+        buffers = dict.fromkeys((*MOMENTS, *VARIANTS), _deepspeed_buffers(u, lay, w))
+    buffers["optimizer step"] = 0.0
+    # The model's buffers: the fp32 RoPE tables, cos and sin of (seq_len, head_dim/2), on every rank.
+    rope = 4 * shape.seq_len * shape.hidden / shape.heads if shape is not None and arch != "gpt" else 0.0
+    rows = {}
+    for m in (*MOMENTS, *VARIANTS):
+        rows[m] = {
+            "params": st.params + rope,
+            "grads": _grads_at(m, st.grads, n, u, lay) if fsdp else st.grads,
+            "optimizer": st.optimizer + (st.step_temp if m == "optimizer step" else 0.0),
+            "activations": acts.layers if acts.during_step(m) else 0.0,
+            "backward": acts.backward.get(m, 0.0),
+            "loss": acts.loss.get(m, 0.0) + acts.tokens,
+            "buffers": buffers[m],
+        }
+    for variant, moment in VARIANTS.items():
+        if sum(rows[variant].values()) > sum(rows[moment].values()):
+            rows[moment] = rows[variant]
+        del rows[variant]
+    return rows
+
+
+@dataclass(frozen=True)
+class _Acts:
+    layers: float  # every layer's saved activations (the pipeline's first stage: its in-flight micro-batches)
+    backward: dict[str, float]  # by moment: what the layer in backward (or the last in forward) adds
+    loss: dict[str, float]  # by moment: the head's activations, the logits and the loss's temporaries
+    tokens: float  # the step's token ids, alive through the whole step
+
+    @staticmethod
+    def during_step(moment: str) -> bool:
+        return not moment.startswith(("end of backward", "optimizer step"))
+
+
+def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: int) -> _Acts:
+    """The activation terms of each moment (e = bytes of an activation)."""
+    if shape is None:
+        return _Acts(0.0, {}, {}, 0.0)
+    b, t, spar = lay.micro_batch, lay.tp, lay.sequence_parallel
+    layers_here = math.ceil(shape.layers / lay.pp)
+    in_flight = min(lay.pp, max(lay.grad_accum, 1)) if lay.pp > 1 else 1  # 1F1B: [MLM3] sec. 4.2.3
+    torch_family = lay.spec.family is Family.TORCH
+    cast = torch_family and lay.spec.sharded  # FSDP2 casts each block's inputs
+    autocast = torch_family and not lay.spec.sharded and e < 4  # DDP in 16-bit runs under torch.autocast
+    per = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, lay.activation_checkpointing, e, cast,
+                                         autocast)
+    whole = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, "none", e, cast, autocast)
+    in_bw = act.layer_in_backward(shape, arch, seq, b, t, spar, e, cast, autocast) - per
+    head = act.head_bytes(shape, seq, b, t, e, autocast)
+    logits = act.logits_bytes(shape, seq, b, t, e)
+    sbh = (4 if autocast else e) * seq * b * shape.hidden / t  # a tensor of the residual stream
+    norm_extra = act.norm_backward_extra(shape, seq, b, t, e, autocast)
+    # The end of a layer's backward is its first norm's: of its activations only that norm's input is left,
+    # with the gradient of the norm's output and the norm's recompute (`activations.norm_backward_extra`).
+    norm_end = 2 * sbh + norm_extra - per * in_flight
+    backward = {
+        "layer backward": in_bw,
+        "layer backward (second)": in_bw - per * in_flight,  # the first layer in backward has freed its own
+        "layer backward (end)": norm_end,
+        "layer backward (end, second)": norm_end - per * in_flight,
+        # the last block's forward at its end: all its activations (transiently, under checkpointing too) and
+        # its output; the layers term counts it once already
+        "forward (last block)": whole - per + sbh,
+        "end of backward": sbh,  # the embedding's output gradient, while the embedding's is computed
+    }
+    loss = {
+        "forward": head + logits,
+        "loss forward": head + act.loss_forward(shape, seq, b, t, e),
+        "loss backward": head + act.loss_backward(shape, seq, b, t, e),
+        # the output projection's backward: the logits' gradient and the gradient of the norm's output
+        "head backward": head + logits + sbh,
+        # the head's reduce-scatter (its post-backward comes before the final norm's backward): the norm's
+        # input and the gradient of its output
+        "head backward (reduce)": 2 * sbh,
+        # then the final norm's backward: its input and its recompute (the incoming gradient is freed by the
+        # first op of its backward)
+        "head backward (norm)": sbh + norm_extra,
+    }
+    # The step's token ids: grad_accum micro-batches of (b, s+1) int64, loaded at the start of the step.
+    tokens = lay.grad_accum * 8 * b * (seq + 1)
+    return _Acts(per * layers_here * in_flight, backward, loss, tokens)
+
+
+def _ddp_buffers(shape: ModelShape | None, u: Units, n: float, lay: Layout, w: float) -> dict[str, float]:
+    """DDP: its buckets are its gradients (gradient_as_bucket_view; the runtime zeroes them in place), so the
+    only extra is, in 16-bit, torch.autocast's copy of each linear layer's fp32 weight, kept by autograd from
+    forward to that layer's backward. Not copied: the embedding and the norms (their ops run in fp32), the
+    tensors made inside a checkpointed region (w2 under selective; every block under full, where only the
+    layer being recomputed holds its copies)."""
+    if lay.precision == "fp32":
+        return dict.fromkeys((*MOMENTS, *VARIANTS), 0.0)
+    layers = shape.layers if shape is not None else 40
+    linear = u.layer - (2 * shape.hidden / lay.tp if shape is not None else 0.0)  # a block's linear weights
+    saved_per_layer = {"none": linear, "selective": linear - u.w2, "full": 0.0}[lay.activation_checkpointing]
+    copies = w * (u.head + layers * saved_per_layer)
+    if shape is None:
+        copies = w * n
+    out = dict.fromkeys((*MOMENTS, *VARIANTS), copies)
+    for m in ("layer backward", "layer backward (second)", "layer backward (end)", "layer backward (end, second)"):
+        out[m] = copies + (w * linear if lay.activation_checkpointing == "full" else 0.0)  # the recomputed layer
+    out["end of backward"] = out["end of backward (reduce)"] = out["optimizer step"] = 0.0
+    return out
+
+
+def _deepspeed_buffers(u: Units, lay: Layout, w: float) -> float:
+    """DeepSpeed's reduce/all-gather buckets as rendered; for ZeRO-3 the largest unit gathered twice plus its
+    fp32 gradient (DeepSpeed cannot be traced: its own estimate, not derived from a trace)."""
+    if "params" not in lay.spec.shards:  # ZeRO-1/2
+        return (DS_REDUCE_BUCKET + DS_ALLGATHER_BUCKET) * w
+    unit = max(u.layer, u.emb, u.head, u.root)
+    return 2 * unit * w + unit * 4
