@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from .. import catalog
+from ..errors import FieldError
 from ..strategies import STRATEGY_NAMES, TARGET_NAMES
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -337,8 +338,9 @@ class TrainingSpec(_Strict):
     @model_validator(mode="after")
     def _steps_or_tokens(self) -> "TrainingSpec":
         if self.steps is not None and self.tokens is not None:
-            raise ValueError("set only one of `steps` and `tokens` (to override one with --set, unset the other: "
-                             "--set training.tokens=null)")
+            raise FieldError("set only one of `steps` (optimizer steps) and `tokens` (training tokens)",
+                             "keep one; to override one on the command line, unset the other: "
+                             "--set training.steps=100 --set training.tokens=null")
         return self
 
 
