@@ -830,4 +830,5 @@ LATER_FIELDS: tuple[tuple[str, Any], ...] = (
     ("targets.sky.cpus", None), ("targets.sky.memory", None), ("targets.sky.ports", []),
     ("targets.sky.disk_tier", None),
     ("entrypoint", None), ("model.hf", None), ("model.hf_config", None), ("model.hf_weights", None),
+    ("parallelism.pipeline_schedule", "1f1b"),
 )
