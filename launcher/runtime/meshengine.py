@@ -16,6 +16,7 @@ gathered) until the last backward, then reduce once.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -28,6 +29,10 @@ from .optim import build_optimizer, build_scheduler
 from .parallel import DTYPES, Engine, RuntimeLayout, _make_scaler, fsdp_units
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# DTensor logs a performance advice on every rank whenever it reduces a gradient norm or gathers a weight over
+# two mesh dimensions in two collectives (for the export, the clipping): once per job is noise, 8 per node a
+# wall of text in the job's log. Errors still show.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def dp_dims(layout: RuntimeLayout) -> tuple[int, int]:
