@@ -52,7 +52,8 @@ def test_in_flight_follows_the_schedule(pp, m):
         w = {i: float(blocks[i]) for i in ids}
         assert in_flight("interleaved_1f1b", pp, m, rank, w) == alive_most(torch_order(pp, 2, m, rank), w)
     one = in_flight("1f1b", pp, m, 0, {0: 1.0}) * 126 / pp
-    two = in_flight("interleaved_1f1b", pp, m, 0, {i: 126 / (2 * pp) for i in stages_of_rank(0, pp, "interleaved_1f1b")})
+    halves = {i: 126 / (2 * pp) for i in stages_of_rank(0, pp, "interleaved_1f1b")}
+    two = in_flight("interleaved_1f1b", pp, m, 0, halves)
     assert two > one if m > pp else two == one  # with m == pp both hold every micro-batch of the rank's blocks
 
 

@@ -95,9 +95,10 @@ def resolve_layout(plan, world_size: int) -> tuple[RuntimeLayout, list[str]]:
         raise ConfigError(f"strategy {strategy!r} is not supported by the runtime")
     tp, pp = lay.tp, lay.pp
     if (tp > 1 or pp > 1) and lay.spec.family is Family.DEEPSPEED:
-        raise ConfigError(f"the plan combines DeepSpeed {strategy} with tensor={tp} pipeline={pp}; the dtlaunch runtime "
-                          "runs tensor and pipeline parallelism with PyTorch (DTensor, torch.distributed.pipelining, "
-                          "FSDP2)", fix="set parallelism.backend: torch (or a torch strategy: fsdp, hybrid, ddp)")
+        raise ConfigError(f"the plan combines DeepSpeed {strategy} with tensor={tp} pipeline={pp}; the dtlaunch "
+                          "runtime runs tensor and pipeline parallelism with PyTorch (DTensor, "
+                          "torch.distributed.pipelining, FSDP2)",
+                          fix="set parallelism.backend: torch (or a torch strategy: fsdp, hybrid, ddp)")
     if world_size % (tp * pp):
         raise ConfigError(f"{world_size} ranks cannot hold tensor {tp} x pipeline {pp} groups",
                           fix=f"run on a multiple of {tp * pp} ranks, or change parallelism.tensor/pipeline")

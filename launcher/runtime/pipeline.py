@@ -64,7 +64,8 @@ def build_schedule(split: Split, device: torch.device, group, schedule: str, mic
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 
-    stages = [PipelineStage(c, i, split.num_stages, device, group=group) for c, i in zip(split.chunks, split.stage_ids)]
+    stages = [PipelineStage(c, i, split.num_stages, device, group=group)
+              for c, i in zip(split.chunks, split.stage_ids, strict=True)]
     if schedule == "1f1b":
         return Schedule1F1B(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False), stages
     return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=False), stages

@@ -48,8 +48,7 @@ def _replicated_norm():
 def llama_plan(model, sequence_parallel: bool) -> tuple[dict, dict]:
     """(root plan, block plan) for dtlaunch's Llama (or a pipeline stage of it: absent modules are skipped)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     sp = sequence_parallel
     stream = Shard(1) if sp else Replicate()  # the residual stream between sub-layers
@@ -96,7 +95,7 @@ def hf_plan(model, sequence_parallel: bool) -> tuple[dict, dict]:
                           fix="use parallelism.tensor: 1 for this model (FSDP shards it instead)")
     block = getattr(model.layers[0], "self_attn", None), getattr(model.layers[0], "mlp", None)
     names = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
-    if block[0] is None or block[1] is None or not all(hasattr(m, n) for m, ns in zip(block, names) for n in ns):
+    if any(m is None or not all(hasattr(m, n) for n in ns) for m, ns in zip(block, names, strict=True)):
         raise ConfigError(f"{type(model.hf).__name__} does not have the Llama module names tensor parallelism "
                           "splits (self_attn.q/k/v/o_proj, mlp.gate/up/down_proj)",
                           fix="use parallelism.tensor: 1 for this model")

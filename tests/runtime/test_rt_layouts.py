@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 
 import pytest
+from rt_harness import TORCHRUN, deep_merge, free_port, kill_tree, recipe_dict, torchrun_env, write_plan
+from testpaths import RECIPES
 
 from launcher.jobenv import ExitCode
 from launcher.plan import Plan, make_plan
 from launcher.plan.moments import rank_states
 from launcher.recipe import load
 from launcher.runtime import ckptdir
-from rt_harness import TORCHRUN, deep_merge, free_port, kill_tree, recipe_dict, torchrun_env, write_plan
-from testpaths import RECIPES
 
 TOL = 1e-5  # loss, absolute (see the module docstring)
 GRAD_RTOL = 1e-4  # gradient norms in the first steps, relative (~1e-5 seen: ~800k fp32 squares summed in another order)

@@ -196,7 +196,8 @@ class Llama(nn.Module):
         # embedding and reads token ids, the others read the residual stream; only the last has the head.
         if self.tok_embeddings is not None:
             if tokens.shape[1] > self.shape.seq_len:
-                raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's seq_len {self.shape.seq_len}")
+                raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's seq_len "
+                                 f"{self.shape.seq_len}")
             h = self.tok_embeddings(tokens)
         else:
             h = tokens
