@@ -148,13 +148,16 @@ class Trainer:
         self.ckpt_root = Path(os.path.expanduser(os.environ.get(jobenv.CHECKPOINT_DIR) or str(
             expand_dir(rec.checkpoint.dir, self.run_dir, os.environ.get(jobenv.RUN_ID)))))
         self.metrics.event("start", world_size=w.world_size, strategy=self.layout.strategy,
-                           precision=self.layout.precision, grad_accum=self.layout.grad_accum,
-                           global_batch=self.layout.global_batch, attempt=w.proc.restart_count)
+                           layout=self.layout.describe(), precision=self.layout.precision,
+                           grad_accum=self.layout.grad_accum, global_batch=self.layout.global_batch,
+                           attempt=w.proc.restart_count)
         if tr.preflight:
             self._preflight()
         set_collective_timeout(w, tr.timeout_seconds)
         torch.manual_seed(tr.seed)  # the same initial weights on every rank and every attempt
-        meta = plan.params > META_INIT_PARAMS and self.layout.family == "dcp" and self.layout.spec.sharded
+        # (tensor/pipeline layouts always shard: each rank materialises only its split of its stages)
+        meta = plan.params > META_INIT_PARAMS and self.layout.family == "dcp" and (
+            self.layout.spec.sharded or self.layout.model_parallel)
         module = build_for_recipe(rec.model, self.layout.activation_checkpointing, device="meta" if meta else "cpu")
         weights = rec.model.hf_weights if not ckptdir.complete_steps(self.ckpt_root) else None
         if weights and not meta:  # fine-tuning: every rank reads the weights before the strategy wraps the model

@@ -17,7 +17,6 @@ gathered) until the last backward, then reduce once.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -152,7 +151,7 @@ class MeshEngine(Engine):
         args = (x,) if self.has_first else ()
         # The schedule cuts the batch back into the same micro-batches. The losses it returns are the micro-batches'
         # own (its first step also runs the loss on placeholder tensors to learn the shapes between stages).
-        losses: Optional[list] = [] if self.has_last else None
+        losses: list | None = [] if self.has_last else None
         self.schedule.step(*args, target=y, losses=losses, return_outputs=False)
         loss = torch.stack([v.detach() for v in losses]).float().sum() if losses else \
             torch.zeros((), dtype=torch.float32, device=self.device)
@@ -194,7 +193,7 @@ class MeshEngine(Engine):
         params = list(self.module.parameters())
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm: Optional[float] = None
+        norm: float | None = None
         if self.grad_clip > 0:
             total = self._grad_norm(params)
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, total)
@@ -227,6 +226,6 @@ class MeshEngine(Engine):
         if dp_rank or tp_rank:
             return {}
         mine = {k: v.detach().to("cpu", torch.float32).clone() for k, v in sd.items()}
-        parts: Optional[list] = [None] * self.layout.pp if rank == 0 else None
+        parts: list | None = [None] * self.layout.pp if rank == 0 else None
         dist.gather_object(mine, parts, dst=0, group=self.mesh["pp"].get_group())
         return {k: v for part in parts for k, v in part.items()} if parts is not None else {}

@@ -6,8 +6,8 @@ pipeline rank's checkpoint shards are named as the whole model's and reshard int
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

@@ -146,7 +146,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @classmethod
-    def stage(cls, whole: "Llama", first: bool, layer_ids: list[int], last: bool) -> "Llama":
+    def stage(cls, whole: Llama, first: bool, layer_ids: list[int], last: bool) -> Llama:
         """A part of `whole` for pipeline parallelism, sharing its modules (nothing is copied): the embedding
         when `first`, the blocks `layer_ids` (under their index in the whole model, so parameter names stay
         those of the whole model), the final norm and the head when `last`."""
