@@ -1,6 +1,7 @@
 """Tensor, sequence and pipeline parallel layouts train for real on gloo ranks under torchrun, and their
 losses are the single-rank run's: tp=2, pp=2 (1F1B), tp=2 x dp=2, pp=2 x dp=2 (interleaved 1F1B, ddp's
-replicated FSDP2), tp=2 x pp=2 (sequence parallel), a Hugging Face Llama with biases at tp=2, and the layout
+replicated FSDP2), tp=2 x pp=2 (sequence parallel), on 8 ranks tp=2 x pp=2 x dp=2 and tp=2 x HSDP (2 x 2),
+a Hugging Face Llama with biases at tp=2, and the layout
 the planner picks for recipes/llama3-405b.yaml scaled down to the tiny model on 4 ranks. A run resumes across
 layout changes, tp2 x pp2 -> dp4 -> tp2 x dp2, with the loss continuing as the uninterrupted single-rank run's.
 Every rank's parameter and optimizer bytes, read off the wrapped model, are the planner's for that rank.
@@ -14,7 +15,7 @@ loss by >1e-3 by the second step). Fresh layouts are compared over their first 4
 rounding in its normalised update, so longer comparisons measure chaos, not the layout. (Runs of 4 steps and of
 12 see the same learning rates in steps 1-3, so their first 4 losses are comparable.)
 
-Cost: three torchrun worlds (1, 2 and 4 ranks) with several cases each (layout_train.py), about 3 minutes
+Cost: four torchrun worlds (1, 2, 4 and 8 ranks) with several cases each (layout_train.py), about 2 minutes
 on 2 cores.
 """
 from __future__ import annotations
@@ -90,7 +91,10 @@ def worlds_cases(root: Path) -> dict[int, list[tuple[str, dict, dict, int]]]:
             ("hf-ref", hf_recipe(hf, "cpu:1", 1), {}, 0)],
         2: [("tp2", base("cpu:2", "fsdp", 2, sequence_parallel=True), {}, 0),
             ("pp2", base("cpu:2", "fsdp", 1, 2), {}, 0),
-            ("hf-tp2", hf_recipe(hf, "cpu:2", 2), {}, 0)],
+            ("hf-tp2", hf_recipe(hf, "cpu:2", 2), {}, 0),
+            # fp16 with ShardedGradScaler on 2-D (dp x tp) DTensor gradients; the micro preset: fp16 is slow on CPU
+            ("tp2-fp16", deep_merge(base("cpu:2", "fsdp", 2, precision="fp16", loss_scaling="dynamic"),
+                                    {"model": {"preset": "micro", "seq_len": 64}}), {}, 0)],
         4: [("tp2xdp2", base("cpu:4", "fsdp_grad_op", 2), {}, 0),
             ("pp2xdp2", base("cpu:4", "ddp", 1, 2, pipeline_schedule="interleaved_1f1b"), {}, 0),
             ("tp2xpp2", resume_chain("cpu:4", "fsdp", 2, 2, shared, sequence_parallel=True), preempt_at(FIRST),
@@ -98,6 +102,10 @@ def worlds_cases(root: Path) -> dict[int, list[tuple[str, dict, dict, int]]]:
             ("dp4", resume_chain("cpu:4", "fsdp", 1, 1, shared), preempt_at(2 * FIRST), ExitCode.PREEMPTED),
             ("tp2xdp2-resumed", resume_chain("cpu:4", "fsdp", 2, 1, shared), {}, 0),
             ("405b-scaled", scaled_405b()[1], {}, 0)],
+        # 3D: 8 ranks on 2 cores is slow but works (~25 s a case)
+        8: [("tp2xpp2xdp2", base("cpu:8", "fsdp", 2, 2, sequence_parallel=True), {}, 0),
+            # two "nodes" of 4: hybrid shards inside a node (2 ranks after tp 2), replicates across: HSDP x TP
+            ("tp2xhsdp", deep_merge(base("cpu:4", "hybrid", 2), {"resources": {"nodes": 2}}), {}, 0)],
     }
 
 
@@ -161,7 +169,7 @@ def compare(runs, name: str, ref: str, steps, grad_rtol: float = GRAD_RTOL) -> f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp2", "pp2", "tp2xdp2", "pp2xdp2", "tp2xpp2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "tp2xdp2", "pp2xdp2", "tp2xpp2", "tp2xpp2xdp2", "tp2xhsdp"])
 def test_layout_losses_equal_the_single_rank_run(runs, name):
     compare(runs, name, "ref", range(1, FIRST + 1))
     assert result(runs, name)[1][1]["grad_norm"] > 1.0  # clipping was active
@@ -170,6 +178,14 @@ def test_layout_losses_equal_the_single_rank_run(runs, name):
 @pytest.mark.slow
 def test_hf_llama_with_biases_trains_tensor_parallel_like_one_rank(runs):
     compare(runs, "hf-tp2", "hf-ref", range(1, FIRST + 1))
+
+
+@pytest.mark.slow
+def test_fp16_tensor_parallel_trains_with_loss_scaling(runs):
+    _, rows = result(runs, "tp2-fp16")
+    assert sorted(rows) == list(range(1, FIRST + 1))
+    assert all(math.isfinite(r["loss"]) and r.get("loss_scale") for r in rows.values())
+    assert rows[FIRST]["loss"] < rows[1]["loss"]
 
 
 @pytest.mark.slow
@@ -210,7 +226,8 @@ def test_the_405b_recipes_layout_trains_scaled_down(runs):
           f"on the tiny model: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
 
-BYTES_CASES = ["tp2", "pp2", "hf-tp2", "tp2xdp2", "pp2xdp2", "dp4", "tp2xdp2-resumed", "405b-scaled"]
+BYTES_CASES = ["tp2", "pp2", "hf-tp2", "tp2xdp2", "pp2xdp2", "dp4", "tp2xdp2-resumed", "405b-scaled", "tp2xpp2xdp2",
+               "tp2xhsdp"]
 
 
 @pytest.mark.slow
