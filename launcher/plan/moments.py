@@ -36,7 +36,7 @@ embedding, each block, the output head, and the root with the final norm.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..catalog import ModelShape
 from ..deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
@@ -44,7 +44,7 @@ from ..strategies import Family
 from . import activations as act
 from .layout import Layout
 from .params import embedding_params, layer_params, layer_params_per_rank
-from .pipeline import in_flight, num_stages, stage_layers, stages_of_rank
+from .pipeline import in_flight, num_stages, stage_layers, stages_of_rank, steady
 
 MOMENTS = ("forward", "loss forward", "loss backward", "head backward", "layer backward", "end of backward",
            "optimizer step")
@@ -123,8 +123,11 @@ class Part:
     emb: bool = True
     head: bool = True
     blocks: float = 0.0  # blocks held
+    stage_blocks: float = 0.0  # blocks of its largest stage (what one micro-batch's backward frees)
     in_flight: float = 0.0  # blocks' worth of activations alive at the most (`pipeline.in_flight`)
     outputs: float = 0.0  # stage outputs kept for backward then (one per micro-batch and stage in flight)
+    recv: float = 0.0  # the stages' receive buffers, residual-stream sized (`timeline`)
+    steady: bool = True  # a backward runs before the rank's last forward (`pipeline.steady`)
     rank: int = 0  # the pipeline rank
 
 
@@ -147,10 +150,12 @@ def part_of(shape: ModelShape, lay: Layout, rank: int) -> Part:
         counts = [math.ceil(shape.layers / stages)] * stages
     ids = stages_of_rank(rank, lay.pp, lay.pp_schedule)
     blocks = {i: float(counts[i]) for i in ids}
-    return Part(emb=0 in ids, head=stages - 1 in ids, blocks=sum(blocks.values()),
+    return Part(emb=0 in ids, head=stages - 1 in ids, blocks=sum(blocks.values()), stage_blocks=max(blocks.values()),
                 in_flight=in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, rank, blocks),
                 outputs=in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, rank,
-                                  {i: 1.0 for i in ids if i != stages - 1}), rank=rank)
+                                  {i: 1.0 for i in ids if i != stages - 1}),
+                recv=lay.grad_accum * sum((i != 0) + (i != stages - 1) for i in ids),
+                steady=steady(lay.pp_schedule, lay.pp, lay.grad_accum, rank), rank=rank)
 
 
 def rank_states(shape: ModelShape, arch: str, n_params: float, lay: Layout, pp_rank: int) -> tuple[float, float, float]:
@@ -271,13 +276,16 @@ def _pipeline_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, fl
     return out
 
 
-def _pipeline_grads(moment: str, g: float, n: float) -> float:
+def _pipeline_grads(moment: str, g: float, n: float, u: Units, lay: Layout, part: Part) -> float:
     """Under a pipeline the gradients accumulate unsharded in fp32 (4 per parameter) through the step's
-    micro-batches, counted from the start of the step (1F1B runs backwards between forwards); the reduction
-    at the end fills the sharded ones as it frees those; the optimizer step sees only the sharded ones."""
+    micro-batches: all of them at every moment once the rank alternates backwards and forwards (1F1B's steady
+    state); a rank that runs all its forwards first peaks in the first micro-batch's backward, holding only
+    the gradients of the units done. The reduction at the end fills the sharded ones as it frees those; the
+    optimizer step sees only the sharded ones."""
     if moment == "optimizer step":
         return g
-    return 4 * n + (g if moment.startswith("end of backward") else 0.0)
+    unsharded = 4 * n if part.steady else _grads_at(moment, 4 * n, n, u, replace(lay, grad_accum=1))
+    return unsharded + (g if moment.startswith("end of backward") else 0.0)
 
 
 def _grads_at(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
@@ -317,13 +325,20 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
     else:
         buffers = dict.fromkeys((*MOMENTS, *VARIANTS), _deepspeed_buffers(u, lay, w))
     buffers["optimizer step"] = 0.0
+    if part.recv and shape is not None:
+        # torch's pipeline stages allocate, once and for good, a receive buffer per micro-batch for the stage's
+        # input (all but the first stage) and one for the gradient of its output (all but the last), each a
+        # residual-stream tensor of one micro-batch (a rank's slice of it with sequence parallelism)
+        spar = lay.sequence_parallel and lay.tp > 1
+        io = w * seq * lay.micro_batch * shape.hidden / (lay.tp if spar else 1)
+        buffers = {m: v + part.recv * io for m, v in buffers.items()}
     # The model's buffers: the fp32 RoPE tables, cos and sin of (seq_len, head_dim/2), on every rank.
     rope = 4 * shape.seq_len * shape.hidden / shape.heads if shape is not None and arch != "gpt" else 0.0
     rows = {}
     for m in (*MOMENTS, *VARIANTS):
         rows[m] = {
             "params": st.params + rope,
-            "grads": _pipeline_grads(m, st.grads, n) if piped else _grads_at(m, st.grads, n, u, lay) if fsdp
+            "grads": _pipeline_grads(m, st.grads, n, u, lay, part) if piped else _grads_at(m, st.grads, n, u, lay) if fsdp
             else st.grads,
             "optimizer": st.optimizer + (st.step_temp if m == "optimizer step" else 0.0),
             "activations": acts.layers if acts.during_step(m) else 0.0,
@@ -331,7 +346,17 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
             "loss": acts.loss.get(m, 0.0) + acts.tokens,
             "buffers": buffers[m],
         }
-    for variant, moment in VARIANTS.items():
+    if piped and acts.one:
+        # A micro-batch's backward ends with the first stage's embedding (or a stage's first block) while the
+        # other micro-batches in flight keep their activations: the step's "end of backward" is not the only one.
+        rows["end of backward (micro-batch)"] = {
+            **rows["end of backward"], "grads": _pipeline_grads("layer backward", st.grads, n, u, lay, part),
+            "activations": acts.layers - acts.one,
+            "buffers": buffers["layer backward"] + (w * u.emb if w < 4 else 0.0) - (w * u.w2 if w < 4 else 0.0)}
+        variants = {**VARIANTS, "end of backward (micro-batch)": "end of backward"}
+    else:
+        variants = VARIANTS
+    for variant, moment in variants.items():
         if sum(rows[variant].values()) > sum(rows[moment].values()):
             rows[moment] = rows[variant]
         del rows[variant]
@@ -344,6 +369,7 @@ class _Acts:
     backward: dict[str, float]  # by moment: what the layer in backward (or the last in forward) adds
     loss: dict[str, float]  # by moment: the head's activations, the logits and the loss's temporaries
     tokens: float  # the step's token ids, alive through the whole step
+    one: float = 0.0  # a pipeline: one micro-batch's share of `layers` (its largest stage's blocks and output)
 
     @staticmethod
     def during_step(moment: str) -> bool:
@@ -398,7 +424,8 @@ def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: 
     tokens = lay.grad_accum * 8 * b * (seq + 1)
     # A pipeline stage keeps each micro-batch's output until its backward (the next stage has its own copy).
     outputs = part.outputs * sbh
-    return _Acts(per * part.in_flight + outputs, backward, loss, tokens)
+    one = per * part.stage_blocks + sbh if lay.pp > 1 else 0.0
+    return _Acts(per * part.in_flight + outputs, backward, loss, tokens, one)
 
 
 def _ddp_buffers(shape: ModelShape | None, u: Units, n: float, lay: Layout, w: float) -> dict[str, float]:

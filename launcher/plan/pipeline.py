@@ -86,6 +86,18 @@ def _interleaved_ops(rank: int, pp: int, v: int, m: int) -> list[tuple[str, int]
     return ops
 
 
+def steady(schedule: str, pp: int, micro_batches: int, rank: int) -> bool:
+    """Whether the rank runs a backward before its last forward of the step (a 1F1B steady state): if not, it
+    runs every forward first, and its peak comes in the first micro-batch's backward."""
+    if pp == 1:
+        return micro_batches > 1
+    if schedule == "1f1b":
+        return micro_batches > pp - rank
+    ops = _interleaved_ops(rank, pp, STAGES_PER_RANK[schedule], micro_batches)
+    last_f = max(i for i, (kind, _) in enumerate(ops) if kind == "F")
+    return any(kind == "B" for kind, _ in ops[:last_f])
+
+
 def in_flight(schedule: str, pp: int, micro_batches: int, rank: int, weights: dict[int, float]) -> float:
     """The most activations pipeline rank `rank` holds at once: the largest sum, over the forwards it has run
     and not yet run backward for, of `weights[stage]` (e.g. the stage's blocks)."""
