@@ -62,6 +62,10 @@ def main() -> int:
             failed = True
     save(results, out / "results.json")
     (out / "results.md").write_text(markdown(results))
+    if not args.quick and not args.only and out == HERE:
+        from readme_table import update  # a full run in place: its table becomes the README's
+
+        update(HERE.parent / "README.md", markdown(results))
     print(markdown(results))
     return 1 if failed else 0
 

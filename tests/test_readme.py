@@ -19,6 +19,9 @@ import pytest
 from readme_blocks import readme_blocks
 from testpaths import ROOT
 
+sys.path.insert(0, str(ROOT / "bench"))
+from readme_table import region  # noqa: E402
+
 BLOCKS, PROBLEMS = readme_blocks(ROOT)
 VENV_BIN = Path(sys.executable).parent
 LINKED = ("recipes", "examples", "scripts")
@@ -27,6 +30,21 @@ LINKED = ("recipes", "examples", "scripts")
 def test_every_shell_block_is_marked_and_some_run():
     assert not PROBLEMS, "\n".join(PROBLEMS)
     assert sum(b.runnable for b in BLOCKS) >= 5
+
+
+def test_the_benchmark_table_is_the_latest_make_bench():
+    """The README's figures are bench/results.md's, as `make bench` copied them (never typed by hand)."""
+    assert region((ROOT / "README.md").read_text()) == (ROOT / "bench" / "results.md").read_text().strip("\n")
+
+
+def test_the_exit_code_table_is_the_runtimes():
+    """Each row of the README's exit-code table is a code and name of launcher.jobenv.ExitCode, all of them."""
+    from launcher.jobenv import ExitCode
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| code | name | meaning |"):].split("\n\n")[0].splitlines()[2:]
+    rows = [tuple(c.strip() for c in line.strip("|").split("|")[:2]) for line in table]
+    assert rows == [(str(int(c)), c.name) for c in ExitCode]
 
 
 def _dtlaunch_commands() -> set[str]:
@@ -61,10 +79,16 @@ def test_runnable_block(block, tmp_path):
     cwd = ROOT if block.kind == "repo" else _workspace(tmp_path)
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            "DTLAUNCH_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
-    for k in ("DTLAUNCH_FAULT", "DTLAUNCH_RUN_ID", "SLURM_CONF"):
-        env.pop(k, None)
-    p = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=900)
+    for k in list(env):  # nothing of the test session's own cluster or faults leaks into a newcomer's shell
+        if k.startswith(("SLURM_", "DTLAUNCH_TEST_")) or k in ("DTLAUNCH_FAULT", "DTLAUNCH_RUN_ID"):
+            env.pop(k)
+    try:
+        p = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=cwd, env=env, capture_output=True,
+                           text=True, timeout=900)
+    finally:
+        if block.kind == "slurm-local":  # the block stops its cluster; a block that failed half-way has not
+            subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh"), "stop", "--purge"], env=env,
+                           capture_output=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"README.md:{block.line} ({block.kind}) exited {p.returncode}:\n{out[-4000:]}"
     for text in block.expect:
