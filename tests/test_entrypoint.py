@@ -126,7 +126,7 @@ def test_shipping_limits_and_errors_name_the_field_and_the_fix(tmp_path, monkeyp
 
 
 def test_workdir_is_relative_to_the_recipe_not_the_working_directory(tmp_path, monkeypatch):
-    d = project(tmp_path)
+    project(tmp_path)
     (tmp_path / "recipes").mkdir()
     p = tmp_path / "recipes" / "r.yaml"
     p.write_text(yaml.safe_dump({**BASE, "entrypoint": {"script": "train.py", "workdir": "../proj"}}))

@@ -28,10 +28,10 @@ def parse_time(text: str) -> int:
         if not m:
             continue
         values = [int(g) for g in m.groups()]
-        for i, (unit, v) in enumerate(zip(units, values)):
+        for i, (unit, v) in enumerate(zip(units, values, strict=True)):
             bounded = i > 0 or (unit == "h" and len(units) > 1 and units[0] == "d")
             if bounded and unit in _MAX and v > _MAX[unit]:
                 raise ValueError(f"{text!r}: {v} is out of range for {_NAMES[unit]} (at most {_MAX[unit]}); "
                                  f"use {FORMS}")
-        return sum(_SECONDS[u] * v for u, v in zip(units, values))
+        return sum(_SECONDS[u] * v for u, v in zip(units, values, strict=True))
     raise ValueError(f"{text!r} is not a SLURM time limit; use {FORMS}")

@@ -178,7 +178,6 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
         flag("--hostfile", ShellExpr("$HOSTFILE")), flag("--master_addr", ShellExpr("$MASTER_ADDR")),
         flag("--master_port", ShellExpr("$PORT")), "--no_local_rank", "--module", module, *module_args,
     ]
-    storage = recipe.targets.sky.checkpoint_storage
     return render_template(
         "sky_run.sh.j2", job_dir=job_dir, code=ExitCode, code_dir=code_dir(recipe, job_dir), default_run_id=recipe.run_id or ShellExpr("$SKYPILOT_TASK_ID"),
         checkpoint_template=checkpoint_dir(recipe), port=DEFAULT_PORT, setup_hint=SETUP_HINT, default_python=None,

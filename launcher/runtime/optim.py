@@ -60,5 +60,5 @@ def apply_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_s
     rate 0. LambdaLR keeps this run's function (functions are not part of its state), so recompute from it.
     """
     step = scheduler.last_epoch
-    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
         group["lr"] = base * fn(step)

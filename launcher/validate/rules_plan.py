@@ -1,8 +1,6 @@
 """Rules about the layout, memory, batch and precision: what the plan itself says is wrong."""
 from __future__ import annotations
 
-import os
-
 from ..jobenv import gb as _gb
 from ..plan import Plan
 from ..recipe import Recipe

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from rt_harness import recipe_dict
 
 from launcher import catalog
 from launcher.plan import make_plan
@@ -23,9 +23,6 @@ from launcher.runtime.dist import detect, first_slurm_host, job_environment
 from launcher.runtime.failures import ConfigError
 from launcher.runtime.faults import Faults, parse
 from launcher.runtime.models import build_model
-
-from rt_harness import recipe_dict
-
 
 # ----------------------------------------------------------------------------- model
 
@@ -55,7 +52,7 @@ def test_activation_checkpointing_gives_identical_gradients(ac):
     x = torch.randint(0, shape.vocab, (2, 32))
     for m in (ref, ckp):
         m(x).float().pow(2).mean().backward()
-    for (n, a), (_, b) in zip(ref.named_parameters(), ckp.named_parameters()):
+    for (n, a), (_, b) in zip(ref.named_parameters(), ckp.named_parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), n
 
 
@@ -96,8 +93,7 @@ def test_deepspeed_config_is_accepted_by_deepspeed(strategy, precision):
     import deepspeed  # noqa: F401 - part of the test environment: missing must fail, not skip
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from launcher.deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
-    from launcher.deepspeed_config import deepspeed_config
+    from launcher.deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET, deepspeed_config
 
     rec, plan = _plan_for(parallelism={"strategy": strategy, "precision": precision})
     assert deepspeed_config(rec, plan)["train_batch_size"] == 16 and plan.layout.dp == 2
@@ -288,7 +284,7 @@ def test_synthetic_data_is_deterministic_and_learnable():
     # A bigram chain: each token has at most 3 successors.
     t = a.tokens.long()
     succ = {}
-    for x, y in zip(t[:-1].tolist(), t[1:].tolist()):
+    for x, y in zip(t[:-1].tolist(), t[1:].tolist(), strict=True):
         succ.setdefault(x, set()).add(y)
     assert max(len(s) for s in succ.values()) <= 3
 

@@ -606,12 +606,12 @@ class SkyNodes:
             return []
         logs = [self.root / "logs" / f"node{n.rank}.{self.launches + 1}.setup.log" for n in self._nodes]
         procs = []
-        for n, path in zip(self._nodes, logs):
+        for n, path in zip(self._nodes, logs, strict=True):
             with open(path, "wb") as log:
                 procs.append(self._spawn(n, "setup", self._script(n, "setup", env), log))
         codes = self.wait(procs, timeout)
         return [subprocess.CompletedProcess(p.args, c, path.read_text(errors="replace"), "")
-                for p, c, path in zip(procs, codes, logs)]
+                for p, c, path in zip(procs, codes, logs, strict=True)]
 
     def start(self, env: dict | None = None, per_node: dict[int, dict] | None = None) -> list[subprocess.Popen]:
         """Start the task's `run` on every node, detached; output goes to log(rank)."""

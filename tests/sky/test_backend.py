@@ -17,7 +17,7 @@ from launcher.targets import JobStatus
 from launcher.targets.registry import SkyHandle
 from launcher.targets.sky import SkyBackend, _Sdk
 
-from sky_helpers import RECIPES, render_to, sky_lib  # noqa: F401 (fixture)
+from sky_helpers import RECIPES, render_to
 
 TINY = next(p for p in RECIPES if p.name == "tiny.yaml")
 BUCKET = "targets.sky.checkpoint_storage={bucket: 's3://b/ckpt'}"

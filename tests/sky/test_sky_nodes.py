@@ -84,7 +84,7 @@ def test_task_runs_as_non_root_user_with_only_skypilots_environment(tmp_path, sk
     nodes.provision()
     setups = [probe(r.stdout) for r in nodes.setup()]
     runs = [probe(out) for out in run(nodes)]
-    for rank, (s, r) in enumerate(zip(setups, runs)):
+    for rank, (s, r) in enumerate(zip(setups, runs, strict=True)):
         for p in (s, r):
             assert (p["uid"], p["user"], p["env"]["HOME"]) == (4242, "sky", "/home/sky")
             assert p["cwd"] == "/home/sky/sky_workdir" and p["host"] == f"node{rank}"

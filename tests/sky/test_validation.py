@@ -13,7 +13,7 @@ import yaml
 from launcher import recipe as R
 from launcher.errors import RecipeError
 
-from sky_helpers import RECIPES, render_to, sky_lib  # noqa: F401 (fixture)
+from sky_helpers import RECIPES, render_to
 
 TINY = (RECIPES[0].parent / "tiny.yaml").read_text()
 
