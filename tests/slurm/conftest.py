@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -70,3 +71,12 @@ def slurm():
 @pytest.fixture
 def partition(slurm) -> str:
     return slurm["SLURM_LOCAL_PARTITION"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_root():
+    """The stand-in for a shared filesystem (slurmkit.SHARED_ROOT) is emptied at the end of the session."""
+    from slurmkit import SHARED_ROOT
+
+    yield
+    shutil.rmtree(SHARED_ROOT, ignore_errors=True)

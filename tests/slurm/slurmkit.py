@@ -157,3 +157,15 @@ def release_after_requeue(job: str, requeued_at: float) -> None:
     sh("scontrol", "update", f"JobId={job}", "StartTime=now")
 
 
+
+
+# A cluster's shared filesystem (NFS, Lustre) for absolute checkpoint directories. Not under /tmp: on a real
+# cluster /tmp is each node's own disk, and validate rightly refuses it for a multi-node job's checkpoints.
+SHARED_ROOT = Path(os.environ.get("DTLAUNCH_TEST_SHARED_ROOT", "/srv/dtlaunch-tests"))
+
+
+def shared_dir(tmp: Path) -> Path:
+    """The test's directory on the 'shared filesystem', named after its tmp_path (so it is unique)."""
+    d = SHARED_ROOT / tmp.name
+    d.mkdir(parents=True, exist_ok=True)
+    return d

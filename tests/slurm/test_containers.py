@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from slurmkit import REPO, VENV_ACTIVATE, render_to, sh, wait_gone
+from slurmkit import REPO, VENV_ACTIVATE, render_to, sh, shared_dir, wait_gone
 
 from launcher.render.package import wheel_name
 
@@ -106,7 +106,7 @@ def stubs(tmp_path, monkeypatch):
 def container_overrides(partition: str, tmp: Path, container: str, *extra: str) -> list[str]:
     (tmp / "datasets").mkdir(exist_ok=True)
     return [f"targets.slurm.partition={partition}", "resources.nodes=2", "resources.accelerator=cpu:1",
-            f"training.steps={STEPS}", "checkpoint.every=2", f"checkpoint.dir={tmp}/ckpt-root/{{run_id}}",
+            f"training.steps={STEPS}", "checkpoint.every=2", f"checkpoint.dir={shared_dir(tmp)}/ckpt-root/{{run_id}}",
             f"resources.image={IMAGE}", f'targets.slurm.setup=["source {VENV_ACTIVATE}"]',
             "targets.slurm.max_failures=0",
             f"targets.slurm.container={{runtime: {container}, mounts: ['{tmp}/datasets:/datasets:ro']}}", *extra]
@@ -122,7 +122,7 @@ def calls(log: Path) -> list[dict]:
 
 def mounts(submit: str, tmp: Path) -> str:
     """The submit directory, the checkpoint root (absolute checkpoint.dir), then the recipe's own mounts."""
-    return f"{submit}:{submit},{tmp}/ckpt-root:{tmp}/ckpt-root,{tmp}/datasets:/datasets:ro"
+    return f"{submit}:{submit},{shared_dir(tmp)}/ckpt-root:{shared_dir(tmp)}/ckpt-root,{tmp}/datasets:/datasets:ro"
 
 
 def run_job(out: Path) -> str:
@@ -165,8 +165,8 @@ def test_apptainer_runs_torchrun_in_the_image_on_every_node(tmp_path, partition,
         assert c["pwd"] == submit
         assert_wheel_first(c, submit)
     assert check[0]["cmd"].startswith("python3 -m launcher.train --plan ")  # the image's python3, by name
-    assert (tmp_path / "ckpt-root" / job).is_dir()  # created before mounting; the checkpoints are there
-    assert any((tmp_path / "ckpt-root" / job).iterdir())
+    assert (shared_dir(tmp_path) / "ckpt-root" / job).is_dir()  # created before mounting; the checkpoints are there
+    assert any((shared_dir(tmp_path) / "ckpt-root" / job).iterdir())
 
 
 @pytest.mark.slow
@@ -187,7 +187,7 @@ def test_pyxis_runs_the_step_in_the_image_on_every_node(tmp_path, partition, stu
         assert_wheel_first(c, submit)
     assert check["cmd"].startswith("--nodes=1 --ntasks=1") and check["cmd"].endswith(f"bash {submit}/step.sh --check")
     assert "--nodes=2 --ntasks=2" in train["cmd"] and train["cmd"].endswith(f"bash {submit}/step.sh")
-    assert any((tmp_path / "ckpt-root" / job).iterdir())
+    assert any((shared_dir(tmp_path) / "ckpt-root" / job).iterdir())
 
 
 def test_a_broken_image_fails_once_before_training(tmp_path, partition, stubs, monkeypatch):

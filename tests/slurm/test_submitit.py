@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import submitit
-from slurmkit import REPO, release_after_requeue, render_to, sh, squeue_state, wait_for
+from slurmkit import REPO, release_after_requeue, render_to, sh, shared_dir, squeue_state, wait_for
 
 import launcher
 from launcher.errors import DtlaunchError
@@ -38,7 +38,7 @@ SUBMITIT = "targets.slurm.submit=submitit"
 
 def cluster_overrides(partition: str, tmp: Path, *extra: str) -> list[str]:
     return [f"targets.slurm.partition={partition}", "resources.nodes=2", "resources.accelerator=cpu:1",
-            f"training.steps={STEPS}", f"checkpoint.every={EVERY}", f"checkpoint.dir={tmp}/ckpt/{{run_id}}",
+            f"training.steps={STEPS}", f"checkpoint.every={EVERY}", f"checkpoint.dir={shared_dir(tmp)}/ckpt/{{run_id}}",
             "training.deterministic=true", f'targets.slurm.setup=["source {VENV_ACTIVATE}"]',
             "targets.slurm.max_requeues=2", *extra]
 
@@ -282,7 +282,7 @@ def test_usr2_checkpoints_requeues_through_submitit_and_resumes(tmp_path, partit
     pre, = r.events("preempt")
     saved = pre["step"]
     assert pre["signal"] == "SIGUSR2" and 3 <= saved < STEPS, pre
-    assert saved in complete_steps(tmp_path / "ckpt" / r.id)
+    assert saved in complete_steps(shared_dir(tmp_path) / "ckpt" / r.id)
     release_after_requeue(r.id, requeued_at)
     summary = job.result()
     took = time.time() - t0
@@ -320,7 +320,7 @@ def test_cancel_of_a_running_job_ends_it_for_good(tmp_path, partition, login_she
     # so on a loaded machine the batch step can be killed before it writes its last ledger line.
     assert r.ledger("exit_codes") in ([], ["0 42 TERM"]), r.log()
     for pre in r.events("preempt"):
-        assert pre["signal"] == "SIGTERM" and pre["step"] in complete_steps(tmp_path / "ckpt" / r.id)
+        assert pre["signal"] == "SIGTERM" and pre["step"] in complete_steps(shared_dir(tmp_path) / "ckpt" / r.id)
     print(f"\njob.cancel() -> result() raised UncompletedJobError after {took:.1f}s (job ran {t_cancel - t0:.1f}s)")
 
 
@@ -367,7 +367,7 @@ def test_preempted_without_requeues_left_exits_42(tmp_path, partition, login_she
     assert rows[f"{r.id}.batch"] == ["FAILED", "42:0"] and rows[r.id] == ["FAILED", "42:0"], rows
     assert r.ledger("exit_codes") == ["0 42 none"] and r.ledger("state") == ["PREEMPTED"]
     pre, = r.events("preempt")
-    assert pre["step"] in complete_steps(tmp_path / "ckpt" / r.id)
+    assert pre["step"] in complete_steps(shared_dir(tmp_path) / "ckpt" / r.id)
     print(f"\npreempted with max_requeues=0 -> exit 42 in sacct after {took:.1f}s")
 
 
