@@ -87,38 +87,26 @@ def _alias_bomb(levels: int, width: int) -> str:
 
 def _raw_case(r: random.Random) -> tuple[str, str]:
     base = _dump(BASE)
-    kind = r.choice(["bomb", "deep-flow", "deep-block", "dup", "unknown-many", "recursive", "merge", "tabs",
-                     "scalar-top", "list-top", "huge-scalar", "bad-utf8-ish", "keys-not-text", "bom"])
-    if kind == "bomb":
-        return kind, _alias_bomb(r.randint(3, 9), r.randint(3, 9))
-    if kind == "deep-flow":
-        n = r.choice([40, 1000, 100_000, 300_000])
-        return kind, base + "env: " + "[" * n + "]" * n + "\n"
-    if kind == "deep-block":
-        n = r.choice([40, 500, 5000])
-        return kind, base + "".join("  " * i + f"k{i}:\n" for i in range(n)) + "  " * n + "v: 1\n"
-    if kind == "dup":
-        return kind, base + f"training:\n  steps: {r.randint(1, 10**6)}\n"
-    if kind == "unknown-many":
-        n = r.choice([30, 3000, 30_000])
-        return kind, base + "model:\n  preset: tiny\n" + "".join(f"  k{i}: {i}\n" for i in range(n))
-    if kind == "recursive":
-        return kind, base.replace("secrets", "x") + "secrets: &r [*r]\n"
-    if kind == "merge":
-        return kind, "defaults: &d {steps: 5}\n" + base.replace("training:\n", "training:\n  <<: *d\n", 1)
-    if kind == "tabs":
-        return kind, base.replace("  ", "\t")
-    if kind == "scalar-top":
-        return kind, r.choice(["42", "'just a string'", "null", "~", ".inf"])
-    if kind == "list-top":
-        return kind, "- a\n- b\n"
-    if kind == "huge-scalar":
-        return kind, base.replace("name: tiny", "name: " + "x" * r.choice([1000, 900_000]))
-    if kind == "keys-not-text":
-        return kind, base + "? [a, b]\n: 1\n1: 2\n"
-    if kind == "bom":
-        return kind, "\ufeff" + base
-    return kind, base + "name: \udcff\n".encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    makers = {
+        "bomb": lambda: _alias_bomb(r.randint(3, 9), r.randint(3, 9)),
+        "deep-flow": lambda: (lambda n: base + "env: " + "[" * n + "]" * n + "\n")(r.choice([40, 1000, 100_000, 300_000])),
+        "deep-block": lambda: (lambda n: base + "".join("  " * i + f"k{i}:\n" for i in range(n)) + "  " * n + "v: 1\n")(
+            r.choice([40, 500, 5000])),
+        "dup": lambda: base + f"training:\n  steps: {r.randint(1, 10**6)}\n",
+        "unknown-many": lambda: (lambda n: base + "model:\n  preset: tiny\n" + "".join(f"  k{i}: {i}\n" for i in range(n)))(
+            r.choice([30, 3000, 30_000])),
+        "recursive": lambda: base.replace("secrets", "x") + "secrets: &r [*r]\n",
+        "merge": lambda: "defaults: &d {steps: 5}\n" + base.replace("training:\n", "training:\n  <<: *d\n", 1),
+        "tabs": lambda: base.replace("  ", "\t"),
+        "scalar-top": lambda: r.choice(["42", "'just a string'", "null", "~", ".inf"]),
+        "list-top": lambda: "- a\n- b\n",
+        "huge-scalar": lambda: base.replace("name: tiny", "name: " + "x" * r.choice([1000, 900_000])),
+        "bad-utf8-ish": lambda: base + "name: \udcff\n".encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
+        "keys-not-text": lambda: base + "? [a, b]\n: 1\n1: 2\n",
+        "bom": lambda: "\ufeff" + base,
+    }
+    kind = r.choice(list(makers))
+    return kind, makers[kind]()
 
 
 def _override_case(r: random.Random) -> tuple[str, list[str]]:

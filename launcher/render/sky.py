@@ -81,6 +81,28 @@ def resources(recipe: Recipe, choices: Optional[Choices] = None) -> dict:
     order: dtlaunch's cheapest plan first) or `any_of` (SkyPilot picks), one entry per accelerator that can
     run the shipped plan; every other field applies to all of them."""
     res, sk = recipe.resources, recipe.targets.sky
+    out = _devices(recipe, choices)
+    # The fast fabric matters only between nodes; on one node `best` would only pin a special image.
+    if NETWORKS[res.network].sky_network_tier == "best" and res.nodes > 1:
+        out["network_tier"] = "best"
+    where = infra(recipe)
+    if where:
+        out["infra"] = where
+    if sk.spot:
+        out["use_spot"] = True
+    out["disk_size"] = sk.disk_size
+    # The machine's own fields, where the recipe sets them.
+    out.update({k: v for k, v in (("disk_tier", sk.disk_tier), ("ports", list(sk.ports or [])))
+                if v})
+    if res.image:  # the job runs in this container on every node (setup and run alike)
+        out["image_id"] = images.for_sky(res.image)
+    out.update(_lifecycle(recipe))
+    return out
+
+
+def _devices(recipe: Recipe, choices: Optional[Choices]) -> dict:
+    """accelerators (or the fallbacks' list), instance_type, cpus and memory."""
+    res, sk = recipe.resources, recipe.targets.sky
     out: dict = {}
     kept = [c.accelerator for c in choices.kept] if choices else []
     if res.device().is_gpu and len(kept) > 1:
@@ -95,33 +117,24 @@ def resources(recipe: Recipe, choices: Optional[Choices] = None) -> dict:
         out["cpus"] = sk.cpus
     if sk.memory is not None:
         out["memory"] = sk.memory
-    # The fast fabric matters only between nodes; on one node `best` would only pin a special image.
-    if NETWORKS[res.network].sky_network_tier == "best" and res.nodes > 1:
-        out["network_tier"] = "best"
-    where = infra(recipe)
-    if where:
-        out["infra"] = where
-    if sk.spot:
-        out["use_spot"] = True
-    out["disk_size"] = sk.disk_size
-    if sk.disk_tier:
-        out["disk_tier"] = sk.disk_tier
-    if sk.ports:
-        out["ports"] = list(sk.ports)
-    if res.image:  # the job runs in this container on every node (setup and run alike)
-        out["image_id"] = images.for_sky(res.image)
+    return out
+
+
+def _lifecycle(recipe: Recipe) -> dict:
+    """A managed job's recovery, or an unmanaged cluster's autostop."""
+    sk = recipe.targets.sky
     if is_managed(recipe):
-        out["job_recovery"] = {
+        return {"job_recovery": {
             # Spot capacity vanishes region-wide; on-demand failures are usually one bad node.
             "strategy": "EAGER_NEXT_REGION" if sk.spot else "FAILOVER",
             "max_restarts_on_errors": sk.max_restarts_on_errors,
             # Only PREEMPTED recovers without limit: SkyPilot does not count these recoveries, and a
             # reproducible hang (43) must count against max_restarts_on_errors like any error.
             "recover_on_exit_codes": [int(ExitCode.PREEMPTED)],
-        }
-    elif sk.autostop_minutes:
-        out["autostop"] = {"idle_minutes": sk.autostop_minutes, "down": sk.autodown}
-    return out
+        }}
+    if sk.autostop_minutes:
+        return {"autostop": {"idle_minutes": sk.autostop_minutes, "down": sk.autodown}}
+    return {}
 
 
 def envs(recipe: Recipe) -> dict[str, str]:

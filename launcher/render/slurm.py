@@ -116,15 +116,11 @@ def field_clashes(recipe: Recipe, plan: Plan) -> list[tuple[str, str, str]]:
     return out
 
 
-def _field_directives(recipe: Recipe, plan: Plan, array: Optional[str] = None) -> list[tuple[str, Optional[object]]]:
+def _node_resources(recipe: Recipe, plan: Plan) -> list[tuple[str, Optional[object]]]:
+    """GPUs, CPUs and memory per node, in the spelling the site's configuration asks for."""
     t = recipe.targets.slurm
-    res = recipe.resources
-    gpu = res.device().is_gpu
-    opts: list[tuple[str, Optional[object]]] = [
-        ("--job-name", recipe.job_name),
-        ("--nodes", plan.nodes),
-        ("--ntasks-per-node", 1),  # one torchrun per node; it spawns one process per device
-    ]
+    gpu = recipe.resources.device().is_gpu
+    opts: list[tuple[str, Optional[object]]] = []
     if gpu:
         count = f"{t.gpu_type}:{plan.gpus_per_node}" if t.gpu_type else plan.gpus_per_node
         if t.gpu_request == "gres":  # clusters without select/cons_tres know GPUs only as generic resources
@@ -146,6 +142,17 @@ def _field_directives(recipe: Recipe, plan: Plan, array: Optional[str] = None) -
         opts.append(("--mem", mem))
     if t.mem_per_gpu is not None and gpu:
         opts.append(("--mem-per-gpu", t.mem_per_gpu))
+    return opts
+
+
+def _field_directives(recipe: Recipe, plan: Plan, array: Optional[str] = None) -> list[tuple[str, Optional[object]]]:
+    t = recipe.targets.slurm
+    opts: list[tuple[str, Optional[object]]] = [
+        ("--job-name", recipe.job_name),
+        ("--nodes", plan.nodes),
+        ("--ntasks-per-node", 1),  # one torchrun per node; it spawns one process per device
+    ]
+    opts += _node_resources(recipe, plan)
     opts.append(("--time", t.time))
     for key in ("partition", "account", "qos", "constraint", "reservation", "nodelist", "exclude", "dependency"):
         if getattr(t, key):
