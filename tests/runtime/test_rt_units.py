@@ -417,5 +417,8 @@ def test_layout_keeps_the_global_batch_on_another_world_size():
     assert (lay.grad_accum, lay.global_batch) == (4, 16) and "grad_accum 2 -> 4" in notes[0]
     with pytest.raises(ConfigError, match="cannot be split"):
         resolve_layout(plan, 3)
-    with pytest.raises(ConfigError, match="data-parallel layouts only"):
-        resolve_layout(dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, tp=2)), 2)
+    # tensor 2 on 2 ranks keeps one data-parallel rank, so the micro-steps per rank double again
+    lay, _ = resolve_layout(dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, tp=2)), 2)
+    assert (lay.tp, lay.dp, lay.global_batch) == (2, 1, 16)
+    with pytest.raises(ConfigError, match="cannot hold tensor 2 x pipeline 1"):
+        resolve_layout(dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, tp=2)), 3)
