@@ -27,9 +27,13 @@ system:
 lint: install
 	$(VENV)/bin/ruff check launcher tests bench
 
-# The whole suite. pytest's exit code 5 (no tests collected) is not a pass: it means nothing ran.
+# The whole suite, on two workers: most multi-process tests wait on timeouts, schedulers and rendezvous
+# more than they compute, so two files at a time take ~2/3 of the time of one. Each test file stays on one
+# worker, the SLURM tests together (tests/conftest.py). pytest's exit code 5 (no tests collected) is not a
+# pass: it means nothing ran.
+PYTEST_WORKERS ?= 2
 test: install system lint
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 demo: install
 	@echo "== plan: Llama 3 70B on 8 nodes x 8 H100"

@@ -27,3 +27,13 @@ def run_cli(capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """With `-n 2 --dist loadgroup` (make test), each test file runs whole on one worker, so its module-scoped
+    worlds are set up once, and every SLURM test runs on the same worker, against the one local cluster its
+    session fixture starts (a second one would need other ports)."""
+    for item in items:
+        path = item.path.as_posix()
+        item.add_marker(pytest.mark.xdist_group("slurm" if "/tests/slurm/" in path else path))
