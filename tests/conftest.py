@@ -32,8 +32,14 @@ def run_cli(capsys):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """With `-n 2 --dist loadgroup` (make test), each test file runs whole on one worker, so its module-scoped
-    worlds are set up once, and every SLURM test runs on the same worker, against the one local cluster its
-    session fixture starts (a second one would need other ports)."""
+    worlds are set up once; the SLURM tests run on one worker, against the one local cluster its session
+    fixture starts, and the SkyPilot node tests on one worker too."""
     for item in items:
         path = item.path.as_posix()
-        item.add_marker(pytest.mark.xdist_group("slurm" if "/tests/slurm/" in path else path))
+        if "/tests/slurm/" in path or "slurm-local" in item.nodeid:  # the README's cluster uses the same
+            group = "slurm"  # node addresses, so its jobs could collide with the tests' jobs on a port
+        elif "/tests/sky/" in path:
+            group = "sky"  # simulated VMs on loopback addresses: two node sets at once would share ports
+        else:
+            group = path
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -155,6 +155,9 @@ def test_up_after_chains_an_evaluation_behind_training(tmp_path, partition, run_
     try:
         info = sh("scontrol", "show", "job", ev).stdout
         assert f"Dependency=afterok:{train}(unfulfilled)" in info, info
+        # slurmctld sets the pending reason on its next scheduling pass (right after submission it may still
+        # read Resources or None), so the status is asked until it says Dependency
+        wait_for(lambda: "(Dependency)" in run_cli("status", "chain-eval")[1], 60, "the reason Dependency")
         code, out, _ = run_cli("status", "chain-eval")
         assert "PENDING" in out and f"after afterok:{train}" in out and "(Dependency)" in out, out
         sh("scontrol", "release", train)
