@@ -209,7 +209,7 @@ class Checkpointer:
         state = self._model_optim_state()
         writer = _dcp_writer(path)
         if self.async_save and not blocking and self.distributed:
-            fut = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+            fut = dcp.async_save(state, storage_writer=writer, planner=dcpio.planner(), process_group=self.group,
                                  async_stager=self._async_stager())
             if not isinstance(fut, Future):  # AsyncSaveResponse (staging + upload futures)
                 fut = fut.upload_completion
@@ -218,8 +218,9 @@ class Checkpointer:
             self._pending = pending
             self.log(f"checkpoint step {step}: staged in {time.time() - t0:.2f}s, writing in the background")
             return
-        dcp.save(state, storage_writer=writer, process_group=self.group if self.distributed else None,
-                 no_dist=not self.distributed)
+        with dcpio.save_context(synchronous=True):
+            dcp.save(state, storage_writer=writer, planner=dcpio.planner(),
+                     process_group=self.group if self.distributed else None, no_dist=not self.distributed)
         self._finish(step, meta, t0, dcpio.written_sums(writer, path))
 
     def _write_manifest_after(self, fut: Future, p: _Pending) -> None:
