@@ -82,11 +82,15 @@ def _plan_sweep(recipe_path, overrides, sweeps, as_json):
 @click.option("--trace", "trace", is_flag=True,
               help="Also run the runtime's own model and FSDP2 wrapping for this plan on fake tensors under "
                    "PyTorch's memory tracker, and compare it with the estimate term by term (needs torch).")
-def plan_cmd(recipe_path, overrides, as_json, sweeps, trace):
+@click.option("--compare", "compare", type=click.Choice(["deepspeed"]), default=None,
+              help="Also print DeepSpeed's own ZeRO memory estimators for this layout beside the planner's "
+                   "figures, with the reason for each difference (needs DeepSpeed).")
+def plan_cmd(recipe_path, overrides, as_json, sweeps, trace, compare):
     """Show per-GPU memory for each strategy, the chosen one and why, step time, total time and cost."""
     if sweeps:
-        if trace:
-            raise click.UsageError("--trace checks one plan: drop --sweep, or pick the combination with --set")
+        if trace or compare:
+            raise click.UsageError("--trace and --compare check one plan: drop --sweep, or pick the combination "
+                                   "with --set")
         return _plan_sweep(recipe_path, overrides, sweeps, as_json)
     recipe, p = load(recipe_path, overrides)
     if as_json:
@@ -99,6 +103,10 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps, trace):
             from . import tracing
 
             d["trace"] = tracing.run(recipe, p).to_dict()
+        if compare:
+            from . import compare as cmp  # imports deepspeed (and torch): only for this flag
+
+            d["compare"] = {"deepspeed": cmp.compare(recipe, p).to_dict()}
         click.echo(json.dumps(d, indent=2))
         return
     _print_plan(recipe, p)
@@ -110,6 +118,10 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps, trace):
         from . import tracing
 
         tracing.print_comparison(tracing.run(recipe, p))
+    if compare:
+        from . import compare as cmp  # imports deepspeed (and torch): only for this flag
+
+        cmp.print_comparison(cmp.compare(recipe, p))
 
 
 @click.command("validate")

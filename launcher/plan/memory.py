@@ -3,6 +3,10 @@
 Sources, cited at each formula:
 - [ZeRO] Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 3
   and 5 (model states: `moments.model_states`).
+- [ZeRO-Offload] Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training", sec. 3 (with
+  optimizer offload only the 16-bit parameters stay on the GPU: `moments.model_states`), and DeepSpeed's own
+  estimators, `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
+  (`dtlaunch plan --compare deepspeed` prints them beside these figures).
 - [MLM3] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4,
   Table 2 (GPT layers, pipeline in-flight micro-batches: `activations`, `moments`).
 - the runtime itself for the Llama activations, the loss and FSDP2's buffers (`activations`, `moments`): each
