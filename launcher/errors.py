@@ -30,6 +30,14 @@ class Problem:
         return asdict(self)
 
 
+class FieldError(ValueError):
+    """A recipe validator's error that knows its own fix (the loader shows it instead of a generic hint)."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.fix = fix
+
+
 class DtlaunchError(Exception):
     """Base for every error the CLI turns into a message and a non-zero exit code."""
 

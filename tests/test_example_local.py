@@ -84,3 +84,11 @@ def test_example_runs_under_other_strategies(run_cli, tmp_path, strategy):
     assert code == 0, out + err
     ls = losses(out_dir)
     assert sorted(ls) == list(range(1, STEPS + 1)) and ls[STEPS] < ls[1]
+
+
+def test_a_tensor_parallel_plan_is_refused_for_your_own_model(run_cli, tmp_path):
+    """job.wrap cannot split a model it knows nothing about, nor run a loop of accumulate() as a pipeline: a
+    tensor/pipeline plan ends with CONFIG (2) and says why, not a crash inside DTensor."""
+    code, out, err = up(run_cli, tmp_path / "tp", "parallelism.tensor=2", "targets.local.max_restarts=0")
+    assert code == 2, out + err
+    assert "job.wrap trains your own model data-parallel only" in out + err

@@ -53,7 +53,8 @@ def _scripts(recipe: str, target: str, overrides=()) -> dict[str, str]:
 
 
 CASES = [("tiny", "local", ()), ("tiny", "slurm", ()), ("tiny", "sky", ()), ("llama70b", "slurm", ()),
-         ("llama70b", "sky", ()), ("llama2-13b-zero3", "slurm", ()),
+         ("llama70b", "sky", ()), ("llama2-13b-zero3", "slurm", ()), ("llama3-405b", "slurm", ()),
+         ("llama3-405b", "sky", ()),
          ("tiny", "sky", ("resources.nodes=2", "parallelism.strategy=zero2", "parallelism.launcher=deepspeed",
                           "targets.sky.checkpoint_storage={bucket: 's3://b/c'}"))]
 
@@ -71,7 +72,7 @@ def test_rendered_scripts_pass_bash_n_and_shellcheck(recipe, target, overrides, 
         assert r.returncode == 0, f"{name}:\n{r.stdout}"
 
 
-@pytest.mark.parametrize("recipe,target,overrides", CASES[:6], ids=[f"{c[0]}-{c[1]}" for c in CASES[:6]])
+@pytest.mark.parametrize("recipe,target,overrides", CASES[:8], ids=[f"{c[0]}-{c[1]}" for c in CASES[:8]])
 def test_rendered_scripts_match_the_golden_files(recipe, target, overrides):
     for name, text in _scripts(recipe, target, overrides).items():
         text = text.replace(sys.executable, "<python that rendered>")

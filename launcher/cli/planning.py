@@ -34,7 +34,9 @@ def _print_plan(recipe, p) -> None:
     con.print(t)
     con.print("* = chosen")
     lay = p.layout
-    con.print(f"layout: strategy={lay.strategy} dp={lay.dp} tp={lay.tp} pp={lay.pp} precision={lay.precision} "
+    extra = (" sequence_parallel" if lay.tp > 1 and lay.sequence_parallel else "") + \
+        (f" pipeline_schedule={lay.pp_schedule}" if lay.pp > 1 else "")
+    con.print(f"layout: strategy={lay.strategy} dp={lay.dp} tp={lay.tp} pp={lay.pp}{extra} precision={lay.precision} "
               f"activation_checkpointing={lay.activation_checkpointing} offload={lay.offload}")
     con.print(f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = global {p.global_batch} "
               f"sequences ({p.tokens_per_step:,} tokens/step)")

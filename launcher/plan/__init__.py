@@ -72,6 +72,7 @@ class Plan:
             "activation_checkpointing": lay.activation_checkpointing,
             "offload": lay.offload,
             "sequence_parallel": lay.sequence_parallel,
+            "pipeline_schedule": lay.pp_schedule,
             "optimizer": lay.optimizer,
             "micro_batch": lay.micro_batch,
             "grad_accum": lay.grad_accum,
@@ -103,6 +104,7 @@ class Plan:
             activation_checkpointing=d["activation_checkpointing"], offload=d.get("offload", "none"),
             micro_batch=int(d["micro_batch"]), grad_accum=int(d["grad_accum"]),
             sequence_parallel=bool(d.get("sequence_parallel", False)), optimizer=d.get("optimizer", "adamw"),
+            pp_schedule=d.get("pipeline_schedule", "1f1b"),
         )
         return cls(
             params=int(d["params"]), world_size=int(d["world_size"]), nodes=int(d["nodes"]),
@@ -134,7 +136,7 @@ def make_plan(recipe: Recipe) -> Plan:
     base = Layout(
         strategy="ddp", dp=dp, tp=tp, pp=pp, precision=par.precision, micro_batch=tr.micro_batch,
         grad_accum=grad_accum, sequence_parallel=par.sequence_parallel, optimizer=tr.optimizer,
-        shard=res.per_node if par.strategy == "hybrid" else None,
+        shard=res.per_node if par.strategy == "hybrid" else None, pp_schedule=par.pipeline_schedule,
     )
     ctx = Context(shape, arch, n, seq, dev.memory_gb * 1e9, dev.is_gpu, res.per_node, res.nodes)
     fields_set = par.model_fields_set

@@ -38,8 +38,9 @@ def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: 
       keeps) and an fp32 log-sum-exp per head and token (4asb); no s x s scores (flash attention);
       SwiGLU w2(silu(w1 x) * w3 x): w1 x, w3 x, silu(w1 x) and their product, 4e sbf;
       the block's own 16-bit copy of the RoPE tables (FSDP2 casts a block's inputs; `cast_inputs`), e s h/a;
-      => e sbh (6 + 2g/a) + 4e sbf + 4asb + e s h/a, divided by t for the tensor-parallel parts ([MLM3]'s
-      split: norms are replicated unless sequence parallel).
+      => e sbh (6 + 2g/a) + 4e sbf + 4asb + e s h/a, divided by t for the tensor-parallel parts (the runtime's
+      `tensor_parallel`: heads and the SwiGLU split; norms replicated, and with sequence parallelism only their
+      inputs split, since the gathered outputs are what the projections keep).
     selective: the SwiGLU tail is recomputed from (w1 x, w3 x): the two others are dropped, -2e sbf.
     full: the block keeps its input only, e sbh (/t with SP).
     `autocast` (DDP in 16-bit: fp32 weights, torch.autocast): the residual stream stays fp32 (the embedding is
@@ -55,7 +56,11 @@ def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: 
         return _gpt_layer(shape, s, b, t, sp, ac, scale)
     h, a, g, f = shape.hidden, shape.heads, shape.kv_heads, shape.ffn_hidden
     sbh = s * b * h
-    replicated = 2 * res * sbh + (5 if autocast else 2) * e * sbh
+    # Each norm's input (the residual stream) and its output, read by the projections. With sequence
+    # parallelism the input is a rank's slice of the sequence, but DTensor all-gathers the output before the
+    # column-wise projections and autograd keeps that gathered copy whole (Megatron re-gathers it in backward
+    # instead, hence [MLM3]'s sbh/t): only the inputs shrink.
+    replicated = 2 * res * sbh / (t if sp else 1) + (5 if autocast else 2) * e * sbh
     split = e * sbh * (2 + 2 * g / a) + 4 * e * s * b * f + 4 * a * s * b
     if ac == "selective":
         split -= 2 * e * s * b * f
@@ -64,8 +69,6 @@ def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: 
     # rotation's multiplications (`cast_inputs`). Under full checkpointing they are made inside the recomputed
     # region, and in fp32 there is nothing to cast.
     rope = e * s * h / a if cast_inputs and act_bytes < 4 else 0.0
-    if sp:
-        return (replicated + split) / t + rope
     return replicated + split / t + rope
 
 
@@ -86,7 +89,8 @@ def layer_backward_extra(shape: ModelShape, arch: str, s: int, b: int, t: int, s
     """
     e = act_bytes
     f = shape.ffn_hidden if arch != "gpt" else 4 * shape.hidden
-    return (_residual_bytes(e, autocast) * s * b * shape.hidden + 2 * e * s * b * f) / t
+    # the residual stream's gradient is split over the tensor-parallel group only with sequence parallelism
+    return _residual_bytes(e, autocast) * s * b * shape.hidden / (t if sp else 1) + 2 * e * s * b * f / t
 
 
 def layer_in_backward(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, act_bytes: int,
@@ -98,7 +102,8 @@ def layer_in_backward(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: 
             + layer_backward_extra(shape, arch, s, b, t, sp, act_bytes, autocast))
 
 
-def norm_backward_extra(shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autocast: bool = False) -> float:
+def norm_backward_extra(shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autocast: bool = False,
+                        sp: bool = False) -> float:
     """What an RMSNorm's backward holds beyond its input, per element of sbh.
 
     The runtime recomputes the norm in backward (`_rms_norm` under a checkpoint) and autograd differentiates
@@ -109,13 +114,15 @@ def norm_backward_extra(shape: ModelShape, s: int, b: int, t: int, act_bytes: in
     layer's backward.
     """
     per_element = 20 + (4 if _residual_bytes(act_bytes, autocast) < 4 else 0)
-    return per_element * s * b * shape.hidden / t
+    return per_element * s * b * shape.hidden / (t if sp else 1)  # a norm runs on the whole stream unless SP
 
 
-def head_bytes(shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autocast: bool = False) -> float:
+def head_bytes(shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autocast: bool = False,
+               sp: bool = False) -> float:
     """The final RMSNorm's saved input and its output, kept by the output projection: 2e sbh (under autocast
-    an fp32 input and the projection's 16-bit cast of the output)."""
-    return (_residual_bytes(act_bytes, autocast) + act_bytes) * s * b * shape.hidden / t
+    an fp32 input and the projection's 16-bit cast of the output). Under tensor parallelism both are whole
+    (replicated); with sequence parallelism the input is a slice and the output the gathered copy."""
+    return (_residual_bytes(act_bytes, autocast) / (t if sp else 1) + act_bytes) * s * b * shape.hidden
 
 
 def loss_chunk_bytes(shape: ModelShape, s: int, b: int, t: int) -> float:

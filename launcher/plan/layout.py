@@ -21,6 +21,7 @@ class Layout:
     grad_accum: int = 1  # micro-batches per optimizer step (also bounds a pipeline's in-flight micro-batches)
     sequence_parallel: bool = False
     optimizer: str = "adamw"
+    pp_schedule: str = "1f1b"  # the pipeline's schedule (launcher.plan.pipeline), when pp > 1
 
     @property
     def spec(self) -> StrategySpec:

@@ -29,7 +29,7 @@ from ..catalog import ModelShape
 from ..jobenv import GB
 from .activations import activation_bytes_per_layer
 from .layout import Layout
-from .moments import MOMENTS, TERMS, model_states, optimizer_state_bytes, timeline
+from .moments import MOMENTS, TERMS, model_states, optimizer_state_bytes, pipeline_parts, rank_params, timeline
 
 # CUDA context, cuBLAS workspace and NCCL's own buffers on a GPU: ~1 GB measured on H100s with NCCL 2.2x.
 GPU_CONTEXT_BYTES = 1.0 * GB
@@ -81,16 +81,24 @@ def activations(shape: ModelShape, arch: str, seq: int, lay: Layout) -> float:
 
 def breakdown(shape: ModelShape | None, arch: str, n_params: int, seq: int, lay: Layout, gpu_bytes: float,
               is_gpu: bool = True) -> Memory:
-    """The whole per-GPU picture for one layout: the largest moment of the step, with context and slack."""
-    n = n_params / (lay.tp * lay.pp)  # [ZeRO]/Megatron: TP and PP divide the parameters of each GPU
-    moments = timeline(shape, arch, n, seq, lay)
-    totals = {m: sum(t.values()) for m, t in moments.items()}
-    peak_at = max(totals, key=totals.__getitem__)
+    """The whole per-GPU picture for one layout: the largest moment of the step, with context and slack; under
+    pipeline parallelism, of the rank (first or last stage) whose step peaks higher."""
+    best = None
+    for part in pipeline_parts(shape, lay):
+        # TP splits the blocks, PP gives each rank its stages' blocks (`moments.rank_params`)
+        n = rank_params(shape, arch, n_params, lay, part)
+        moments = timeline(shape, arch, n, seq, lay, part)
+        totals = {m: sum(t.values()) for m, t in moments.items()}
+        at = max(totals, key=totals.__getitem__)
+        if best is None or totals[at] > best[1][best[2]]:
+            best = (moments, totals, at, part)
+    moments, totals, peak_at, part = best
     t = dict(moments[peak_at])
     t["context"] = GPU_CONTEXT_BYTES if is_gpu else CPU_CONTEXT_BYTES
     t["fragmentation"] = FRAGMENTATION * totals[peak_at]
     total = sum(t.values())
     acts = t["activations"] + t["backward"] + t["loss"]
     bufs = t["buffers"] + t["context"] + t["fragmentation"]
+    where = f"{peak_at} on pipeline rank {part.rank}" if lay.pp > 1 else peak_at
     return Memory(t["params"], t["grads"], t["optimizer"], acts, bufs, total, gpu_bytes, total <= gpu_bytes,
-                  peak_at, t, totals)
+                  where, t, totals)

@@ -36,14 +36,15 @@ embedding, each block, the output head, and the root with the final norm.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..catalog import ModelShape
 from ..deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
 from ..strategies import Family
 from . import activations as act
 from .layout import Layout
-from .params import embedding_params, layer_params
+from .params import embedding_params, layer_params, layer_params_per_rank
+from .pipeline import in_flight, num_stages, stage_layers, stages_of_rank, steady
 
 MOMENTS = ("forward", "loss forward", "loss backward", "head backward", "layer backward", "end of backward",
            "optimizer step")
@@ -127,6 +128,12 @@ def deepspeed_step_fp32_grads(n: float, lay: Layout) -> float:
     return 4 * part
 
 
+def fsdp_group(lay: Layout) -> int:
+    """Ranks an FSDP2 unit is sharded over: the sharding group, or one for `ddp` in a tensor/pipeline layout
+    (the runtime's FSDP2 with shard groups of one; `launcher.runtime.meshengine`)."""
+    return lay.shard_group if lay.spec.sharded else 1
+
+
 def states(n: float, lay: Layout) -> States:
     p, g, o = model_states(n, lay)
     # torch AdamW with foreach (its CUDA default) allocates sqrt(exp_avg_sq) for every parameter at once.
@@ -136,6 +143,66 @@ def states(n: float, lay: Layout) -> States:
     if o == 0:
         temp = 0.0  # offloaded states step on the host
     return States(p, g, o, temp)
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one rank holds of the model, and the most block activations it keeps at once: the whole model
+    (pp = 1: every block of one micro-batch), or a pipeline rank's stages under its schedule."""
+
+    emb: bool = True
+    head: bool = True
+    blocks: float = 0.0  # blocks held
+    stage_blocks: float = 0.0  # blocks of its largest stage (what one micro-batch's backward frees)
+    in_flight: float = 0.0  # blocks' worth of activations alive at the most (`pipeline.in_flight`)
+    outputs: float = 0.0  # stage outputs kept for backward then (one per micro-batch and stage in flight)
+    recv: float = 0.0  # the stages' receive buffers, residual-stream sized (`timeline`)
+    steady: bool = True  # a backward runs before the rank's last forward (`pipeline.steady`)
+    rank: int = 0  # the pipeline rank
+
+
+def pipeline_parts(shape: ModelShape | None, lay: Layout) -> list[Part]:
+    """The ranks to size: everything when pp = 1; else the first pipeline rank (the embedding, the most micro-
+    batches in flight) and the last (the head, the logits, the loss). Middle ranks hold no more than the first."""
+    if shape is None:
+        return [Part()]
+    return [part_of(shape, lay, r) for r in sorted({0, lay.pp - 1})]
+
+
+def part_of(shape: ModelShape, lay: Layout, rank: int) -> Part:
+    """What pipeline rank `rank` holds: the runtime's split (`pipeline.stage_layers`) and schedule."""
+    if lay.pp == 1:
+        return Part(blocks=shape.layers, in_flight=shape.layers)
+    stages = num_stages(lay.pp, lay.pp_schedule)
+    try:
+        counts = stage_layers(shape.layers, stages)
+    except ValueError:  # more stages than blocks: refused by validate; size an even split meanwhile
+        counts = [math.ceil(shape.layers / stages)] * stages
+    ids = stages_of_rank(rank, lay.pp, lay.pp_schedule)
+    blocks = {i: float(counts[i]) for i in ids}
+    return Part(emb=0 in ids, head=stages - 1 in ids, blocks=sum(blocks.values()), stage_blocks=max(blocks.values()),
+                in_flight=in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, rank, blocks),
+                outputs=in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, rank,
+                                  {i: 1.0 for i in ids if i != stages - 1}),
+                recv=lay.grad_accum * sum((i != 0) + (i != stages - 1) for i in ids),
+                steady=steady(lay.pp_schedule, lay.pp, lay.grad_accum, rank), rank=rank)
+
+
+def rank_states(shape: ModelShape, arch: str, n_params: float, lay: Layout, pp_rank: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes the optimizer step sees on a rank of pipeline rank `pp_rank`: what
+    tests/runtime/test_rt_layouts.py reads off the runtime's wrapped model."""
+    return model_states(rank_params(shape, arch, n_params, lay, part_of(shape, lay, pp_rank)), lay)
+
+
+def rank_params(shape: ModelShape | None, arch: str, n_params: float, lay: Layout, part: Part) -> float:
+    """Parameters on one rank before data-parallel sharding: its stages' blocks, the embedding and the head
+    where it holds them, with tensor parallelism's split (`params.layer_params_per_rank`). A params-only or
+    GPT model: an even share, n / (tp x pp)."""
+    if shape is None or arch == "gpt" or not part.blocks:
+        return n_params / (lay.tp * lay.pp)
+    vh = shape.vocab * shape.hidden / lay.tp
+    head = (0.0 if shape.tied_embeddings else vh) + shape.hidden
+    return (vh if part.emb else 0.0) + part.blocks * layer_params_per_rank(shape, lay.tp) + (head if part.head else 0.0)
 
 
 @dataclass(frozen=True)
@@ -150,16 +217,16 @@ class Units:
     w2: float
 
 
-def units(shape: ModelShape | None, arch: str, n: float, lay: Layout) -> Units:
+def units(shape: ModelShape | None, arch: str, n: float, lay: Layout, part: Part = Part()) -> Units:
     t = lay.tp
     if shape is None:  # a params-only model: a typical block is ~1/40 of it, w2 ~1/3 of a block
         return Units(0.0, n / 40, 0.0, 0.0, n / 120)
     vh = shape.vocab * shape.hidden / t
-    layer = layer_params(shape, arch) / t
+    layer = layer_params(shape, arch) / t if arch == "gpt" else layer_params_per_rank(shape, t)
     w2 = shape.hidden * (shape.ffn_hidden if arch != "gpt" else 4 * shape.hidden) / t
     if shape.tied_embeddings or arch == "gpt":  # tied (or GPT's extra tables): embedding and head in the root
         return Units(0.0, layer, 0.0, embedding_params(shape, arch) / t, w2)
-    return Units(vh, layer, vh, shape.hidden, w2)
+    return Units(vh if part.emb else 0.0, layer, vh if part.head else 0.0, shape.hidden if part.head else 0.0, w2)
 
 
 # Candidate peaks of a moment: "moment (variant)" rows are folded into "moment" by keeping the larger total.
@@ -185,7 +252,8 @@ def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]
     gradients only w2's exists then.
     """
     keep = lay.spec.reshard_after_forward is False
-    ag = 0.0 if lay.shard_group == 1 else 1.0  # a group of one copies its shard in place: no all-gather buffer
+    d = fsdp_group(lay)
+    ag = 0.0 if d == 1 else 1.0  # a group of one copies its shard in place: no all-gather buffer
     root = w * u.root  # gathered from the start of forward to the end of backward (the final norm: tiny)
     kept = w * n if keep else 0.0
     kept_but_head = kept - w * u.head if keep else 0.0
@@ -201,7 +269,7 @@ def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]
         "loss backward": root + kept,
         "head backward": root + kept_but_head + 2 * w * u.head + (0.0 if keep else ag * w * u.layer),
         "head backward (reduce)": root + (kept_but_head if keep else ag * w * u.layer) + w * u.head
-        + 4 * u.head * (1 + 1 / lay.shard_group),
+        + 4 * u.head * (1 + 1 / d),
         "head backward (norm)": root + (kept_but_head if keep else ag * w * u.layer) + 4 * u.head,
         "layer backward": root + layer_bw + w * u.w2 + 4 * u.head,
         "layer backward (second)": root + second_bw + w * u.w2 + 4 * u.layer,
@@ -211,9 +279,43 @@ def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]
         # its gradient computed with its weights gathered (plus the all-gather buffer at the copy-out) and the
         # first layer's reduce-scatter input held; or its own reduce-scatter, its weights resharded
         "end of backward": root + other + (1 + ag) * w * first + 4 * u.layer,
-        "end of backward (reduce)": root + other + w * first + 4 * first * (1 + 1 / lay.shard_group),
+        "end of backward (reduce)": root + other + w * first + 4 * first * (1 + 1 / d),
         "optimizer step": 0.0,
     }
+
+
+def _pipeline_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]:
+    """FSDP2 under a pipeline schedule: torch's stages turn off resharding after backward and the gradient
+    reduction until the last micro-batch's backward, and the runtime does not reshard after forward, so every
+    unit of the rank's stages stays gathered (w per parameter) from its first forward to the end of the step.
+    In 16-bit, a unit's backward produces its 16-bit gradient before FSDP2 adds it to the fp32 accumulation;
+    at the end each unit is reduce-scattered in turn (an fp32 input and its 1/d output)."""
+    gathered = w * n
+    fresh = w < 4  # fp32 gradients are accumulated in place
+    unit = max(u.layer, u.emb, u.head, u.root)
+    out = dict.fromkeys((*MOMENTS, *VARIANTS), gathered)
+    out.update({
+        "head backward": gathered + (w * u.head if fresh else 0.0),
+        "layer backward": gathered + (w * u.w2 if fresh else 0.0),
+        "layer backward (second)": gathered + (w * u.w2 if fresh else 0.0),
+        "layer backward (end)": gathered + (w * u.layer if fresh else 0.0),
+        "layer backward (end, second)": gathered + (w * u.layer if fresh else 0.0),
+        "end of backward (reduce)": gathered + 4 * unit * (1 + 1 / fsdp_group(lay)),
+        "optimizer step": 0.0,
+    })
+    return out
+
+
+def _pipeline_grads(moment: str, g: float, n: float, u: Units, lay: Layout, part: Part) -> float:
+    """Under a pipeline the gradients accumulate unsharded in fp32 (4 per parameter) through the step's
+    micro-batches: all of them at every moment once the rank alternates backwards and forwards (1F1B's steady
+    state); a rank that runs all its forwards first peaks in the first micro-batch's backward, holding only
+    the gradients of the units done. The reduction at the end fills the sharded ones as it frees those; the
+    optimizer step sees only the sharded ones."""
+    if moment == "optimizer step":
+        return g
+    unsharded = 4 * n if part.steady else _grads_at(moment, 4 * n, n, u, replace(lay, grad_accum=1))
+    return unsharded + (g if moment.startswith("end of backward") else 0.0)
 
 
 def _grads_at(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
@@ -227,28 +329,47 @@ def _grads_at(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
     return g * done.get(moment, 0.0) / n
 
 
-def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layout) -> dict[str, dict[str, float]]:
-    """moment -> term -> bytes per GPU, for `n` parameters per model-parallel shard."""
+def model_parallel(lay: Layout) -> bool:
+    """Tensor or pipeline parallel: the runtime's DeviceMesh engine, FSDP2 for every torch strategy."""
+    return lay.tp > 1 or lay.pp > 1
+
+
+def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layout,
+             part: Part | None = None) -> dict[str, dict[str, float]]:
+    """moment -> term -> bytes per GPU, for `n` parameters on this rank (`rank_params`); `part` is what the
+    rank holds (default: the first pipeline rank, or the whole model)."""
+    part = part if part is not None else pipeline_parts(shape, lay)[0]
     st = states(n, lay)
     sp = lay.spec
-    fsdp = sp.family is Family.TORCH and sp.sharded
+    fsdp = sp.family is Family.TORCH and (sp.sharded or model_parallel(lay))
+    piped = fsdp and lay.pp > 1
     w = 2 if lay.precision in ("bf16", "fp16") else 4  # param_dtype, 16-bit weights, autocast copies
-    u = units(shape, arch, n, lay)
-    acts = _activations(shape, arch, seq, lay, e=w)
-    if fsdp:
+    u = units(shape, arch, n, lay, part)
+    acts = _activations(shape, arch, seq, lay, w, part)
+    if piped:
+        buffers = _pipeline_buffers(u, n, lay, w)
+    elif fsdp:
         buffers = _fsdp_buffers(u, n, lay, w)
     elif not sp.sharded:
         buffers = _ddp_buffers(shape, u, n, lay, w)
     else:
         buffers = dict.fromkeys((*MOMENTS, *VARIANTS), _deepspeed_buffers(u, lay, w))
     buffers["optimizer step"] = 0.0
+    if part.recv and shape is not None:
+        # torch's pipeline stages allocate, once and for good, a receive buffer per micro-batch for the stage's
+        # input (all but the first stage) and one for the gradient of its output (all but the last), each a
+        # residual-stream tensor of one micro-batch (a rank's slice of it with sequence parallelism)
+        spar = lay.sequence_parallel and lay.tp > 1
+        io = w * seq * lay.micro_batch * shape.hidden / (lay.tp if spar else 1)
+        buffers = {m: v + part.recv * io for m, v in buffers.items()}
     # The model's buffers: the fp32 RoPE tables, cos and sin of (seq_len, head_dim/2), on every rank.
     rope = 4 * shape.seq_len * shape.hidden / shape.heads if shape is not None and arch != "gpt" else 0.0
     rows = {}
     for m in (*MOMENTS, *VARIANTS):
         rows[m] = {
             "params": st.params + rope,
-            "grads": (_grads_at(m, st.grads, n, u, lay) if fsdp else st.grads)
+            "grads": (_pipeline_grads(m, st.grads, n, u, lay, part) if piped
+                      else _grads_at(m, st.grads, n, u, lay) if fsdp else st.grads)
             + (st.step_grads if m == "optimizer step" else 0.0),
             "optimizer": st.optimizer + (st.step_temp if m == "optimizer step" else 0.0),
             "activations": acts.layers if acts.during_step(m) else 0.0,
@@ -256,7 +377,17 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
             "loss": acts.loss.get(m, 0.0) + acts.tokens,
             "buffers": buffers[m],
         }
-    for variant, moment in VARIANTS.items():
+    if piped and acts.one:
+        # A micro-batch's backward ends with the first stage's embedding (or a stage's first block) while the
+        # other micro-batches in flight keep their activations: the step's "end of backward" is not the only one.
+        rows["end of backward (micro-batch)"] = {
+            **rows["end of backward"], "grads": _pipeline_grads("layer backward", st.grads, n, u, lay, part),
+            "activations": acts.layers - acts.one,
+            "buffers": buffers["layer backward"] + (w * u.emb if w < 4 else 0.0) - (w * u.w2 if w < 4 else 0.0)}
+        variants = {**VARIANTS, "end of backward (micro-batch)": "end of backward"}
+    else:
+        variants = VARIANTS
+    for variant, moment in variants.items():
         if sum(rows[variant].values()) > sum(rows[moment].values()):
             rows[moment] = rows[variant]
         del rows[variant]
@@ -269,42 +400,43 @@ class _Acts:
     backward: dict[str, float]  # by moment: what the layer in backward (or the last in forward) adds
     loss: dict[str, float]  # by moment: the head's activations, the logits and the loss's temporaries
     tokens: float  # the step's token ids, alive through the whole step
+    one: float = 0.0  # a pipeline: one micro-batch's share of `layers` (its largest stage's blocks and output)
 
     @staticmethod
     def during_step(moment: str) -> bool:
         return not moment.startswith(("end of backward", "optimizer step"))
 
 
-def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: int) -> _Acts:
-    """The activation terms of each moment (e = bytes of an activation)."""
+def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: int, part: Part) -> _Acts:
+    """The activation terms of each moment on a rank holding `part` (e = bytes of an activation)."""
     if shape is None:
         return _Acts(0.0, {}, {}, 0.0)
-    b, t, spar = lay.micro_batch, lay.tp, lay.sequence_parallel
-    layers_here = math.ceil(shape.layers / lay.pp)
-    in_flight = min(lay.pp, max(lay.grad_accum, 1)) if lay.pp > 1 else 1  # 1F1B: [MLM3] sec. 4.2.3
+    b, t, spar = lay.micro_batch, lay.tp, lay.sequence_parallel and lay.tp > 1
     torch_family = lay.spec.family is Family.TORCH
-    cast = torch_family and lay.spec.sharded  # FSDP2 casts each block's inputs
-    autocast = torch_family and not lay.spec.sharded and e < 4  # DDP in 16-bit runs under torch.autocast
+    fsdp = torch_family and (lay.spec.sharded or model_parallel(lay))
+    cast = fsdp  # FSDP2 casts each block's inputs
+    autocast = torch_family and not fsdp and e < 4  # DDP in 16-bit runs under torch.autocast
     per = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, lay.activation_checkpointing, e, cast,
                                          autocast)
     whole = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, "none", e, cast, autocast)
     in_bw = act.layer_in_backward(shape, arch, seq, b, t, spar, e, cast, autocast) - per
-    head = act.head_bytes(shape, seq, b, t, e, autocast)
+    head = act.head_bytes(shape, seq, b, t, e, autocast, spar)
     logits = act.logits_bytes(shape, seq, b, t, e)
-    sbh = (4 if autocast else e) * seq * b * shape.hidden / t  # a tensor of the residual stream
-    norm_extra = act.norm_backward_extra(shape, seq, b, t, e, autocast)
+    # a tensor of the residual stream: whole on every tensor-parallel rank, but for sequence parallelism's slices
+    sbh = (4 if autocast else e) * seq * b * shape.hidden / (t if spar else 1)
+    norm_extra = act.norm_backward_extra(shape, seq, b, t, e, autocast, spar)
     # The end of a layer's backward is its first norm's: of its activations only that norm's input is left,
     # with the gradient of the norm's output and the norm's recompute (`activations.norm_backward_extra`).
-    norm_end = 2 * sbh + norm_extra - per * in_flight
+    norm_end = 2 * sbh + norm_extra - per
     backward = {
         "layer backward": in_bw,
-        "layer backward (second)": in_bw - per * in_flight,  # the first layer in backward has freed its own
+        "layer backward (second)": in_bw - per,  # the first layer in backward has freed its own
         "layer backward (end)": norm_end,
-        "layer backward (end, second)": norm_end - per * in_flight,
+        "layer backward (end, second)": norm_end - per,
         # the last block's forward at its end: all its activations (transiently, under checkpointing too) and
         # its output; the layers term counts it once already
         "forward (last block)": whole - per + sbh,
-        "end of backward": sbh,  # the embedding's output gradient, while the embedding's is computed
+        "end of backward": sbh,  # the embedding's (or the stage input's) gradient
     }
     loss = {
         "forward": head + logits,
@@ -318,10 +450,13 @@ def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: 
         # then the final norm's backward: its input and its recompute (the incoming gradient is freed by the
         # first op of its backward)
         "head backward (norm)": sbh + norm_extra,
-    }
+    } if part.head else {}
     # The step's token ids: grad_accum micro-batches of (b, s+1) int64, loaded at the start of the step.
     tokens = lay.grad_accum * 8 * b * (seq + 1)
-    return _Acts(per * layers_here * in_flight, backward, loss, tokens)
+    # A pipeline stage keeps each micro-batch's output until its backward (the next stage has its own copy).
+    outputs = part.outputs * sbh
+    one = per * part.stage_blocks + sbh if lay.pp > 1 else 0.0
+    return _Acts(per * part.in_flight + outputs, backward, loss, tokens, one)
 
 
 def _ddp_buffers(shape: ModelShape | None, u: Units, n: float, lay: Layout, w: float) -> dict[str, float]:

@@ -20,6 +20,18 @@ def layer_params(s: ModelShape, architecture: str = "llama") -> int:
     return attn + mlp + 2 * s.hidden
 
 
+def layer_params_per_rank(s: ModelShape, t: int = 1) -> float:
+    """Parameters of one Llama block on one rank of a tensor-parallel group of t (the runtime's
+    `tensor_parallel`): the projections (and column-wise biases) are split t ways; the two norms and the
+    row-wise projections' biases are whole on every rank. t = 1 gives `layer_params`."""
+    head_dim = s.hidden // s.heads
+    kv = s.kv_heads * head_dim
+    split = 2 * s.hidden * s.hidden + 2 * s.hidden * kv + 3 * s.hidden * s.ffn_hidden
+    split += (s.hidden + 2 * kv if s.qkv_bias else 0) + (2 * s.ffn_hidden if s.mlp_bias else 0)
+    whole = 2 * s.hidden + (s.hidden if s.out_bias else 0) + (s.hidden if s.mlp_bias else 0)
+    return split / t + whole
+
+
 def embedding_params(s: ModelShape, architecture: str = "llama") -> int:
     """Token embedding plus output head (once when tied) plus final norm (and GPT's learned positions)."""
     emb = s.vocab * s.hidden

@@ -237,6 +237,7 @@ def _problem(e: dict, source: str, lines: dict[Path_, int], overrides: list[tupl
         fix = "use one of the listed values"
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+        fix = getattr((e.get("ctx") or {}).get("error"), "fix", None)
     elif typ == "finite_number":
         msg, fix = f"{msg} (got {e.get('input')!r})", _TYPE_FIX["finite"]
     elif "input" in e and (typ.endswith("_type") or typ.endswith("_parsing")):

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from .. import catalog
+from ..errors import FieldError
 from ..strategies import STRATEGY_NAMES, TARGET_NAMES
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -216,7 +217,11 @@ class ParallelismSpec(_Strict):
     data: AutoInt(10_000_000) = Field("auto", description="data-parallel degree; auto = world / (tensor*pipeline)")
     tensor: Int(1, 1024) = 1
     pipeline: Int(1, 1024) = 1
-    sequence_parallel: bool = False
+    sequence_parallel: bool = Field(False, description="with tensor > 1: split the residual stream and the norms "
+                                                       "over the sequence across the tensor-parallel group")
+    pipeline_schedule: Literal["1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="with pipeline > 1: 1F1B (one stage per rank), or interleaved 1F1B (two stages per "
+                            "rank: smaller bubbles, more activations in flight)")
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     loss_scaling: Literal["dynamic", "none"] = Field("dynamic", description="fp16 only: dynamic loss scaling")
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
@@ -337,8 +342,9 @@ class TrainingSpec(_Strict):
     @model_validator(mode="after")
     def _steps_or_tokens(self) -> "TrainingSpec":
         if self.steps is not None and self.tokens is not None:
-            raise ValueError("set only one of `steps` and `tokens` (to override one with --set, unset the other: "
-                             "--set training.tokens=null)")
+            raise FieldError("set only one of `steps` (optimizer steps) and `tokens` (training tokens)",
+                             "keep one; to override one on the command line, unset the other: "
+                             "--set training.steps=100 --set training.tokens=null")
         return self
 
 
@@ -826,4 +832,5 @@ LATER_FIELDS: tuple[tuple[str, Any], ...] = (
     ("targets.sky.cpus", None), ("targets.sky.memory", None), ("targets.sky.ports", []),
     ("targets.sky.disk_tier", None),
     ("entrypoint", None), ("model.hf", None), ("model.hf_config", None), ("model.hf_weights", None),
+    ("parallelism.pipeline_schedule", "1f1b"),
 )

@@ -111,6 +111,13 @@ class Job:
         the optimizer's rate either way."""
         if self.engine is not None:
             raise ConfigError("job.wrap was called twice", fix="wrap one model per job")
+        if self.layout.model_parallel:
+            # Tensor parallelism needs the model's module names, a pipeline runs all of a step's micro-batches in
+            # one schedule: neither fits a loop that calls engine.accumulate on a model of any shape.
+            raise ConfigError(f"the plan uses tensor={self.layout.tp} pipeline={self.layout.pp}; job.wrap trains your "
+                              "own model data-parallel only (DDP, FSDP2, ZeRO)",
+                              fix="set parallelism.tensor: 1 and pipeline: 1, or train dtlaunch's Llama or a Hugging "
+                                  "Face model (model.hf) without an entrypoint: python -m launcher.train splits them")
         steps = self.total_steps or FALLBACK_STEPS
         self.engine = wrap_model(model, self.layout, self.recipe, self.plan, steps, self.world.device,
                                  self.world.is_gpu, blocks=blocks, optimizer=optimizer)

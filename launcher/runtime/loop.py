@@ -148,13 +148,16 @@ class Trainer:
         self.ckpt_root = Path(os.path.expanduser(os.environ.get(jobenv.CHECKPOINT_DIR) or str(
             expand_dir(rec.checkpoint.dir, self.run_dir, os.environ.get(jobenv.RUN_ID)))))
         self.metrics.event("start", world_size=w.world_size, strategy=self.layout.strategy,
-                           precision=self.layout.precision, grad_accum=self.layout.grad_accum,
-                           global_batch=self.layout.global_batch, attempt=w.proc.restart_count)
+                           layout=self.layout.describe(), precision=self.layout.precision,
+                           grad_accum=self.layout.grad_accum, global_batch=self.layout.global_batch,
+                           attempt=w.proc.restart_count)
         if tr.preflight:
             self._preflight()
         set_collective_timeout(w, tr.timeout_seconds)
         torch.manual_seed(tr.seed)  # the same initial weights on every rank and every attempt
-        meta = plan.params > META_INIT_PARAMS and self.layout.family == "dcp" and self.layout.spec.sharded
+        # (tensor/pipeline layouts always shard: each rank materialises only its split of its stages)
+        meta = plan.params > META_INIT_PARAMS and self.layout.family == "dcp" and (
+            self.layout.spec.sharded or self.layout.model_parallel)
         module = build_for_recipe(rec.model, self.layout.activation_checkpointing, device="meta" if meta else "cpu")
         weights = rec.model.hf_weights if not ckptdir.complete_steps(self.ckpt_root) else None
         if weights and not meta:  # fine-tuning: every rank reads the weights before the strategy wraps the model
@@ -168,15 +171,18 @@ class Trainer:
         if ds_config is not None and w.is_main:  # what deepspeed.initialize really got, for the record
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
+        # Ranks of one tensor-parallel group and one pipeline read the same data: the data-parallel rank's.
+        _, dp_rank, _ = self.layout.coords(w.rank)
         self.batches: Batches = build_dataloader(
             tr.data, vocab=shape.vocab, seq_len=self.seq_len, micro_batch=self.layout.micro_batch,
-            grad_accum=self.layout.grad_accum, rank=w.rank, world_size=w.world_size, seed=tr.seed,
+            grad_accum=self.layout.grad_accum, rank=dp_rank, world_size=self.layout.dp, seed=tr.seed,
             device=w.device, is_gpu=w.is_gpu)
         static_meta = {
             "recipe_hash": self.recipe_hash, "identity": identity(rec.to_dict()), "strategy": self.layout.strategy, "family": self.layout.family,
             "precision": self.layout.precision, "grad_accum": self.layout.grad_accum,
             "global_batch": self.layout.global_batch, "micro_batch": self.layout.micro_batch,
-            "dp": w.world_size, "tp": plan.layout.tp, "pp": plan.layout.pp, "seed": tr.seed,
+            "dp": self.layout.dp, "tp": self.layout.tp, "pp": self.layout.pp, "layout": self.layout.describe(),
+            "seed": tr.seed,
             "shape": {k: getattr(shape, k) for k in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab",
                                                      "tied_embeddings")},
         }
@@ -244,14 +250,11 @@ class Trainer:
         return Agreement(step, bool(signalled), float(rows[:, 2].mean()), signalled)
 
     def _train_step(self) -> tuple[torch.Tensor, dict]:
-        micro = self.batches.next_step()
-        total = torch.zeros((), dtype=torch.float32, device=self.world.device)
-        for i, (x, y) in enumerate(micro):
-            total += self.engine.micro_step(x, y, last=i == len(micro) - 1).float()
+        loss = self.engine.forward_backward(self.batches.next_step())
         info = self.engine.step()
         if self.faults.hit("nan_loss", self.step + 1):
-            total = total * float("nan")
-        return total / len(micro), info
+            loss = loss * float("nan")
+        return loss, info
 
     def _save(self, blocking: bool, reason: str) -> None:
         self.watchdog.pause()

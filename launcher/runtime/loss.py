@@ -57,7 +57,71 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return out, None, None
 
 
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The same loss on logits split over the vocabulary across a tensor-parallel group (Megatron's
+    vocabulary-parallel cross-entropy): each rank holds (tokens x V/tp) and the chunked fp32 work of its own
+    slice; three all-reduces of one number per token (the max, the sum of exponentials, the target's logit)
+    make the log-sum-exp and the loss whole. The gradient of a rank's slice needs nothing from the others."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, rows: int, group, start: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        n, v = logits.shape
+        m = logits.amax(dim=-1).float()  # exact in any dtype: no fp32 copy needed for the max
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        total = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for i in range(0, n, rows):
+            x = logits[i:i + rows].to(torch.float32, copy=True)
+            total[i:i + rows] = x.sub_(m[i:i + rows].unsqueeze(1)).exp_().sum(dim=-1)
+            del x
+        local = targets - start
+        outside = (local < 0) | (local >= v)
+        local = local.masked_fill(outside, 0)
+        picked = logits.gather(1, local.unsqueeze(1)).squeeze(1).float().masked_fill_(outside, 0.0)
+        both = torch.stack([total, picked])
+        dist.all_reduce(both, group=group)
+        lse = both[0].log_().add_(m)
+        ctx.save_for_backward(logits, local, outside, lse)
+        ctx.rows = rows
+        return (lse - both[1]).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, local, outside, lse = ctx.saved_tensors
+        n, rows = logits.shape[0], ctx.rows
+        out = torch.empty_like(logits)
+        scale = grad.float() / n
+        for i in range(0, n, rows):
+            j = min(i + rows, n)
+            p = logits[i:j].to(torch.float32, copy=True)
+            p.sub_(lse[i:j].unsqueeze(1)).exp_()
+            p[torch.arange(j - i, device=p.device), local[i:j]] -= (~outside[i:j]).float()
+            p.mul_(scale)
+            out[i:j].copy_(p)
+            del p
+        return out, None, None, None, None
+
+
+def _vocab_parallel(logits, targets: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """Logits as a DTensor sharded over the vocabulary (the tensor-parallel head's output)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if logits.device_mesh.ndim != 1 or not isinstance(logits.placements[0], Shard) \
+            or logits.placements[0].dim % logits.ndim != logits.ndim - 1:
+        raise ValueError(f"the vocabulary-parallel loss needs logits sharded over the vocabulary on one mesh "
+                         f"dimension, got {logits.placements}")
+    _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
+    flat = logits.to_local().flatten(0, 1)
+    return _VocabParallelCrossEntropy.apply(flat, targets.flatten(0, 1), rows or chunk_rows(flat.shape[-1]),
+                                            logits.device_mesh.get_group(), int(offset[-1]))
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-    """Mean cross-entropy of (batch, seq, vocab) logits against (batch, seq) targets, in fp32."""
+    """Mean cross-entropy of (batch, seq, vocab) logits against (batch, seq) targets, in fp32. Logits split
+    over the vocabulary by tensor parallelism (a DTensor) take the vocabulary-parallel path."""
+    if type(logits) is not torch.Tensor and hasattr(logits, "device_mesh"):
+        return _vocab_parallel(logits, targets, rows)
     flat = logits.flatten(0, 1)
     return _ChunkedCrossEntropy.apply(flat, targets.flatten(0, 1), rows or chunk_rows(flat.shape[-1]))

@@ -32,7 +32,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclass
 class RuntimeLayout:
-    """What the runtime really runs: the plan's layout adjusted to the actual world size."""
+    """What the runtime really runs: the plan's layout adjusted to the actual world size.
+
+    Ranks are laid out as torchtitan's DeviceMesh (pipeline, data-parallel, tensor), tensor innermost: a
+    node's GPUs form tensor-parallel groups, pipeline stages go across nodes. `world_size` is every rank;
+    `dp` the data-parallel degree (world / (tp x pp)), the ranks that read different data."""
 
     strategy: str
     precision: str
@@ -42,10 +46,27 @@ class RuntimeLayout:
     grad_accum: int
     world_size: int
     shard: int = 0  # hybrid: ranks per sharding group
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def model_parallel(self) -> bool:
+        """Tensor or pipeline parallel: the DeviceMesh engine (`launcher.runtime.meshengine`)."""
+        return self.tp > 1 or self.pp > 1
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline rank, data-parallel rank, tensor rank) of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.world_size
+        return self.micro_batch * self.grad_accum * self.dp
 
     @property
     def spec(self) -> StrategySpec:
@@ -56,40 +77,65 @@ class RuntimeLayout:
         """The checkpoint format family: DCP for the torch strategies, DeepSpeed's own for ZeRO."""
         return self.spec.checkpoint_format
 
+    def describe(self) -> dict:
+        """The layout as checkpoint metadata records it."""
+        return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "shard": self.shard,
+                "sequence_parallel": self.sequence_parallel,
+                "pp_schedule": self.pp_schedule if self.pp > 1 else None}
+
 
 def resolve_layout(plan, world_size: int) -> tuple[RuntimeLayout, list[str]]:
-    """The plan's layout for `world_size` ranks, keeping the global batch; notes say what changed."""
+    """The plan's layout for `world_size` ranks, keeping the global batch; notes say what changed.
+
+    Tensor and pipeline degrees are kept; the data-parallel degree follows the world size."""
     notes = []
     lay = plan.layout
     strategy = lay.strategy
     if strategy not in {s.value for s in STRATEGIES}:
         raise ConfigError(f"strategy {strategy!r} is not supported by the runtime")
-    if lay.tp > 1 or lay.pp > 1:
-        raise ConfigError(f"the plan uses tensor={lay.tp} pipeline={lay.pp}; the dtlaunch runtime "
-                          f"trains data-parallel layouts only", fix="set parallelism.tensor: 1 and pipeline: 1")
+    tp, pp = lay.tp, lay.pp
+    if (tp > 1 or pp > 1) and lay.spec.family is Family.DEEPSPEED:
+        raise ConfigError(f"the plan combines DeepSpeed {strategy} with tensor={tp} pipeline={pp}; the dtlaunch "
+                          "runtime runs tensor and pipeline parallelism with PyTorch (DTensor, "
+                          "torch.distributed.pipelining, FSDP2)",
+                          fix="set parallelism.backend: torch (or a torch strategy: fsdp, hybrid, ddp)")
+    if world_size % (tp * pp):
+        raise ConfigError(f"{world_size} ranks cannot hold tensor {tp} x pipeline {pp} groups",
+                          fix=f"run on a multiple of {tp * pp} ranks, or change parallelism.tensor/pipeline")
     micro, ga = lay.micro_batch, lay.grad_accum
-    planned_world = lay.dp
-    global_batch = micro * ga * planned_world
+    planned_dp = lay.dp
+    dp = world_size // (tp * pp)
+    global_batch = micro * ga * planned_dp
     if plan.global_batch and plan.global_batch != global_batch:
-        notes.append(f"global batch is {global_batch} (micro_batch {micro} x grad_accum {ga} x dp {planned_world}), "
+        notes.append(f"global batch is {global_batch} (micro_batch {micro} x grad_accum {ga} x dp {planned_dp}), "
                      f"not the requested {plan.global_batch}")
-    if world_size != planned_world:
-        if global_batch % (micro * world_size) == 0:
-            new_ga = global_batch // (micro * world_size)
-            notes.append(f"running on {world_size} ranks instead of the planned {planned_world}: grad_accum {ga} -> "
+    if dp != planned_dp:
+        if global_batch % (micro * dp) == 0:
+            new_ga = global_batch // (micro * dp)
+            ranks = f"{world_size} ranks (data-parallel {dp})" if tp * pp > 1 else f"{world_size} ranks"
+            notes.append(f"running on {ranks} instead of the planned {planned_dp * tp * pp}: grad_accum {ga} -> "
                          f"{new_ga} keeps the global batch at {global_batch}")
             ga = new_ga
         else:
             raise ConfigError(f"global batch {global_batch} cannot be split into micro-batches of {micro} over "
-                              f"{world_size} ranks", fix="run on a world size that divides the global batch, "
+                              f"{dp} data-parallel ranks", fix="run on a world size that divides the global batch, "
                               "or change training.micro_batch")
-    shard = world_size
+    shard = dp
     if lay.spec.replicate_across_nodes:
-        shard = min(lay.shard_group, world_size)
-        if world_size % shard:
-            raise ConfigError(f"hybrid sharding groups of {shard} do not divide {world_size} ranks")
+        shard = min(lay.shard_group, dp)
+        if dp % shard:
+            raise ConfigError(f"hybrid sharding groups of {shard} do not divide {dp} data-parallel ranks")
+    schedule = getattr(lay, "pp_schedule", "1f1b")
+    if pp > 1:
+        from ..plan.pipeline import schedule_problem
+
+        problem = schedule_problem(schedule, pp, ga, layers=None)  # the split into stages is checked when made
+        if problem:
+            raise ConfigError(f"the pipeline cannot run: {problem}",
+                              fix="raise training.global_batch (more micro-batches per step), lower "
+                                  "parallelism.pipeline, or use parallelism.pipeline_schedule: 1f1b")
     return RuntimeLayout(strategy, lay.precision, lay.activation_checkpointing, lay.offload,
-                         micro, ga, world_size, shard), notes
+                         micro, ga, world_size, shard, tp, pp, lay.sequence_parallel and tp > 1, schedule), notes
 
 
 class Engine:
@@ -111,6 +157,14 @@ class Engine:
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
         """dtlaunch's own language-model loss on one micro-batch."""
         return self.accumulate(lambda model: cross_entropy(model(inputs), targets), last)
+
+    def forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step's micro-batches, forward and backward; returns their mean loss (fp32, detached).
+        A pipeline runs them all in one schedule (`launcher.runtime.meshengine`)."""
+        total = torch.zeros((), dtype=torch.float32, device=micro[0][0].device)
+        for i, (x, y) in enumerate(micro):
+            total += self.micro_step(x, y, last=i == len(micro) - 1).float()
+        return total / len(micro)
 
     @property
     def grad_accum(self) -> int:
@@ -239,9 +293,11 @@ def fsdp_units(module: nn.Module, blocks: Optional[list[nn.Module]] = None) -> l
     named = all(hasattr(module, a) for a in ("tok_embeddings", "layers", "output")) and shape is not None
     if blocks is not None or not named:
         return [*(blocks if blocks is not None else repeated_blocks(module)), module]
+    layers = module.blocks() if hasattr(module, "blocks") else list(module.layers)
     if shape.tied_embeddings:
-        return [*module.layers, module]
-    return [module.tok_embeddings, *module.layers, module.output, module]
+        return [*layers, module]
+    # a pipeline stage (Llama.stage) has the embedding only first and the head only last
+    return [u for u in (module.tok_embeddings, *layers, module.output) if u is not None] + [module]
 
 
 def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, is_gpu: bool,
@@ -342,5 +398,13 @@ def wrap_model(module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: in
     `blocks` (FSDP2's units) and `optimizer` (a factory of params) serve user models (launcher.runtime.job)."""
     if layout.spec.family is Family.DEEPSPEED:
         return DeepSpeedEngine(module, layout, recipe, plan, steps, is_gpu, optimizer=optimizer)
+    if layout.model_parallel:
+        if blocks is not None or optimizer is not None:
+            raise ConfigError("tensor and pipeline parallelism split dtlaunch's Llama and Hugging Face decoders by "
+                              "their module names; launcher.init().wrap cannot split your own model",
+                              fix="set parallelism.tensor: 1 and pipeline: 1 for your own training script")
+        from .meshengine import MeshEngine
+
+        return MeshEngine(module, layout, recipe.training, steps, device, is_gpu, recipe.parallelism.loss_scaling)
     return TorchEngine(module, layout, recipe.training, steps, device, is_gpu, recipe.parallelism.loss_scaling,
                        blocks=blocks, optimizer=optimizer)

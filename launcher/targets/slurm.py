@@ -131,7 +131,10 @@ class SlurmBackend:
         rows = [line.split("|") for line in out.splitlines() if "|" in line]
         if rc == 0 and rows:
             state = _merge([r[0].split()[0] for r in rows])
-            code = max(int(r[1].split(":")[0]) for r in rows)
+            code: Optional[int] = max(int(r[1].split(":")[0]) for r in rows)
+            if state == "CANCELLED":
+                # SLURM records the batch shell's 0:15; what the workers did (42: checkpointed) is in the job files.
+                code = files.get("last_exit_code")
             return JobStatus(state, code, extra={"source": "sacct", **files})
         # No accounting (sacct fails or has no record): the job's own files.
         if files.get("job_state"):

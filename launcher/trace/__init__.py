@@ -65,8 +65,12 @@ def check_plan(recipe, plan) -> None:
                          fix="trace the same model with a torch strategy for the activations and loss, e.g. "
                              "--set parallelism.strategy=fsdp --set parallelism.offload=none")
     if lay.tp > 1 or lay.pp > 1:
-        raise TraceError(f"tensor={lay.tp} pipeline={lay.pp}: the dtlaunch runtime trains data-parallel layouts "
-                         "only, so there is no code to trace", fix="set parallelism.tensor: 1 and pipeline: 1")
+        raise TraceError(f"tensor={lay.tp} pipeline={lay.pp} cannot be traced: DTensor's collectives and the "
+                         "pipeline's point-to-point sends need a real process group per mesh dimension, which the "
+                         "fake world does not give (tests/runtime/test_rt_layouts.py checks the planner's per-rank "
+                         "states against real runs instead)",
+                         fix="trace the same model with --set parallelism.tensor=1 --set parallelism.pipeline=1 for "
+                             "the data-parallel terms")
     if lay.offload != "none":
         raise TraceError(f"offload {lay.offload} cannot be traced: FSDP2's CPUOffloadPolicy pins host memory, which "
                          "fake tensors on a CPU cannot do", fix="--set parallelism.offload=none to trace the rest")

@@ -142,12 +142,20 @@ def _tiny_batch(r: Recipe, p: Plan):
                 "raise micro_batch or seq_len, or use fewer GPUs")
 
 
-@rule("checkpoint-dir-multinode", "error", "checkpoint.dir", "no checkpoint dir on a multi-node job",
+NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/scratch/local", "/local", "/mnt/local")
+
+
+@rule("checkpoint-dir-multinode", "error", "checkpoint.dir", "checkpoints on node-local storage in a multi-node job",
       ("local", "slurm"))
 def _ckpt_dir(r: Recipe, p: Plan):
-    if p.nodes > 1 and not r.checkpoint.dir:
-        return ("a multi-node job without checkpoint.dir loses all progress on the first failure or requeue",
-                "set checkpoint.dir to a shared filesystem path, e.g. /shared/ckpt/{run_id}")
+    # Unset, checkpoints go under the run directory in the submit directory, which every node already reads
+    # the job's scripts from: as shared as the job itself.
+    d = (r.checkpoint.dir or "").rstrip("/")
+    if p.nodes > 1 and any(d == root or d.startswith(root + "/") for root in NODE_LOCAL):
+        return (f"{d} is on each node's own disk: every node would write its part of each checkpoint to its own "
+                "copy, and a requeued job on other nodes would find none of them",
+                "put checkpoint.dir on a filesystem every node shares (or leave it unset: the submit directory's "
+                "runs/<run id>/checkpoints)")
 
 
 @rule("checkpoint-dir-relative", "warning", "checkpoint.dir", "relative checkpoint dir on a multi-node job",

@@ -29,11 +29,73 @@ def _shape(r: Recipe, p: Plan):
                 "give model.preset, or layers/hidden/ffn_hidden/heads/vocab")
 
 
-@rule("runtime-tp-pp", "warning", "parallelism", "tensor/pipeline parallel training is planned, not run, by this runtime", trainer_only=True)
-def _tp_runtime(r: Recipe, p: Plan):
-    if p.layout.tp > 1 or p.layout.pp > 1:
-        return ("dtlaunch's runtime trains with data parallelism (DDP/FSDP2/ZeRO); tensor and pipeline degrees are for "
-                "planning here", "use your own TP/PP training script with `dtlaunch render`, or tensor: 1, pipeline: 1")
+@rule("deepspeed-model-parallel", "error", "parallelism", "DeepSpeed ZeRO with tensor or pipeline parallelism",
+      trainer_only=True)
+def _ds_mp(r: Recipe, p: Plan):
+    lay = p.layout
+    if (lay.tp > 1 or lay.pp > 1) and lay.spec.family.value == "deepspeed":
+        return (f"the plan combines DeepSpeed {lay.strategy} with tensor {lay.tp} x pipeline {lay.pp}; dtlaunch's "
+                "runtime runs tensor and pipeline parallelism with PyTorch (DTensor, torch.distributed.pipelining) "
+                "and FSDP2, not with ZeRO", "set parallelism.backend: torch (or strategy: fsdp), or tensor: 1 and "
+                "pipeline: 1")
+
+
+@rule("tied-model-parallel", "error", "model.tied_embeddings", "tied embeddings with tensor or pipeline parallelism",
+      trainer_only=True)
+def _tied_mp(r: Recipe, p: Plan):
+    s = r.model.shape()
+    if s is not None and s.tied_embeddings and (p.layout.tp > 1 or p.layout.pp > 1):
+        return ("the input and output embeddings share one weight, which tensor parallelism would split as two "
+                "tensors and pipeline parallelism would put on the first and last stages",
+                "use parallelism.tensor: 1 and pipeline: 1 for this model (FSDP shards it instead)")
+
+
+@rule("tp-shape", "error", "parallelism.tensor", "a model shape tensor parallelism cannot split", trainer_only=True)
+def _tp_shape(r: Recipe, p: Plan):
+    s, t = r.model.shape(), p.layout.tp
+    if s is None or t == 1:
+        return None
+    bad = [f"{k} {v}" for k, v in (("ffn_hidden", s.ffn_hidden), ("vocab", s.vocab)) if v % t]
+    if p.layout.sequence_parallel and p.seq_len % t:
+        bad.append(f"seq_len {p.seq_len} (sequence parallelism splits it)")
+    if bad:
+        return (f"tensor {t} does not divide {', '.join(bad)}: the runtime splits the SwiGLU, the vocabulary (the "
+                "embedding, the head and its logits) and, with sequence parallelism, the sequence evenly",
+                "use a tensor degree that divides them (often 8, 4 or 2)")
+
+
+@rule("pipeline-schedule", "error", "parallelism.pipeline", "a pipeline its schedule cannot run", trainer_only=True)
+def _pp_schedule(r: Recipe, p: Plan):
+    from ..plan.pipeline import schedule_problem
+
+    s = r.model.shape()
+    problem = schedule_problem(p.layout.pp_schedule, p.layout.pp, p.layout.grad_accum,
+                               s.layers if s is not None else None)
+    if problem:
+        return (problem, "raise training.global_batch (more micro-batches per step), lower parallelism.pipeline, or "
+                         "set parallelism.pipeline_schedule: 1f1b")
+
+
+@rule("fp16-pipeline", "error", "parallelism.precision", "fp16 loss scaling with pipeline parallelism",
+      trainer_only=True)
+def _fp16_pp(r: Recipe, p: Plan):
+    if p.layout.pp > 1 and p.layout.precision == "fp16":
+        return ("fp16 needs loss scaling, and under a pipeline the loss exists on the last stage only: the runtime "
+                "refuses it", "use parallelism.precision: bf16 (or fp32)")
+
+
+@rule("hf-model-parallel", "error", "model.hf", "a Hugging Face model with pipeline or sequence parallelism",
+      trainer_only=True)
+def _hf_mp(r: Recipe, p: Plan):
+    if r.model.hf_config is None:
+        return None
+    if p.layout.pp > 1:
+        return ("pipeline parallelism splits dtlaunch's own Llama into stages; a transformers model builds its "
+                "masks and rotary positions in the whole model's forward", "set parallelism.pipeline: 1")
+    if p.layout.tp > 1 and p.layout.sequence_parallel:
+        return ("sequence parallelism splits the sequence between blocks, and transformers derives positions and "
+                "the causal mask from the length a block gets", "set parallelism.sequence_parallel: false "
+                "(tensor parallelism alone works for Llama-family models)")
 
 
 @rule("data-too-small", "error", "training.data.num_tokens", "less data than one global batch", trainer_only=True)

@@ -87,16 +87,18 @@ def test_failed_preflight_exits_44_before_training(run_dir):
 
 @pytest.mark.slow
 def test_unresumable_checkpoints_are_config_errors(reference, run_dir, tmp_path):
-    """A ZeRO checkpoint cannot be loaded by FSDP, nor a tiny checkpoint by another model shape."""
+    """A ZeRO checkpoint cannot be resharded into another layout (here FSDP2 with tensor parallelism), nor a tiny
+    checkpoint loaded by another model shape."""
     zero_dir = tmp_path / "zero"
     zero = run_torchrun(write_plan(zero_dir, recipe_dict(parallelism={"strategy": "zero1"}, training={"steps": 2},
                                                          checkpoint={"every": 2, "export": "none"})), zero_dir)
     assert zero.rc == 0, zero.output[-3000:]
     assert ckptdir.complete_steps(zero_dir / "checkpoints") == [2]
     shutil.copytree(zero_dir / "checkpoints", run_dir / "checkpoints")
-    fsdp = run_torchrun(write_plan(run_dir, recipe_dict(parallelism={"strategy": "fsdp"}, training={"steps": 4})), run_dir)
+    fsdp = run_torchrun(write_plan(run_dir, recipe_dict(parallelism={"strategy": "fsdp", "tensor": 2},
+                                                        training={"steps": 4})), run_dir)
     assert ExitCode.CONFIG in fsdp.worker_codes, fsdp.output[-3000:]
-    assert "written by zero1 (deepspeed format) and cannot be loaded by fsdp" in fsdp.stderr
+    assert "written by zero1 (deepspeed format) and cannot be resharded into fsdp dp1 tp2 pp1" in fsdp.stderr
     assert fsdp.stderr.count("Traceback (most recent call last)") == 1  # torchrun's report only
     # A real DDP checkpoint of the tiny model, resumed by a recipe with another shape (micro): refused.
     ref = reference("ddp")

@@ -345,7 +345,7 @@ def test_detect_torchrun_slurm_skypilot_and_single():
     s = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
                 "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_NTASKS_PER_NODE": "4"})
     assert (s.source, s.rank, s.world_size, s.master_addr, s.master_port, s.local_world_size) == \
-        ("slurm", 5, 8, "gpu07", 24242, 4)
+        ("slurm", 5, 8, "gpu07", 14242, 4)  # job.sbatch's MASTER_PORT for job 4242: 10000 + 4242 % 20000
     k = detect({"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2\n", "SKYPILOT_NUM_NODES": "2"})
     assert (k.source, k.rank, k.world_size, k.master_addr) == ("skypilot", 1, 2, "10.0.0.1")
     assert detect({}).source == "single"

@@ -77,7 +77,11 @@ def test_a_run_longer_than_its_time_limit_continues_past_max_requeues(tmp_path, 
         assert job.ledger("requeues") == [], "a time-limit continuation must not count as a preemption requeue"
         (pre,) = job.events("preempt")
         release_after_requeue(job.id, requeued_at)
-        resumed = wait_for(lambda: job.events("resume"), 180, "the next allocation to resume")[0]
+        try:
+            resumed = wait_for(lambda: job.events("resume"), 180, "the next allocation to resume")[0]
+        except AssertionError as e:
+            state = sh("scontrol", "show", "job", job.id, check=False).stdout
+            raise AssertionError(f"{e}\n{state}\n{job.ledger('attempts')}\n{job.explain()}") from None
         assert resumed["step"] == pre["step"]
         wait_for(lambda: job.max_step() > pre["step"] + 2, 120, "progress in the second allocation")
         assert [a.split()[0] for a in job.ledger("attempts")] == ["0", "1"]

@@ -253,7 +253,10 @@ def test_two_nodes_complete_and_the_result_is_the_runs_summary(tmp_path, partiti
     assert (r.run / "model.safetensors").is_file()
     assert r.ledger("exit_codes") == ["0 0 none"] and r.ledger("state") == ["COMPLETED"]
     assert (r.jobdir / "finished").exists()
-    assert [row[1:] for row in r.sacct() if row[0] in (r.id, f"{r.id}.batch")] == [["COMPLETED", "0:0"]] * 2
+    # job.result() returns as the batch process ends; slurmctld records the end in accounting a moment later
+    accounted = wait_for(lambda: (rows := [row[1:] for row in r.sacct() if row[0] in (r.id, f"{r.id}.batch")])
+                         and all(x[0] != "RUNNING" for x in rows) and rows, 30, "sacct to record the end")
+    assert accounted == [["COMPLETED", "0:0"]] * 2
     # the batch step ran the interpreter the setup line activated, not the submitting machine's PATH
     assert f"check ok: dtlaunch {launcher.__version__}" in r.log()
     # dtlaunch follows it like any SLURM job

@@ -362,11 +362,12 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - a damaged file can make any loader raise anything
             raise CheckpointInvalid(step, [f"loading failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"]) from e
         rng = path / rank_file(self.rank)
-        if saved.get("world_size") == self.world_size and rng.is_file():
+        relaid = "layout" in saved and saved["layout"] != self.meta.get("layout")  # a rank's place changed
+        if saved.get("world_size") == self.world_size and not relaid and rng.is_file():
             set_rng_state(torch.load(rng, weights_only=False))
         else:
             torch.manual_seed(int(saved.get("seed", 0)) * 7919 + step * 1009 + self.rank)
-            warnings.append("RNG streams re-seeded (world size changed)")
+            warnings.append(f"RNG streams re-seeded ({'layout' if relaid else 'world size'} changed)")
         saved["warnings"] = warnings
         saved["path"] = str(path)
         return saved

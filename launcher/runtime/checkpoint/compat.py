@@ -1,7 +1,8 @@
 """Is a checkpoint this run's? What can change between a save and a resume, and what cannot.
 
-Elastic resumes are the point of DCP checkpoints: a different world size, a different torch strategy
-(resharded), another global batch (the data position is rescaled) only earn a note. The run's identity does
+Elastic resumes are the point of DCP checkpoints: a different world size, a different torch strategy or
+layout (data, tensor, pipeline degrees: resharded), another global batch (the data position is rescaled) only
+earn a note. The run's identity does
 not change: the model, the optimizer and its schedule's shape, the data. A checkpoint of another recipe
 would otherwise be picked up silently by a job whose checkpoint.dir happens to hold it. Only the length of
 training may differ freely: extending a finished run is how a run is continued.
@@ -31,6 +32,14 @@ def identity_changes(saved: dict, mine: dict) -> list[str]:
             if saved.get(k) != mine.get(k)]
 
 
+def describe_layout(d: dict) -> str:
+    """'fsdp dp2 tp2 pp2 (sequence parallel, 1f1b)' from a checkpoint's layout metadata."""
+    extra = ["sequence parallel"] if d.get("sequence_parallel") else []
+    extra += [d["pp_schedule"]] if d.get("pp_schedule") else []
+    return (f"{d.get('strategy')} dp{d.get('dp')} tp{d.get('tp')} pp{d.get('pp')}"
+            + (f" ({', '.join(extra)})" if extra else ""))
+
+
 def check_compatible(saved: dict, mine: dict, *, world_size: int, deepspeed: bool, allow_changed_recipe: bool,
                      fmt: int) -> list[str]:
     """Refuse what cannot (or must not) be resumed (ConfigError); return notes for what changed but can."""
@@ -40,8 +49,9 @@ def check_compatible(saved: dict, mine: dict, *, world_size: int, deepspeed: boo
         raise ConfigError(f"the checkpoint holds a different model shape: {saved.get('shape')} vs {mine.get('shape')}",
                           fix="resume with the recipe's original model, or use a new checkpoint.dir")
     if saved.get("family") != mine.get("family"):
+        into = describe_layout(mine["layout"]) if mine.get("layout") else mine.get("strategy")
         raise ConfigError(f"the checkpoint was written by {saved.get('strategy')} ({saved.get('family')} format) and "
-                          f"cannot be loaded by {mine.get('strategy')} ({mine.get('family')} format)",
+                          f"cannot be resharded into {into} ({mine.get('family')} format)",
                           fix=f"resume with strategy {saved.get('strategy')}, or start a new checkpoint.dir")
     if deepspeed and saved.get("world_size") != world_size:
         raise ConfigError(f"DeepSpeed ZeRO checkpoints resume only at the same world size: saved with "
@@ -52,6 +62,10 @@ def check_compatible(saved: dict, mine: dict, *, world_size: int, deepspeed: boo
         raise ConfigError(f"the checkpoint was written by {saved.get('strategy')}, this run is {mine.get('strategy')}",
                           fix=f"resume with strategy {saved.get('strategy')}")
     notes = []
+    old_layout, new_layout = saved.get("layout"), mine.get("layout")
+    if old_layout and new_layout and old_layout != new_layout:
+        # DCP saves every tensor under its whole-model name with its global shape: any layout loads it
+        notes.append(f"layout {describe_layout(old_layout)} -> {describe_layout(new_layout)} (resharded)")
     if "identity" in saved:
         changed = identity_changes(saved["identity"], mine["identity"])
         if changed and not allow_changed_recipe:

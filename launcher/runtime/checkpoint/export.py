@@ -24,6 +24,8 @@ def export_model(engine: Engine, out_dir: Path, fmt: str, rank: int) -> Optional
             t = safe_get_full_fp32_param(p)  # a gather under ZeRO-3: every rank must call it
             if rank == 0:
                 full[name] = t.detach().to("cpu", torch.float32).clone()
+    elif hasattr(engine, "full_state_dict"):  # tensor/pipeline layouts: the stages' parts gathered on rank 0
+        full = engine.full_state_dict(rank)
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -79,9 +79,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.heads, self.head_dim)
-        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds heads/tp query and kv_heads/tp kv heads
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         # GQA inside the kernel (each kv head serves heads/kv_heads query heads): autograd keeps k and v at
@@ -144,6 +145,23 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @classmethod
+    def stage(cls, whole: Llama, first: bool, layer_ids: list[int], last: bool) -> Llama:
+        """A part of `whole` for pipeline parallelism, sharing its modules (nothing is copied): the embedding
+        when `first`, the blocks `layer_ids` (under their index in the whole model, so parameter names stay
+        those of the whole model), the final norm and the head when `last`."""
+        blocks = whole.blocks()
+        part = cls.__new__(cls)
+        nn.Module.__init__(part)
+        part.shape, part.full_checkpoint = whole.shape, whole.full_checkpoint
+        part.tok_embeddings = whole.tok_embeddings if first else None
+        part.layers = nn.ModuleDict({str(i): blocks[i] for i in layer_ids})
+        part.norm = whole.norm if last else None
+        part.output = whole.output if last else None
+        part.register_buffer("rope_cos", whole.rope_cos, persistent=False)
+        part.register_buffer("rope_sin", whole.rope_sin, persistent=False)
+        return part
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialise in place; also the second half of meta-device construction (after `to_empty`)."""
@@ -152,30 +170,45 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         std = 0.02
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
         # GPT-2/Llama practice: residual projections scaled down by depth so the residual stream stays O(1).
         out_std = std / math.sqrt(2 * self.shape.layers)
-        for layer in self.layers:
+        for layer in self.blocks():
             for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1, layer.feed_forward.w3):
                 nn.init.normal_(lin.weight, std=std)
             for lin in (layer.attention.wo, layer.feed_forward.w2):
                 nn.init.normal_(lin.weight, std=out_std)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not self.shape.tied_embeddings:
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.shape.tied_embeddings:
             nn.init.normal_(self.output.weight, std=std)
 
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks in order: a ModuleList, or a pipeline stage's ModuleDict keyed by each block's
+        index in the whole model (so that parameter names, and checkpoints, are the same in every layout)."""
+        return list(self.layers.values()) if isinstance(self.layers, nn.ModuleDict) else list(self.layers)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[1] > self.shape.seq_len:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's seq_len {self.shape.seq_len}")
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage (launcher.runtime.pipeline) holds a part of the model: only the first has the
+        # embedding and reads token ids, the others read the residual stream; only the last has the head.
+        if self.tok_embeddings is not None:
+            if tokens.shape[1] > self.shape.seq_len:
+                raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's seq_len "
+                                 f"{self.shape.seq_len}")
+            h = self.tok_embeddings(tokens)
+        else:
+            h = tokens
         cos, sin = self.rope_cos, self.rope_sin
-        for layer in self.layers:
+        for layer in self.blocks():
             if self.full_checkpoint and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
+        if self.output is None:
+            return h
         return self.output(self.norm(h))
 
 

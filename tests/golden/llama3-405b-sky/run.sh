@@ -1,0 +1,77 @@
+set -uo pipefail
+fail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; exit "$rc"; }
+JOB_DIR="$PWD"
+# ---- rendezvous: the head node's address, derived explicitly (no silent localhost fallback)
+MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"
+if [ -z "$MASTER_ADDR" ]; then
+  echo "dtlaunch: SKYPILOT_NODE_IPS is empty: no head-node address for the rendezvous" >&2
+  exit 44
+fi
+export MASTER_ADDR
+# This node's own address, as the other nodes reach it (its hostname may resolve to 127.0.1.1).
+NODE_ADDR="$(echo "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"
+export DTLAUNCH_NODE_ADDR="$NODE_ADDR"
+# ---- identity: SKYPILOT_TASK_ID is stable across managed-job recoveries, so a recovered job resumes its
+# own checkpoints; export DTLAUNCH_RUN_ID (or set run_id in the recipe) to resume an earlier run.
+DEFAULT_RUN_ID="$SKYPILOT_TASK_ID"
+export DTLAUNCH_RUN_ID="${DTLAUNCH_RUN_ID:-$DEFAULT_RUN_ID}"
+export DTLAUNCH_RUN_DIR="${DTLAUNCH_RUN_DIR:-$JOB_DIR/runs/$DTLAUNCH_RUN_ID}"
+export DTLAUNCH_PLAN="$JOB_DIR/plan.json"
+DTLAUNCH_ATTEMPT="sky-$(date +%s)-$$"
+export DTLAUNCH_ATTEMPT
+export DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"
+CHECKPOINT_TEMPLATE='/checkpoints/{run_id}'
+export DTLAUNCH_CHECKPOINT_DIR="${CHECKPOINT_TEMPLATE//\{run_id\}/$DTLAUNCH_RUN_ID}"
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
+mkdir -p "$DTLAUNCH_STATUS"
+PORT="${DTLAUNCH_PORT:-29500}"
+
+# The interpreter of this machine's environment, resolved here (after any setup lines) and never taken
+# from the machine that rendered a cluster job; then one quick check that it can run this plan, so a
+# broken environment fails once with exit 2 instead of crashing every rank and every restart.
+PYTHON="${DTLAUNCH_PYTHON:-$(command -v python3 || command -v python || true)}"
+if [ -z "$PYTHON" ]; then
+  fail 2 "no python3 on PATH;" 'the task'"'"'s setup installs dtlaunch from the wheel next to task.yaml; check the setup log (sky logs)'
+fi
+export PYTHON
+if ! "$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check; then
+  fail 2 "$PYTHON cannot run this plan (see above);" 'the task'"'"'s setup installs dtlaunch from the wheel next to task.yaml; check the setup log (sky logs)'
+fi
+
+# SkyPilot stops a job by signalling its processes; torchrun (or DeepSpeed's launcher) passes the signal to
+# the workers, which checkpoint; this shell only waits, to report the workers' own exit code.
+trap ':' TERM USR2
+IS_HOST=0
+if [ "$SKYPILOT_NODE_RANK" = 0 ]; then IS_HOST=1; fi  # the head hosts the rendezvous store, whatever its hostname says
+"$PYTHON" -m launcher.elastic "--nnodes=$SKYPILOT_NUM_NODES" "--nproc-per-node=$SKYPILOT_NUM_GPUS_PER_NODE" --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$NODE_ADDR" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=487 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
+LAUNCHER=$!
+rc=0
+while :; do
+  wait "$LAUNCHER"; rc=$?
+  kill -0 "$LAUNCHER" 2>/dev/null || break  # wait returns early when a trapped signal arrives
+done
+# The exit code of this node's share of the job: the workers' own codes for this attempt, not torchrun's
+# generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends.
+# A rank killed after a collective timed out (NCCL's watchdog aborts it) writes no code, but leaves the
+# flight recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)
+# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44) and a
+# diverged loss (45) come first: restarting would not help.
+dtl_outcome() {
+  local rc=$1 f code worst=""
+  if [ "$rc" = 0 ]; then echo 0; return; fi
+  for f in "$DTLAUNCH_STATUS"/rank-*.code; do
+    [ -f "$f" ] || continue
+    read -r code _ < "$f" || continue
+    case "$code" in
+      2|44|45) echo "$code"; return ;;
+      1) worst=1 ;;
+      43) [ "$worst" = 1 ] || worst=43 ;;
+      42) [ -n "$worst" ] || worst=42 ;;
+    esac
+  done
+  for f in "$DTLAUNCH_STATUS"/nccl_trace_rank_*; do
+    if [ -e "$f" ]; then echo 43; return; fi
+  done
+  echo "${worst:-$rc}"
+}
+exit "$(dtl_outcome "$rc")"

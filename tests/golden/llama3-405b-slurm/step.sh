@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Rendered by dtlaunch: run by srun once per node (see job.sbatch). Not meant to be run by hand.
+#
+# slurmstepd delivers a step signal (the USR2 the batch script forwards, or SLURM's TERM) to every process
+# of the step: torchrun handles it (--signals-to-handle), passes it to its workers and waits up to
+# --shutdown-timeout for them to checkpoint and exit, without restarting them. This shell only waits.
+set -uo pipefail
+trap ':' USR2 TERM
+IS_HOST=0
+if [ "${SLURM_NODEID:-}" = 0 ]; then IS_HOST=1; fi  # node 0 hosts the rendezvous store, whatever its hostname says
+"$PYTHON" -m launcher.elastic "--nnodes=$SLURM_NNODES" --nproc-per-node=8 --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" "--rdzv-id=$SLURM_JOB_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$SLURMD_NODENAME" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=487 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
+TORCHRUN=$!
+rc=0
+while :; do
+  wait "$TORCHRUN"; rc=$?
+  kill -0 "$TORCHRUN" 2>/dev/null || break  # wait returns early when a trapped signal arrives
+done
+# The exit code of this node's share of the job: the workers' own codes for this attempt, not torchrun's
+# generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends.
+# A rank killed after a collective timed out (NCCL's watchdog aborts it) writes no code, but leaves the
+# flight recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)
+# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44) and a
+# diverged loss (45) come first: restarting would not help.
+dtl_outcome() {
+  local rc=$1 f code worst=""
+  if [ "$rc" = 0 ]; then echo 0; return; fi
+  for f in "$DTLAUNCH_STATUS"/rank-*.code; do
+    [ -f "$f" ] || continue
+    read -r code _ < "$f" || continue
+    case "$code" in
+      2|44|45) echo "$code"; return ;;
+      1) worst=1 ;;
+      43) [ "$worst" = 1 ] || worst=43 ;;
+      42) [ -n "$worst" ] || worst=42 ;;
+    esac
+  done
+  for f in "$DTLAUNCH_STATUS"/nccl_trace_rank_*; do
+    if [ -e "$f" ]; then echo 43; return; fi
+  done
+  echo "${worst:-$rc}"
+}
+exit "$(dtl_outcome "$rc")"
