@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
 from dataclasses import dataclass
-from typing import Optional
 
 from ..errors import DtlaunchError
 
@@ -50,15 +50,37 @@ class Comparison:
 
 
 def _deepspeed():
-    """DeepSpeed's ZeRO estimator modules, or a CompareError saying how to install it."""
+    """DeepSpeed's ZeRO estimator modules, or a CompareError saying how to install it.
+
+    Any failure to import counts, not only ImportError: a DeepSpeed built against another torch raises
+    whatever its extension loader raises, and the user needs the same advice either way."""
     try:
-        import deepspeed
-        from deepspeed.runtime.zero import stage3, stage_1_and_2
-    except ImportError as e:
-        raise CompareError(f"--compare deepspeed needs DeepSpeed, which is not importable here ({e})",
+        # DeepSpeed's logger writes to the stdout it finds at import: send it to stderr, where `plan --json`'s
+        # readers do not look.
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed
+            from deepspeed.runtime.zero import stage3, stage_1_and_2
+    except Exception as e:  # noqa: BLE001 - reported as one line with the fix, never as a traceback
+        raise CompareError(f"--compare deepspeed needs DeepSpeed, which is not importable here "
+                           f"({type(e).__name__}: {e})",
                            fix="pip install 'dtlaunch[deepspeed]' (DeepSpeed builds against the installed torch: "
                                "pip install torch first, then pip install --no-build-isolation deepspeed)") from None
+    import logging
+
+    for h in logging.getLogger("DeepSpeed").handlers:  # its later warnings too
+        if type(h) is logging.StreamHandler:  # DeepSpeed's own (not a log-capturing subclass of a test harness)
+            h.stream = _Stderr()  # not setStream: it flushes the old stream, which may be closed
     return deepspeed.__version__, stage_1_and_2, stage3
+
+
+class _Stderr:
+    """Whatever `sys.stderr` is at the time of writing (a handler keeps the stream object it was given)."""
+
+    def write(self, s: str) -> int:
+        return sys.stderr.write(s)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def largest_module_params(shape) -> int:
@@ -81,10 +103,14 @@ def compare(recipe, plan) -> Comparison:
     if stage is None:
         raise CompareError(f"the plan uses {lay.strategy}; DeepSpeed's estimators cover ZeRO-2 and ZeRO-3",
                            fix="compare a ZeRO plan: --set parallelism.strategy=zero3 (or zero1, zero2)")
+    if lay.tp * lay.pp > 1:
+        raise CompareError(f"the plan combines {lay.strategy} with tensor {lay.tp} x pipeline {lay.pp}; DeepSpeed's "
+                           "estimators (and dtlaunch's DeepSpeed runtime) cover data parallelism only",
+                           fix="--set parallelism.tensor=1 --set parallelism.pipeline=1")
     version, z12, z3 = _deepspeed()
     shape = recipe.model.shape()
-    n = plan.params / (lay.tp * lay.pp)
-    d = lay.shard_group
+    n = plan.params
+    d = plan.world_size  # DeepSpeed's estimators shard over every GPU of the cluster
     per_node, nodes = plan.gpus_per_node, plan.nodes
     offload_opt = lay.offload in ("optimizer", "params")
     offload_par = lay.offload == "params"
@@ -96,13 +122,11 @@ def compare(recipe, plan) -> Comparison:
              "DeepSpeed prints GiB (2**30 bytes) labelled GB; the table above gives both columns in GB = 1e9 bytes."]
     if w != 2:
         notes.append(f"DeepSpeed's estimators assume 16-bit weights; this plan trains in {lay.precision}.")
-    if lay.tp * lay.pp > 1:
-        notes.append(f"DeepSpeed is given this GPU's share of the parameters (tp={lay.tp}, pp={lay.pp}).")
 
     printed = io.StringIO()
     rows: list[Row] = []
     if stage == 3:
-        big = largest_module_params(shape) / (lay.tp * lay.pp) or n / 40
+        big = largest_module_params(shape) or n / 40
         args = {"total_params": int(n), "largest_layer_params": int(big), "num_gpus_per_node": per_node,
                 "num_nodes": nodes}
         with contextlib.redirect_stdout(printed):
@@ -156,9 +180,12 @@ def compare(recipe, plan) -> Comparison:
     for r in rows:
         if not r.why and abs(r.ours - r.deepspeed) >= 0.005 * GB:
             r.why = (f"{lay.precision} training: 4-byte weights and gradients, no separate fp32 master copy; "
-                     "DeepSpeed's estimators assume 16-bit ones" if w == 4 else "see launcher/plan/moments.py")
-    total_why = ("the sum of the lines above" if any(r.why for r in rows) else "")
-    rows.append(Row("model states per GPU", sum(r.ours for r in rows), gpu, total_why))
+                     "DeepSpeed's estimators assume 16-bit ones" if w == 4 else
+                     f"dtlaunch's formula for {lay.strategy} with offload={lay.offload} (launcher/plan/moments.py, "
+                     "model_states) differs from DeepSpeed's here")
+    ours = sum(r.ours for r in rows)
+    total_why = "the differences of the lines above" if abs(ours - gpu) >= 0.005 * GB else ""
+    rows.append(Row("model states per GPU", ours, gpu, total_why))
     if offload_opt:
         notes.append("optimizer offload: as in DeepSpeed's estimate and the ZeRO-Offload paper, only the 16-bit "
                      "weights stay on the GPU; gradients and optimizer state live in host memory.")
@@ -167,26 +194,24 @@ def compare(recipe, plan) -> Comparison:
     return Comparison(version, printed.getvalue().rstrip(), function, args, layout, rows, float(cpu), notes)
 
 
-def _gb(b: Optional[float]) -> str:
+def _gb(b: float | None) -> str:
     return "-" if b is None else f"{b / GB:.2f}"
 
 
 def print_comparison(c: Comparison) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    """Plain lines, not a table: each reason stays on one line however narrow the terminal."""
+    import click
 
-    con = Console()
-    con.print(f"[bold]DeepSpeed {c.version}[/], {c.function}({', '.join(f'{k}={v}' for k, v in c.args.items())}), "
-              "as it prints it:")
-    con.print(c.printed, markup=False, highlight=False)
-    t = Table(title=f"Model states per GPU, GB (1e9 bytes): {c.layout}")
-    for col in ("term", "dtlaunch", "DeepSpeed", "why they differ"):
-        t.add_column(col, justify="left" if col in ("term", "why they differ") else "right",
-                     no_wrap=col != "why they differ")
+    args = ", ".join(f"{k}={v}" for k, v in c.args.items())
+    click.echo(f"\nDeepSpeed {c.version}, {c.function}({args}), as it prints it (its GB are GiB, 2**30 bytes):")
+    click.echo(c.printed)
+    click.echo(f"\nModel states per GPU in GB (1e9 bytes), {c.layout}:")
+    width = max(len(r.term) for r in c.rows)
+    click.echo(f"  {'term':{width}s}  {'dtlaunch':>9s}  {'DeepSpeed':>9s}")
     for r in c.rows:
-        t.add_row(r.term, _gb(r.ours), _gb(r.deepspeed), r.why or "same")
-    con.print(t)
-    con.print(f"DeepSpeed's host memory for this layout: {c.deepspeed_cpu / GB:.1f} GB per node "
-              f"({c.deepspeed_cpu / GIB:.1f} GiB); dtlaunch does not plan host memory.")
+        click.echo(f"  {r.term:{width}s}  {_gb(r.ours):>9s}  {_gb(r.deepspeed):>9s}  "
+                   f"{'why: ' + r.why if r.why else 'same'}")
+    click.echo(f"DeepSpeed's host memory for this layout: {c.deepspeed_cpu / GB:.1f} GB per node "
+               f"({c.deepspeed_cpu / GIB:.1f} GiB); dtlaunch does not plan host memory.")
     for n in c.notes:
-        con.print(f"  [yellow]note:[/] {n}")
+        click.echo(f"  note: {n}")
