@@ -18,6 +18,8 @@ def _print_plan(recipe, p) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from ..plan.memory import NOT_MODELLED
+
     con = Console()
     shape = recipe.model.shape()
     model = recipe.model.preset or ("custom" if shape else "params-only")
@@ -54,6 +56,9 @@ def _print_plan(recipe, p) -> None:
                   f"${recipe.resources.device().usd_per_hour}/h)")
     con.print(f"checkpoint: every {p.checkpoint_every} steps (write ~{p.checkpoint_write_seconds:.1f} s"
               + (", Young/Daly)" if recipe.checkpoint.every == "auto" else ")"))
+    con.print("not modelled: " + "; ".join(n.split(" (")[0] for n in NOT_MODELLED)
+              + " (memory and time figures leave them out). GB = 1e9 bytes; mixed-precision Adam states 16 "
+              "bytes/param (+4 in DeepSpeed's optimizer step).", highlight=False)
 
 
 def _plan_sweep(recipe_path, overrides, sweeps, as_json):
