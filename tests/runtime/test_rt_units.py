@@ -448,6 +448,18 @@ def test_dcp_writer_checksums_equal_a_read_back(tmp_path):
     assert ckptdir.write_manifest(tmp_path, 0, sums)["files"] == ckptdir.write_manifest(tmp_path, 0)["files"]
 
 
+def test_dcp_write_threads_are_the_ranks_share_of_the_cores(monkeypatch):
+    """Writer threads only where a rank has cores for them: one per core of its share, 1 to DCP_WRITE_THREADS."""
+    from launcher.runtime.checkpoint import DCP_WRITE_THREADS, dcp_write_threads
+
+    assert dcp_write_threads(cpus=2, local_ranks=2) == 1  # the benchmark machine: threads would only contend
+    assert dcp_write_threads(cpus=1, local_ranks=4) == 1
+    assert dcp_write_threads(cpus=8, local_ranks=4) == 2
+    assert dcp_write_threads(cpus=128, local_ranks=8) == DCP_WRITE_THREADS
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert 1 <= dcp_write_threads() <= DCP_WRITE_THREADS
+
+
 def test_checksums_not_taken_in_order_are_not_trusted(tmp_path):
     """A seek, a short write or a size that changed afterwards: the manifest reads the file back."""
     from launcher.runtime.checkpoint import dcpio

@@ -32,9 +32,30 @@ from .lock import RunLock
 from .state import rank_file, rng_state, save_torch, set_rng_state
 
 FORMAT = 2  # 2: written in place with per-rank manifests (1: renamed from step-N.tmp, no checksums)
-# DCP writer threads per rank: each writes its own file of the rank's shard (fsync'd), so the
-# serialisation of one tensor overlaps the disk writes of others (1 thread wrote at ~1/3 of torch.save's rate).
+# DCP writer threads per rank, at most: each writes its own file of the rank's shard (fsync'd), so the
+# serialisation of one tensor overlaps the disk writes of others. Only where the rank has the cores for them
+# (`dcp_write_threads`): a save is CPU-bound (copies into the page cache, the CRC-32 of every byte), and threads
+# beyond a rank's share of the cores only contend for them and for the GIL. Measured on the benchmark (2 ranks,
+# 2 cores, 350 MB per rank): 4 threads cost 0.60 CPU-s per save against 0.46 with one, and torch.save 0.36.
 DCP_WRITE_THREADS = 4
+
+
+def dcp_write_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """Writer threads for this rank: its share of the node's cores (those this process may run on), between
+    1 and DCP_WRITE_THREADS."""
+    import os
+
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+    if local_ranks is None:
+        try:
+            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            local_ranks = 1
+    return max(1, min(DCP_WRITE_THREADS, cpus // local_ranks))
 
 
 class CheckpointInvalid(Exception):
@@ -48,7 +69,7 @@ class CheckpointInvalid(Exception):
 def _dcp_writer(path: Path):
     """DCP's filesystem writer with every file fsync'd before the save returns (sync_files), recording each
     file's CRC-32 as it is written (dcpio)."""
-    return dcpio.writer(path, DCP_WRITE_THREADS)
+    return dcpio.writer(path, dcp_write_threads())
 
 
 @dataclass
