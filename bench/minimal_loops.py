@@ -55,6 +55,9 @@ def main() -> None:
     ap.add_argument("--num-tokens", type=int, default=400000)
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3, help="save mode: how many saves")
+    ap.add_argument("--fsdp-reduce-every-micro", action="store_true",
+                    help="fsdp: reduce-scatter the gradients on every micro-step, as dtlaunch's runtime does (sharded "
+                         "accumulation), instead of once per step (to tell that choice from loop effects)")
     ap.add_argument("--ds-config", default=None, help="zero*: a DeepSpeed config JSON file instead of the minimal one "
                                                       "(to tell config effects from loop effects)")
     ap.add_argument("--out", required=True)
@@ -138,7 +141,7 @@ def main() -> None:
                 model.step()
                 continue
             if a.strategy == "fsdp":
-                model.set_requires_gradient_sync(last)
+                model.set_requires_gradient_sync(last or a.fsdp_reduce_every_micro)
                 ctx = contextlib.nullcontext()
             else:
                 ctx = contextlib.nullcontext() if last else model.no_sync()
