@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -21,6 +22,36 @@ PY = sys.executable
 
 def stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation between order statistics (q=0.5 is the median)."""
+    ys = sorted(xs)
+    if not ys:
+        return float("nan")
+    pos = q * (len(ys) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+
+
+def bootstrap_band(pairs: list, statistic: Callable[[list], float], n: int = 2000, lo: float = 0.05,
+                   hi: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """The noise band of `statistic(pairs)`: its lo..hi quantiles over `n` resamplings of the interleaved
+    pairs (with replacement). Resampling whole pairs keeps each pair's two runs together, as they ran."""
+    if len(pairs) < 2:
+        v = statistic(pairs)
+        return v, v
+    rng = random.Random(seed)
+    vals = sorted(statistic([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(n))
+    return quantile(vals, lo), quantile(vals, hi)
+
+
+def ratio_summary(name: str, value: float, band: tuple[float, float], target: float, higher_is_better: bool) -> dict:
+    """A ratio with its noise band, and whether the whole band is on the right side of the target."""
+    ok = (lambda v: v >= target) if higher_is_better else (lambda v: v <= target)
+    return {"name": name, "ratio": value, "band": [band[0], band[1]], "target": target, "meets": ok(value),
+            "band_clear_of_target": ok(band[0]) == ok(band[1]), "band_width": band[1] - band[0]}
 
 
 def time_command(cmd: list[str], repeat: int, env: dict | None = None, cwd: Path = ROOT) -> list[float]:
@@ -41,8 +72,12 @@ def interleaved(fns: dict[str, Callable[[], float]], repeat: int) -> dict[str, l
     return res
 
 
-def result(ratio: float, target: float, meets: bool, **detail) -> dict:
-    return {"ratio": round(ratio, 4), "target": target, "meets": bool(meets), "detail": detail}
+def result(ratio: float, target: float, meets: bool, band: Optional[list] = None, **detail) -> dict:
+    """A benchmark's record: its ratio, the noise band around it (when it has one), target and verdict."""
+    out = {"ratio": round(ratio, 4), "target": target, "meets": bool(meets), "detail": detail}
+    if band is not None:
+        out["band"] = [round(band[0], 4), round(band[1], 4)]
+    return out
 
 
 def machine() -> dict:

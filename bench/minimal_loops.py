@@ -5,7 +5,7 @@ synthetic tokens in the same order, same global batch and gradient accumulation,
 weight decay on >=2-D parameters only), the same warmup+cosine schedule, grad clipping at 1.0, fp32.
 No checkpointing, no preflight, no per-step agreement collective, no watchdog: just the loop.
 
-    torchrun --nproc-per-node=2 bench/minimal_loops.py --strategy ddp|fsdp|zero2 --out DIR [...]
+    torchrun --nproc-per-node=2 bench/minimal_loops.py --strategy ddp|fsdp|zero1|zero2|zero3 --out DIR [...]
     torchrun --nproc-per-node=2 bench/minimal_loops.py --mode save --preset small-50m --out DIR
 
 Each rank writes DIR/minimal-RANK.json: wall-clock time at the end of every step, losses, peak RSS.
@@ -44,7 +44,7 @@ def vmhwm_mb() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="train", choices=["train", "save"])
-    ap.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp", "zero2"])
+    ap.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp", "zero1", "zero2", "zero3"])
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=4)
@@ -55,7 +55,10 @@ def main() -> None:
     ap.add_argument("--num-tokens", type=int, default=400000)
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3, help="save mode: how many saves")
-    ap.add_argument("--ds-config", default=None, help="zero2: a DeepSpeed config JSON file instead of the minimal one "
+    ap.add_argument("--fsdp-reduce-every-micro", action="store_true",
+                    help="fsdp: reduce-scatter the gradients on every micro-step, as dtlaunch's runtime does (sharded "
+                         "accumulation), instead of once per step (to tell that choice from loop effects)")
+    ap.add_argument("--ds-config", default=None, help="zero*: a DeepSpeed config JSON file instead of the minimal one "
                                                       "(to tell config effects from loop effects)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -91,11 +94,13 @@ def main() -> None:
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    if a.strategy == "zero2" and a.mode == "train":
+    zero = a.strategy.startswith("zero")
+    if zero and a.mode == "train":
         import deepspeed
 
         cfg = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": ga,
-               "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+               "gradient_clipping": 1.0, "zero_optimization": {"stage": int(a.strategy[-1])},
+               "zero_allow_untested_optimizer": True,
                "steps_per_print": 1 << 30}
         if a.ds_config:
             cfg = json.loads(Path(a.ds_config).read_text())
@@ -130,20 +135,20 @@ def main() -> None:
         for i, b in enumerate(micro):
             x, y = b[:, :-1], b[:, 1:]
             last = i == len(micro) - 1
-            if a.strategy == "zero2":
+            if zero:
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1))
                 model.backward(loss)
                 model.step()
                 continue
             if a.strategy == "fsdp":
-                model.set_requires_gradient_sync(last)
+                model.set_requires_gradient_sync(last or a.fsdp_reduce_every_micro)
                 ctx = contextlib.nullcontext()
             else:
                 ctx = contextlib.nullcontext() if last else model.no_sync()
             with ctx:
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1))
                 (loss / ga).backward()
-        if a.strategy != "zero2":
+        if not zero:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()

@@ -22,12 +22,13 @@ BENCHMARKS = ["trainer_overhead", "peak_memory", "checkpoint_stall", "recovery",
 
 
 def markdown(results: dict) -> str:
-    rows = ["| benchmark | ratio | target | meets |", "|---|---|---|---|"]
+    rows = ["| benchmark | ratio | noise band | target | meets |", "|---|---|---|---|---|"]
     for name, r in results["benchmarks"].items():
         if "error" in r:
-            rows.append(f"| {name} | error | | no |")
+            rows.append(f"| {name} | error | | | no |")
             continue
-        rows.append(f"| {name} | {r['ratio']:.3f} | {r['target']} | {'yes' if r['meets'] else 'no'} |")
+        band = f"{r['band'][0]:.3f}-{r['band'][1]:.3f}" if "band" in r else "-"
+        rows.append(f"| {name} | {r['ratio']:.3f} | {band} | {r['target']} | {'yes' if r['meets'] else 'no'} |")
     m = results["machine"]
     rows.append(f"\nMeasured on {m['cpus']} CPUs, Python {m['python']}, commit {m['commit']}, {m['date']}.")
     return "\n".join(rows) + "\n"

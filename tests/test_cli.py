@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from testpaths import RECIPES
 
 HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko")
@@ -154,3 +153,19 @@ def test_plan_sweep_lists_every_combination(run_cli):
     rows = json.loads(out)
     assert code == 0 and len(rows) == 4
     assert {(r["world_size"], r["strategy"]) for r in rows} == {(8, "ddp"), (8, "fsdp"), (16, "ddp"), (16, "fsdp")}
+
+
+def test_plan_says_what_it_does_not_model_and_its_units(run_cli):
+    """float8 linears, torch.compile and context parallelism have no term in the figures: the plan says so, in
+    the printed table and in `--json`, with the unit (GB = 1e9 bytes) and the bytes per parameter it uses."""
+    code, out, _ = run_cli("plan", RECIPES / "llama70b.yaml", "--json")
+    assert code == 0
+    d = json.loads(out)
+    left_out = " ".join(d["not_modelled"])
+    for thing in ("float8", "torch.compile", "context parallelism"):
+        assert thing in left_out
+    assert d["units"]["gb_bytes"] == 10**9 and d["units"]["bytes_per_param_mixed_adam"] == 16
+    code, out, _ = run_cli("plan", RECIPES / "llama70b.yaml")
+    assert code == 0
+    line = " ".join(out[out.index("not modelled:"):].split())  # rich wraps at the terminal's width
+    assert all(t in line for t in ("float8", "torch.compile", "context parallelism", "GB = 1e9 bytes"))

@@ -57,9 +57,35 @@ def test_fsdp_full_shard_equals_zero3_states_and_grad_op_keeps_unsharded_weights
 def test_offload_moves_optimizer_then_params_off_the_gpu():
     n, d = 7e9, 8
     p, g, o = model_states(n, Layout(strategy="zero3", dp=d, offload="optimizer"))
-    assert o == 0 and p > 0
+    assert o == 0 and g == 0 and p == pytest.approx(2 * n / d)
     p, g, o = model_states(n, Layout(strategy="zero3", dp=d, offload="params"))
-    assert o == 0 and p == 0
+    assert o == 0 and g == 0 and p == 0
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_zero_offload_keeps_only_16bit_weights_on_the_gpu(strategy):
+    """ZeRO-Offload (Ren et al. 2021, sec. 3): with optimizer offload the 16-bit gradients are reduced into host
+    memory with the fp32 master weights and Adam's moments; the GPU keeps the 16-bit weights, no fp32 gradient
+    partition for the step, and (ZeRO-1/2) one staging buffer the gradients pass through on their way out."""
+    from launcher.plan.moments import _deepspeed_buffers, states, units
+
+    n, d = 7e9, 8
+    on = Layout(strategy=strategy, dp=d, offload="none")
+    off = Layout(strategy=strategy, dp=d, offload="optimizer")
+    s_on, s_off = states(n, on), states(n, off)
+    assert s_off.params == s_on.params > 0
+    assert s_off.grads == 0 < s_on.grads
+    assert s_off.optimizer == 0 < s_on.optimizer
+    assert s_off.step_grads == 0 < s_on.step_grads
+    shape = ModelShape(layers=32, hidden=4096, ffn_hidden=11008, heads=32, kv_heads=32, vocab=32000, seq_len=4096)
+    if strategy != "zero3":
+        u = units(shape, "llama", n, off)
+        assert _deepspeed_buffers(u, off, 2) > _deepspeed_buffers(u, on, 2)
+    tl_on = timeline(shape, "llama", n, 4096, on)
+    tl_off = timeline(shape, "llama", n, 4096, off)
+    for m in tl_off:
+        assert tl_off[m]["grads"] == 0 and tl_off[m]["optimizer"] == 0, m
+    assert max(tl_on[m]["grads"] for m in tl_on) > 0
 
 
 # ----- activations: Korthikanti et al. 2022, Table 2 (GPT layer), independent restatement of the formulas

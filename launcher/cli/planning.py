@@ -14,46 +14,66 @@ def _gb(b: float) -> str:
     return f"{b / 1e9:.1f}"  # the table's unit is in its title
 
 
-def _print_plan(recipe, p) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def table(headers: list[str], rows: list[list[str]], left: tuple[str, ...] = (), styles=None) -> list[str]:
+    """Rows as aligned plain-text lines (header, rule, rows). Plain text rather than rich: importing and laying
+    out rich's Table cost `plan` about as long as the rest of the command's own work, and this table needs
+    neither wrapping nor boxes. `styles`: click.style keywords per row (dropped when stdout is not a tty)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
-    con = Console()
+    def line(cells):
+        return "  ".join(c.ljust(w) if h in left else c.rjust(w) for c, w, h in zip(cells, widths, headers,
+                                                                                    strict=True)).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    for i, r in enumerate(rows):
+        st = (styles or [None] * len(rows))[i]
+        out.append(click.style(line(r), **st) if st else line(r))
+    return out
+
+
+def _print_plan(recipe, p) -> None:
+    from ..plan.memory import NOT_MODELLED
+
+    echo = click.echo
     shape = recipe.model.shape()
     model = recipe.model.preset or ("custom" if shape else "params-only")
-    con.print(f"[bold]{recipe.name}[/]: {model}, {p.params / 1e9:.2f}B parameters, seq {p.seq_len}, "
-              f"{p.nodes} node(s) x {p.gpus_per_node} {p.accelerator} = {p.world_size} devices")
-    t = Table(title=f"Per-device memory, GB (1e9 bytes), of {_gb(p.memory.gpu)} GB")
-    for col in ("strategy", "weights", "grads", "optim", "activ", "buffers", "total", "fits"):
-        t.add_column(col, justify="right" if col not in ("strategy", "fits") else "left", no_wrap=True)
+    echo(f"{click.style(recipe.name, bold=True)}: {model}, {p.params / 1e9:.2f}B parameters, seq {p.seq_len}, "
+         f"{p.nodes} node(s) x {p.gpus_per_node} {p.accelerator} = {p.world_size} devices")
+    echo(f"Per-device memory, GB (1e9 bytes), of {_gb(p.memory.gpu)} GB")
+    rows, styles = [], []
     for name, m in p.candidates:
         chosen = name == p.strategy
-        t.add_row(("* " if chosen else "  ") + name, _gb(m.params), _gb(m.grads), _gb(m.optimizer),
-                  _gb(m.activations), _gb(m.buffers), _gb(m.total), "yes" if m.fits else "no",
-                  style="bold green" if chosen else None)
-    con.print(t)
-    con.print("* = chosen")
+        rows.append([("* " if chosen else "  ") + name, _gb(m.params), _gb(m.grads), _gb(m.optimizer),
+                     _gb(m.activations), _gb(m.buffers), _gb(m.total), "yes" if m.fits else "no"])
+        styles.append({"fg": "green", "bold": True} if chosen else None)
+    for ln in table(["strategy", "weights", "grads", "optim", "activ", "buffers", "total", "fits"], rows,
+                    left=("strategy", "fits"), styles=styles):
+        echo("  " + ln)
+    echo("* = chosen")
     lay = p.layout
     extra = (" sequence_parallel" if lay.tp > 1 and lay.sequence_parallel else "") + \
         (f" pipeline_schedule={lay.pp_schedule}" if lay.pp > 1 else "")
-    con.print(f"layout: strategy={lay.strategy} dp={lay.dp} tp={lay.tp} pp={lay.pp}{extra} precision={lay.precision} "
-              f"activation_checkpointing={lay.activation_checkpointing} offload={lay.offload}")
-    con.print(f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = global {p.global_batch} "
-              f"sequences ({p.tokens_per_step:,} tokens/step)")
-    con.print("[bold]why:[/]")
+    echo(f"layout: strategy={lay.strategy} dp={lay.dp} tp={lay.tp} pp={lay.pp}{extra} precision={lay.precision} "
+         f"activation_checkpointing={lay.activation_checkpointing} offload={lay.offload}")
+    echo(f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = global {p.global_batch} "
+         f"sequences ({p.tokens_per_step:,} tokens/step)")
+    echo(click.style("why:", bold=True))
     for r in p.reasons:
-        con.print(f"  - {r}")
+        echo(f"  - {r}")
     for n in p.notes:
-        con.print(f"  [yellow]note:[/] {n}")
+        echo(f"  {click.style('note:', fg='yellow')} {n}")
     step = f"time: {p.flops_per_step:.3g} FLOPs/step, {p.step_seconds:.3g} s/step at MFU {recipe.resources.mfu}"
     if p.steps is None:
-        con.print(step + "; total time and cost need a training length (training.steps or training.tokens)")
+        echo(step + "; total time and cost need a training length (training.steps or training.tokens)")
     else:
-        con.print(step + f", {p.steps:,} steps = {p.total_hours:,.1f} h")
-        con.print(f"cost: ${p.usd:,.0f} ({p.world_size} x {p.total_hours:,.1f} h x "
-                  f"${recipe.resources.device().usd_per_hour}/h)")
-    con.print(f"checkpoint: every {p.checkpoint_every} steps (write ~{p.checkpoint_write_seconds:.1f} s"
-              + (", Young/Daly)" if recipe.checkpoint.every == "auto" else ")"))
+        echo(step + f", {p.steps:,} steps = {p.total_hours:,.1f} h")
+        echo(f"cost: ${p.usd:,.0f} ({p.world_size} x {p.total_hours:,.1f} h x "
+             f"${recipe.resources.device().usd_per_hour}/h)")
+    echo(f"checkpoint: every {p.checkpoint_every} steps (write ~{p.checkpoint_write_seconds:.1f} s"
+         + (", Young/Daly)" if recipe.checkpoint.every == "auto" else ")"))
+    echo("not modelled: " + "; ".join(n.split(" (")[0] for n in NOT_MODELLED)
+         + " (memory and time figures leave them out). GB = 1e9 bytes; mixed-precision Adam states 16 "
+         "bytes/param (+4 in DeepSpeed's optimizer step).")
 
 
 def _plan_sweep(recipe_path, overrides, sweeps, as_json):
@@ -84,11 +104,15 @@ def _plan_sweep(recipe_path, overrides, sweeps, as_json):
 @click.option("--trace", "trace", is_flag=True,
               help="Also run the runtime's own model and FSDP2 wrapping for this plan on fake tensors under "
                    "PyTorch's memory tracker, and compare it with the estimate term by term (needs torch).")
-def plan_cmd(recipe_path, overrides, as_json, sweeps, trace):
+@click.option("--compare", "compare", type=click.Choice(["deepspeed"]), default=None,
+              help="Also print DeepSpeed's own ZeRO memory estimators for this layout beside the planner's "
+                   "figures, with the reason for each difference (needs DeepSpeed).")
+def plan_cmd(recipe_path, overrides, as_json, sweeps, trace, compare):
     """Show per-GPU memory for each strategy, the chosen one and why, step time, total time and cost."""
     if sweeps:
-        if trace:
-            raise click.UsageError("--trace checks one plan: drop --sweep, or pick the combination with --set")
+        if trace or compare:
+            raise click.UsageError("--trace and --compare check one plan: drop --sweep, or pick the combination "
+                                   "with --set")
         return _plan_sweep(recipe_path, overrides, sweeps, as_json)
     recipe, p = load(recipe_path, overrides)
     if as_json:
@@ -101,6 +125,10 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps, trace):
             from . import tracing
 
             d["trace"] = tracing.run(recipe, p).to_dict()
+        if compare:
+            from . import compare as cmp  # imports deepspeed (and torch): only for this flag
+
+            d["compare"] = {"deepspeed": cmp.compare(recipe, p).to_dict()}
         click.echo(json.dumps(d, indent=2))
         return
     _print_plan(recipe, p)
@@ -112,6 +140,10 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps, trace):
         from . import tracing
 
         tracing.print_comparison(tracing.run(recipe, p))
+    if compare:
+        from . import compare as cmp  # imports deepspeed (and torch): only for this flag
+
+        cmp.print_comparison(cmp.compare(recipe, p))
 
 
 @click.command("validate")

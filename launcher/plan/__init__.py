@@ -13,7 +13,7 @@ from ..recipe import Recipe
 from ..strategies import STRATEGIES, offload_for
 from . import cost
 from .layout import Layout
-from .memory import Memory
+from .memory import NOT_MODELLED, UNITS, Memory
 from .params import count_params
 from .strategy import Context, Request, choose, grad_accum_for
 
@@ -91,6 +91,8 @@ class Plan:
             },
             "cost": {"usd": None if self.usd is None else round(self.usd, 2)},
             "checkpoint": {"every_steps": self.checkpoint_every, "write_seconds": self.checkpoint_write_seconds},
+            "not_modelled": list(NOT_MODELLED),
+            "units": dict(UNITS),
         }
 
     @classmethod

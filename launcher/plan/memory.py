@@ -3,6 +3,10 @@
 Sources, cited at each formula:
 - [ZeRO] Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 3
   and 5 (model states: `moments.model_states`).
+- [ZeRO-Offload] Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training", sec. 3 (with
+  optimizer offload only the 16-bit parameters stay on the GPU: `moments.model_states`), and DeepSpeed's own
+  estimators, `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
+  (`dtlaunch plan --compare deepspeed` prints them beside these figures).
 - [MLM3] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4,
   Table 2 (GPT layers, pipeline in-flight micro-batches: `activations`, `moments`).
 - the runtime itself for the Llama activations, the loss and FSDP2's buffers (`activations`, `moments`): each
@@ -16,6 +20,19 @@ How the per-GPU figure is built (`breakdown`):
 2. The peak is the moment with the largest sum: terms are added only where they coincide.
 3. On top: the device context (CUDA context, cuBLAS workspace, NCCL; a tensor tracker cannot see it) and
    allocator fragmentation, FRAGMENTATION x the peak's tensors.
+
+Choices where the sources disagree (`UNITS`, `NOT_MODELLED`; the plan states them in its output):
+- GB means 1e9 bytes everywhere in the output, as accelerator vendors size device memory (an "80 GB" H100 has
+  80e9 bytes usable by the catalog's figure). DeepSpeed's estimators divide by 2**30 and print "GB"; their GiB
+  are 7.4% larger, which `plan --compare deepspeed` converts.
+- Bytes per parameter of mixed-precision Adam: [ZeRO] counts 2 + 2 + 12 = 16 (16-bit weights and gradients,
+  fp32 master weights and two moments); DeepSpeed's estimators count 18 besides the 16-bit weights, the extra
+  4 being the fp32 copy of the gradient partition its optimizer step builds. The planner follows what each
+  runtime keeps: 16 for DDP/FSDP2 (fp32 weights double as the master copy; torch keeps fp32 gradients, which
+  is also where gradients accumulate across micro-batches), and for DeepSpeed 16 for the whole step plus that
+  fp32 gradient partition in the optimizer-step moment only (`moments.deepspeed_step_fp32_grads`).
+- Not modelled (`NOT_MODELLED`): float8 linears, torch.compile and context parallelism; the recipe cannot ask
+  for them, and a run that adds them in its own code is outside these figures.
 """
 from __future__ import annotations
 
@@ -27,13 +44,24 @@ from .activations import activation_bytes_per_layer
 from .layout import Layout
 from .moments import MOMENTS, TERMS, model_states, optimizer_state_bytes, pipeline_parts, rank_params, timeline
 
+# What the figures leave out, said in every plan (printed and `plan --json`'s "not_modelled"): none of them has a
+# source this planner could cite for its memory, and the runtime does not use them.
+NOT_MODELLED = (
+    "float8 linears (torchao Float8Linear: fp8 weight/activation casts and scales)",
+    "torch.compile (fused kernels change which activations are saved)",
+    "context parallelism (sequence sharded across ranks in attention)",
+)
+# The output's units: GB = 1e9 bytes (DeepSpeed's estimators print GiB labelled GB).
+UNITS = {"gb_bytes": 1_000_000_000, "bytes_per_param_mixed_adam": 16,
+         "deepspeed_step_fp32_grads_bytes_per_param": 4}
+
 # CUDA context, cuBLAS workspace and NCCL's own buffers on a GPU: ~1 GB measured on H100s with NCCL 2.2x.
 GPU_CONTEXT_BYTES = 1.0 * GB
 CPU_CONTEXT_BYTES = 0.2 * GB
 # The caching allocator rarely packs perfectly; keep this fraction of the peak's tensors as slack.
 FRAGMENTATION = 0.05
 
-__all__ = ["Memory", "breakdown", "activations", "activation_bytes_per_layer", "model_states",
+__all__ = ["NOT_MODELLED", "UNITS", "Memory", "breakdown", "activations", "activation_bytes_per_layer", "model_states",
            "optimizer_state_bytes", "Layout", "MOMENTS", "TERMS"]
 
 

@@ -60,7 +60,8 @@ class States:
     params: float
     grads: float
     optimizer: float
-    step_temp: float  # extra during the optimizer step
+    step_temp: float  # extra optimizer memory during the optimizer step (torch AdamW's foreach temporary)
+    step_grads: float = 0.0  # extra gradient memory during the optimizer step (DeepSpeed's fp32 partition)
 
 
 def optimizer_state_bytes(precision: str, optimizer: str = "adamw") -> int:
@@ -77,6 +78,14 @@ def model_states(n: float, lay: Layout) -> tuple[float, float, float]:
     DDP and FSDP2 keep what torch keeps: fp32 weights (autocast, or FSDP2's sharded fp32 master) and fp32
     gradients; the fp32 weights double as the master copy, so the optimizer holds moments only (4+4+8 = 16
     bytes, [ZeRO]'s 2+2+12). FSDP2's gathered 16-bit weights are buffers (`moments`), not states.
+
+    Offload. [ZeRO-Offload] Ren et al. 2021, sec. 3 (the offload strategy): only the 16-bit parameters stay on
+    the GPU; the 16-bit gradients are moved to CPU memory as they are reduced (bucket by bucket, so the GPU
+    holds the buckets: `_deepspeed_buffers`), and the fp32 master weights and Adam's moments live and are
+    updated there.
+    DeepSpeed's estimators say the same (`estimate_zero2_model_states_mem_needs(cpu_offload=True)`: 2 bytes
+    per parameter on the GPU; ZeRO-3: the parameters' partition and the largest layer). FSDP2's
+    CPUOffloadPolicy moves sharded parameters, gradients and optimizer state to the host.
     """
     mixed = lay.precision in ("bf16", "fp16")
     opt = optimizer_state_bytes(lay.precision, lay.optimizer)
@@ -91,13 +100,32 @@ def model_states(n: float, lay: Layout) -> tuple[float, float, float]:
     g = grad * n / (group if "grads" in sp.shards else 1)
     o = optim * n / (group if "optimizer" in sp.shards else 1)
     if lay.offload in ("optimizer", "params"):
-        o = 0.0  # ZeRO-Offload / FSDP2 CPUOffloadPolicy keep optimizer state in host memory
+        o = 0.0  # [ZeRO-Offload] / FSDP2 CPUOffloadPolicy: optimizer state in host memory
+        g = 0.0  # [ZeRO-Offload]: gradients too (reduced into host memory); FSDP2 offloads them as well
     if lay.offload == "params":
-        if sp.family is Family.DEEPSPEED:
-            p = 0.0  # ZeRO-Infinity offload_param: only gathered layers live on the GPU (in buffers)
-        else:
-            p, g = 0.0, 0.0  # FSDP2 CPUOffloadPolicy moves sharded params and grads to the host
+        p = 0.0  # ZeRO-Infinity offload_param / FSDP2 CPUOffloadPolicy: only gathered units live on the GPU
     return p, g, o
+
+
+# DeepSpeed ZeRO-3 steps its optimizer one sub-group of at most this many elements at a time (its default
+# `sub_group_size`, which the rendered config leaves alone): the fp32 gradient of one sub-group exists at once.
+DS_SUB_GROUP_SIZE = 1_000_000_000
+
+
+def deepspeed_step_fp32_grads(n: float, lay: Layout) -> float:
+    """Bytes of the fp32 gradient partition DeepSpeed builds for its optimizer step (no offload).
+
+    ZeRO-1/2 (`stage_1_and_2.py`, step): the reduced 16-bit gradient partition is flattened and cast to fp32
+    (`single_grad_partition`), the optimizer steps, and the copy is deleted ("get rid of the fp32 gradients");
+    ZeRO-3 does the same per sub-group (`_prepare_fp32_grad_for_sub_group`). This is the 4 bytes per parameter
+    by which DeepSpeed's estimators (18 bytes per parameter besides the 16-bit weights) exceed the ZeRO paper's
+    2 + 12: alive in the optimizer step only, so the planner adds it to that moment, not to the whole step."""
+    if lay.offload in ("optimizer", "params"):
+        return 0.0  # the fp32 gradients are in host memory with the optimizer
+    part = n / (lay.shard_group if "optimizer" in lay.spec.shards else 1)
+    if "params" in lay.spec.shards:
+        part = min(part, DS_SUB_GROUP_SIZE)
+    return 4 * part
 
 
 def fsdp_group(lay: Layout) -> int:
@@ -110,8 +138,10 @@ def states(n: float, lay: Layout) -> States:
     p, g, o = model_states(n, lay)
     # torch AdamW with foreach (its CUDA default) allocates sqrt(exp_avg_sq) for every parameter at once.
     temp = 4 * n / (lay.shard_group if "optimizer" in lay.spec.shards else 1) if lay.optimizer == "adamw" else 0.0
-    if lay.spec.family is Family.DEEPSPEED or o == 0:
-        temp = 0.0  # DeepSpeed steps its own flat fp32 partitions (fused); offloaded states step on the host
+    if lay.spec.family is Family.DEEPSPEED:  # DeepSpeed steps its own flat fp32 partitions
+        return States(p, g, o, 0.0, deepspeed_step_fp32_grads(n, lay))
+    if o == 0:
+        temp = 0.0  # offloaded states step on the host
     return States(p, g, o, temp)
 
 
@@ -338,8 +368,9 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
     for m in (*MOMENTS, *VARIANTS):
         rows[m] = {
             "params": st.params + rope,
-            "grads": _pipeline_grads(m, st.grads, n, u, lay, part) if piped else _grads_at(m, st.grads, n, u, lay) if fsdp
-            else st.grads,
+            "grads": (_pipeline_grads(m, st.grads, n, u, lay, part) if piped
+                      else _grads_at(m, st.grads, n, u, lay) if fsdp else st.grads)
+            + (st.step_grads if m == "optimizer step" else 0.0),
             "optimizer": st.optimizer + (st.step_temp if m == "optimizer step" else 0.0),
             "activations": acts.layers if acts.during_step(m) else 0.0,
             "backward": acts.backward.get(m, 0.0),
@@ -451,8 +482,11 @@ def _ddp_buffers(shape: ModelShape | None, u: Units, n: float, lay: Layout, w: f
 
 def _deepspeed_buffers(u: Units, lay: Layout, w: float) -> float:
     """DeepSpeed's reduce/all-gather buckets as rendered; for ZeRO-3 the largest unit gathered twice plus its
-    fp32 gradient (DeepSpeed cannot be traced: its own estimate, not derived from a trace)."""
+    fp32 gradient (DeepSpeed cannot be traced: its own estimate, not derived from a trace). With ZeRO-1/2
+    optimizer offload, DeepSpeed also keeps a 16-bit staging buffer of the largest parameter's size on the GPU
+    for the gradients it copies to the host (`temp_grad_buffer_for_gpu_offload` in `stage_1_and_2.py`)."""
     if "params" not in lay.spec.shards:  # ZeRO-1/2
-        return (DS_REDUCE_BUCKET + DS_ALLGATHER_BUCKET) * w
+        staging = w * max(u.emb, u.head, u.root, u.w2) if lay.offload in ("optimizer", "params") else 0.0
+        return (DS_REDUCE_BUCKET + DS_ALLGATHER_BUCKET) * w + staging
     unit = max(u.layer, u.emb, u.head, u.root)
     return 2 * unit * w + unit * 4

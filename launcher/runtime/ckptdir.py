@@ -127,13 +127,19 @@ def crc32_of(path: Path) -> int:
     return crc
 
 
-def write_manifest(path: Path, rank: int) -> dict:
-    """Record the size and CRC-32 of every file `rank` wrote into checkpoint `path` (durably, last)."""
+def write_manifest(path: Path, rank: int, written: Optional[dict[str, tuple[int, int]]] = None) -> dict:
+    """Record the size and CRC-32 of every file `rank` wrote into checkpoint `path` (durably, last).
+
+    `written` maps a file's name to the (size, CRC-32) of the bytes the writer handed it, computed as they
+    were written; a file it does not cover, or whose size on disk differs, is read back instead."""
+    written = written or {}
     files = {}
     for f in sorted(path.rglob("*")):
         rel = f.relative_to(path).as_posix()
         if f.is_file() and owner(f.name) == rank and not rel.endswith(".partial"):
-            files[rel] = {"size": f.stat().st_size, "crc32": crc32_of(f)}
+            size = f.stat().st_size
+            known = written.get(rel)
+            files[rel] = {"size": size, "crc32": known[1] if known and known[0] == size else crc32_of(f)}
     manifest = {"rank": rank, "files": files, "time": time.time()}
     write_file_durably(path / manifest_name(rank), json.dumps(manifest, sort_keys=True).encode())
     return manifest

@@ -422,3 +422,59 @@ def test_layout_keeps_the_global_batch_on_another_world_size():
     assert (lay.tp, lay.dp, lay.global_batch) == (2, 1, 16)
     with pytest.raises(ConfigError, match="cannot hold tensor 2 x pipeline 1"):
         resolve_layout(dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, tp=2)), 3)
+
+
+# ----------------------------------------------------------------------------- checksums taken while writing
+
+
+def test_dcp_writer_checksums_equal_a_read_back(tmp_path):
+    """The CRC-32s the writer records as it writes are those of the files on disk, for every file DCP wrote
+    (data files of each writer thread and the renamed .metadata), so the manifest need not read them back."""
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.runtime.checkpoint import dcpio
+
+    state = {"w": torch.randn(300, 70), "b": torch.arange(1000, dtype=torch.int64), "s": torch.tensor(3.0),
+             "nested": {"x": torch.randn(5, 5).t()}, "note": "bytes too"}
+    w = dcpio.writer(tmp_path, thread_count=3)
+    dcp.save(state, storage_writer=w, no_dist=True)
+    sums = dcpio.written_sums(w, tmp_path)
+    on_disk = {f.name for f in tmp_path.iterdir() if f.is_file()}
+    assert set(sums) == on_disk and ".metadata" in sums and len(sums) >= 3
+    for name, (size, crc) in sums.items():
+        assert (tmp_path / name).stat().st_size == size
+        assert ckptdir.crc32_of(tmp_path / name) == crc, name
+    assert ckptdir.write_manifest(tmp_path, 0, sums)["files"] == ckptdir.write_manifest(tmp_path, 0)["files"]
+
+
+def test_dcp_write_threads_are_the_ranks_share_of_the_cores(monkeypatch):
+    """Writer threads only where a rank has cores for them: one per core of its share, 1 to DCP_WRITE_THREADS."""
+    from launcher.runtime.checkpoint import DCP_WRITE_THREADS, dcp_write_threads
+
+    assert dcp_write_threads(cpus=2, local_ranks=2) == 1  # the benchmark machine: threads would only contend
+    assert dcp_write_threads(cpus=1, local_ranks=4) == 1
+    assert dcp_write_threads(cpus=8, local_ranks=4) == 2
+    assert dcp_write_threads(cpus=128, local_ranks=8) == DCP_WRITE_THREADS
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert 1 <= dcp_write_threads() <= DCP_WRITE_THREADS
+
+
+def test_checksums_not_taken_in_order_are_not_trusted(tmp_path):
+    """A seek, a short write or a size that changed afterwards: the manifest reads the file back."""
+    from launcher.runtime.checkpoint import dcpio
+
+    fs = dcpio._checksumming_fs()
+    with fs.create_stream(tmp_path / "a", "wb") as s:
+        s.write(b"hello")
+        s.seek(0)
+        s.write(b"J")
+    with fs.create_stream(tmp_path / "b", "wb") as s:
+        s.write(memoryview(b"world"))
+    assert str(tmp_path / "a") not in fs.sums and str(tmp_path / "b") in fs.sums
+    fs.rename(tmp_path / "b", tmp_path / "__0_0.distcp")
+    sums = {"__0_0.distcp": fs.sums[str(tmp_path / "__0_0.distcp")]}
+    assert ckptdir.write_manifest(tmp_path, 0, sums)["files"]["__0_0.distcp"]["crc32"] == ckptdir.crc32_of(
+        tmp_path / "__0_0.distcp")
+    (tmp_path / "__0_0.distcp").write_bytes(b"changed later")  # a different size: recomputed, not trusted
+    m = ckptdir.write_manifest(tmp_path, 0, sums)["files"]["__0_0.distcp"]
+    assert m == {"size": 13, "crc32": ckptdir.crc32_of(tmp_path / "__0_0.distcp")}
