@@ -17,7 +17,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -81,7 +80,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env(extra: Optional[dict] = None) -> dict:
+def env(extra: dict | None = None) -> dict:
     e = dict(os.environ)
     e.pop("DTLAUNCH_FAULT", None)
     e.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -113,13 +112,13 @@ class Run:
     def hwm(self) -> dict[int, float]:
         return {int(p.stem.split("-")[1]): json.loads(p.read_text())["vmhwm_mb"] for p in self.run_dir.glob("hwm-*.json")}
 
-    def check(self) -> "Run":
+    def check(self) -> Run:
         if self.rc != 0:
             raise RuntimeError(f"torchrun exited {self.rc} in {self.run_dir}:\n{(self.out + self.err)[-3000:]}")
         return self
 
 
-def torchrun(entry: list[str], run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, extra_env: Optional[dict] = None,
+def torchrun(entry: list[str], run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, extra_env: dict | None = None,
              timeout: float = 600) -> Run:
     """Run one torchrun job to completion (killed as a process group after `timeout`)."""
     run_dir.mkdir(parents=True, exist_ok=True)

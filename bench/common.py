@@ -13,8 +13,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -72,7 +72,7 @@ def interleaved(fns: dict[str, Callable[[], float]], repeat: int) -> dict[str, l
     return res
 
 
-def result(ratio: float, target: float, meets: bool, band: Optional[list] = None, **detail) -> dict:
+def result(ratio: float, target: float, meets: bool, band: list | None = None, **detail) -> dict:
     """A benchmark's record: its ratio, the noise band around it (when it has one), target and verdict."""
     out = {"ratio": round(ratio, 4), "target": target, "meets": bool(meets), "detail": detail}
     if band is not None:

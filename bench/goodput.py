@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 import random
 
+from common import result
 from launcher.catalog import GPU_MTBF_HOURS
 from launcher.plan.cost import young_daly_interval
-
-from common import result
 
 GPUS = 1000
 DAYS = 30

@@ -41,7 +41,7 @@ def vmhwm_mb() -> float:
     return float("nan")
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="train", choices=["train", "save"])
     ap.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp", "zero1", "zero2", "zero3"])
@@ -61,7 +61,26 @@ def main() -> None:
     ap.add_argument("--ds-config", default=None, help="zero*: a DeepSpeed config JSON file instead of the minimal one "
                                                       "(to tell config effects from loop effects)")
     ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def _wrap(model, a):
+    """DDP or FSDP2 as a hand-written loop would (DeepSpeed wraps later, with the optimizer)."""
+    if a.strategy == "ddp" and a.mode == "train":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, gradient_as_bucket_view=True, broadcast_buffers=False)
+    if a.strategy == "fsdp" or a.mode == "save":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+    return model
+
+
+def main() -> None:
+    a = _args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
@@ -70,18 +89,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     shape = dataclasses.replace(PRESETS[a.preset], seq_len=a.seq_len)
-    model = build_model(shape)
-
-    if a.strategy == "ddp" and a.mode == "train":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model, gradient_as_bucket_view=True, broadcast_buffers=False)
-    elif a.strategy == "fsdp" or a.mode == "save":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+    model = _wrap(build_model(shape), a)
     # param groups after wrapping: fully_shard replaces the parameters with DTensors
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
@@ -133,21 +141,7 @@ def main() -> None:
     for step in range(1, a.steps + 1):
         micro = next(data)
         for i, b in enumerate(micro):
-            x, y = b[:, :-1], b[:, 1:]
-            last = i == len(micro) - 1
-            if zero:
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1))
-                model.backward(loss)
-                model.step()
-                continue
-            if a.strategy == "fsdp":
-                model.set_requires_gradient_sync(last or a.fsdp_reduce_every_micro)
-                ctx = contextlib.nullcontext()
-            else:
-                ctx = contextlib.nullcontext() if last else model.no_sync()
-            with ctx:
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1))
-                (loss / ga).backward()
+            loss = _micro_step(model, b, a, last=i == len(micro) - 1, ga=ga, zero=zero)
         if not zero:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -163,6 +157,26 @@ def main() -> None:
     (out / f"minimal-{rank}.json").write_text(json.dumps(rec))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _micro_step(model, b, a, *, last: bool, ga: int, zero: bool):
+    """Forward and backward of one micro-batch, with gradient sync only on the last one (DeepSpeed counts
+    the micro-steps itself)."""
+    x, y = b[:, :-1], b[:, 1:]
+    if zero:
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1))
+        model.backward(loss)
+        model.step()
+        return loss
+    if a.strategy == "fsdp":
+        model.set_requires_gradient_sync(last or a.fsdp_reduce_every_micro)
+        ctx = contextlib.nullcontext()
+    else:
+        ctx = contextlib.nullcontext() if last else model.no_sync()
+    with ctx:
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1))
+        (loss / ga).backward()
+    return loss
 
 
 def save_baseline(model, opt, a, rank: int, out: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import trainer_overhead
+
 from common import result, stats
 
 TARGET = 1.05

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import time
 
+from common import result
 from launcher.catalog import PRESETS
 from launcher.plan import make_plan
-from launcher.strategies import STRATEGY_NAMES as ALL_STRATEGIES
 from launcher.recipe import load_text
-
-from common import result
+from launcher.strategies import STRATEGY_NAMES as ALL_STRATEGIES
 
 BASE = "name: sweep\nmodel: {preset: tiny}\nresources: {accelerator: 'H100:8'}\ntraining: {steps: 1000, micro_batch: 1}\n"
 TARGET = 1000.0  # plans/s: a 10,000-point sweep in seconds

@@ -89,7 +89,7 @@ def analyse(data: dict) -> dict:
     for s, rr in data["runs"].items():
         ours = [_times_ours(r) for r in rr["ours"]]
         mine = [_times_minimal(r) for r in rr["minimal"]]
-        pairs = [(_intervals(o[0], warm, every, last), _intervals(m[0], warm, every, last)) for o, m in zip(ours, mine)]
+        pairs = [(_intervals(o[0], warm, every, last), _intervals(m[0], warm, every, last)) for o, m in zip(ours, mine, strict=True)]
 
         def ratio(ps: list) -> float:  # minimal's interval / ours at the quantile = ours/minimal in tokens/s
             return quantile([d for p in ps for d in p[1]], Q) / quantile([d for p in ps for d in p[0]], Q)
@@ -97,7 +97,7 @@ def analyse(data: dict) -> dict:
         r = ratio(pairs)
         band = bootstrap_band(pairs, ratio)
         window = [_window_tps(o[0], warm, last, tokens_per_step) / _window_tps(m[0], warm, last, tokens_per_step)
-                  for o, m in zip(ours, mine)]
+                  for o, m in zip(ours, mine, strict=True)]
         tps = lambda ps, i: tokens_per_step * every / quantile([d for p in ps for d in p[i]], Q)  # noqa: E731
         per[s] = {"ratio": r, "band": list(band), "pair_ratios": [ratio([p]) for p in pairs],
                   "ours_tokens_per_s": tps(pairs, 0), "minimal_tokens_per_s": tps(pairs, 1),

@@ -4,7 +4,7 @@ by the renderer, the runtime and the planner (which sizes DeepSpeed's buffers fr
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from .strategies import spec
 
@@ -23,8 +23,8 @@ STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
 STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
 
 
-def deepspeed_config(recipe: "Recipe", plan: "Plan", *, dp: Optional[int] = None, grad_accum: Optional[int] = None,
-                     offload: Optional[str] = None, is_gpu: Optional[bool] = None) -> dict[str, Any]:
+def deepspeed_config(recipe: Recipe, plan: Plan, *, dp: int | None = None, grad_accum: int | None = None,
+                     offload: str | None = None, is_gpu: bool | None = None) -> dict[str, Any]:
     """The config dict for `plan` (a ZeRO strategy). `dp`/`grad_accum` override the plan's when the job
     runs on a different world size than planned (the global batch stays the same)."""
     lay = plan.layout

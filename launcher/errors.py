@@ -6,7 +6,6 @@ Every error carries what went wrong and, where we know it, how to fix it, in one
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -16,8 +15,8 @@ class Problem:
     file: str
     field: str
     message: str
-    fix: Optional[str] = None
-    line: Optional[int] = None
+    fix: str | None = None
+    line: int | None = None
 
     def render(self) -> str:
         where = self.file + (f":{self.line}" if self.line else "")
@@ -43,7 +42,7 @@ class DtlaunchError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, fix: Optional[str] = None):
+    def __init__(self, message: str, fix: str | None = None):
         self.message, self.fix = message, fix
         super().__init__(self.render())
 

@@ -8,7 +8,6 @@ display needed on a cluster head node).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from .errors import DtlaunchError
 from .jobenv import METRICS_FILE, metrics_path, read_metrics
@@ -18,7 +17,7 @@ class PlotError(DtlaunchError):
     """No metrics to plot (a wrong path, or a run that never logged a step): the user's to fix."""
 
 
-def plot_metrics(run_dir_or_jsonl: str | Path, out_png: Optional[str | Path] = None) -> Path:
+def plot_metrics(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None) -> Path:
     """Write the loss curve (and tokens/s) to `out_png` (default: next to metrics.jsonl, loss.png)."""
     src = metrics_path(run_dir_or_jsonl)
     if not src.is_file():

@@ -12,7 +12,6 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
 
 from . import jobenv
 from .errors import DtlaunchError
@@ -35,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     rank = rank_from_env()
     from .runtime.signals import PreemptionFlag, die_with_parent

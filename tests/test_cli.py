@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from testpaths import RECIPES
 
 HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from testpaths import RECIPES, ROOT
 
 ZERO3 = RECIPES / "llama2-13b-zero3.yaml"

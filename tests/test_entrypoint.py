@@ -16,8 +16,8 @@ import yaml
 from launcher.errors import DtlaunchError, RecipeError
 from launcher.plan import make_plan
 from launcher.recipe import load
-from launcher.render import render
 from launcher.render import code as codemod
+from launcher.render import render
 from launcher.validate import validate
 
 BASE = {

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testpaths import RECIPES
 
 from launcher.errors import RecipeError
 from launcher.plan import make_plan
@@ -25,6 +24,7 @@ from launcher.render import render
 from launcher.render.artifacts import SubmititSpec
 from launcher.targets.registry import JobRecord, Registry, SkyHandle, SlurmHandle
 from launcher.validate import validate
+from testpaths import RECIPES
 
 IMAGE = "nvcr.io/nvidia/pytorch:24.05-py3"
 

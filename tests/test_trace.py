@@ -14,7 +14,6 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from testpaths import RECIPES
 
 from launcher.cli import cli
 from launcher.plan import make_plan
@@ -23,6 +22,7 @@ from launcher.plan.params import count_params
 from launcher.recipe import load
 from launcher.trace import TraceError, check_torch, trace
 from launcher.trace.report import WARN_RATIO, compare
+from testpaths import RECIPES
 
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")
 

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from testpaths import RECIPES
 from launcher.plan import make_plan
 from launcher.recipe import load, load_text
 from launcher.validate import RULES, has_errors, validate
+from testpaths import RECIPES
 
 BASE = """
 name: v

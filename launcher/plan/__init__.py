@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any
 
 from ..recipe import Recipe
 from ..strategies import STRATEGIES, offload_for
@@ -30,14 +30,14 @@ class Plan:
     layout: Layout
     global_batch: int
     seq_len: int
-    steps: Optional[int]  # None: the recipe gives no training length (memory and strategy only)
+    steps: int | None  # None: the recipe gives no training length (memory and strategy only)
     tokens_per_step: int
     reasons: list[str]
     memory: Memory
     candidates: list[tuple[str, Memory]]
     flops_per_step: float
     step_seconds: float
-    usd: Optional[float]
+    usd: float | None
     checkpoint_every: int
     checkpoint_write_seconds: float
     notes: list[str] = field(default_factory=list)
@@ -51,7 +51,7 @@ class Plan:
         return self.layout.grad_accum
 
     @property
-    def total_hours(self) -> Optional[float]:
+    def total_hours(self) -> float | None:
         return None if self.steps is None else self.steps * self.step_seconds / 3600
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,7 +96,7 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
         """The inverse of to_dict (what a job reads from plan.json). KeyError/TypeError on a malformed dict."""
         spec = STRATEGIES.get(d["strategy"]) if isinstance(d.get("strategy"), str) else None
         hybrid = spec is not None and spec.replicate_across_nodes
@@ -156,7 +156,7 @@ def make_plan(recipe: Recipe) -> Plan:
         candidates.append((s.value, ctx.memory(c)))
     tokens_per_step = global_batch * seq
     if tr.steps is not None:
-        steps: Optional[int] = tr.steps
+        steps: int | None = tr.steps
     elif tr.tokens is not None:
         steps = math.ceil(tr.tokens / tokens_per_step)
     else:

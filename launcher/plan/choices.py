@@ -22,7 +22,6 @@ only; the others use the catalogue.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from .. import catalog
 from ..recipe import Recipe
@@ -34,9 +33,9 @@ class Choice:
     accelerator: str  # TYPE:COUNT as SkyPilot spells it
     device: catalog.Accelerator
     own: Plan  # the recipe planned for this accelerator alone
-    dropped: Optional[str] = None  # why it cannot run the job (None: kept)
-    step_seconds: Optional[float] = None  # the shipped layout on this device
-    usd: Optional[float] = None  # the shipped layout's total cost on this device (None: no training length)
+    dropped: str | None = None  # why it cannot run the job (None: kept)
+    step_seconds: float | None = None  # the shipped layout on this device
+    usd: float | None = None  # the shipped layout's total cost on this device (None: no training length)
 
 
 @dataclass
@@ -70,7 +69,7 @@ def accelerators(recipe: Recipe) -> list[str]:
     return out
 
 
-def _why_not(recipe: Recipe, r: Recipe, p: Plan) -> Optional[str]:
+def _why_not(recipe: Recipe, r: Recipe, p: Plan) -> str | None:
     dev = r.resources.device()
     if r is not recipe and not recipe.resources.device().is_gpu:
         return "the primary accelerator is cpu: a CPU job asks for vCPUs, not for one of several GPUs"
@@ -84,7 +83,7 @@ def _why_not(recipe: Recipe, r: Recipe, p: Plan) -> Optional[str]:
     return None
 
 
-def plan_choices(recipe: Recipe, primary: Optional[Plan] = None, order: Optional[str] = None) -> Choices:
+def plan_choices(recipe: Recipe, primary: Plan | None = None, order: str | None = None) -> Choices:
     """Plan every accelerator of the task (see the module docstring). `primary`: the recipe's own plan, if
     already made. With no fallbacks this is the recipe's plan and nothing else."""
     order = order or recipe.targets.sky.fallback

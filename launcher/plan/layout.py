@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 from ..strategies import StrategySpec, spec
 
@@ -13,7 +12,7 @@ class Layout:
     dp: int
     tp: int = 1
     pp: int = 1
-    shard: Optional[int] = None  # hybrid: size of the sharding group (GPUs per node); None = all of dp
+    shard: int | None = None  # hybrid: size of the sharding group (GPUs per node); None = all of dp
     precision: str = "bf16"
     activation_checkpointing: str = "none"
     offload: str = "none"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 MAX_CONFIG_BYTES = 1 << 20
@@ -26,7 +26,7 @@ class HFConfigError(ValueError):
     """What is wrong with the config, in words a user can act on (the loader adds file and line)."""
 
 
-def resolve_dir(path: str, base_dir: Optional[str]) -> Path:
+def resolve_dir(path: str, base_dir: str | None) -> Path:
     p = Path(os.path.expanduser(path))
     if not p.is_absolute() and base_dir:
         p = Path(base_dir) / p
@@ -60,14 +60,14 @@ def weight_files(model_dir: Path) -> list[Path]:
     return sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES) if model_dir.is_dir() else []
 
 
-def _int(cfg: dict, key: str, default: Optional[int] = None) -> int:
+def _int(cfg: dict, key: str, default: int | None = None) -> int:
     v = cfg.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise HFConfigError(f"config.json: {key} must be a positive whole number, got {v!r}")
     return v
 
 
-def shape_fields(cfg: dict, seq_len: Optional[int] = None) -> dict[str, Any]:
+def shape_fields(cfg: dict, seq_len: int | None = None) -> dict[str, Any]:
     """The ModelShape fields for a config.json dict; HFConfigError for what is not a supported decoder."""
     kind = cfg.get("model_type")
     if kind not in SUPPORTED:

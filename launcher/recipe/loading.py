@@ -13,7 +13,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -42,9 +42,9 @@ class SourceMap:
     file: str
     lines: dict
     overrides: tuple = ()  # ((path, "KEY=VALUE"), ...)
-    base_dir: Optional[str] = None  # the recipe file's directory: relative paths in it (entrypoint.workdir) start here
+    base_dir: str | None = None  # the recipe file's directory: relative paths in it (entrypoint.workdir) start here
 
-    def locate(self, field: str) -> tuple[str, Optional[int]]:
+    def locate(self, field: str) -> tuple[str, int | None]:
         path = tuple(int(p) if p.isdigit() else p for p in field.split(".")) if field else ()
         for opath, item in reversed(self.overrides):
             if path[:len(opath)] == opath:
@@ -55,7 +55,7 @@ class SourceMap:
         return self.file, None
 
 
-def _fail(source: str, message: str, line: Optional[int] = None, fix: Optional[str] = None, field: str = "(file)"):
+def _fail(source: str, message: str, line: int | None = None, fix: str | None = None, field: str = "(file)"):
     raise RecipeError([Problem(source, field, message, fix, line)])
 
 
@@ -81,7 +81,7 @@ def _check_depth(text: str, source: str) -> None:
         loader.dispose()
 
 
-def parse_yaml(text: str, source: str) -> tuple[Any, Optional[yaml.Node]]:
+def parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
     """(data, node) of one YAML document, within the depth bound; YAML errors become located Problems."""
     if "\x00" in text:
         _fail(source, "this is not a text YAML file (it contains NUL bytes)", fix="point dtlaunch at a recipe .yaml file")
@@ -185,7 +185,7 @@ def _apply(data: dict, path: Path_, value: Any, item: str) -> None:
 # ----------------------------------------------------------------------------- pydantic errors -> Problems
 
 
-def _model_at(path: Path_) -> Optional[type[BaseModel]]:
+def _model_at(path: Path_) -> type[BaseModel] | None:
     """The pydantic model that owns the mapping at `path`, for 'did you mean' on unknown keys."""
     model: Any = Recipe
     for part in path:
@@ -224,6 +224,24 @@ def _problem(e: dict, source: str, lines: dict[Path_, int], overrides: list[tupl
     loc: Path_ = tuple(p for p in e["loc"] if not (isinstance(p, str) and (
         "[" in p or p.startswith("function-") or p in ("int", "str", "float", "bool", "lax-or-strict", "strict"))))
     path = _dotted(loc)
+    msg, fix = _message(e, loc)
+    # An error inside a value that --set gave belongs to that --set item, not to a line of the file.
+    for opath, item in reversed(overrides):
+        if loc[:len(opath)] == opath:
+            return Problem(f"--set {item[:200]}", path, msg, fix)
+    touched = [item for opath, item in overrides if opath[:len(loc)] == loc and loc]
+    if touched:
+        msg += f" (after --set {', --set '.join(t[:80] for t in touched)})"
+    line = None
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            line = lines[loc[:n]]
+            break
+    return Problem(source, path, msg, fix, line)
+
+
+def _message(e: dict, loc: Path_) -> tuple[str, str]:
+    """pydantic's error as (what is wrong, what to do), in the recipe's words."""
     typ, msg, fix = e["type"], e["msg"], None
     if typ == "extra_forbidden":
         owner = _model_at(loc[:-1])
@@ -249,19 +267,7 @@ def _problem(e: dict, source: str, lines: dict[Path_, int], overrides: list[tupl
         msg = f"{msg} (got {got[:80] + '...' if len(got) > 80 else got})"
     if fix is None:
         fix = f"see the `{loc[-1] if loc else 'recipe'}` entry of `dtlaunch schema` for what this field accepts"
-    # An error inside a value that --set gave belongs to that --set item, not to a line of the file.
-    for opath, item in reversed(overrides):
-        if loc[:len(opath)] == opath:
-            return Problem(f"--set {item[:200]}", path, msg, fix)
-    touched = [item for opath, item in overrides if opath[:len(loc)] == loc and loc]
-    if touched:
-        msg += f" (after --set {', --set '.join(t[:80] for t in touched)})"
-    line = None
-    for n in range(len(loc), -1, -1):
-        if loc[:n] in lines:
-            line = lines[loc[:n]]
-            break
-    return Problem(source, path, msg, fix, line)
+    return msg, fix
 
 
 def _problems(err: ValidationError, source: str, lines: dict[Path_, int],
@@ -284,8 +290,8 @@ def _problems(err: ValidationError, source: str, lines: dict[Path_, int],
 # ----------------------------------------------------------------------------- entry points
 
 
-def load_text(text: str, source: str = "<recipe>", overrides: Optional[list[str]] = None,
-              base_dir: Optional[str] = None) -> Recipe:
+def load_text(text: str, source: str = "<recipe>", overrides: list[str] | None = None,
+              base_dir: str | None = None) -> Recipe:
     """Parse and validate a recipe, raising RecipeError (never a traceback) on any problem."""
     if len(text) > MAX_BYTES:
         _fail(source, f"the recipe is {len(text):,} characters long; a recipe is at most {MAX_BYTES:,} bytes",
@@ -318,7 +324,7 @@ def load_text(text: str, source: str = "<recipe>", overrides: Optional[list[str]
                                                                            "at its own parent")
 
 
-def _read_hf_config(data: dict, source: str, lines: dict, base_dir: Optional[str]) -> None:
+def _read_hf_config(data: dict, source: str, lines: dict, base_dir: str | None) -> None:
     """model.hf: read its config.json now (relative to the recipe file) and keep it in the recipe, with the
     directory made absolute and, when it holds *.safetensors, hf_weights defaulting to it."""
     from .hf import HFConfigError, read_config, resolve_dir, weight_files
@@ -370,7 +376,7 @@ def read_bounded(path: str | os.PathLike, what: str = "recipe") -> str:
         _fail(src, "not UTF-8 text (is this a binary file?)", fix=f"point dtlaunch at a {what} .yaml file")
 
 
-def load(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> Recipe:
+def load(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
     return load_text(read_bounded(path), str(path), overrides, base_dir=str(Path(path).resolve().parent))
 
 

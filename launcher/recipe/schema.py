@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -54,12 +54,12 @@ def _number(v: Any) -> Any:
     return v
 
 
-def Int(ge: int = 0, le: int = 10**12, description: Optional[str] = None):  # noqa: N802 - reads like a type
+def Int(ge: int = 0, le: int = 10**12, description: str | None = None):  # noqa: N802 - reads like a type
     return Annotated[int, BeforeValidator(_whole), Field(ge=ge, le=le, description=description)]
 
 
-def Float(gt: Optional[float] = None, ge: Optional[float] = None, le: Optional[float] = None,
-          lt: Optional[float] = None):  # noqa: N802
+def Float(gt: float | None = None, ge: float | None = None, le: float | None = None,
+          lt: float | None = None):  # noqa: N802
     return Annotated[float, BeforeValidator(_number), Field(gt=gt, ge=ge, le=le, lt=lt, allow_inf_nan=False)]
 
 
@@ -78,7 +78,7 @@ def _auto_or_positive(limit: int):
 
 def AutoInt(limit: int = 10**9):  # noqa: N802
     """A positive whole number, or "auto" (the planner decides): one type, one message."""
-    return Annotated[Union[int, str], BeforeValidator(_auto_or_positive(limit)),
+    return Annotated[int | str, BeforeValidator(_auto_or_positive(limit)),
                      WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": limit},
                                                {"const": "auto"}]})]
 
@@ -90,7 +90,7 @@ def _one_line(v: str) -> str:
     return v
 
 
-def Line(max_length: int = 1024, description: Optional[str] = None):  # noqa: N802
+def Line(max_length: int = 1024, description: str | None = None):  # noqa: N802
     return Annotated[str, AfterValidator(_one_line), Field(max_length=max_length, description=description)]
 
 
@@ -106,37 +106,37 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """Either a preset, an explicit shape, or only a parameter count (model states only)."""
 
-    preset: Optional[str] = Field(None, description="e.g. llama3-70b, llama2-7b, tiny")
+    preset: str | None = Field(None, description="e.g. llama3-70b, llama2-7b, tiny")
     architecture: Literal["llama", "gpt"] = Field("llama", description="gpt = the Korthikanti et al. reference layer "
                                                   "(planning only: the runtime trains llama)")
-    layers: Optional[Int(1, 100_000)] = None
-    hidden: Optional[Int(1, 10_000_000)] = None
-    ffn_hidden: Optional[Int(1, 100_000_000)] = None
-    heads: Optional[Int(1, 100_000)] = None
-    kv_heads: Optional[Int(1, 100_000)] = None
-    vocab: Optional[Int(1, 100_000_000)] = None
-    tied_embeddings: Optional[bool] = None
-    params: Optional[Int(1, 10**15, "parameter count, when the shape is unknown")] = None
-    seq_len: Optional[Int(1, 100_000_000)] = None
-    rope_theta: Optional[Float(gt=0, le=1e12)] = None
-    hf: Optional[Str] = Field(
+    layers: Int(1, 100000) | None = None
+    hidden: Int(1, 10000000) | None = None
+    ffn_hidden: Int(1, 100000000) | None = None
+    heads: Int(1, 100000) | None = None
+    kv_heads: Int(1, 100000) | None = None
+    vocab: Int(1, 100000000) | None = None
+    tied_embeddings: bool | None = None
+    params: Int(1, 10 ** 15, "parameter count, when the shape is unknown") | None = None
+    seq_len: Int(1, 100000000) | None = None
+    rope_theta: Float(gt=0, le=1000000000000.0) | None = None
+    hf: Str | None = Field(
         None, description="a Hugging Face model directory (config.json, optional *.safetensors), relative to the "
                           "recipe file: Llama, Mistral or Qwen2; the runtime builds it with transformers")
-    hf_config: Optional[dict[str, Any]] = Field(
+    hf_config: dict[str, Any] | None = Field(
         None, description="filled in by dtlaunch from model.hf's config.json (the resolved recipe carries it)")
-    hf_weights: Optional[Str] = Field(
+    hf_weights: Str | None = Field(
         None, description="the directory of the *.safetensors weights as the nodes see it (default: model.hf when "
                           "it holds weights); unset: train from random initialisation")
 
     @field_validator("preset")
     @classmethod
-    def _known_preset(cls, v: Optional[str]) -> Optional[str]:
+    def _known_preset(cls, v: str | None) -> str | None:
         if v is not None and v not in catalog.PRESETS:
             raise ValueError(f"unknown preset {v!r}{suggest(v, catalog.PRESETS)}; known: {', '.join(catalog.PRESETS)}")
         return v
 
     @model_validator(mode="after")
-    def _complete(self) -> "ModelSpec":
+    def _complete(self) -> ModelSpec:
         if self.hf is not None or self.hf_config is not None:
             return self._hf_complete()
         if self.hf_weights is not None:
@@ -159,7 +159,7 @@ class ModelSpec(_Strict):
                                  "embeddings rotate pairs of dimensions")
         return self
 
-    def _hf_complete(self) -> "ModelSpec":
+    def _hf_complete(self) -> ModelSpec:
         from .hf import HFConfigError, shape_fields
 
         others = [f for f in ("preset", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab",
@@ -176,7 +176,7 @@ class ModelSpec(_Strict):
             raise ValueError(str(e)) from None
         return self
 
-    def shape(self) -> Optional[catalog.ModelShape]:
+    def shape(self) -> catalog.ModelShape | None:
         """The resolved shape (preset with explicit overrides), or None for a params-only model."""
         if self.hf_config is not None:
             from .hf import shape_fields
@@ -235,18 +235,18 @@ class ParallelismSpec(_Strict):
 class ResourcesSpec(_Strict):
     accelerator: str = Field("H100:8", max_length=64,
                              description="TYPE:COUNT per node, as SkyPilot spells it, e.g. H100:8, cpu:2")
-    gpu_memory_gb: Optional[Float(gt=0, le=100_000)] = Field(None, description="override the catalogue's memory per device")
-    usd_per_gpu_hour: Optional[Float(ge=0, le=1_000_000)] = Field(None, description="override the catalogue's price")
-    peak_tflops: Optional[Float(ge=0.001, le=1_000_000)] = Field(None, description="override the catalogue's dense bf16 peak")
+    gpu_memory_gb: Float(gt=0, le=100000) | None = Field(None, description="override the catalogue's memory per device")
+    usd_per_gpu_hour: Float(ge=0, le=1000000) | None = Field(None, description="override the catalogue's price")
+    peak_tflops: Float(ge=0.001, le=1000000) | None = Field(None, description="override the catalogue's dense bf16 peak")
     nodes: Int(1, 100_000) = 1
     network: str = Field("best", max_length=64, description="best, infiniband, efa, tcp, loopback")
     mfu: Float(gt=0, le=1) = Field(0.40, description="assumed model FLOPs utilisation for time estimates")
     gpu_mtbf_hours: Float(gt=0, le=1e9) = Field(catalog.GPU_MTBF_HOURS, description="mean time between failures per GPU")
     storage_gbps_per_node: Float(ge=0.001, le=1_000_000) = catalog.STORAGE_GBPS_PER_NODE
-    socket_ifname: Optional[str] = Field(
+    socket_ifname: str | None = Field(
         None, max_length=256, pattern=r"^[A-Za-z0-9_.:^,=-]+$",
         description="NCCL/gloo network interface(s), e.g. eth0 or ^docker; unset = let NCCL choose (best)")
-    image: Optional[str] = Field(
+    image: str | None = Field(
         None, max_length=512,
         description="a Docker/OCI image every target's job runs in, e.g. nvcr.io/nvidia/pytorch:24.05-py3 "
                     "(SkyPilot: image_id; SLURM: targets.slurm.container picks pyxis or Apptainer)")
@@ -262,7 +262,7 @@ class ResourcesSpec(_Strict):
 
     @field_validator("image")
     @classmethod
-    def _image(cls, v: Optional[str]) -> Optional[str]:
+    def _image(cls, v: str | None) -> str | None:
         if v is not None:
             from .images import parse_image
 
@@ -302,14 +302,14 @@ class ResourcesSpec(_Strict):
 
 class DataSpec(_Strict):
     source: Literal["synthetic", "file"] = "synthetic"
-    path: Optional[Str] = Field(None, description="a token file (.bin uint16/uint32 or .npy, or .txt bytes) for source: file")
+    path: Str | None = Field(None, description="a token file (.bin uint16/uint32 or .npy, or .txt bytes) for source: file")
     dtype: Literal["uint16", "uint32", "bytes"] = "uint16"
     # Synthetic tokens are generated in memory (4 bytes each): 2**31 is already 8 GB per rank.
     num_tokens: Int(2, 2**31 - 1, "synthetic: how many tokens to generate") = 1 << 20
     workers: Int(0, 256) = 0
 
     @model_validator(mode="after")
-    def _path_for_file(self) -> "DataSpec":
+    def _path_for_file(self) -> DataSpec:
         if self.source == "file" and not self.path:
             raise ValueError("source: file needs `path` (a local token file)")
         return self
@@ -317,9 +317,9 @@ class DataSpec(_Strict):
 
 class TrainingSpec(_Strict):
     micro_batch: Int(1, 1_000_000, "sequences per GPU per forward pass") = 1
-    global_batch: Optional[Int(1, 10**9, "sequences per optimizer step, all GPUs")] = None
-    steps: Optional[Int(1, 10**12)] = None
-    tokens: Optional[Int(1, 10**17, "alternative to steps: total training tokens")] = None
+    global_batch: Int(1, 10 ** 9, "sequences per optimizer step, all GPUs") | None = None
+    steps: Int(1, 10 ** 12) | None = None
+    tokens: Int(1, 10 ** 17, "alternative to steps: total training tokens") | None = None
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: Float(gt=0, le=10) = 3e-4
     min_lr: Float(ge=0, le=10) = 0.0
@@ -340,7 +340,7 @@ class TrainingSpec(_Strict):
         0.0, description="fail preflight below this fraction of the network's expected bandwidth")
 
     @model_validator(mode="after")
-    def _steps_or_tokens(self) -> "TrainingSpec":
+    def _steps_or_tokens(self) -> TrainingSpec:
         if self.steps is not None and self.tokens is not None:
             raise FieldError("set only one of `steps` (optimizer steps) and `tokens` (training tokens)",
                              "keep one; to override one on the command line, unset the other: "
@@ -349,7 +349,7 @@ class TrainingSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
-    dir: Optional[Str] = Field(None, description="shared directory for checkpoints; {run_id} expands to the job's run id")
+    dir: Str | None = Field(None, description="shared directory for checkpoints; {run_id} expands to the job's run id")
     every: AutoInt(10**12) = "auto"
     keep: Int(1, 10_000) = 3
     async_: bool = Field(False, alias="async")
@@ -369,10 +369,10 @@ class LocalTarget(_Strict):
 
 class SshSpec(_Strict):
     host: str = Field(max_length=255)
-    user: Optional[str] = Field(None, max_length=255)
+    user: str | None = Field(None, max_length=255)
     port: Int(1, 65535) = 22
-    key_file: Optional[Str] = None
-    known_hosts: Optional[Str] = None
+    key_file: Str | None = None
+    known_hosts: Str | None = None
     accept_unknown_host: bool = False
     remote_dir: Str = "~/.dtlaunch/jobs"
 
@@ -394,20 +394,20 @@ class SlurmContainer(_Strict):
     runtime: Literal["pyxis", "apptainer", "singularity"] = Field(
         description="pyxis: srun's --container-* options (enroot); apptainer/singularity: `apptainer exec` on "
                     "each node")
-    image: Optional[str] = Field(
+    image: str | None = Field(
         None, max_length=1024,
         description="the image as this cluster's runtime spells it (e.g. /shared/images/train.sqsh or .sif); "
                     "default: resources.image, converted for the runtime")
     mounts: list[Annotated[str, Field(max_length=2048)]] = Field(
         default_factory=list, max_length=100,
         description="extra bind mounts SRC[:DST[:ro|rw]], absolute paths, e.g. /datasets:/data:ro")
-    workdir: Optional[str] = Field(
+    workdir: str | None = Field(
         None, max_length=1024, pattern=rf"^{_MOUNT_PATH}$",
         description="working directory inside the container (default: the submit directory)")
 
     @field_validator("image")
     @classmethod
-    def _image(cls, v: Optional[str]) -> Optional[str]:
+    def _image(cls, v: str | None) -> str | None:
         if v is not None and not _SITE_IMAGE.fullmatch(v):
             raise ValueError(f"{v[:80]!r}: an image path or URI of letters, digits and ._/:@#+=%~- only (no spaces, "
                              "commas, quotes or $), not starting with '-'")
@@ -428,49 +428,49 @@ class SlurmContainer(_Strict):
 
 
 class SlurmTarget(_Strict):
-    partition: Optional[Line(256)] = None
-    account: Optional[Line(256)] = None
-    qos: Optional[Line(256)] = None
+    partition: Line(256) | None = None
+    account: Line(256) | None = None
+    qos: Line(256) | None = None
     time: str = Field("24:00:00", max_length=32, description="SLURM time limit, e.g. 24:00:00 or 2-00:00:00")
-    cpus_per_task: Optional[Int(1, 100_000)] = None
-    mem: Optional[str] = Field(None, max_length=32, description="memory per node (--mem), e.g. 0 (all), 500G")
-    mem_per_gpu: Optional[str] = Field(None, max_length=32,
+    cpus_per_task: Int(1, 100000) | None = None
+    mem: str | None = Field(None, max_length=32, description="memory per node (--mem), e.g. 0 (all), 500G")
+    mem_per_gpu: str | None = Field(None, max_length=32,
                                        description="memory per allocated GPU (--mem-per-gpu), e.g. 80G; instead of mem")
-    constraint: Optional[Line(1024)] = None
+    constraint: Line(1024) | None = None
     exclusive: bool = True
     signal_seconds: Int(1, 65535, "send USR2 this long before the time limit") = 120
     max_requeues: Int(0, 10_000) = 5
     max_failures: Int(0, 10_000) = 3
     max_restarts: Int(0, 1000, "torchrun restarts inside one allocation") = 2
     submit: Literal["sbatch", "submitit"] = "sbatch"
-    array_parallelism: Optional[Int(1, 100_000)] = Field(
+    array_parallelism: Int(1, 100000) | None = Field(
         None, description="sweeps: at most this many array tasks run at once (sbatch --array=0-N%P)")
-    cpus_per_gpu: Optional[Int(1, 10_000)] = Field(
+    cpus_per_gpu: Int(1, 10000) | None = Field(
         None, description="CPUs per GPU (sbatch --cpus-per-gpu), instead of cpus_per_task; GPU recipes only")
     gpu_request: Literal["gpus_per_node", "gres"] = Field(
         "gpus_per_node", description="how GPUs are asked for: --gpus-per-node (select/cons_tres), or --gres=gpu:N "
                                      "for clusters without cons_tres")
-    gpu_type: Optional[str] = Field(
+    gpu_type: str | None = Field(
         None, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="the cluster's GPU type name (its GRES type), e.g. a100: --gpus-per-node=a100:8 or "
                     "--gres=gpu:a100:8")
-    nodelist: Optional[str] = Field(None, max_length=4096,
+    nodelist: str | None = Field(None, max_length=4096,
                                     description="run on these nodes (--nodelist), e.g. gpu[01-04] or a list of names")
-    exclude: Optional[str] = Field(None, max_length=4096,
+    exclude: str | None = Field(None, max_length=4096,
                                    description="never run on these nodes (--exclude), e.g. gpu07,gpu[10-12]")
-    reservation: Optional[str] = Field(None, max_length=256, pattern=r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$",
+    reservation: str | None = Field(None, max_length=256, pattern=r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$",
                                        description="allocate from this reservation (--reservation)")
-    dependency: Optional[str] = Field(
+    dependency: str | None = Field(
         None, max_length=1024,
         description="start after other jobs (--dependency), e.g. afterok:123 or singleton; `dtlaunch up --after` "
                     "adds one")
-    mail_type: Optional[list[str]] = Field(None, max_length=20,
+    mail_type: list[str] | None = Field(None, max_length=20,
                                            description="mail on these events (--mail-type), e.g. [END, FAIL]")
-    mail_user: Optional[str] = Field(None, max_length=256, pattern=r"^[A-Za-z0-9._%+-]+(@[A-Za-z0-9.-]+)?$",
+    mail_user: str | None = Field(None, max_length=256, pattern=r"^[A-Za-z0-9._%+-]+(@[A-Za-z0-9.-]+)?$",
                                      description="who gets the mail (--mail-user; default: the submitting user)")
-    container: Optional[SlurmContainer] = Field(
+    container: SlurmContainer | None = Field(
         None, description="run the steps in a container: {runtime: pyxis|apptainer, image?, mounts?, workdir?}")
-    ssh: Optional[SshSpec] = None
+    ssh: SshSpec | None = None
     extra_sbatch: list[Line(1024)] = Field(default_factory=list, max_length=100)
     setup: list[Str] = Field(default_factory=list, max_length=1000,
                              description="shell lines run before training, e.g. module load")
@@ -495,14 +495,14 @@ class SlurmTarget(_Strict):
 
     @field_validator("mem")
     @classmethod
-    def _mem(cls, v: Optional[str]) -> Optional[str]:
+    def _mem(cls, v: str | None) -> str | None:
         from .slurmsyntax import parse_mem
 
         return None if v is None else parse_mem(v)
 
     @field_validator("mem_per_gpu")
     @classmethod
-    def _mem_per_gpu(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+    def _mem_per_gpu(cls, v: str | None, info: ValidationInfo) -> str | None:
         from .slurmsyntax import parse_mem
 
         if v is None:
@@ -515,7 +515,7 @@ class SlurmTarget(_Strict):
 
     @field_validator("cpus_per_gpu")
     @classmethod
-    def _cpus_per_gpu(cls, v: Optional[int], info: ValidationInfo) -> Optional[int]:
+    def _cpus_per_gpu(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v is not None and info.data.get("cpus_per_task") is not None:
             raise ValueError("set only one of `cpus_per_task` and `cpus_per_gpu`: sbatch refuses both "
                              "(--cpus-per-gpu is mutually exclusive with --cpus-per-task)")
@@ -530,7 +530,7 @@ class SlurmTarget(_Strict):
 
     @field_validator("dependency")
     @classmethod
-    def _dependency(cls, v: Optional[str]) -> Optional[str]:
+    def _dependency(cls, v: str | None) -> str | None:
         from .slurmsyntax import parse_dependency
 
         return None if v is None else parse_dependency(v)
@@ -546,8 +546,8 @@ class SlurmTarget(_Strict):
 class SkyStorage(_Strict):
     """Checkpoint storage every node (and every recovery) sees: a bucket or a SkyPilot volume, mounted."""
 
-    bucket: Optional[str] = Field(None, max_length=1024, description="e.g. s3://my-bucket/ckpt, gs://..., r2://...")
-    volume: Optional[str] = Field(None, max_length=256, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
+    bucket: str | None = Field(None, max_length=1024, description="e.g. s3://my-bucket/ckpt, gs://..., r2://...")
+    volume: str | None = Field(None, max_length=256, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
                                   description="a SkyPilot volume (sky volumes apply), instead of a bucket")
     mount: str = Field("/checkpoints", max_length=1024, description="where the nodes see it")
     mode: Literal["MOUNT_CACHED", "MOUNT"] = Field(
@@ -555,7 +555,7 @@ class SkyStorage(_Strict):
 
     @field_validator("bucket")
     @classmethod
-    def _bucket(cls, v: Optional[str]) -> Optional[str]:
+    def _bucket(cls, v: str | None) -> str | None:
         if v is not None and not BUCKET.match(v):
             raise ValueError(f"{v!r} is not a bucket URI: use s3://, gs://, r2://, cos://, oci://, nebius:// or https://")
         return v
@@ -568,27 +568,27 @@ class SkyStorage(_Strict):
         return v.rstrip("/") or "/"
 
     @model_validator(mode="after")
-    def _one_source(self) -> "SkyStorage":
+    def _one_source(self) -> SkyStorage:
         if (self.bucket is None) == (self.volume is None):
             raise ValueError("give exactly one of `bucket` and `volume`")
         return self
 
 
 class SkyTarget(_Strict):
-    infra: Optional[str] = Field(None, max_length=256, description="e.g. aws, gcp/us-central1, k8s")
-    cloud: Optional[str] = Field(None, max_length=64)
-    region: Optional[str] = Field(None, max_length=128)
-    zone: Optional[str] = Field(None, max_length=128)
+    infra: str | None = Field(None, max_length=256, description="e.g. aws, gcp/us-central1, k8s")
+    cloud: str | None = Field(None, max_length=64)
+    region: str | None = Field(None, max_length=128)
+    zone: str | None = Field(None, max_length=128)
     spot: bool = False
     managed: bool = False
     disk_size: Int(1, 65536) = 512
     max_restarts_on_errors: Int(0, 1000) = 3
     max_restarts: Int(0, 1000, "torchrun restarts inside one launch") = 2
     setup: list[Str] = Field(default_factory=list, max_length=1000)
-    workdir: Optional[Str] = None
-    checkpoint_storage: Optional[SkyStorage] = Field(
+    workdir: Str | None = None
+    checkpoint_storage: SkyStorage | None = Field(
         None, description="shared checkpoint storage; required for multi-node, managed and spot jobs")
-    autostop_minutes: Optional[Int(1, 100_000)] = Field(
+    autostop_minutes: Int(1, 100000) | None = Field(
         10, description="`sky launch` clusters: stop after this many idle minutes (null: never)")
     autodown: bool = Field(True, description="with autostop: tear the cluster down instead of stopping it")
     deepspeed_ssh: bool = Field(
@@ -601,13 +601,13 @@ class SkyTarget(_Strict):
     fallback: Literal["ordered", "any_of"] = Field(
         "ordered", description="with accelerators: ordered = try the cheapest plan first (dtlaunch's cost estimate); "
                                "any_of = let SkyPilot pick the cheapest available")
-    instance_type: Optional[str] = Field(None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+    instance_type: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                                          description="a cloud instance type, e.g. p5.48xlarge, a3-highgpu-8g")
-    cpus: Optional[str] = Field(None, max_length=16, description="vCPUs per node: N, or N+ for at least N")
-    memory: Optional[str] = Field(None, max_length=16, description="memory per node in GB: N, or N+ for at least N")
-    ports: list[Union[int, str]] = Field(default_factory=list, max_length=100,
+    cpus: str | None = Field(None, max_length=16, description="vCPUs per node: N, or N+ for at least N")
+    memory: str | None = Field(None, max_length=16, description="memory per node in GB: N, or N+ for at least N")
+    ports: list[int | str] = Field(default_factory=list, max_length=100,
                                          description="ports to open on the nodes: 8080 or ranges like 10000-10010")
-    disk_tier: Optional[Literal["low", "medium", "high", "ultra", "best"]] = Field(
+    disk_tier: Literal["low", "medium", "high", "ultra", "best"] | None = Field(
         None, description="disk performance tier (SkyPilot's disk_tier)")
 
     @field_validator("accelerators")
@@ -643,7 +643,7 @@ class SkyTarget(_Strict):
     def _ports(cls, v):
         if not isinstance(v, list):
             raise ValueError("ports is a list, e.g. [8080, 10000-10010]")
-        out: list[Union[int, str]] = []
+        out: list[int | str] = []
         for p in v:
             if isinstance(p, bool):
                 raise ValueError("a port is a number 1-65535 or a range like 10000-10010, not true/false")
@@ -670,13 +670,13 @@ def _no_nul(v: str) -> str:
 class EntrypointSpec(_Strict):
     """The user's own training code, started by the job instead of `python -m launcher.train`."""
 
-    script: Optional[Str] = Field(
+    script: Str | None = Field(
         None, description="a Python file, relative to workdir (shipped with the job): torchrun runs it on every rank")
-    module: Optional[str] = Field(None, max_length=512,
+    module: str | None = Field(None, max_length=512,
                                   description="a module importable from workdir, run like `python -m MODULE`")
     args: list[Annotated[str, AfterValidator(_no_nul), Field(max_length=4096)]] = Field(
         default_factory=list, max_length=1000, description="arguments passed to the script or module, as written")
-    workdir: Optional[Str] = Field(
+    workdir: Str | None = Field(
         None, description="the directory shipped with the job (relative to the recipe file, default: the recipe "
                           "file's directory); the code runs from its copy")
     exclude: list[Annotated[str, Field(max_length=512)]] = Field(
@@ -685,7 +685,7 @@ class EntrypointSpec(_Strict):
 
     @field_validator("script")
     @classmethod
-    def _script(cls, v: Optional[str]) -> Optional[str]:
+    def _script(cls, v: str | None) -> str | None:
         if v is None:
             return v
         parts = v.replace("\\", "/").split("/")
@@ -697,13 +697,13 @@ class EntrypointSpec(_Strict):
 
     @field_validator("module")
     @classmethod
-    def _module(cls, v: Optional[str]) -> Optional[str]:
+    def _module(cls, v: str | None) -> str | None:
         if v is not None and not MODULE_NAME.match(v):
             raise ValueError(f"{v!r} is not a module name (dotted Python identifiers, e.g. mypkg.train)")
         return v
 
     @model_validator(mode="after")
-    def _one(self) -> "EntrypointSpec":
+    def _one(self) -> EntrypointSpec:
         if (self.script is None) == (self.module is None):
             raise ValueError("set exactly one of entrypoint.script (a .py file) and entrypoint.module")
         return self
@@ -718,7 +718,7 @@ class TargetsSpec(_Strict):
 
 class Recipe(_Strict):
     name: str = Field(max_length=200)
-    run_id: Optional[str] = Field(
+    run_id: str | None = Field(
         None, description="the run's identity (checkpoints, metrics): set it to resume an earlier run; default: "
                           "the scheduler's job id (SLURM), the managed job's task id (SkyPilot), the name (local)")
     model: ModelSpec
@@ -726,7 +726,7 @@ class Recipe(_Strict):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     training: TrainingSpec
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    entrypoint: Optional[EntrypointSpec] = Field(
+    entrypoint: EntrypointSpec | None = Field(
         None, description="the user's own training code; default: dtlaunch's trainer (python -m launcher.train)")
     targets: TargetsSpec = Field(default_factory=TargetsSpec)
     env: dict[str, str] = Field(default_factory=dict, max_length=1000,
@@ -738,11 +738,11 @@ class Recipe(_Strict):
     def set_source(self, source: Any) -> None:
         self._source = source
 
-    def locate(self, field: str) -> tuple[Optional[str], Optional[int]]:
+    def locate(self, field: str) -> tuple[str | None, int | None]:
         """(file or `--set KEY=VALUE`, line) of a field, when the recipe was loaded from text."""
         return self._source.locate(field) if self._source is not None else (None, None)
 
-    def base_dir(self) -> Optional[str]:
+    def base_dir(self) -> str | None:
         """The directory of the recipe file it was loaded from (None for text or a plan file)."""
         return getattr(self._source, "base_dir", None)
 
@@ -776,7 +776,7 @@ class Recipe(_Strict):
 
     @field_validator("run_id")
     @classmethod
-    def _run_id(cls, v: Optional[str]) -> Optional[str]:
+    def _run_id(cls, v: str | None) -> str | None:
         if v is not None and not RUN_ID.match(v):
             raise ValueError(f"{v!r}: a run id is 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
         return v

@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import DtlaunchError
 
@@ -60,7 +60,7 @@ class SubmititSpec:
 @dataclass(frozen=True)
 class SlurmRequest:
     job_script: str  # sbatch: the job script; submitit: its request file (submitit.json)
-    settings: "SlurmTarget"  # how to reach the cluster (ssh), how to submit (sbatch or submitit)
+    settings: SlurmTarget  # how to reach the cluster (ssh), how to submit (sbatch or submitit)
     array: bool = False
     secrets: tuple[str, ...] = ()
     submit: Literal["sbatch", "submitit"] = "sbatch"
@@ -88,14 +88,14 @@ class SkyRequest:
         return ("sky", "launch", "-c", self.cluster, *secrets, self.task_file)
 
 
-Request = Union[LocalRequest, SlurmRequest, SkyRequest]
+Request = LocalRequest | SlurmRequest | SkyRequest
 
 
 @dataclass
 class Artifacts:
     target: str
     job_name: str
-    files: dict[str, Union[str, bytes]]  # relative path -> content
+    files: dict[str, str | bytes]  # relative path -> content
     request: Request
     executable: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -109,7 +109,7 @@ class Artifacts:
     def submit_command(self) -> list[str]:
         return list(self.request.argv)
 
-    def text(self, rel: str) -> Optional[str]:
+    def text(self, rel: str) -> str | None:
         content = self.files.get(rel)
         return content if isinstance(content, str) else None
 
@@ -161,7 +161,7 @@ class Artifacts:
 MANIFEST = ".dtlaunch-rendered"  # the files the last render wrote here (so the next one can remove stale ones)
 
 
-def read_manifest(out: Path) -> tuple[set[str], Optional[str]]:
+def read_manifest(out: Path) -> tuple[set[str], str | None]:
     """(files, origin) of the last write into `out`: origin is "render" or "up", None if never written."""
     try:
         lines = (out / MANIFEST).read_text().splitlines()

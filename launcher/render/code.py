@@ -14,7 +14,6 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path, PurePosixPath
-from typing import Optional
 
 from ..errors import DtlaunchError
 from ..recipe import Recipe
@@ -30,7 +29,7 @@ ALWAYS_EXCLUDED_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "
 ALWAYS_EXCLUDED_FILES = ("*.pyc", "*.pyo", ".DS_Store", "*.swp", ".dtlaunch-rendered")
 
 
-def workdir(recipe: Recipe) -> Optional[Path]:
+def workdir(recipe: Recipe) -> Path | None:
     """The directory to ship, or None when the recipe has no entrypoint."""
     ep = recipe.entrypoint
     if ep is None:

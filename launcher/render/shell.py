@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Iterable
-from typing import Union
 
 from ..errors import DtlaunchError
 
@@ -24,7 +23,7 @@ class ShellExpr(str):
         return super().__new__(cls, value)
 
 
-Word = Union[str, ShellExpr, int]
+Word = str | ShellExpr | int
 
 
 def quote(word: Word) -> str:

@@ -13,7 +13,7 @@ and supplied with `--secret NAME` from the submitting shell.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -76,7 +76,7 @@ def checkpoint_dir(recipe: Recipe) -> str | None:
     return f"{storage.mount}/{{run_id}}" if storage else None
 
 
-def resources(recipe: Recipe, choices: Optional[Choices] = None) -> dict:
+def resources(recipe: Recipe, choices: Choices | None = None) -> dict:
     """The task's `resources:`. With accelerator fallbacks (`choices`), SkyPilot's `ordered` (tried in this
     order: dtlaunch's cheapest plan first) or `any_of` (SkyPilot picks), one entry per accelerator that can
     run the shipped plan; every other field applies to all of them."""
@@ -100,7 +100,7 @@ def resources(recipe: Recipe, choices: Optional[Choices] = None) -> dict:
     return out
 
 
-def _devices(recipe: Recipe, choices: Optional[Choices]) -> dict:
+def _devices(recipe: Recipe, choices: Choices | None) -> dict:
     """accelerators (or the fallbacks' list), instance_type, cpus and memory."""
     res, sk = recipe.resources, recipe.targets.sky
     out: dict = {}
@@ -201,7 +201,7 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
     )
 
 
-def choices_for(recipe: Recipe) -> Optional[Choices]:
+def choices_for(recipe: Recipe) -> Choices | None:
     """The accelerator choices when the recipe lists fallbacks (plan/choices.py), else None."""
     if not recipe.targets.sky.accelerators:
         return None

@@ -25,7 +25,6 @@ targets.slurm.container the steps run in an image (slurm_container.py); without 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 from ..errors import DtlaunchError
 from ..jobenv import PORT_BASE, PORT_SPAN, ExitCode
@@ -67,7 +66,7 @@ SHORT_OPTIONS = {"-t": "--time", "-c": "--cpus-per-task", "-p": "--partition", "
 EXCLUSIVE_GROUPS = (("--mem", "--mem-per-gpu", "--mem-per-cpu"), ("--cpus-per-task", "--cpus-per-gpu"))
 
 
-def directives(recipe: Recipe, plan: Plan, array: Optional[str] = None) -> list[tuple[str, Optional[object]]]:
+def directives(recipe: Recipe, plan: Plan, array: str | None = None) -> list[tuple[str, object | None]]:
     """(option, value) pairs for the #SBATCH lines; the template quotes them for sbatch's own parser."""
     opts = _field_directives(recipe, plan, array)
     for extra in recipe.targets.slurm.extra_sbatch:
@@ -116,11 +115,11 @@ def field_clashes(recipe: Recipe, plan: Plan) -> list[tuple[str, str, str]]:
     return out
 
 
-def _node_resources(recipe: Recipe, plan: Plan) -> list[tuple[str, Optional[object]]]:
+def _node_resources(recipe: Recipe, plan: Plan) -> list[tuple[str, object | None]]:
     """GPUs, CPUs and memory per node, in the spelling the site's configuration asks for."""
     t = recipe.targets.slurm
     gpu = recipe.resources.device().is_gpu
-    opts: list[tuple[str, Optional[object]]] = []
+    opts: list[tuple[str, object | None]] = []
     if gpu:
         count = f"{t.gpu_type}:{plan.gpus_per_node}" if t.gpu_type else plan.gpus_per_node
         if t.gpu_request == "gres":  # clusters without select/cons_tres know GPUs only as generic resources
@@ -145,9 +144,9 @@ def _node_resources(recipe: Recipe, plan: Plan) -> list[tuple[str, Optional[obje
     return opts
 
 
-def _field_directives(recipe: Recipe, plan: Plan, array: Optional[str] = None) -> list[tuple[str, Optional[object]]]:
+def _field_directives(recipe: Recipe, plan: Plan, array: str | None = None) -> list[tuple[str, object | None]]:
     t = recipe.targets.slurm
-    opts: list[tuple[str, Optional[object]]] = [
+    opts: list[tuple[str, object | None]] = [
         ("--job-name", recipe.job_name),
         ("--nodes", plan.nodes),
         ("--ntasks-per-node", 1),  # one torchrun per node; it spawns one process per device
@@ -228,7 +227,7 @@ def _batch_context(recipe: Recipe, array: bool) -> dict:
                 container_check=check_command(c, ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)) if c else None)
 
 
-def job_script(recipe: Recipe, plan: Plan, *, array: Optional[str] = None) -> str:
+def job_script(recipe: Recipe, plan: Plan, *, array: str | None = None) -> str:
     t = recipe.targets.slurm
     return render_template(
         "slurm_job.sh.j2", directives=directives(recipe, plan, array), job_script=JOB_SCRIPT,

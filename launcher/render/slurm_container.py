@@ -21,7 +21,6 @@ container or under `apptainer exec` (no PID namespace) are processes of the step
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from ..errors import DtlaunchError
 from ..recipe import Recipe
@@ -40,7 +39,7 @@ class Container:
     image: str  # as the runtime spells it
     mounts: tuple[str, ...]  # SRC:DST[:FLAGS] besides the submit directory: the checkpoint root, the recipe's
     make_dirs: tuple[str, ...]  # mount sources dtlaunch creates before mounting (the checkpoint root)
-    workdir: Optional[str]  # the recipe's; None: the submit directory (pyxis) or the step's own cwd (apptainer)
+    workdir: str | None  # the recipe's; None: the submit directory (pyxis) or the step's own cwd (apptainer)
     gpu: bool
 
     @property
@@ -48,7 +47,7 @@ class Container:
         return self.runtime == "pyxis"
 
 
-def image_for(recipe: Recipe) -> Optional[str]:
+def image_for(recipe: Recipe) -> str | None:
     c = recipe.targets.slurm.container
     if c is None:
         return None
@@ -59,7 +58,7 @@ def image_for(recipe: Recipe) -> Optional[str]:
     return for_enroot(recipe.resources.image) if c.runtime == "pyxis" else for_apptainer(recipe.resources.image)
 
 
-def checkpoint_root(recipe: Recipe) -> Optional[str]:
+def checkpoint_root(recipe: Recipe) -> str | None:
     """The part of an absolute checkpoint.dir before any {run_id}: mounted, so checkpoints land on the host."""
     d = recipe.checkpoint.dir
     if not d or not d.startswith("/"):
@@ -72,7 +71,7 @@ def checkpoint_root(recipe: Recipe) -> Optional[str]:
     return "/" + "/".join(parts)
 
 
-def container(recipe: Recipe) -> Optional[Container]:
+def container(recipe: Recipe) -> Container | None:
     c = recipe.targets.slurm.container
     if c is None:
         return None

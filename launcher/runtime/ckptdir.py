@@ -17,8 +17,8 @@ import re
 import shutil
 import time
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 MARKER = "COMPLETE"
 CORRUPT = "CORRUPT"
@@ -69,7 +69,7 @@ def corrupt_steps(root: Path) -> list[int]:
     return [s for s, p in _steps(root) if is_corrupt(p)]
 
 
-def latest_complete(root: Path) -> Optional[int]:
+def latest_complete(root: Path) -> int | None:
     steps = complete_steps(root)
     return steps[-1] if steps else None
 
@@ -108,7 +108,7 @@ _RANK0 = {".metadata", "trainer.pt"}  # DCP's index, our scheduler/scaler state
 _DS_RANK0 = re.compile(r"^mp_rank_\d+_model_states\.pt$")  # DeepSpeed ZeRO-1/2: weights, written by rank 0
 
 
-def owner(name: str) -> Optional[int]:
+def owner(name: str) -> int | None:
     """The rank that writes a checkpoint file, by the names torch DCP, DeepSpeed and dtlaunch give them."""
     for pattern in (_DCP_DATA, _RNG, _DS_RANK):
         m = pattern.search(name) if pattern is _DS_RANK else pattern.match(name)
@@ -127,7 +127,7 @@ def crc32_of(path: Path) -> int:
     return crc
 
 
-def write_manifest(path: Path, rank: int, written: Optional[dict[str, tuple[int, int]]] = None) -> dict:
+def write_manifest(path: Path, rank: int, written: dict[str, tuple[int, int]] | None = None) -> dict:
     """Record the size and CRC-32 of every file `rank` wrote into checkpoint `path` (durably, last).
 
     `written` maps a file's name to the (size, CRC-32) of the bytes the writer handed it, computed as they
@@ -262,7 +262,7 @@ def clean_partials(root: Path) -> list[Path]:
     return removed
 
 
-def expand_dir(template: Optional[str], run_dir: Path, run_id: Optional[str]) -> Path:
+def expand_dir(template: str | None, run_dir: Path, run_id: str | None) -> Path:
     """recipe.checkpoint.dir with `{run_id}` filled in; RUN_DIR/checkpoints when unset."""
     if not template:
         return run_dir / "checkpoints"

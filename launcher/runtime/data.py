@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import ast
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -84,7 +84,7 @@ class FileTokens:
             raise ConfigError(f"{self.path}: {size} bytes is not a whole number of {dtype} tokens",
                               fix="check training.data.dtype (uint16, uint32 or bytes)")
         self.count = size // self.itemsize
-        self._fd: Optional[int] = None
+        self._fd: int | None = None
 
     def __len__(self) -> int:
         return self.count
@@ -176,7 +176,7 @@ class DataPosition:
                 "sample_in_epoch": self.sample_in_epoch}
 
 
-def rescale_position(saved: dict, global_batch: int) -> tuple[DataPosition, Optional[str]]:
+def rescale_position(saved: dict, global_batch: int) -> tuple[DataPosition, str | None]:
     """The position for a (possibly) different global batch, and a warning when it cannot be exact."""
     samples = int(saved.get("sample_in_epoch", saved.get("step_in_epoch", 0) * saved.get("global_batch", global_batch)))
     pos = DataPosition(int(saved.get("epoch", 0)), samples // global_batch, global_batch)
@@ -195,7 +195,7 @@ class Batches:
         self.dataset, self.sampler, self.loader = dataset, sampler, loader
         self.grad_accum, self.device = grad_accum, device
         self.position = DataPosition(0, 0, sampler.global_batch)
-        self._it: Optional[Iterator] = None
+        self._it: Iterator | None = None
 
     @property
     def steps_per_epoch(self) -> int:

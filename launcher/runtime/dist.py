@@ -10,8 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import re
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Mapping, MutableMapping, Optional
 
 from .. import jobenv
 from .failures import ConfigError
@@ -32,7 +32,7 @@ class ProcEnv:
     restart_count: int = 0
 
 
-def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> int:
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
     v = env.get(name)
     if v is None or v == "":
         if default is None:
@@ -97,7 +97,7 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def interface_of(addr: str) -> Optional[str]:
+def interface_of(addr: str) -> str | None:
     """The network interface that holds `addr` on this machine, if any."""
     try:
         import psutil
@@ -134,11 +134,11 @@ class World:
 
     proc: ProcEnv
     backend: str
-    device: "object"  # torch.device
+    device: object  # torch.device
     is_gpu: bool
-    checkpoint_group: "object" = None  # a gloo group for checkpoint I/O (async saves must not share the training group)
+    checkpoint_group: object = None  # a gloo group for checkpoint I/O (async saves must not share the training group)
     env_set: dict[str, str] = field(default_factory=dict)
-    timeout_s: Optional[float] = None
+    timeout_s: float | None = None
 
     @property
     def rank(self) -> int:
@@ -167,7 +167,7 @@ def _apply_threads() -> None:
         torch.set_num_threads(n)
 
 
-def init_distributed(recipe=None, *, init_timeout_s: Optional[float] = None, timeout_s: Optional[float] = None,
+def init_distributed(recipe=None, *, init_timeout_s: float | None = None, timeout_s: float | None = None,
                      env: MutableMapping[str, str] = os.environ, verbose: bool = True) -> World:
     """Create the process group (NCCL on GPU, gloo on CPU) and return the World.
 
@@ -235,7 +235,7 @@ def init_distributed(recipe=None, *, init_timeout_s: Optional[float] = None, tim
     return world
 
 
-def set_collective_timeout(world: World, seconds: Optional[float]) -> None:
+def set_collective_timeout(world: World, seconds: float | None) -> None:
     """Shorten the training group's timeout once the world is up (init used the long one).
 
     `_set_pg_timeout` changes the default timeout of the existing gloo/NCCL backends; creating a new
@@ -248,7 +248,7 @@ def set_collective_timeout(world: World, seconds: Optional[float]) -> None:
     _set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
-def shutdown(world: Optional[World] = None) -> None:
+def shutdown(world: World | None = None) -> None:
     """Barrier, then destroy: destroying while a peer still sends aborted ~15% of runs here."""
     import torch.distributed as dist
 

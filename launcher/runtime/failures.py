@@ -5,16 +5,14 @@ HANG = restart and resume, PREEMPTED = requeue and resume.
 """
 from __future__ import annotations
 
-from typing import Optional
-
-from ..jobenv import ExitCode
 from ..errors import DtlaunchError
+from ..jobenv import ExitCode
 
 
 class RuntimeFailure(DtlaunchError):
     exit_code = ExitCode.FAILED
 
-    def __init__(self, message: str, fix: Optional[str] = None, step: Optional[int] = None):
+    def __init__(self, message: str, fix: str | None = None, step: int | None = None):
         self.step = step
         super().__init__(message, fix)
 

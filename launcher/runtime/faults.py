@@ -27,7 +27,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from .failures import ConfigError
 
@@ -41,7 +40,7 @@ ANY = -1
 class Fault:
     kind: str
     step: int
-    rank: Optional[int] = None
+    rank: int | None = None
     attempt: int = 0
     params: dict = field(default_factory=dict)
     fired: bool = False
@@ -75,7 +74,7 @@ def parse(text: str) -> list[Fault]:
 class Faults:
     """The faults active for this process; `hit(kind, step)` says whether to misbehave now."""
 
-    def __init__(self, rank: int, restart_count: int, text: Optional[str] = None):
+    def __init__(self, rank: int, restart_count: int, text: str | None = None):
         self.rank = rank
         self.restart_count = restart_count
         raw = os.environ.get(ENV, "") if text is None else text
@@ -84,7 +83,7 @@ class Faults:
     def __bool__(self) -> bool:
         return bool(self.faults)
 
-    def hit(self, kind: str, step: int) -> Optional[Fault]:
+    def hit(self, kind: str, step: int) -> Fault | None:
         for f in self.faults:
             if f.kind == kind and f.step in (step, ANY) and not f.fired:
                 f.fired = True

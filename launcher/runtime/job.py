@@ -27,8 +27,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,14 +58,14 @@ class Job:
         self.recipe, self.plan, self.run_dir, self.world, self.flag = recipe, plan, run_dir, world, flag
         self.layout: RuntimeLayout
         self.layout, notes = resolve_layout(plan, world.world_size)
-        self.total_steps: Optional[int] = plan.steps
+        self.total_steps: int | None = plan.steps
         self.every: int = plan.checkpoint_every
         self.step = 0  # the last completed (or resumed) optimizer step
         self.start_step = 0
-        self.engine: Optional[Engine] = None
-        self.checkpointer: Optional[Checkpointer] = None
+        self.engine: Engine | None = None
+        self.checkpointer: Checkpointer | None = None
         self.nonfinite = 0
-        self._last_saved: Optional[int] = None
+        self._last_saved: int | None = None
         self._t_step = time.perf_counter()
         self.metrics = Metrics(run_dir, enabled=world.is_main, total_steps=plan.steps or 0, is_gpu=world.is_gpu)
         for n in notes:
@@ -101,8 +102,8 @@ class Job:
 
     # ------------------------------------------------------------------ assembly
 
-    def wrap(self, model: nn.Module, *, blocks: Optional[list[nn.Module]] = None,
-             optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None) -> Engine:
+    def wrap(self, model: nn.Module, *, blocks: list[nn.Module] | None = None,
+             optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> Engine:
         """Wrap `model` for the plan's strategy; returns the Engine (its `model` runs forward).
 
         `blocks` are the repeated layers FSDP2 shards one by one (default: the model's `layers`, or its
@@ -168,7 +169,7 @@ class Job:
             dist.all_reduce(t)
         return bool(t[0] > 0), float(t[1]) / self.world_size
 
-    def step_done(self, step: int, *, loss: Any = None, state: Optional[dict] = None, **metrics: Any) -> None:
+    def step_done(self, step: int, *, loss: Any = None, state: dict | None = None, **metrics: Any) -> None:
         """After each optimizer step: agree on stopping, log, and checkpoint when due (async) or when
         preempted (then raise Preempted: exit 42 after the checkpoint is committed)."""
         cp = self._need_checkpointer("step_done")
@@ -217,12 +218,12 @@ class Job:
             self.checkpointer.wait()
         self._last_saved = self.step
 
-    def save(self, state: Optional[dict] = None) -> None:
+    def save(self, state: dict | None = None) -> None:
         """Checkpoint the current step now (blocking), e.g. at the end of an epoch."""
         self._need_checkpointer("save")
         self._save(_json_state(state), blocking=True, reason="user")
 
-    def finish(self, state: Optional[dict] = None) -> None:
+    def finish(self, state: dict | None = None) -> None:
         """The final checkpoint (unless the last step is already saved), then a clean exit of the world."""
         cp = self._need_checkpointer("finish")
         try:
@@ -238,7 +239,7 @@ class Job:
         shutdown(self.world)
 
 
-def _json_state(state: Optional[dict]) -> dict:
+def _json_state(state: dict | None) -> dict:
     if state is None:
         return {}
     try:
@@ -249,7 +250,7 @@ def _json_state(state: Optional[dict]) -> dict:
     return dict(state)
 
 
-def init(plan_path: Optional[str] = None, run_dir: Optional[str] = None) -> Job:
+def init(plan_path: str | None = None, run_dir: str | None = None) -> Job:
     """The job as the job scripts describe it (DTLAUNCH_PLAN, DTLAUNCH_RUN_DIR); collective."""
     from .. import planfile
 

@@ -14,7 +14,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -59,7 +58,7 @@ class Watchdog:
     (the handler only sets a flag) and delay the restart until torchrun's SIGKILL 30 s later.
     """
 
-    def __init__(self, limit: float, grace: float, rank: int, flag: Optional[PreemptionFlag] = None):
+    def __init__(self, limit: float, grace: float, rank: int, flag: PreemptionFlag | None = None):
         self.limit, self.grace, self.rank, self.flag = limit, grace, rank, flag
         self.step = 0
         self.armed = False
@@ -102,14 +101,14 @@ class Agreement:
 class Trainer:
     """Runs one recipe's plan to completion (or to preemption). Collective: every rank runs it."""
 
-    def __init__(self, recipe, plan, run_dir: str | os.PathLike, *, recipe_hash: Optional[str] = None,
-                 world: Optional[World] = None, flag: Optional[PreemptionFlag] = None):
+    def __init__(self, recipe, plan, run_dir: str | os.PathLike, *, recipe_hash: str | None = None,
+                 world: World | None = None, flag: PreemptionFlag | None = None):
         self.recipe, self.plan, self.run_dir = recipe, plan, Path(run_dir)
         self.recipe_hash = recipe_hash or recipe.digest()
         self.world = world
         self.step = 0  # optimizer steps completed
         self.start_step = 0  # the step this attempt resumed from
-        self.current: Optional[int] = None  # the step being trained
+        self.current: int | None = None  # the step being trained
         self.nonfinite = 0  # steps in a row with a NaN/inf loss
         # Installed as early as possible by the entry point: a preemption during start-up is not lost.
         self.flag = flag or PreemptionFlag().install()
@@ -119,15 +118,15 @@ class Trainer:
         self.every: int = plan.checkpoint_every
         self.seq_len: int = plan.seq_len
         # Built by _setup, once the world exists (they need this rank's place in it).
-        self.faults: Optional[Faults] = None
-        self.metrics: Optional[Metrics] = None
+        self.faults: Faults | None = None
+        self.metrics: Metrics | None = None
         self.layout = None  # the RuntimeLayout: the plan at this world size
         self.shape = recipe.model.shape()
-        self.ckpt_root: Optional[Path] = None
-        self.engine: Optional[Engine] = None
-        self.batches: Optional[Batches] = None
-        self.checkpointer: Optional[Checkpointer] = None
-        self.watchdog: Optional[Watchdog] = None
+        self.ckpt_root: Path | None = None
+        self.engine: Engine | None = None
+        self.batches: Batches | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.watchdog: Watchdog | None = None
 
     # ------------------------------------------------------------------ assembly
 
@@ -231,7 +230,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
 
-    def _agree(self, step: int, flag: Optional[str], loss: torch.Tensor) -> Agreement:
+    def _agree(self, step: int, flag: str | None, loss: torch.Tensor) -> Agreement:
         """One all-gather of (step, preempt flag, loss) per step; raises HangError if steps differ."""
         w = self.world
         local = torch.stack([torch.tensor(float(step), dtype=torch.float64), torch.tensor(1.0 if flag else 0.0,

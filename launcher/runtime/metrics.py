@@ -10,7 +10,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -69,8 +69,8 @@ class Metrics:
         if self.enabled:
             self._write({"event": name, "time": round(time.time(), 3), **fields})
 
-    def step(self, step: int, *, loss: float, lr: float, tokens: int, step_time: float, grad_norm: Optional[float],
-             extra: Optional[dict] = None) -> None:
+    def step(self, step: int, *, loss: float, lr: float, tokens: int, step_time: float, grad_norm: float | None,
+             extra: dict | None = None) -> None:
         if not self.enabled:
             return
         tps = tokens / step_time if step_time > 0 else 0.0

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -146,7 +146,7 @@ class Engine:
     module: nn.Module  # the bare model (parameter names match the checkpoint and export)
     optimizer: Any
     scheduler: Any
-    step_lr: Optional[float] = None  # the learning rate the last optimizer step used
+    step_lr: float | None = None  # the learning rate the last optimizer step used
 
     def accumulate(self, loss_fn: Callable[[nn.Module], torch.Tensor], last: bool) -> torch.Tensor:
         """One micro-batch: `loss_fn(model)` runs the forward and returns the loss; its gradients are added
@@ -182,8 +182,8 @@ class TorchEngine(Engine):
     """DDP and FSDP2, with torch.optim and an optional GradScaler for fp16."""
 
     def __init__(self, module: nn.Module, layout: RuntimeLayout, training, steps: int, device: torch.device, is_gpu: bool,
-                 loss_scaling: str = "dynamic", *, blocks: Optional[list[nn.Module]] = None,
-                 optimizer: Optional[OptimizerFactory] = None):
+                 loss_scaling: str = "dynamic", *, blocks: list[nn.Module] | None = None,
+                 optimizer: OptimizerFactory | None = None):
         import torch.distributed as dist
 
         self.layout, self.module, self.device = layout, module, device
@@ -280,7 +280,7 @@ def repeated_blocks(module: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def fsdp_units(module: nn.Module, blocks: Optional[list[nn.Module]] = None) -> list[nn.Module]:
+def fsdp_units(module: nn.Module, blocks: list[nn.Module] | None = None) -> list[nn.Module]:
     """The FSDP2 units in forward order: the token embedding, each block, the output head, then the root
     (which keeps only the final norm's weight).
 
@@ -301,7 +301,7 @@ def fsdp_units(module: nn.Module, blocks: Optional[list[nn.Module]] = None) -> l
 
 
 def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, is_gpu: bool,
-                blocks: Optional[list[nn.Module]] = None) -> nn.Module:
+                blocks: list[nn.Module] | None = None) -> nn.Module:
     """fully_shard each unit of `fsdp_units` on a 1-D or 2-D (HSDP) mesh, the root last."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -338,7 +338,7 @@ class DeepSpeedEngine(Engine):
     """ZeRO 1/2/3 through deepspeed.initialize, with the config from launcher.render.deepspeed."""
 
     def __init__(self, module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: int, is_gpu: bool,
-                 optimizer: Optional[OptimizerFactory] = None):
+                 optimizer: OptimizerFactory | None = None):
         try:
             import deepspeed
         except ImportError:
@@ -392,8 +392,8 @@ class DeepSpeedEngine(Engine):
 
 
 def wrap_model(module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: int, device: torch.device,
-               is_gpu: bool, *, blocks: Optional[list[nn.Module]] = None,
-               optimizer: Optional[OptimizerFactory] = None) -> Engine:
+               is_gpu: bool, *, blocks: list[nn.Module] | None = None,
+               optimizer: OptimizerFactory | None = None) -> Engine:
     """The engine for `layout.strategy`: the one place that knows which library runs which strategy.
     `blocks` (FSDP2's units) and `optimizer` (a factory of params) serve user models (launcher.runtime.job)."""
     if layout.spec.family is Family.DEEPSPEED:

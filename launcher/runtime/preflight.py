@@ -13,7 +13,6 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -143,7 +142,7 @@ def run(*, world, network, checkpoint_dir: Path, checkpoint_bytes: float, keep: 
     return rep
 
 
-def _shm_bytes() -> Optional[int]:
+def _shm_bytes() -> int | None:
     try:
         st = os.statvfs("/dev/shm")
     except OSError:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterable
-from typing import Optional
 
 DEFAULT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
@@ -18,11 +17,11 @@ DEFAULT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 class PreemptionFlag:
     def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS):
         self.signals = tuple(signals)
-        self.received: Optional[str] = None
-        self.received_at: Optional[float] = None  # monotonic time of the first signal
+        self.received: str | None = None
+        self.received_at: float | None = None  # monotonic time of the first signal
         self._previous: dict[int, object] = {}
 
-    def install(self) -> "PreemptionFlag":
+    def install(self) -> PreemptionFlag:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

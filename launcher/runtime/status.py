@@ -9,7 +9,6 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Optional
 
 from .. import jobenv
 from ..errors import DtlaunchError
@@ -28,8 +27,8 @@ def status_dir(run_dir: Path) -> Path:
     return Path(os.environ.get(jobenv.STATUS) or run_dir / "status" / "manual")
 
 
-def write_status(run_dir: Path, rank: int, code: int, message: str, step: Optional[int],
-                 start_step: Optional[int] = None, code_file: bool = True) -> None:
+def write_status(run_dir: Path, rank: int, code: int, message: str, step: int | None,
+                 start_step: int | None = None, code_file: bool = True) -> None:
     """Two records per rank: a JSON one for people (run_dir/status/rank-N.json, the latest), and a one-line
     "CODE STEP START_STEP" file in this attempt's status directory for the job scripts, which pick the job's
     exit code (and whether a time-limited allocation made progress) from it with nothing but `read`.
@@ -54,7 +53,7 @@ def write_status(run_dir: Path, rank: int, code: int, message: str, step: Option
         pass  # the exit code still tells the story
 
 
-def classify(exc: BaseException, step: Optional[int], timeout_s: Optional[float]) -> tuple[int, str]:
+def classify(exc: BaseException, step: int | None, timeout_s: float | None) -> tuple[int, str]:
     """(exit code, message) for an exception that escaped the training loop."""
     from .failures import is_comm_error, is_timeout
 
@@ -77,15 +76,15 @@ def classify(exc: BaseException, step: Optional[int], timeout_s: Optional[float]
 
 # How far this rank's run got in this process: (the step it resumed from, the last step it reached). The
 # trainer and the library record it; a time-limited SLURM allocation is continued only if it made progress.
-_PROGRESS: list[Optional[int]] = [None, None]
+_PROGRESS: list[int | None] = [None, None]
 
 
-def record_progress(*, start: Optional[int] = None, step: Optional[int] = None) -> None:
+def record_progress(*, start: int | None = None, step: int | None = None) -> None:
     if start is not None:
         _PROGRESS[0] = start
     if step is not None:
         _PROGRESS[1] = step
 
 
-def progress() -> tuple[Optional[int], Optional[int]]:
+def progress() -> tuple[int | None, int | None]:
     return _PROGRESS[0], _PROGRESS[1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import DtlaunchError
 from ..strategies import TARGET_NAMES, TARGETS, TargetName, load_attr
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 @dataclass
 class JobStatus:
     state: str
-    exit_code: Optional[int] = None
-    detail: Optional[str] = None
+    exit_code: int | None = None
+    detail: str | None = None
     extra: dict = field(default_factory=dict)  # what a target knows beyond the state (ledgers, source)
 
     def to_dict(self) -> dict:
@@ -32,15 +32,15 @@ class JobStatus:
 class Backend(Protocol):
     name: str
 
-    def submit(self, artifacts: "Artifacts", out_dir: str) -> "JobRecord": ...
+    def submit(self, artifacts: Artifacts, out_dir: str) -> JobRecord: ...
 
-    def wait(self, job: "JobRecord") -> int: ...
+    def wait(self, job: JobRecord) -> int: ...
 
-    def status(self, job: "JobRecord") -> JobStatus: ...
+    def status(self, job: JobRecord) -> JobStatus: ...
 
-    def logs(self, job: "JobRecord", *, follow: bool) -> Iterator[str]: ...
+    def logs(self, job: JobRecord, *, follow: bool) -> Iterator[str]: ...
 
-    def cancel(self, job: "JobRecord") -> str: ...
+    def cancel(self, job: JobRecord) -> str: ...
 
 
 def backend(name: str) -> Backend:

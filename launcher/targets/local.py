@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 from ..errors import BackendError
 from ..jobenv import ATTEMPT, ExitCode
@@ -37,7 +37,7 @@ def _psutil():
     return psutil
 
 
-def _start_time(pid: int) -> Optional[float]:
+def _start_time(pid: int) -> float | None:
     psutil = _psutil()
     try:
         return psutil.Process(pid).create_time()
@@ -68,9 +68,9 @@ def job_processes(attempt: str) -> list:
 class LocalBackend:
     name = "local"
 
-    def __init__(self, cwd: Optional[str] = None):
+    def __init__(self, cwd: str | None = None):
         self.cwd = cwd or os.getcwd()
-        self._proc: Optional[subprocess.Popen] = None
+        self._proc: subprocess.Popen | None = None
 
     # ---------------------------------------------------------------- submit
 
@@ -108,7 +108,7 @@ class LocalBackend:
     # ---------------------------------------------------------------- follow
 
     @staticmethod
-    def _exit_code(h: LocalHandle) -> Optional[int]:
+    def _exit_code(h: LocalHandle) -> int | None:
         try:
             return int(Path(h.exit_file).read_text().strip())
         except (OSError, ValueError):

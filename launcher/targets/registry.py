@@ -13,7 +13,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Union
 
 from ..errors import BackendError, DtlaunchError
 
@@ -40,7 +39,7 @@ class SlurmHandle:
     submit_dir: str
     job_name: str
     array: bool = False
-    ssh: Optional[dict] = None
+    ssh: dict | None = None
     submit: str = "sbatch"  # or "submitit": the job's log is then in submitit's folder
     submitit_folder: str | None = None
     dependency: str | None = None  # --dependency it was submitted with (`up --after`): status says what it waits for
@@ -53,7 +52,7 @@ class SkyHandle:
     job_id: int
 
 
-Handle = Union[LocalHandle, SlurmHandle, SkyHandle]
+Handle = LocalHandle | SlurmHandle | SkyHandle
 _HANDLES = {"local": LocalHandle, "slurm": SlurmHandle, "sky": SkyHandle}
 
 
@@ -73,7 +72,7 @@ def _decode(target: str, handle_json: str) -> Handle:
 
 
 class Registry:
-    def __init__(self, path: Optional[Path] = None):
+    def __init__(self, path: Path | None = None):
         self.path = path or state_dir() / "registry.db"
 
     def _fail(self, what: str, err: BaseException) -> DtlaunchError:

@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Optional
 
 from ..errors import BackendError
 from ..render.artifacts import Artifacts, SlurmRequest
@@ -35,7 +34,7 @@ TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NOD
 class LocalShell:
     """The SLURM client on this machine."""
 
-    def run(self, argv: Sequence[str], cwd: Optional[str] = None, timeout: float = 120) -> tuple[int, str, str]:
+    def run(self, argv: Sequence[str], cwd: str | None = None, timeout: float = 120) -> tuple[int, str, str]:
         if shutil.which(argv[0]) is None:
             raise BackendError(f"{argv[0]} not found on PATH: install the SLURM client (e.g. apt install slurm-client) "
                                "or submit from a login node with targets.slurm.ssh")
@@ -46,7 +45,7 @@ class LocalShell:
                                "slow or down", fix="try again; `sinfo` shows whether the cluster answers") from None
         return p.returncode, p.stdout, p.stderr
 
-    def read(self, path: str, offset: int = 0) -> Optional[bytes]:
+    def read(self, path: str, offset: int = 0) -> bytes | None:
         try:
             with open(path, "rb") as f:
                 f.seek(offset)
@@ -131,7 +130,7 @@ class SlurmBackend:
         rows = [line.split("|") for line in out.splitlines() if "|" in line]
         if rc == 0 and rows:
             state = _merge([r[0].split()[0] for r in rows])
-            code: Optional[int] = max(int(r[1].split(":")[0]) for r in rows)
+            code: int | None = max(int(r[1].split(":")[0]) for r in rows)
             if state == "CANCELLED":
                 # SLURM records the batch shell's 0:15; what the workers did (42: checkpointed) is in the job files.
                 code = files.get("last_exit_code")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import posixpath
 import shlex
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ..errors import BackendError
 from ..recipe import SshSpec
@@ -75,7 +75,7 @@ class SshTransport:
             self._client.close()
             self._client = None
 
-    def run(self, argv: Sequence[str], cwd: Optional[str] = None, timeout: float = 120) -> tuple[int, str, str]:
+    def run(self, argv: Sequence[str], cwd: str | None = None, timeout: float = 120) -> tuple[int, str, str]:
         """Run argv (quoted word by word) in cwd on the remote host; returns (rc, stdout, stderr)."""
         cmd = " ".join(shlex.quote(a) for a in argv)
         if cwd:
@@ -106,7 +106,7 @@ class SshTransport:
         finally:
             sftp.close()
 
-    def read(self, path: str, offset: int = 0) -> Optional[bytes]:
+    def read(self, path: str, offset: int = 0) -> bytes | None:
         """The file's bytes from offset, or None if it does not exist (yet)."""
         sftp = self.connect().open_sftp()
         try:

@@ -10,17 +10,16 @@ the optional path checks.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Optional
 
 from ..plan import Plan
 from ..recipe import Recipe
-from .core import RULES, Finding, Rule, rule
 from . import rules_plan, rules_runtime, rules_targets  # noqa: F401, E402 - registering the rules
+from .core import RULES, Finding, Rule, rule
 
 SEVERITY_ORDER = {"error": 0, "warning": 1}
 
 
-def validate(recipe: Recipe, plan: Plan, target: Optional[str] = None, rules: Iterable[Rule] = RULES) -> list[Finding]:
+def validate(recipe: Recipe, plan: Plan, target: str | None = None, rules: Iterable[Rule] = RULES) -> list[Finding]:
     """Findings for `recipe` (rendered for `target`, default: the recipe's targets.default), errors first."""
     target = target or recipe.targets.default
     out = []

@@ -1,8 +1,8 @@
 """Rules as data: the registry every rule module adds to."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
 
 from ..plan import Plan
 from ..recipe import Recipe
@@ -15,8 +15,8 @@ class Finding:
     field: str
     message: str
     fix: str
-    file: Optional[str] = None  # the recipe file, or `--set KEY=VALUE` when an override gave the field
-    line: Optional[int] = None
+    file: str | None = None  # the recipe file, or `--set KEY=VALUE` when an override gave the field
+    line: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -28,7 +28,7 @@ class Rule:
     severity: str
     field: str
     summary: str
-    check: Callable[[Recipe, Plan], Optional[tuple[str, str]]]  # -> (message, fix) when the rule fires
+    check: Callable[[Recipe, Plan], tuple[str, str] | None]  # -> (message, fix) when the rule fires
     targets: tuple[str, ...] = ()  # the targets it applies to; () = every target
     trainer_only: bool = False  # about dtlaunch's own trainer: silent when the recipe runs the user's entrypoint
 

@@ -15,7 +15,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -126,7 +125,7 @@ def torchrun_cmd(plan: Path, run_dir: Path, nproc: int, port: int, max_restarts:
             "-m", "launcher.train", "--plan", str(plan), "--run-dir", str(run_dir)]
 
 
-def torchrun_env(extra: Optional[dict] = None) -> dict:
+def torchrun_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.pop("DTLAUNCH_FAULT", None)
     env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -140,7 +139,7 @@ def parse_worker_codes(stderr: str) -> list[int]:
     return [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
 
 
-def run_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, env: Optional[dict] = None,
+def run_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, env: dict | None = None,
                  timeout: float = 180) -> RunResult:
     """Run `python -m launcher.train` under a real torchrun; never hangs the suite (timeout kills it)."""
     cmd = torchrun_cmd(plan, run_dir, nproc, free_port(), max_restarts)
@@ -159,7 +158,7 @@ def run_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int
 
 
 def start_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0,
-                   env: Optional[dict] = None) -> subprocess.Popen:
+                   env: dict | None = None) -> subprocess.Popen:
     """Start torchrun in the background (for tests that signal its workers)."""
     cmd = torchrun_cmd(plan, run_dir, nproc, free_port(), max_restarts)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=torchrun_env(env),

@@ -122,7 +122,6 @@ def test_a_rank_aborted_after_a_collective_timeout_counts_as_a_hang(tmp_path):
     from launcher.plan import make_plan
     from launcher.recipe import load_text
     from launcher.render import render
-
     from rt_harness import BASE_RECIPE, torchrun_env
 
     rec = load_text(yaml.safe_dump(recipe_dict(targets={"local": {"max_restarts": 0}})), "<test>")

@@ -10,7 +10,6 @@ import pytest
 
 from launcher.jobenv import ExitCode
 from launcher.runtime import ckptdir
-
 from rt_harness import DET_EVERY, DET_STEPS, det_recipe, load_safetensors, run_torchrun, write_plan
 
 pytestmark = pytest.mark.slow

@@ -27,6 +27,14 @@ import time
 from pathlib import Path
 
 import pytest
+
+from launcher.catalog import PRESETS
+from launcher.jobenv import ExitCode
+from launcher.plan import Plan, make_plan
+from launcher.plan.moments import rank_states
+from launcher.plan.params import count_params
+from launcher.recipe import load
+from launcher.runtime import ckptdir
 from rt_harness import (
     TORCHRUN,
     deep_merge,
@@ -38,14 +46,6 @@ from rt_harness import (
     write_plan,
 )
 from testpaths import RECIPES
-
-from launcher.catalog import PRESETS
-from launcher.jobenv import ExitCode
-from launcher.plan import Plan, make_plan
-from launcher.plan.moments import rank_states
-from launcher.plan.params import count_params
-from launcher.recipe import load
-from launcher.runtime import ckptdir
 
 TOL = 1e-5  # loss, absolute (see the module docstring)
 GRAD_RTOL = 1e-4  # gradient norms in the first steps, relative (~1e-5 seen: ~800k fp32 squares summed in another order)

@@ -12,8 +12,20 @@ import pytest
 
 from launcher.jobenv import ExitCode
 from launcher.runtime import ckptdir
-from rt_harness import (DET_EVERY, DET_STEPS, kill_tree, worker_ranks, det_recipe, load_safetensors, recipe_dict, run_torchrun,
-                        start_torchrun, write_plan, RunResult, parse_worker_codes)
+from rt_harness import (
+    DET_EVERY,
+    DET_STEPS,
+    RunResult,
+    det_recipe,
+    kill_tree,
+    load_safetensors,
+    parse_worker_codes,
+    recipe_dict,
+    run_torchrun,
+    start_torchrun,
+    worker_ranks,
+    write_plan,
+)
 
 TOL = 1e-4
 

@@ -15,6 +15,7 @@ import json
 import math
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,9 +23,16 @@ from launcher import catalog
 from launcher.jobenv import ExitCode
 from launcher.plan.params import count_params
 from launcher.runtime import ckptdir
-from rt_harness import (TORCHRUN, free_port, kill_tree, load_safetensors, recipe_dict, run_torchrun, torchrun_env,
-                        write_plan)
-from pathlib import Path
+from rt_harness import (
+    TORCHRUN,
+    free_port,
+    kill_tree,
+    load_safetensors,
+    recipe_dict,
+    run_torchrun,
+    torchrun_env,
+    write_plan,
+)
 
 STEPS = 20
 CASES = [

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from rt_harness import recipe_dict
 
 from launcher import catalog
 from launcher.plan import make_plan
@@ -23,6 +22,7 @@ from launcher.runtime.dist import detect, first_slurm_host, job_environment
 from launcher.runtime.failures import ConfigError
 from launcher.runtime.faults import Faults, parse
 from launcher.runtime.models import build_model
+from rt_harness import recipe_dict
 
 # ----------------------------------------------------------------------------- model
 

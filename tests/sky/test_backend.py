@@ -16,7 +16,6 @@ from launcher.errors import BackendError
 from launcher.targets import JobStatus
 from launcher.targets.registry import SkyHandle
 from launcher.targets.sky import SkyBackend, _Sdk
-
 from sky_helpers import RECIPES, render_to
 
 TINY = next(p for p in RECIPES if p.name == "tiny.yaml")

@@ -18,7 +18,6 @@ from launcher.jobenv import ExitCode
 from launcher.plan import make_plan
 from launcher.render.package import wheel_name
 from launcher.validate import RULES, has_errors, validate
-
 from sky_helpers import RECIPES, render_to
 
 BUCKET = "targets.sky.checkpoint_storage={bucket: 's3://dtlaunch-test-bucket/ckpt'}"

@@ -17,7 +17,6 @@ import pytest
 
 from launcher.jobenv import ExitCode
 from launcher.runtime import ckptdir
-
 from sky_helpers import RECIPES, render_to
 from sky_nodes import WORKDIR
 

@@ -12,7 +12,6 @@ import yaml
 
 from launcher import recipe as R
 from launcher.errors import RecipeError
-
 from sky_helpers import RECIPES, render_to
 
 TINY = (RECIPES[0].parent / "tiny.yaml").read_text()

@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from slurmkit import REPO, VENV_ACTIVATE, render_to, sh, shared_dir, wait_gone
 
 from launcher.render.package import wheel_name
+from slurmkit import REPO, VENV_ACTIVATE, render_to, sh, shared_dir, wait_gone
 
 IMAGE = "nvcr.io/nvidia/pytorch:24.05-py3"
 STEPS = 4

@@ -17,8 +17,18 @@ from pathlib import Path
 import pytest
 
 from launcher.runtime.ckptdir import complete_steps
-from slurmkit import (EVERY, STEPS, Job, assert_completed, assert_same_losses, release_after_requeue, sh, submit,
-                      wait_for)
+from slurmkit import (
+    EVERY,
+    STEPS,
+    Job,
+    assert_completed,
+    assert_same_losses,
+    release_after_requeue,
+    sh,
+    submit,
+    wait_for,
+)
+
 
 @pytest.fixture(scope="module")
 def reference(slurm, tmp_path_factory) -> Job:

@@ -13,9 +13,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from slurmkit import REPO, VENV_ACTIVATE, render_to, sh, wait_for, wait_gone
 
 from launcher.render.artifacts import SubmititSpec
+from slurmkit import REPO, VENV_ACTIVATE, render_to, sh, wait_for, wait_gone
 
 GPU = ["resources.accelerator=H100:2", "resources.nodes=2", "training.global_batch=8"]
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import submitit
-from slurmkit import REPO, release_after_requeue, render_to, sh, shared_dir, squeue_state, wait_for
 
 import launcher
 from launcher.errors import DtlaunchError
@@ -28,6 +27,7 @@ from launcher.runtime.metrics import read_metrics
 from launcher.targets import submitit_job
 from launcher.targets.registry import Registry
 from launcher.targets.submitit_job import Outcome, decide
+from slurmkit import REPO, release_after_requeue, render_to, sh, shared_dir, squeue_state, wait_for
 
 TINY = REPO / "recipes" / "tiny.yaml"
 VENV_ACTIVATE = str(Path(sys.executable).parent / "activate")

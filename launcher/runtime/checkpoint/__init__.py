@@ -13,10 +13,11 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,7 @@ class _Pending:
     t0: float
     writer: Any = None
     manifest: threading.Event = field(default_factory=threading.Event)
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     committed: bool = False
 
 
@@ -90,7 +91,7 @@ class _Pruner:
     def __init__(self, root: Path, keep: int):
         self.root, self.keep = root, keep
         self.removed: list[Path] = []
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="dtlaunch-prune", daemon=True)
         self.thread.start()
 
@@ -105,9 +106,9 @@ class Checkpointer:
     """Collective save/load of one run's checkpoints under `root`. Every rank calls every method except poll."""
 
     def __init__(self, root: Path, engine: Engine, *, rank: int, world_size: int, keep: int, async_save: bool,
-                 meta: dict, group=None, faults=None, log: Optional[Callable[[str], None]] = None,
-                 event: Optional[Callable[..., None]] = None, allow_changed_recipe: bool = False,
-                 run_id: Optional[str] = None):
+                 meta: dict, group=None, faults=None, log: Callable[[str], None] | None = None,
+                 event: Callable[..., None] | None = None, allow_changed_recipe: bool = False,
+                 run_id: str | None = None):
         self.root, self.engine = Path(root), engine
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self.deepspeed = isinstance(engine, DeepSpeedEngine)
@@ -119,8 +120,8 @@ class Checkpointer:
         self.event = event or (lambda *a, **k: None)
         self.allow_changed_recipe = allow_changed_recipe
         self.run_id = run_id
-        self._pending: Optional[_Pending] = None
-        self._pruner: Optional[_Pruner] = None  # rank 0: deleting old checkpoints in the background
+        self._pending: _Pending | None = None
+        self._pruner: _Pruner | None = None  # rank 0: deleting old checkpoints in the background
         self._lock = RunLock(self.root)
         self.distributed = dist.is_available() and dist.is_initialized()
         self._stager = None  # async saves: DCP's stager, kept so that its CPU copy is reused by every save
@@ -255,7 +256,7 @@ class Checkpointer:
         finally:
             p.manifest.set()
 
-    def _finish(self, step: int, meta: dict, t0: float, written: Optional[dict] = None) -> None:
+    def _finish(self, step: int, meta: dict, t0: float, written: dict | None = None) -> None:
         """A synchronous save: every rank's manifest, then rank 0 commits."""
         ckptdir.write_manifest(ckptdir.step_path(self.root, step), self.rank, written)
         self._barrier()
@@ -341,7 +342,7 @@ class Checkpointer:
         found = self._gather(ckptdir.crc_problems(path, mine))
         return [p for part in found for p in part]
 
-    def restore_latest(self) -> Optional[dict]:
+    def restore_latest(self) -> dict | None:
         """Load the newest checkpoint that checks out; report and skip the ones that do not.
         Returns its metadata, or None when there is none (a fresh start)."""
         steps = self._broadcast(ckptdir.complete_steps(self.root) if self.rank == 0 else None)

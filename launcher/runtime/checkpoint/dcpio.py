@@ -15,7 +15,7 @@ import threading
 import zlib
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 
 class _ChecksumStream:
@@ -129,7 +129,7 @@ def writer(path: Path, thread_count: int):
 
 def written_sums(w, path: Path) -> dict[str, tuple[int, int]]:
     """{name relative to `path`: (size, crc32)} of the files `w` wrote there, for ckptdir.write_manifest."""
-    sums: Optional[dict] = getattr(getattr(w, "fs", None), "sums", None)
+    sums: dict | None = getattr(getattr(w, "fs", None), "sums", None)
     if not sums:
         return {}
     out = {}

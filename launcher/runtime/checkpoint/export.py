@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -12,7 +11,7 @@ from ..parallel import DeepSpeedEngine, Engine
 from .state import save_torch
 
 
-def export_model(engine: Engine, out_dir: Path, fmt: str, rank: int) -> Optional[Path]:
+def export_model(engine: Engine, out_dir: Path, fmt: str, rank: int) -> Path | None:
     """A consolidated single-file copy of the weights on rank 0; collective (every rank gathers)."""
     if fmt == "none":
         return None

@@ -15,7 +15,6 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Optional
 
 from ..failures import ConfigError
 
@@ -25,9 +24,9 @@ LOCK = ".lock"
 class RunLock:
     def __init__(self, root: Path):
         self.path = Path(root) / LOCK
-        self._fd: Optional[int] = None
+        self._fd: int | None = None
 
-    def acquire(self, run_id: Optional[str]) -> Optional[str]:
+    def acquire(self, run_id: str | None) -> str | None:
         """Take the lock or raise ConfigError naming the holder; returns a warning if locking is unsupported."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -2,8 +2,6 @@
 or a Hugging Face decoder built by transformers from the config in the recipe (model.hf)."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -11,7 +9,7 @@ from .llama import Llama, build_model
 
 
 def build_for_recipe(model_spec, activation_checkpointing: str = "none",
-                     device: Optional[str | torch.device] = "cpu") -> nn.Module:
+                     device: str | torch.device | None = "cpu") -> nn.Module:
     """The recipe's model on `device` ("meta": nothing allocated until the strategy materialises its shards)."""
     shape = model_spec.shape()
     if model_spec.hf_config is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
@@ -137,7 +136,7 @@ def load_weights(model: HFCausalLM, weights_dir: str | Path, *, sharded: bool, r
     return len(sd)
 
 
-def save_weights(model: nn.Module, directory: str | Path, config: Optional[dict] = None) -> Path:
+def save_weights(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
     """A Hugging Face directory (config.json + model.safetensors) of a plain, unwrapped model: test fixtures
     and small exports."""
     from safetensors.torch import save_file
