@@ -96,23 +96,10 @@ def main() -> None:
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
 
-    def lr_lambda(step: int) -> float:  # linear warmup, then cosine to 0
-        if step < a.warmup:
-            return (step + 1) / a.warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(a))
     zero = a.strategy.startswith("zero")
     if zero and a.mode == "train":
-        import deepspeed
-
-        cfg = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": ga,
-               "gradient_clipping": 1.0, "zero_optimization": {"stage": int(a.strategy[-1])},
-               "zero_allow_untested_optimizer": True,
-               "steps_per_print": 1 << 30}
-        if a.ds_config:
-            cfg = json.loads(Path(a.ds_config).read_text())
-        model, opt, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+        model, opt, sched = _deepspeed(model, opt, sched, a, ga)
 
     # Data: sample i is tokens[i*seq : (i+1)*seq + 1]; each epoch a seeded permutation cut into global
     # batches; rank r takes every world-th sample of the batch (DistributedSampler's interleaving).
@@ -142,11 +129,8 @@ def main() -> None:
         micro = next(data)
         for i, b in enumerate(micro):
             loss = _micro_step(model, b, a, last=i == len(micro) - 1, ga=ga, zero=zero)
-        if not zero:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+        if not zero:  # DeepSpeed's engine stepped in its last micro-step
+            _optimizer_step(model, opt, sched)
         if step % a.log_every == 0 or step == a.steps:
             losses[step] = loss.item()
             if rank == 0:
@@ -157,6 +141,36 @@ def main() -> None:
     (out / f"minimal-{rank}.json").write_text(json.dumps(rec))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _deepspeed(model, opt, sched, a, ga: int):
+    """DeepSpeed's engine with the minimal ZeRO config (or --ds-config's)."""
+    import deepspeed
+
+    cfg = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": ga,
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": int(a.strategy[-1])},
+           "zero_allow_untested_optimizer": True,
+           "steps_per_print": 1 << 30}
+    if a.ds_config:
+        cfg = json.loads(Path(a.ds_config).read_text())
+    model, opt, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+    return model, opt, sched
+
+
+def _lr_lambda(a):
+    def lr_lambda(step: int) -> float:  # linear warmup, then cosine to 0
+        if step < a.warmup:
+            return (step + 1) / a.warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))))
+
+    return lr_lambda
+
+
+def _optimizer_step(model, opt, sched) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _micro_step(model, b, a, *, last: bool, ga: int, zero: bool):
