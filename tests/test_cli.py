@@ -9,7 +9,7 @@ import pytest
 
 from testpaths import RECIPES
 
-HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko")
+HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko", "transformers")
 PY = sys.executable
 
 
@@ -170,3 +170,44 @@ def test_plan_says_what_it_does_not_model_and_its_units(run_cli):
     assert code == 0
     line = " ".join(out[out.index("not modelled:"):].split())  # rich wraps at the terminal's width
     assert all(t in line for t in ("float8", "torch.compile", "context parallelism", "GB = 1e9 bytes"))
+
+
+def test_names_without_ascii_get_distinct_run_directories(run_cli, tmp_path):
+    """Names that a scheduler cannot take (CJK, emoji, dots) never collapse into one job name, so two such
+    recipes never share a run directory and its checkpoints."""
+    from launcher.recipe import load
+
+    names = ["模型训练", "🚀🚀", "..", ".", "tiny run", "tiny-run"]
+    jobs = {n: load(RECIPES / "tiny.yaml", [f"name={json.dumps(n)}"]).job_name for n in names}
+    assert len(set(jobs.values())) == len(names), jobs
+    for job in jobs.values():
+        assert job and job.replace("-", "").replace("_", "").replace(".", "").isascii() and job[0].isalnum(), job
+    outs = []
+    for n in names[:4]:
+        code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "local", "--set", f"name={json.dumps(n)}")
+        assert code == 0, err
+        outs.append(out.split(" to ", 1)[1].split(":", 1)[0])
+    assert len(set(outs)) == 4, outs
+
+
+def test_render_refuses_a_recipe_validate_finds_errors_in(run_cli, tmp_path):
+    """A rendered job must be runnable: errors stop `render` (nothing written) unless --force says otherwise."""
+    bad = ["--set", "parallelism.tensor=3"]  # 2 CPU ranks cannot hold tensor groups of 3
+    code, _, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "local", "-o", tmp_path / "r", *bad)
+    assert code != 0 and "validation found errors" in err and "--force" in err, err
+    assert not (tmp_path / "r").exists()
+    code, _, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "local", "-o", tmp_path / "f", "--force", *bad)
+    assert code == 0 and "despite validation errors" in err and (tmp_path / "f" / "launch.sh").exists(), err
+
+
+def test_local_launch_without_an_exported_secret_stops_before_training(run_cli, tmp_path):
+    """A recipe's secret that the shell does not export ends the local launch with exit 2 and its name,
+    before torchrun starts (as the SLURM script and the SkyPilot backend do)."""
+    code, _, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "local", "-o", tmp_path / "r",
+                           "--set", "secrets=[MY_API_TOKEN]")
+    assert code == 0, err
+    env = {k: v for k, v in os.environ.items() if k != "MY_API_TOKEN"}
+    p = subprocess.run(["bash", str(tmp_path / "r" / "launch.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "MY_API_TOKEN is not set" in p.stderr, (p.returncode, p.stderr)
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()

@@ -9,18 +9,14 @@ from .loading import json_schema, load, load_text, parse_override
 from .schema import (
     CheckpointSpec,
     DataSpec,
-    LocalTarget,
     ModelSpec,
     ParallelismSpec,
     Recipe,
     ResourcesSpec,
-    SkyStorage,
-    SkyTarget,
-    SlurmTarget,
-    SshSpec,
     TargetsSpec,
     TrainingSpec,
 )
+from .target_specs import LocalTarget, SkyStorage, SkyTarget, SlurmTarget, SshSpec
 
 __all__ = ["Recipe", "ModelSpec", "ParallelismSpec", "ResourcesSpec", "DataSpec", "TrainingSpec", "CheckpointSpec",
            "LocalTarget", "SshSpec", "SlurmTarget", "SkyStorage", "SkyTarget", "TargetsSpec", "load", "load_text", "parse_override",

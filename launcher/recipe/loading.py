@@ -19,7 +19,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ..errors import Problem, RecipeError
-from .schema import Recipe, suggest
+from .fields import suggest
+from .schema import Recipe
 
 MAX_BYTES = 1 << 20  # a recipe is a page of YAML; 1 MiB leaves room for long env or setup lists
 MAX_DEPTH = 32

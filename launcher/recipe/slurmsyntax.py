@@ -153,7 +153,7 @@ def parse_mail_types(value: str | list) -> list[str]:
     out: list[str] = []
     for it in items:
         if not isinstance(it, str) or it.strip().upper() not in MAIL_TYPES:
-            from .schema import suggest
+            from .fields import suggest
 
             raise ValueError(f"{str(it)[:40]!r} is not a SLURM mail type{suggest(str(it).upper(), MAIL_TYPES)}; "
                              f"known: {', '.join(MAIL_TYPES)}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..errors import DtlaunchError
 from ..recipe import Recipe
 from ..recipe.images import for_apptainer, for_enroot
-from ..recipe.schema import MOUNT_PATH
+from ..recipe.target_specs import MOUNT_PATH
 from .shell import ShellExpr, Word
 
 # The mount list the batch shell builds and exports (the submit directory is known only at run time).

@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..errors import DtlaunchError
-from ..recipe.schema import ENV_NAME
+from ..recipe.fields import ENV_NAME
 from .shell import join, quote, sbatch_value
 
 

@@ -7,8 +7,8 @@ import re
 
 from ..plan import Plan
 from ..recipe import Recipe
-from ..recipe.schema import MOUNT_PATH
 from ..recipe.slurmsyntax import expand_hostlist
+from ..recipe.target_specs import MOUNT_PATH
 from ..render.slurm import PLAN_OPTIONS, field_clashes
 from ..render.slurm_container import checkpoint_root, image_for
 from ..render.torchrun import grace_seconds
