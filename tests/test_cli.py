@@ -211,3 +211,44 @@ def test_local_launch_without_an_exported_secret_stops_before_training(run_cli, 
                        timeout=60)
     assert p.returncode == 2 and "MY_API_TOKEN is not set" in p.stderr, (p.returncode, p.stderr)
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_up_over_a_rendered_directory_says_so_and_leaves_no_stale_files(run_cli, tmp_path):
+    """`up` into a directory `render` wrote replaces it with a note, and what the earlier render produced
+    that this job does not (a sweep's task-N directories) is gone: the directory is exactly what is submitted."""
+    out = tmp_path / "job"
+    code, _, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "-o", out,
+                           "--sweep", "training.seed=1,2", "--set", "targets.slurm.partition=debug")
+    assert code == 0, err
+    assert any(p.name.startswith("task-") for p in out.iterdir())
+    code, _, err = run_cli("up", RECIPES / "tiny.yaml", "-t", "slurm", "-o", out, "--dry-run",
+                           "--set", "targets.slurm.partition=debug")
+    assert code == 0, err
+    assert "replacing the files `dtlaunch render` wrote" in err, err
+    assert not any(p.name.startswith("task-") for p in out.iterdir()), sorted(p.name for p in out.iterdir())
+
+
+def test_a_steps_override_on_a_tokens_recipe_says_how_to_unset_tokens(run_cli):
+    code, _, err = run_cli("plan", RECIPES / "llama70b.yaml", "--set", "training.steps=100")
+    assert code != 0 and "--set training.tokens=null" in err, err
+    code, out, err = run_cli("plan", RECIPES / "llama70b.yaml", "--set", "training.tokens=null",
+                             "--set", "training.steps=100", "--set", "resources.nodes=16")
+    assert code == 0 and "100 steps" in out, err
+
+
+def test_render_prints_a_summary_and_show_prints_the_scripts(run_cli, tmp_path):
+    code, out, err = run_cli("render", RECIPES / "llama70b.yaml", "-t", "slurm", "-o", tmp_path / "q")
+    assert code == 0, err
+    assert len(out.splitlines()) <= 3 and "#SBATCH" not in out, out
+    code, out, err = run_cli("render", RECIPES / "llama70b.yaml", "-t", "slurm", "-o", tmp_path / "s", "--show")
+    assert code == 0 and "#SBATCH" in out and len(out.splitlines()) > 50, err
+
+
+def test_a_bad_plan_ends_a_local_launch_once_with_2_before_torchrun(run_cli, tmp_path):
+    """The plan is checked once before torchrun starts: exit 2 at once, never torchrun's retries."""
+    code, _, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "local", "-o", tmp_path / "r", "--force",
+                           "--set", "parallelism.tensor=3")
+    assert code == 0, err
+    p = subprocess.run(["bash", str(tmp_path / "r" / "launch.sh")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "ChildFailedError" not in p.stderr and "cannot run this plan" in p.stderr, p.stderr[-2000:]

@@ -126,7 +126,7 @@ def check(recipe, plan, run_dir: Path) -> str:
     from .parallel import resolve_layout
 
     found = check_libraries(plan)
-    resolve_layout(plan, plan.layout.dp * plan.layout.tp * plan.layout.pp)
+    resolve_layout(plan, plan.world_size)  # the world torchrun will start: a layout it cannot hold fails here, once
     if recipe.entrypoint is not None:  # the user's code brings its own model, data and training length
         what = check_entrypoint(recipe.entrypoint)
     else:
