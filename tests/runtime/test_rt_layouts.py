@@ -306,8 +306,12 @@ MEMORY = {
     "pp2": (2, ["parallelism.pipeline=2"], 0.01),
     "pp2-bf16": (2, ["parallelism.pipeline=2", "parallelism.precision=bf16"], 0.01),
     "pp2-interleaved": (2, ["parallelism.pipeline=2", "parallelism.pipeline_schedule=interleaved_1f1b"], 0.05),
-    "tp2xdp2-bf16": (4, ["parallelism.tensor=2", "parallelism.precision=bf16"], 0.01),
-    "tp2xdp2-grad-op": (4, ["parallelism.tensor=2", "parallelism.strategy=fsdp_grad_op"], 0.01),
+    # 2%: now and then one rank's peak is exactly 128 KiB (+1.16%) above the usual one, on the same code and
+    # data (1 run in 6 here, once in CI). 128 KiB is the head's fp32 gradient on one tensor-parallel rank
+    # (vocab/2 x hidden x 4 B): most likely the reduce-scatter's input, which gloo's thread releases when the
+    # collective completes, sometimes after the next allocation has set the peak. The usual peak is 0.004% off.
+    "tp2xdp2-bf16": (4, ["parallelism.tensor=2", "parallelism.precision=bf16"], 0.02),
+    "tp2xdp2-grad-op": (4, ["parallelism.tensor=2", "parallelism.strategy=fsdp_grad_op"], 0.02),
     # 2 micro-batches through 2 stages: the first rank runs both forwards before any backward
     "pp2xdp2-ddp": (4, ["parallelism.pipeline=2", "parallelism.strategy=ddp"], 0.01),
     "tp2xpp2-sp-bf16": (4, ["parallelism.tensor=2", "parallelism.pipeline=2", "parallelism.sequence_parallel=true",

@@ -52,6 +52,24 @@ def wait_gone(job_id: str, timeout: float) -> float:
     raise AssertionError(f"job {job_id} still in squeue after {timeout}s")
 
 
+# States of a job that slurmctld has not finished with; sacct shows them until slurmdbd records the end.
+UNFINISHED = {"PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "COMPLETING", ""}
+
+
+def sacct_rows(job_id: str, fields: str = "JobID,State,ExitCode", timeout: float = 60) -> list[list[str]]:
+    """sacct's rows for a job that has left squeue, once accounting has recorded its end: slurmctld sends
+    the end to slurmdbd asynchronously, so on a loaded machine sacct can say PENDING for a job that has
+    already failed (seen in CI). The State column must be in `fields`."""
+    col = fields.split(",").index("State")
+
+    def rows():
+        out = sh("sacct", "-n", "-P", "-j", job_id, "-o", fields, check=False).stdout
+        got = [line.split("|") for line in out.splitlines() if line]
+        return got if got and all(r[col].split()[0] not in UNFINISHED for r in got) else None
+
+    return wait_for(rows, timeout, f"sacct to record the end of job {job_id}", interval=0.5)
+
+
 def wait_for(pred, timeout: float, what: str, interval: float = 0.3):
     t0 = time.time()
     while time.time() - t0 < timeout:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from launcher.render.package import wheel_name
-from slurmkit import REPO, VENV_ACTIVATE, render_to, sh, shared_dir, wait_gone
+from slurmkit import REPO, VENV_ACTIVATE, render_to, sacct_rows, sh, shared_dir, wait_gone
 
 IMAGE = "nvcr.io/nvidia/pytorch:24.05-py3"
 STEPS = 4
@@ -201,8 +201,8 @@ def test_a_broken_image_fails_once_before_training(tmp_path, partition, stubs, m
     assert (out / "jobs" / job / "state").read_text().strip() == "FAILED"
     assert [c for c in calls(stubs) if "--check" in c["cmd"]] and not [c for c in calls(stubs)
                                                                         if c["cmd"].endswith("step.sh")]
-    sacct = sh("sacct", "-n", "-X", "-P", "-j", job, "-o", "State,ExitCode").stdout.split()
-    assert sacct == ["FAILED|2:0"], sacct
+    sacct = sacct_rows(job, "JobID,State,ExitCode")
+    assert [r[1:] for r in sacct if r[0] == job] == [["FAILED", "2:0"]], sacct
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 
 from launcher.jobenv import ExitCode
 from launcher.runtime.ckptdir import complete_steps
-from slurmkit import Job, overrides, release_after_requeue, render_to, sh, squeue_state, wait_for, wait_gone
+from slurmkit import Job, overrides, release_after_requeue, render_to, sacct_rows, sh, squeue_state, wait_for, wait_gone
 
 pytestmark = pytest.mark.slow
 BARE = {"PATH": "/usr/local/bin:/usr/bin:/bin"}  # a login shell with no environment activated
@@ -25,8 +25,7 @@ def activating(partition: str, extra=()) -> list[str]:
 
 
 def sacct_state(job_id: str) -> str:
-    out = sh("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State", check=False).stdout.split()
-    return out[0] if out else ""
+    return sacct_rows(job_id, "JobID,State")[0][1]
 
 
 def test_the_environment_comes_from_setup_not_from_the_rendering_machine(tmp_path, partition):

@@ -27,7 +27,7 @@ from launcher.runtime.metrics import read_metrics
 from launcher.targets import submitit_job
 from launcher.targets.registry import Registry
 from launcher.targets.submitit_job import Outcome, decide
-from slurmkit import REPO, release_after_requeue, render_to, sh, shared_dir, squeue_state, wait_for
+from slurmkit import REPO, release_after_requeue, render_to, sacct_rows, sh, shared_dir, squeue_state, wait_for
 
 TINY = REPO / "recipes" / "tiny.yaml"
 VENV_ACTIVATE = str(Path(sys.executable).parent / "activate")
@@ -72,8 +72,8 @@ class Run:
         return p.read_text(errors="replace") if p.exists() else "(no log)"
 
     def sacct(self) -> list[list[str]]:
-        out = sh("sacct", "-n", "-P", "-j", self.id, "-o", "JobID,State,ExitCode", check=False).stdout
-        return [line.split("|") for line in out.splitlines() if line]
+        """Once accounting has recorded the end (sacct_rows)."""
+        return sacct_rows(self.id)
 
 
 @pytest.fixture
