@@ -67,7 +67,8 @@ def test_zero_offload_keeps_only_16bit_weights_on_the_gpu(strategy):
     """ZeRO-Offload (Ren et al. 2021, sec. 3): with optimizer offload the 16-bit gradients are reduced into host
     memory with the fp32 master weights and Adam's moments; the GPU keeps the 16-bit weights, no fp32 gradient
     partition for the step, and (ZeRO-1/2) one staging buffer the gradients pass through on their way out."""
-    from launcher.plan.moments import _deepspeed_buffers, states, units
+    from launcher.plan.moments import deepspeed_buffers, units
+    from launcher.plan.states import states
 
     n, d = 7e9, 8
     on = Layout(strategy=strategy, dp=d, offload="none")
@@ -80,7 +81,7 @@ def test_zero_offload_keeps_only_16bit_weights_on_the_gpu(strategy):
     shape = ModelShape(layers=32, hidden=4096, ffn_hidden=11008, heads=32, kv_heads=32, vocab=32000, seq_len=4096)
     if strategy != "zero3":
         u = units(shape, "llama", n, off)
-        assert _deepspeed_buffers(u, off, 2) > _deepspeed_buffers(u, on, 2)
+        assert deepspeed_buffers(u, off, 2) > deepspeed_buffers(u, on, 2)
     tl_on = timeline(shape, "llama", n, 4096, on)
     tl_off = timeline(shape, "llama", n, 4096, off)
     for m in tl_off:

@@ -9,8 +9,8 @@ import pytest
 from launcher.catalog import PRESETS
 from launcher.plan.layout import Layout
 from launcher.plan.memory import breakdown
-from launcher.plan.moments import part_of, rank_params
 from launcher.plan.params import count_params, layer_params, layer_params_per_rank
+from launcher.plan.parts import part_of, rank_params
 from launcher.plan.pipeline import _interleaved_ops, in_flight, schedule_problem, stage_layers, stages_of_rank
 
 

@@ -166,8 +166,9 @@ def test_ddp_on_real_tensors_matches_the_planner(sets, tmp_path):
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from launcher.runtime.layout import resolve_layout
     from launcher.runtime.models import build_model
-    from launcher.runtime.parallel import resolve_layout, wrap_model
+    from launcher.runtime.parallel import wrap_model
 
     recipe, plan = _plan("tiny.yaml", "parallelism.strategy=ddp", "resources.accelerator=cpu:1", "model.layers=2",
                          *sets)

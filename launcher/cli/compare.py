@@ -94,7 +94,8 @@ def largest_module_params(shape) -> int:
 
 
 def compare(recipe, plan) -> Comparison:
-    from ..plan.moments import _deepspeed_buffers, deepspeed_step_fp32_grads, states, units
+    from ..plan.moments import deepspeed_buffers, units
+    from ..plan.states import deepspeed_step_fp32_grads, states
     from ..strategies import spec
 
     lay = plan.layout
@@ -142,7 +143,7 @@ def compare(recipe, plan) -> Comparison:
         u = units(shape, recipe.model.architecture, n, lay)
         unit = max(u.layer, u.emb, u.head, u.root)
         rows.append(Row("16-bit weights (partition)", st.params, ds_params, ""))
-        gathered = _deepspeed_buffers(u, lay, w)
+        gathered = deepspeed_buffers(u, lay, w)
         rows.append(Row("gathered layer", gathered, layer,
                         f"DeepSpeed: the largest single module ({big / 1e6:.0f}M params) with its 16-bit weight and "
                         f"gradient, 4 bytes/param; dtlaunch: a whole block ({unit / 1e6:.0f}M params), in use and "

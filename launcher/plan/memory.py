@@ -2,9 +2,9 @@
 
 Sources, cited at each formula:
 - [ZeRO] Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 3
-  and 5 (model states: `moments.model_states`).
+  and 5 (model states: `states.model_states`).
 - [ZeRO-Offload] Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training", sec. 3 (with
-  optimizer offload only the 16-bit parameters stay on the GPU: `moments.model_states`), and DeepSpeed's own
+  optimizer offload only the 16-bit parameters stay on the GPU: `states.model_states`), and DeepSpeed's own
   estimators, `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
   (`dtlaunch plan --compare deepspeed` prints them beside these figures).
 - [MLM3] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4,
@@ -30,7 +30,7 @@ Choices where the sources disagree (`UNITS`, `NOT_MODELLED`; the plan states the
   4 being the fp32 copy of the gradient partition its optimizer step builds. The planner follows what each
   runtime keeps: 16 for DDP/FSDP2 (fp32 weights double as the master copy; torch keeps fp32 gradients, which
   is also where gradients accumulate across micro-batches), and for DeepSpeed 16 for the whole step plus that
-  fp32 gradient partition in the optimizer-step moment only (`moments.deepspeed_step_fp32_grads`).
+  fp32 gradient partition in the optimizer-step moment only (`states.deepspeed_step_fp32_grads`).
 - Not modelled (`NOT_MODELLED`): float8 linears, torch.compile and context parallelism; the recipe cannot ask
   for them, and a run that adds them in its own code is outside these figures.
 """
@@ -42,7 +42,9 @@ from ..catalog import ModelShape
 from ..jobenv import GB
 from .activations import activation_bytes_per_layer
 from .layout import Layout
-from .moments import MOMENTS, TERMS, model_states, optimizer_state_bytes, pipeline_parts, rank_params, timeline
+from .moments import MOMENTS, TERMS, timeline
+from .parts import pipeline_parts, rank_params
+from .states import model_states, optimizer_state_bytes
 
 # What the figures leave out, said in every plan (printed and `plan --json`'s "not_modelled"): none of them has a
 # source this planner could cite for its memory, and the runtime does not use them.
@@ -109,7 +111,7 @@ def breakdown(shape: ModelShape | None, arch: str, n_params: int, seq: int, lay:
     pipeline parallelism, of the rank (first or last stage) whose step peaks higher."""
     best = None
     for part in pipeline_parts(shape, lay):
-        # TP splits the blocks, PP gives each rank its stages' blocks (`moments.rank_params`)
+        # TP splits the blocks, PP gives each rank its stages' blocks (`parts.rank_params`)
         n = rank_params(shape, arch, n_params, lay, part)
         moments = timeline(shape, arch, n, seq, lay, part)
         totals = {m: sum(t.values()) for m, t in moments.items()}

@@ -35,7 +35,6 @@ embedding, each block, the output head, and the root with the final norm.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from ..catalog import ModelShape
@@ -44,7 +43,8 @@ from ..strategies import Family
 from . import activations as act
 from .layout import Layout
 from .params import embedding_params, layer_params, layer_params_per_rank
-from .pipeline import in_flight, num_stages, stage_layers, stages_of_rank, steady
+from .parts import WHOLE_MODEL, Part, pipeline_parts
+from .states import fsdp_group, states
 
 MOMENTS = ("forward", "loss forward", "loss backward", "head backward", "layer backward", "end of backward",
            "optimizer step")
@@ -52,157 +52,6 @@ MOMENTS = ("forward", "loss forward", "loss backward", "head backward", "layer b
 # in backward adds, `loss` the head, logits and loss temporaries, `buffers` the strategy's communication and
 # gathered-weight buffers.
 TERMS = ("params", "grads", "optimizer", "activations", "backward", "loss", "buffers")
-
-@dataclass(frozen=True)
-class States:
-    """Model states per GPU, bytes: what the strategy keeps for the whole step."""
-
-    params: float
-    grads: float
-    optimizer: float
-    step_temp: float  # extra optimizer memory during the optimizer step (torch AdamW's foreach temporary)
-    step_grads: float = 0.0  # extra gradient memory during the optimizer step (DeepSpeed's fp32 partition)
-
-
-def optimizer_state_bytes(precision: str, optimizer: str = "adamw") -> int:
-    """Bytes of optimizer state per parameter: [ZeRO] K=12 for mixed-precision Adam (fp32 master + m + v)."""
-    moments = 8 if optimizer == "adamw" else 4
-    return moments + (4 if precision in ("bf16", "fp16") else 0)
-
-
-def model_states(n: float, lay: Layout) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes per GPU for `n` parameters in this model-parallel shard.
-
-    [ZeRO] Rajbhandari et al. 2019, sec. 5, mixed-precision Adam: weights 2, grads 2, optimizer K=12 bytes per
-    parameter; ZeRO-1 shards the optimizer over dp, ZeRO-2 also the gradients, ZeRO-3 also the weights.
-    DDP and FSDP2 keep what torch keeps: fp32 weights (autocast, or FSDP2's sharded fp32 master) and fp32
-    gradients; the fp32 weights double as the master copy, so the optimizer holds moments only (4+4+8 = 16
-    bytes, [ZeRO]'s 2+2+12). FSDP2's gathered 16-bit weights are buffers (`moments`), not states.
-
-    Offload. [ZeRO-Offload] Ren et al. 2021, sec. 3 (the offload strategy): only the 16-bit parameters stay on
-    the GPU; the 16-bit gradients are moved to CPU memory as they are reduced (bucket by bucket, so the GPU
-    holds the buckets: `_deepspeed_buffers`), and the fp32 master weights and Adam's moments live and are
-    updated there.
-    DeepSpeed's estimators say the same (`estimate_zero2_model_states_mem_needs(cpu_offload=True)`: 2 bytes
-    per parameter on the GPU; ZeRO-3: the parameters' partition and the largest layer). FSDP2's
-    CPUOffloadPolicy moves sharded parameters, gradients and optimizer state to the host.
-    """
-    mixed = lay.precision in ("bf16", "fp16")
-    opt = optimizer_state_bytes(lay.precision, lay.optimizer)
-    sp = lay.spec
-    if sp.family is Family.TORCH:
-        weight, grad, optim = 4, 4, opt - (4 if mixed else 0)
-    else:
-        w16 = 2 if mixed else 4
-        weight, grad, optim = w16, w16, opt
-    group = lay.shard_group
-    p = weight * n / (group if "params" in sp.shards else 1)
-    g = grad * n / (group if "grads" in sp.shards else 1)
-    o = optim * n / (group if "optimizer" in sp.shards else 1)
-    if lay.offload in ("optimizer", "params"):
-        o = 0.0  # [ZeRO-Offload] / FSDP2 CPUOffloadPolicy: optimizer state in host memory
-        g = 0.0  # [ZeRO-Offload]: gradients too (reduced into host memory); FSDP2 offloads them as well
-    if lay.offload == "params":
-        p = 0.0  # ZeRO-Infinity offload_param / FSDP2 CPUOffloadPolicy: only gathered units live on the GPU
-    return p, g, o
-
-
-# DeepSpeed ZeRO-3 steps its optimizer one sub-group of at most this many elements at a time (its default
-# `sub_group_size`, which the rendered config leaves alone): the fp32 gradient of one sub-group exists at once.
-DS_SUB_GROUP_SIZE = 1_000_000_000
-
-
-def deepspeed_step_fp32_grads(n: float, lay: Layout) -> float:
-    """Bytes of the fp32 gradient partition DeepSpeed builds for its optimizer step (no offload).
-
-    ZeRO-1/2 (`stage_1_and_2.py`, step): the reduced 16-bit gradient partition is flattened and cast to fp32
-    (`single_grad_partition`), the optimizer steps, and the copy is deleted ("get rid of the fp32 gradients");
-    ZeRO-3 does the same per sub-group (`_prepare_fp32_grad_for_sub_group`). This is the 4 bytes per parameter
-    by which DeepSpeed's estimators (18 bytes per parameter besides the 16-bit weights) exceed the ZeRO paper's
-    2 + 12: alive in the optimizer step only, so the planner adds it to that moment, not to the whole step."""
-    if lay.offload in ("optimizer", "params"):
-        return 0.0  # the fp32 gradients are in host memory with the optimizer
-    part = n / (lay.shard_group if "optimizer" in lay.spec.shards else 1)
-    if "params" in lay.spec.shards:
-        part = min(part, DS_SUB_GROUP_SIZE)
-    return 4 * part
-
-
-def fsdp_group(lay: Layout) -> int:
-    """Ranks an FSDP2 unit is sharded over: the sharding group, or one for `ddp` in a tensor/pipeline layout
-    (the runtime's FSDP2 with shard groups of one; `launcher.runtime.meshengine`)."""
-    return lay.shard_group if lay.spec.sharded else 1
-
-
-def states(n: float, lay: Layout) -> States:
-    p, g, o = model_states(n, lay)
-    # torch AdamW with foreach (its CUDA default) allocates sqrt(exp_avg_sq) for every parameter at once.
-    temp = 4 * n / (lay.shard_group if "optimizer" in lay.spec.shards else 1) if lay.optimizer == "adamw" else 0.0
-    if lay.spec.family is Family.DEEPSPEED:  # DeepSpeed steps its own flat fp32 partitions
-        return States(p, g, o, 0.0, deepspeed_step_fp32_grads(n, lay))
-    if o == 0:
-        temp = 0.0  # offloaded states step on the host
-    return States(p, g, o, temp)
-
-
-@dataclass(frozen=True)
-class Part:
-    """What one rank holds of the model, and the most block activations it keeps at once: the whole model
-    (pp = 1: every block of one micro-batch), or a pipeline rank's stages under its schedule."""
-
-    emb: bool = True
-    head: bool = True
-    blocks: float = 0.0  # blocks held
-    stage_blocks: float = 0.0  # blocks of its largest stage (what one micro-batch's backward frees)
-    in_flight: float = 0.0  # blocks' worth of activations alive at the most (`pipeline.in_flight`)
-    outputs: float = 0.0  # stage outputs kept for backward then (one per micro-batch and stage in flight)
-    recv: float = 0.0  # the stages' receive buffers, residual-stream sized (`timeline`)
-    steady: bool = True  # a backward runs before the rank's last forward (`pipeline.steady`)
-    rank: int = 0  # the pipeline rank
-
-
-def pipeline_parts(shape: ModelShape | None, lay: Layout) -> list[Part]:
-    """The ranks to size: everything when pp = 1; else the first pipeline rank (the embedding, the most micro-
-    batches in flight) and the last (the head, the logits, the loss). Middle ranks hold no more than the first."""
-    if shape is None:
-        return [Part()]
-    return [part_of(shape, lay, r) for r in sorted({0, lay.pp - 1})]
-
-
-def part_of(shape: ModelShape, lay: Layout, rank: int) -> Part:
-    """What pipeline rank `rank` holds: the runtime's split (`pipeline.stage_layers`) and schedule."""
-    if lay.pp == 1:
-        return Part(blocks=shape.layers, in_flight=shape.layers)
-    stages = num_stages(lay.pp, lay.pp_schedule)
-    try:
-        counts = stage_layers(shape.layers, stages)
-    except ValueError:  # more stages than blocks: refused by validate; size an even split meanwhile
-        counts = [math.ceil(shape.layers / stages)] * stages
-    ids = stages_of_rank(rank, lay.pp, lay.pp_schedule)
-    blocks = {i: float(counts[i]) for i in ids}
-    return Part(emb=0 in ids, head=stages - 1 in ids, blocks=sum(blocks.values()), stage_blocks=max(blocks.values()),
-                in_flight=in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, rank, blocks),
-                outputs=in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, rank,
-                                  {i: 1.0 for i in ids if i != stages - 1}),
-                recv=lay.grad_accum * sum((i != 0) + (i != stages - 1) for i in ids),
-                steady=steady(lay.pp_schedule, lay.pp, lay.grad_accum, rank), rank=rank)
-
-
-def rank_states(shape: ModelShape, arch: str, n_params: float, lay: Layout, pp_rank: int) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes the optimizer step sees on a rank of pipeline rank `pp_rank`: what
-    tests/runtime/test_rt_layouts.py reads off the runtime's wrapped model."""
-    return model_states(rank_params(shape, arch, n_params, lay, part_of(shape, lay, pp_rank)), lay)
-
-
-def rank_params(shape: ModelShape | None, arch: str, n_params: float, lay: Layout, part: Part) -> float:
-    """Parameters on one rank before data-parallel sharding: its stages' blocks, the embedding and the head
-    where it holds them, with tensor parallelism's split (`params.layer_params_per_rank`). A params-only or
-    GPT model: an even share, n / (tp x pp)."""
-    if shape is None or arch == "gpt" or not part.blocks:
-        return n_params / (lay.tp * lay.pp)
-    vh = shape.vocab * shape.hidden / lay.tp
-    head = (0.0 if shape.tied_embeddings else vh) + shape.hidden
-    return (vh if part.emb else 0.0) + part.blocks * layer_params_per_rank(shape, lay.tp) + (head if part.head else 0.0)
 
 
 @dataclass(frozen=True)
@@ -217,7 +66,7 @@ class Units:
     w2: float
 
 
-def units(shape: ModelShape | None, arch: str, n: float, lay: Layout, part: Part = Part()) -> Units:
+def units(shape: ModelShape | None, arch: str, n: float, lay: Layout, part: Part = WHOLE_MODEL) -> Units:
     t = lay.tp
     if shape is None:  # a params-only model: a typical block is ~1/40 of it, w2 ~1/3 of a block
         return Units(0.0, n / 40, 0.0, 0.0, n / 120)
@@ -353,7 +202,7 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
     elif not sp.sharded:
         buffers = _ddp_buffers(shape, u, n, lay, w)
     else:
-        buffers = dict.fromkeys((*MOMENTS, *VARIANTS), _deepspeed_buffers(u, lay, w))
+        buffers = dict.fromkeys((*MOMENTS, *VARIANTS), deepspeed_buffers(u, lay, w))
     buffers["optimizer step"] = 0.0
     if part.recv and shape is not None:
         # torch's pipeline stages allocate, once and for good, a receive buffer per micro-batch for the stage's
@@ -480,7 +329,7 @@ def _ddp_buffers(shape: ModelShape | None, u: Units, n: float, lay: Layout, w: f
     return out
 
 
-def _deepspeed_buffers(u: Units, lay: Layout, w: float) -> float:
+def deepspeed_buffers(u: Units, lay: Layout, w: float) -> float:
     """DeepSpeed's reduce/all-gather buckets as rendered; for ZeRO-3 the largest unit gathered twice plus its
     fp32 gradient (DeepSpeed cannot be traced: its own estimate, not derived from a trace). With ZeRO-1/2
     optimizer offload, DeepSpeed also keeps a 16-bit staging buffer of the largest parameter's size on the GPU

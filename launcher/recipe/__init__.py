@@ -6,10 +6,10 @@ a file within fixed bounds and turns every mistake into a located Problem (file,
 from __future__ import annotations
 
 from .loading import json_schema, load, load_text, parse_override
+from .model_spec import ModelSpec
 from .schema import (
     CheckpointSpec,
     DataSpec,
-    ModelSpec,
     ParallelismSpec,
     Recipe,
     ResourcesSpec,

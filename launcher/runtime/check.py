@@ -123,7 +123,7 @@ def check_checkpoint_dir(recipe, run_dir: Path) -> Path:
 
 def check(recipe, plan, run_dir: Path) -> str:
     """Raise ConfigError on the first problem; return a one-line summary otherwise."""
-    from .parallel import resolve_layout
+    from .layout import resolve_layout
 
     found = check_libraries(plan)
     resolve_layout(plan, plan.world_size)  # the world torchrun will start: a layout it cannot hold fails here, once

@@ -42,9 +42,10 @@ from .checkpoint.compat import identity
 from .ckptdir import expand_dir
 from .dist import World, init_distributed, set_collective_timeout, shutdown
 from .failures import ConfigError, Diverged, Preempted
+from .layout import RuntimeLayout, resolve_layout
 from .metrics import Metrics
 from .optim import apply_schedule
-from .parallel import Engine, RuntimeLayout, resolve_layout, wrap_model
+from .parallel import Engine, wrap_model
 from .signals import PreemptionFlag
 from .status import record_progress
 

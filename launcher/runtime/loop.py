@@ -31,11 +31,12 @@ from .data import Batches, build_dataloader, rescale_position
 from .dist import World, init_distributed, set_collective_timeout
 from .failures import ConfigError, Diverged, HangError, Preempted, PreflightError
 from .faults import Faults
+from .layout import resolve_layout
 from .metrics import Metrics
 from .models import build_for_recipe
 from .models.hf import load_weights
 from .optim import apply_schedule
-from .parallel import Engine, resolve_layout, wrap_model
+from .parallel import Engine, wrap_model
 from .signals import PreemptionFlag
 
 # Build on the meta device (and materialise shard by shard) above this many parameters.

@@ -23,9 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .failures import ConfigError
+from .layout import RuntimeLayout
 from .loss import cross_entropy
 from .optim import build_optimizer, build_scheduler
-from .parallel import DTYPES, Engine, RuntimeLayout, _make_scaler, fsdp_units
+from .parallel import DTYPES, Engine, _make_scaler, fsdp_units
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 # DTensor logs a performance advice on every rank whenever it reduces a gradient norm or gathers a weight over

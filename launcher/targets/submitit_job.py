@@ -27,7 +27,6 @@ in the same order and with the same ledgers under jobs/$SLURM_JOB_ID, so the exi
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shlex
 import signal
@@ -36,7 +35,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +45,7 @@ from submitit.slurm.slurm import SlurmExecutor
 
 from ..errors import BackendError, DtlaunchError
 from ..jobenv import ExitCode
-from ..recipe.slurmtime import parse_time
+from .slurm_decisions import JobFiles, Outcome, decide, seconds_left
 
 if TYPE_CHECKING:
     from ..render.artifacts import SlurmRequest, SubmititSpec
@@ -58,138 +56,6 @@ LOG_NAME = "{job_id}_0_log.out"  # submitit's log of task 0 (stdout and stderr, 
 
 def _log(msg: str) -> None:
     print(f"dtlaunch[submitit]: {msg}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------- the decisions (pure)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How one allocation's training ended."""
-
-    rc: int  # srun's exit code: each node's step.sh exits with its workers' own code
-    signal: str | None = None  # "USR2" (forwarded to the steps by checkpoint()), "TERM" (SLURM), None
-    time_limit: bool = False  # the USR2 came with the time limit close
-    progress: bool = False  # some rank got past the step it resumed from
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: str  # done | requeue | stop | fail
-    state: str  # jobs/ID/state: COMPLETED | REQUEUED | STOPPED | PREEMPTED | FAILED
-    code: int  # the job's exit code
-    reason: str
-    ledger: str | None = None  # the ledger this attempt is counted in: continuations | requeues | failures
-
-
-def decide(o: Outcome, *, requeues: int, failures: int, max_requeues: int, max_failures: int) -> Decision:
-    """job.sbatch's decisions after its srun, in its order. `requeues` and `failures` count earlier attempts."""
-    if o.rc == ExitCode.OK:
-        return Decision("done", "COMPLETED", 0, "finished")
-    if o.signal == "TERM":
-        return Decision("stop", "STOPPED", o.rc, "SLURM is ending this job (scancel, its own requeue or a "
-                        "preemption); the training processes checkpointed on SIGTERM; no requeue follows")
-    if o.rc == ExitCode.PREEMPTED or o.signal == "USR2":
-        if o.time_limit:
-            # A long run spans several allocations: continuing after a time limit is not a failure, as long
-            # as each allocation moves the run forward.
-            if o.progress:
-                return Decision("requeue", "REQUEUED", o.rc, "time limit reached with a checkpoint", "continuations")
-            return Decision("fail", "FAILED", o.rc, "time limit reached without progress (no step completed in "
-                            "this allocation); raise targets.slurm.time")
-        if requeues < max_requeues:
-            return Decision("requeue", "REQUEUED", o.rc, "preempted, checkpoint written", "requeues")
-        return Decision("fail", "PREEMPTED", o.rc, f"preempted, but max_requeues={max_requeues} is used up")
-    n = failures + 1
-    if o.rc != ExitCode.CONFIG and n < max_failures:
-        return Decision("requeue", "REQUEUED", o.rc, f"failure {n} of at most {max_failures}", "failures")
-    return Decision("fail", "FAILED", o.rc, f"training failed with exit code {o.rc} (failures: {n}, "
-                    f"max_failures={max_failures})", "failures")
-
-
-# ----------------------------------------------------------------------------- the job's files
-
-
-class JobFiles:
-    """What the preamble (submitit_setup.sh) exported, and the ledgers job.sbatch also keeps."""
-
-    def __init__(self, environ=os.environ):
-        try:
-            self.job_id = environ["SLURM_JOB_ID"]
-            self.job_dir = Path(environ["JOB_DIR"])
-            self.run_dir = Path(environ["DTLAUNCH_RUN_DIR"])
-            self.status = Path(environ["DTLAUNCH_STATUS"])
-            self.attempt = environ["DTLAUNCH_ATTEMPT"]
-        except KeyError as e:
-            raise DtlaunchError(f"{e.args[0]} is not set: this runs in the batch step of a job submitted with "
-                                "targets.slurm.submit: submitit, after submitit_setup.sh",
-                                fix="submit with `dtlaunch up` or launcher.submit()") from None
-        self.restart = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
-        self.run_id = environ.get("DTLAUNCH_RUN_ID", "")
-        self.checkpoint_dir = environ.get("DTLAUNCH_CHECKPOINT_DIR", str(self.run_dir / "checkpoints"))
-
-    def count(self, ledger: str) -> int:
-        p = self.job_dir / ledger
-        return len(p.read_text().splitlines()) if p.exists() else 0
-
-    def append(self, ledger: str, line: str) -> None:
-        with open(self.job_dir / ledger, "a") as f:
-            f.write(line + "\n")
-
-    def set_state(self, state: str) -> None:
-        (self.job_dir / "state").write_text(state + "\n")
-
-    def codes(self) -> list[tuple[int, int, int]]:
-        """This attempt's "CODE STEP START_STEP" per rank (what step.sh's dtl_outcome reads)."""
-        out = []
-        for p in sorted(self.status.glob("rank-*.code")):
-            try:
-                code, step, start = (int(x) for x in p.read_text().split()[:3])
-            except (OSError, ValueError):
-                continue
-            out.append((code, step, start))
-        return out
-
-    def progress(self) -> bool:
-        return any(step > start for _, step, start in self.codes())
-
-    def rank_messages(self) -> list[str]:
-        """The ranks' own words for this attempt (run_dir/status/rank-N.json): failures first, the earliest
-        first (usually the cause; the peers' communication errors follow from it)."""
-        recs = []
-        for p in sorted((self.run_dir / "status").glob("rank-*.json")):
-            try:
-                rec = json.loads(p.read_text())
-            except (OSError, ValueError):
-                continue
-            if rec.get("attempt") == self.attempt:
-                recs.append(rec)
-        recs.sort(key=lambda r: (r.get("code") in (ExitCode.OK, ExitCode.PREEMPTED), r.get("time", 0)))
-        return [f"rank {r.get('rank')}: exit {r.get('code')} ({ExitCode.name_of(int(r.get('code', 1)))})"
-                + (f" at step {r['step']}" if r.get("step") is not None else "") + f": {r.get('message')}"
-                for r in recs]
-
-    def summary(self, code: int) -> dict[str, Any]:
-        return {"state": "COMPLETED" if code == 0 else "FAILED", "exit_code": code, "job_id": self.job_id,
-                "run_id": self.run_id, "run_dir": str(self.run_dir), "checkpoint_dir": self.checkpoint_dir,
-                "metrics": str(self.run_dir / "metrics.jsonl"), "attempts": self.restart + 1,
-                "step": max((step for _, step, _ in self.codes()), default=None),
-                **{ledger: self.count(ledger) for ledger in ("continuations", "requeues", "failures")}}
-
-
-def seconds_left(job_id: str) -> int:
-    """Seconds before this job's time limit, -1 if unknown or unlimited (as job.sbatch's seconds_left)."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True,
-                             timeout=30).stdout.split()
-    except (OSError, subprocess.TimeoutExpired):
-        return -1
-    if not out or not out[0][:1].isdigit():  # UNLIMITED, NOT_SET, INVALID
-        return -1
-    try:
-        return parse_time(out[0])
-    except ValueError:
-        return -1
 
 
 # ----------------------------------------------------------------------------- the job

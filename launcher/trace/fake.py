@@ -251,8 +251,9 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..runtime.layout import resolve_layout
     from ..runtime.models import build_model
-    from ..runtime.parallel import fsdp_units, resolve_layout, wrap_model
+    from ..runtime.parallel import fsdp_units, wrap_model
 
     t0 = time.monotonic()
     shape = recipe.model.shape()

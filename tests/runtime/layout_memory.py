@@ -22,10 +22,12 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from launcher.plan import make_plan
-from launcher.plan.moments import part_of, rank_params, timeline
+from launcher.plan.moments import timeline
+from launcher.plan.parts import part_of, rank_params
 from launcher.recipe import load
+from launcher.runtime.layout import resolve_layout
 from launcher.runtime.models import build_model
-from launcher.runtime.parallel import resolve_layout, wrap_model
+from launcher.runtime.parallel import wrap_model
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
 

@@ -31,8 +31,8 @@ import pytest
 from launcher.catalog import PRESETS
 from launcher.jobenv import ExitCode
 from launcher.plan import Plan, make_plan
-from launcher.plan.moments import rank_states
 from launcher.plan.params import count_params
+from launcher.plan.parts import rank_states
 from launcher.recipe import load
 from launcher.runtime import ckptdir
 from rt_harness import (
@@ -246,7 +246,7 @@ BYTES_CASES = ["tp2", "pp2", "hf-tp2", "tp2xdp2", "pp2xdp2", "dp4", "tp2xdp2-res
 def test_every_ranks_states_are_the_planners(runs, name):
     """Per rank, the bytes of the parameters and of AdamW's two moments that the wrapped model really holds
     (DTensor local shards: tensor-parallel splits, pipeline stages, FSDP2 shards) equal the planner's figures
-    for that rank's pipeline position (`moments.rank_states`), exactly."""
+    for that rank's pipeline position (`parts.rank_states`), exactly."""
     d, _ = result(runs, name)
     from launcher import planfile
 
@@ -342,7 +342,7 @@ def memory(tmp_path_factory):
 def test_the_planners_peak_is_what_the_runtime_allocates(memory, name):
     """Every rank's peak of a training step, measured by PyTorch's MemTracker on the runtime's real tensors
     (tensor-parallel DTensors, pipeline stages and their buffers, FSDP2's shards and gathered copies), against
-    the planner's largest moment for that rank (`moments.part_of`, `timeline`)."""
+    the planner's largest moment for that rank (`parts.part_of`, `moments.timeline`)."""
     nproc, _, tol = MEMORY[name]
     rows = [json.loads(f.read_text()) for f in sorted((memory / name).glob("rank-*.json"))]
     assert len(rows) == nproc

@@ -402,7 +402,8 @@ def test_plot_metrics(tmp_path):
 
 
 def test_fsdp2_cpu_offload_on_a_cpu_machine_is_a_config_error():
-    from launcher.runtime.parallel import RuntimeLayout, shard_fsdp2
+    from launcher.runtime.layout import RuntimeLayout
+    from launcher.runtime.parallel import shard_fsdp2
 
     lay = RuntimeLayout("fsdp", "fp32", "none", "params", micro_batch=1, grad_accum=1, world_size=2)
     with pytest.raises(ConfigError, match="needs a GPU"):
@@ -410,7 +411,7 @@ def test_fsdp2_cpu_offload_on_a_cpu_machine_is_a_config_error():
 
 
 def test_layout_keeps_the_global_batch_on_another_world_size():
-    from launcher.runtime.parallel import resolve_layout
+    from launcher.runtime.layout import resolve_layout
 
     _, plan = _plan_for()
     lay, notes = resolve_layout(plan, 1)
@@ -449,7 +450,7 @@ def test_dcp_writer_checksums_equal_a_read_back(tmp_path):
 
 def test_dcp_write_threads_are_the_ranks_share_of_the_cores(monkeypatch):
     """Writer threads only where a rank has cores for them: one per core of its share, 1 to DCP_WRITE_THREADS."""
-    from launcher.runtime.checkpoint import DCP_WRITE_THREADS, dcp_write_threads
+    from launcher.runtime.checkpoint.dcpio import DCP_WRITE_THREADS, dcp_write_threads
 
     assert dcp_write_threads(cpus=2, local_ranks=2) == 1  # the benchmark machine: threads would only contend
     assert dcp_write_threads(cpus=1, local_ranks=4) == 1

@@ -26,7 +26,7 @@ from launcher.runtime.ckptdir import complete_steps
 from launcher.runtime.metrics import read_metrics
 from launcher.targets import submitit_job
 from launcher.targets.registry import Registry
-from launcher.targets.submitit_job import Outcome, decide
+from launcher.targets.slurm_decisions import Outcome, decide
 from slurmkit import REPO, release_after_requeue, render_to, sacct_rows, sh, shared_dir, squeue_state, wait_for
 
 TINY = REPO / "recipes" / "tiny.yaml"

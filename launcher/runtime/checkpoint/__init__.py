@@ -11,11 +11,9 @@ flight, and are committed as soon as every rank's manifest is visible, or at the
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,79 +25,19 @@ from .. import ckptdir
 from ..failures import ConfigError
 from ..parallel import DeepSpeedEngine, Engine
 from . import dcpio
+from .background import Pending, Pruner
 from .compat import check_compatible
 from .export import export_model
 from .lock import RunLock
 from .state import rank_file, rng_state, save_torch, set_rng_state
 
 FORMAT = 2  # 2: written in place with per-rank manifests (1: renamed from step-N.tmp, no checksums)
-# DCP writer threads per rank, at most: each writes its own file of the rank's shard (fsync'd), so the
-# serialisation of one tensor overlaps the disk writes of others. Only where the rank has the cores for them
-# (`dcp_write_threads`): a save is CPU-bound (copies into the page cache, the CRC-32 of every byte), and threads
-# beyond a rank's share of the cores only contend for them and for the GIL. Measured on the benchmark (2 ranks,
-# 2 cores, 350 MB per rank): 4 threads cost 0.60 CPU-s per save against 0.46 with one, and torch.save 0.36.
-DCP_WRITE_THREADS = 4
-
-
-def dcp_write_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
-    """Writer threads for this rank: its share of the node's cores (those this process may run on), between
-    1 and DCP_WRITE_THREADS."""
-    import os
-
-    if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
-    if local_ranks is None:
-        try:
-            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        except ValueError:
-            local_ranks = 1
-    return max(1, min(DCP_WRITE_THREADS, cpus // local_ranks))
-
-
 class CheckpointInvalid(Exception):
     """A committed checkpoint whose files do not check out, or that cannot be loaded."""
 
     def __init__(self, step: int, problems: list[str]):
         self.step, self.problems = step, problems
         super().__init__("; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
-
-
-def _dcp_writer(path: Path):
-    """DCP's filesystem writer with every file fsync'd before the save returns (sync_files), recording each
-    file's CRC-32 as it is written (dcpio)."""
-    return dcpio.writer(path, dcp_write_threads())
-
-
-@dataclass
-class _Pending:
-    step: int
-    future: Future
-    meta: dict
-    t0: float
-    writer: Any = None
-    manifest: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    committed: bool = False
-
-
-class _Pruner:
-    """ckptdir.prune on a background thread (rank 0); joined before the next commit and by wait()."""
-
-    def __init__(self, root: Path, keep: int):
-        self.root, self.keep = root, keep
-        self.removed: list[Path] = []
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="dtlaunch-prune", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.removed = ckptdir.prune(self.root, self.keep)
-        except BaseException as e:  # reported by the joiner
-            self.error = e
 
 
 class Checkpointer:
@@ -120,8 +58,8 @@ class Checkpointer:
         self.event = event or (lambda *a, **k: None)
         self.allow_changed_recipe = allow_changed_recipe
         self.run_id = run_id
-        self._pending: _Pending | None = None
-        self._pruner: _Pruner | None = None  # rank 0: deleting old checkpoints in the background
+        self._pending: Pending | None = None
+        self._pruner: Pruner | None = None  # rank 0: deleting old checkpoints in the background
         self._lock = RunLock(self.root)
         self.distributed = dist.is_available() and dist.is_initialized()
         self._stager = None  # async saves: DCP's stager, kept so that its CPU copy is reused by every save
@@ -229,13 +167,13 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         state = self._model_optim_state()
-        writer = _dcp_writer(path)
+        writer = dcpio.writer(path)
         if self.async_save and not blocking and self.distributed:
             fut = dcp.async_save(state, storage_writer=writer, planner=dcpio.planner(), process_group=self.group,
                                  async_stager=self._async_stager())
             if not isinstance(fut, Future):  # AsyncSaveResponse (staging + upload futures)
                 fut = fut.upload_completion
-            pending = _Pending(step, fut, meta, t0, writer)
+            pending = Pending(step, fut, meta, t0, writer)
             fut.add_done_callback(lambda f, p=pending: self._write_manifest_after(f, p))
             self._pending = pending
             self.log(f"checkpoint step {step}: staged in {time.time() - t0:.2f}s, writing in the background")
@@ -245,7 +183,7 @@ class Checkpointer:
                      process_group=self.group if self.distributed else None, no_dist=not self.distributed)
         self._finish(step, meta, t0, dcpio.written_sums(writer, path))
 
-    def _write_manifest_after(self, fut: Future, p: _Pending) -> None:
+    def _write_manifest_after(self, fut: Future, p: Pending) -> None:
         """In the writer's thread, when this rank's part of an async save is on disk: its manifest."""
         try:
             fut.result()
@@ -276,7 +214,7 @@ class Checkpointer:
                    reason=meta.get("reason"))
         # Deleting old checkpoints is not part of the commit (the new one is already durable and marked;
         # a prune cut short leaves unmarked directories that start-up cleans): run it off the critical path.
-        self._pruner = _Pruner(self.root, self.keep)
+        self._pruner = Pruner(self.root, self.keep)
 
     def _join_pruner(self) -> None:
         pr, self._pruner = self._pruner, None

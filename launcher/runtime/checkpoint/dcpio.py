@@ -117,11 +117,39 @@ def _checksumming_fs():
     return ChecksummingFileSystem()
 
 
-def writer(path: Path, thread_count: int):
-    """A FileSystemWriter for `path` (one file per rank and thread, fsync'd) that records checksums."""
+# DCP writer threads per rank, at most: each writes its own file of the rank's shard (fsync'd), so the
+# serialisation of one tensor overlaps the disk writes of others. Only where the rank has the cores for them
+# (`dcp_write_threads`): a save is CPU-bound (copies into the page cache, the CRC-32 of every byte), and threads
+# beyond a rank's share of the cores only contend for them and for the GIL. Measured on the benchmark (2 ranks,
+# 2 cores, 350 MB per rank): 4 threads cost 0.60 CPU-s per save against 0.46 with one, and torch.save 0.36.
+DCP_WRITE_THREADS = 4
+
+
+def dcp_write_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """Writer threads for this rank: its share of the node's cores (those this process may run on), between
+    1 and DCP_WRITE_THREADS."""
+    import os
+
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+    if local_ranks is None:
+        try:
+            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            local_ranks = 1
+    return max(1, min(DCP_WRITE_THREADS, cpus // local_ranks))
+
+
+def writer(path: Path, thread_count: int | None = None):
+    """A FileSystemWriter for `path` (one file per rank and thread, fsync'd before the save returns:
+    sync_files) that records each file's CRC-32 as it is written; `dcp_write_threads()` threads by default."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    w = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+    threads = dcp_write_threads() if thread_count is None else thread_count
+    w = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=threads)
     if hasattr(w, "fs"):  # where DCP keeps its filesystem; without it, the manifest reads the files back
         w.fs = _checksumming_fs()
     return w
