@@ -24,7 +24,6 @@ twice. A collective that times out raises, and launcher.entry turns it into exit
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from .checkpoint import Checkpointer
 from .checkpoint.compat import identity
 from .ckptdir import expand_dir
 from .dist import World, init_distributed, set_collective_timeout, shutdown
-from .failures import ConfigError, Diverged, Preempted
+from .failures import ConfigError, NonFiniteLosses, Preempted
 from .layout import RuntimeLayout, resolve_layout
 from .metrics import Metrics
 from .optim import apply_schedule
@@ -65,8 +64,9 @@ class Job:
         self.start_step = 0
         self.engine: Engine | None = None
         self.checkpointer: Checkpointer | None = None
-        self.nonfinite = 0
+        self.nonfinite = NonFiniteLosses(recipe.training.max_nonfinite_steps, lambda m: self.metrics.log(m))
         self._last_saved: int | None = None
+        self._position: dict = {}  # the caller's state at the last step, for finish()
         self._t_step = time.perf_counter()
         self.metrics = Metrics(run_dir, enabled=world.is_main, total_steps=plan.steps or 0, is_gpu=world.is_gpu)
         for n in notes:
@@ -186,7 +186,7 @@ class Job:
             self.metrics.step(step, loss=mean_loss, lr=self.engine.step_lr or self.engine.lr, tokens=self.layout.global_batch * self.plan.seq_len,
                               step_time=now - self._t_step, grad_norm=None, extra=metrics or None)
         self._t_step = now
-        finite = self._finite(mean_loss)
+        finite = self.nonfinite.check(mean_loss, step)
         position = _json_state(state)
         cp.poll()
         if stop:
@@ -198,20 +198,6 @@ class Job:
         if finite and step % self.every == 0 and step != self.total_steps:
             self._save(position, blocking=False, reason="interval")
         self._position = position
-
-    def _finite(self, loss: float) -> bool:
-        if math.isfinite(loss):
-            self.nonfinite = 0
-            return True
-        self.nonfinite += 1
-        limit = self.recipe.training.max_nonfinite_steps
-        self.metrics.log(f"WARNING: loss is {loss} at step {self.step} ({self.nonfinite} of at most {limit} in a row); "
-                         "no checkpoint is saved while it is not finite")
-        if self.nonfinite >= limit:
-            raise Diverged(f"the loss was not finite for {self.nonfinite} steps in a row; the newest checkpoint is "
-                           "the last good one", fix="resume with a lower lr or more warmup; check the data",
-                           step=self.step)
-        return False
 
     def _save(self, position: dict, *, blocking: bool, reason: str) -> None:
         self.checkpointer.save(self.step, position, blocking=blocking, reason=reason)
@@ -228,8 +214,8 @@ class Job:
         """The final checkpoint (unless the last step is already saved), then a clean exit of the world."""
         cp = self._need_checkpointer("finish")
         try:
-            if self._last_saved != self.step and self.nonfinite == 0:
-                self._save(_json_state(state) if state is not None else getattr(self, "_position", {}),
+            if self._last_saved != self.step and self.nonfinite.count == 0:
+                self._save(_json_state(state) if state is not None else self._position,
                            blocking=True, reason="final")
             cp.close()
             self.metrics.event("end", step=self.step)

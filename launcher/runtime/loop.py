@@ -7,7 +7,6 @@ so an off-by-one divergence - which timeouts cannot see - ends the job at once w
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import threading
@@ -29,7 +28,7 @@ from .checkpoint.compat import identity
 from .ckptdir import expand_dir
 from .data import Batches, build_dataloader, rescale_position
 from .dist import World, init_distributed, set_collective_timeout
-from .failures import ConfigError, Diverged, HangError, Preempted, PreflightError
+from .failures import ConfigError, HangError, NonFiniteLosses, Preempted, PreflightError
 from .faults import Faults
 from .layout import resolve_layout
 from .metrics import Metrics
@@ -110,7 +109,7 @@ class Trainer:
         self.step = 0  # optimizer steps completed
         self.start_step = 0  # the step this attempt resumed from
         self.current: int | None = None  # the step being trained
-        self.nonfinite = 0  # steps in a row with a NaN/inf loss
+        self.nonfinite = NonFiniteLosses(recipe.training.max_nonfinite_steps, lambda m: self.metrics.log(m))
         # Installed as early as possible by the entry point: a preemption during start-up is not lost.
         self.flag = flag or PreemptionFlag().install()
         if plan.steps is None:
@@ -173,7 +172,7 @@ class Trainer:
             (self.run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
         # Ranks of one tensor-parallel group and one pipeline read the same data: the data-parallel rank's.
         _, dp_rank, _ = self.layout.coords(w.rank)
-        self.batches: Batches = build_dataloader(
+        self.batches = build_dataloader(
             tr.data, vocab=shape.vocab, seq_len=self.seq_len, micro_batch=self.layout.micro_batch,
             grad_accum=self.layout.grad_accum, rank=dp_rank, world_size=self.layout.dp, seed=tr.seed,
             device=w.device, is_gpu=w.is_gpu)
@@ -262,23 +261,6 @@ class Trainer:
         if blocking:
             self.checkpointer.wait()
 
-    def _finite(self, agreed: Agreement) -> bool:
-        """Count steps in a row with a NaN/inf loss; past the limit the run ends (nothing saved meanwhile)."""
-        if math.isfinite(agreed.loss):
-            self.nonfinite = 0
-            return True
-        self.nonfinite += 1
-        limit = self.recipe.training.max_nonfinite_steps
-        self.metrics.log(f"WARNING: loss is {agreed.loss} at step {self.step} ({self.nonfinite} of at most {limit} "
-                         "in a row); no checkpoint is saved while it is not finite")
-        if self.nonfinite >= limit:
-            raise Diverged(f"the loss was not finite for {self.nonfinite} steps in a row (steps "
-                           f"{self.step - self.nonfinite + 1}-{self.step}); nothing was saved since, so the newest "
-                           "checkpoint is the last good one",
-                           fix="resume with a lower training.lr, more warmup_steps, or grad_clip; check the data",
-                           step=self.step)
-        return False
-
     def _preempt(self, agreed: Agreement, flag: PreemptionFlag, finite: bool) -> None:
         who = f"rank{'s' if len(agreed.signalled) > 1 else ''} {', '.join(map(str, agreed.signalled))}"
         if finite:
@@ -314,7 +296,7 @@ class Trainer:
                     self.step += 1
                 agreed = self._agree(self.step, flag.received, loss)
                 dt = time.perf_counter() - t0
-                finite = self._finite(agreed)
+                finite = self.nonfinite.check(agreed.loss, self.step)
                 if self.step % tr.log_every == 0 or self.step == self.total_steps or agreed.stop:
                     extra = {k: v for k, v in info.items() if k != "grad_norm" and v not in (None, False)}
                     self.metrics.step(self.step, loss=agreed.loss, lr=lr, tokens=tokens_per_step,
@@ -327,7 +309,7 @@ class Trainer:
                     last_saved = self.step
                 self.watchdog.beat(self.step)
             self.watchdog.pause()
-            if last_saved != self.step and self.nonfinite == 0:
+            if last_saved != self.step and self.nonfinite.count == 0:
                 self._save(blocking=True, reason="final")
             self.checkpointer.close()
             out = export_model(self.engine, self.run_dir, self.recipe.checkpoint.export, w.rank)

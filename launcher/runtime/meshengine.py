@@ -26,7 +26,7 @@ from .failures import ConfigError
 from .layout import RuntimeLayout
 from .loss import cross_entropy
 from .optim import build_optimizer, build_scheduler
-from .parallel import DTYPES, Engine, _make_scaler, fsdp_units
+from .parallel import DTYPES, Engine, _make_scaler, fsdp_units, optimizer_step
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 # DTensor logs a performance advice on every rank whenever it reduces a gradient norm or gathers a weight over
@@ -199,14 +199,7 @@ class MeshEngine(Engine):
             total = self._grad_norm(params)
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, total)
             norm = float(total)
-        skipped = False
-        if self.scaler is not None:
-            before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < before
-        else:
-            self.optimizer.step()
+        skipped = optimizer_step(self.optimizer, self.scaler)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": norm, "skipped": skipped,

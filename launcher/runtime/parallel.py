@@ -125,7 +125,6 @@ class TorchEngine(Engine):
 
     def step(self) -> dict:
         self.step_lr = self.lr
-        skipped = False
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = None
@@ -134,13 +133,7 @@ class TorchEngine(Engine):
             if hasattr(norm, "full_tensor"):
                 norm = norm.full_tensor()
             norm = float(norm)
-        if self.scaler is not None:
-            before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < before
-        else:
-            self.optimizer.step()
+        skipped = optimizer_step(self.optimizer, self.scaler)
         self.scheduler.step()
         # DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view), which live as long as
         # the model: zeroing them in place keeps them views. Set to None, the next backward would allocate fresh
@@ -149,6 +142,18 @@ class TorchEngine(Engine):
         self.optimizer.zero_grad(set_to_none=self.layout.spec.sharded)
         return {"grad_norm": norm, "skipped": skipped,
                 "loss_scale": self.scaler.get_scale() if self.scaler is not None else None}
+
+
+def optimizer_step(optimizer, scaler) -> bool:
+    """Step the optimizer, through the loss scaler if there is one (fp16); True when the scaler skipped the
+    step because a gradient overflowed (it then lowers its scale)."""
+    if scaler is None:
+        optimizer.step()
+        return False
+    before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale() < before
 
 
 def _make_scaler(device: torch.device, fsdp: bool):
