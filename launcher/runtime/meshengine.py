@@ -26,7 +26,7 @@ from .failures import ConfigError
 from .layout import RuntimeLayout
 from .loss import cross_entropy
 from .optim import build_optimizer, build_scheduler
-from .parallel import DTYPES, Engine, _make_scaler, fsdp_units, optimizer_step
+from .parallel import DTYPES, Engine, _make_scaler, backward, fsdp_units, optimizer_step
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 # DTensor logs a performance advice on every rank whenever it reduces a gradient norm or gathers a weight over
@@ -168,10 +168,7 @@ class MeshEngine(Engine):
         if dp_dims(self.layout)[0] > 1:  # HSDP: reduce-scatter now, all-reduce across replicas at the end
             root.set_requires_all_reduce(last)
         loss = loss_fn(self.model)
-        scaled = loss / self.layout.grad_accum
-        if self.scaler is not None:
-            scaled = self.scaler.scale(scaled)
-        scaled.backward()
+        backward(loss, self.layout.grad_accum, self.scaler)
         return loss.detach()
 
     def _grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:

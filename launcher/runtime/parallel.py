@@ -117,10 +117,7 @@ class TorchEngine(Engine):
                     loss = loss_fn(self.model)
             else:
                 loss = loss_fn(self.model)
-            scaled = loss / self.layout.grad_accum
-            if self.scaler is not None:
-                scaled = self.scaler.scale(scaled)
-            scaled.backward()
+            backward(loss, self.layout.grad_accum, self.scaler)
         return loss.detach()
 
     def step(self) -> dict:
@@ -142,6 +139,15 @@ class TorchEngine(Engine):
         self.optimizer.zero_grad(set_to_none=self.layout.spec.sharded)
         return {"grad_norm": norm, "skipped": skipped,
                 "loss_scale": self.scaler.get_scale() if self.scaler is not None else None}
+
+
+def backward(loss: torch.Tensor, grad_accum: int, scaler) -> None:
+    """One micro-step's backward: the loss is a mean over its micro-batch, so each micro-step adds 1/grad_accum
+    of the step's gradient; fp16 scales it first (GradScaler) so small gradients do not underflow."""
+    scaled = loss / grad_accum
+    if scaler is not None:
+        scaled = scaler.scale(scaled)
+    scaled.backward()
 
 
 def optimizer_step(optimizer, scaler) -> bool:

@@ -4,16 +4,28 @@ One small module per target implementing `Backend`; heavy libraries are imported
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from ..errors import DtlaunchError
+from ..errors import BackendError, DtlaunchError
 from ..strategies import TARGET_NAMES, TARGETS, TargetName, load_attr
 
 if TYPE_CHECKING:
     from ..render.artifacts import Artifacts
     from .registry import JobRecord
+
+
+def require_secrets(names: Iterable[str], how: str) -> dict[str, str]:
+    """The values of the recipe's secrets in this environment. A recipe names its secrets and never holds
+    them; each target carries the values from where it submits (`how` says how, for the fix line), so a
+    missing one is named here, before anything is submitted."""
+    names = list(names)
+    missing = [n for n in names if n not in os.environ]
+    if missing:
+        raise BackendError(f"secret(s) {', '.join(missing)} not set in this shell", fix=f"export them first: {how}")
+    return {n: os.environ[n] for n in names}
 
 
 @dataclass

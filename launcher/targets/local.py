@@ -20,7 +20,7 @@ from pathlib import Path
 from ..errors import BackendError
 from ..jobenv import ATTEMPT, ExitCode
 from ..render.artifacts import Artifacts, LocalRequest
-from . import JobStatus
+from . import JobStatus, require_secrets
 from .registry import JobRecord, LocalHandle, Registry
 
 STATES = {ExitCode.OK: "COMPLETED", ExitCode.PREEMPTED: "PREEMPTED", ExitCode.HANG: "FAILED (hang)",
@@ -86,10 +86,7 @@ class LocalBackend:
     def submit(self, artifacts: Artifacts, out_dir: str) -> JobRecord:
         req = artifacts.request
         assert isinstance(req, LocalRequest)
-        missing = [n for n in req.secrets if n not in os.environ]
-        if missing:
-            raise BackendError(f"secret(s) {', '.join(missing)} not set in this shell",
-                               fix="export them first: the job reads them from the environment it is started in")
+        require_secrets(req.secrets, "the job reads them from the environment it is started in")
         run_dir = Path(out_dir).resolve()
         self._refuse_if_active(run_dir)
         attempt = f"up-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"

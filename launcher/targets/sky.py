@@ -16,7 +16,7 @@ import yaml
 
 from ..errors import BackendError
 from ..render.artifacts import Artifacts, SkyRequest
-from . import JobStatus
+from . import JobStatus, require_secrets
 from .registry import JobRecord, SkyHandle
 
 CHECK_HINT = "run `sky check` to see which clouds SkyPilot can use and how to add credentials"
@@ -114,10 +114,7 @@ class SkyBackend:
     def submit(self, artifacts: Artifacts, out_dir: str) -> JobRecord:
         req = artifacts.request
         assert isinstance(req, SkyRequest)
-        missing = [n for n in req.secrets if n not in os.environ]
-        if missing:
-            raise BackendError(f"secret(s) {', '.join(missing)} not set in this shell",
-                               fix="export them first (dtlaunch passes secrets by name, SkyPilot reads the values here)")
+        secrets = require_secrets(req.secrets, "dtlaunch passes secrets by name, SkyPilot reads the values here")
         api = self._api()
         with _sky_errors("check credentials"):
             clouds = api.enabled_clouds()
@@ -125,7 +122,7 @@ class SkyBackend:
             raise BackendError("SkyPilot has no cloud or Kubernetes enabled: it found no usable credentials",
                                fix=CHECK_HINT)
         with _sky_errors("read the task"):
-            task = api.task(Path(out_dir) / req.task_file, {n: os.environ[n] for n in req.secrets})
+            task = api.task(Path(out_dir) / req.task_file, secrets)
         with _sky_errors("launch the task"):
             job_id = api.launch(task, req.cluster, req.managed)
         return JobRecord(artifacts.job_name, "sky", job_id, str(Path(out_dir).resolve()),

@@ -11,7 +11,6 @@ Status: squeue (pending/running), then sacct (finished), then the job's own stat
 """
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 from ..errors import BackendError
 from ..render.artifacts import Artifacts, SlurmRequest
 from ..render.slurm import JOBS_DIR
-from . import JobStatus
+from . import JobStatus, require_secrets
 from .registry import JobRecord, SlurmHandle
 from .ssh import SshTransport
 
@@ -89,11 +88,8 @@ class SlurmBackend:
                                        settings.ssh.remote_dir.rstrip("/") + "/" + name)
             else:
                 submit_dir = str(Path(out_dir).resolve())
-                missing = [n for n in req.secrets if n not in os.environ]
-                if missing:
-                    raise BackendError(f"secret(s) {', '.join(missing)} not set in this shell",
-                                       fix="export them first: sbatch passes the submitting shell's environment "
-                                           "to the job (--export=ALL)")
+                require_secrets(req.secrets, "sbatch passes the submitting shell's environment to the job "
+                                "(--export=ALL)")
             rc, out, err = tr.run(list(req.argv), cwd=submit_dir)
         finally:
             tr.close()
