@@ -58,6 +58,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--fsdp-reduce-every-micro", action="store_true",
                     help="fsdp: reduce-scatter the gradients on every micro-step, as dtlaunch's runtime does (sharded "
                          "accumulation), instead of once per step (to tell that choice from loop effects)")
+    ap.add_argument("--fsdp-units", default="blocks", choices=["blocks", "runtime"],
+                    help="fsdp: shard each block and the root (a hand-written loop), or the runtime's units (the "
+                         "embedding and the head apart, as torchtitan does), to tell that choice from loop effects")
     ap.add_argument("--ds-config", default=None, help="zero*: a DeepSpeed config JSON file instead of the minimal one "
                                                       "(to tell config effects from loop effects)")
     ap.add_argument("--out", required=True)
@@ -73,8 +76,9 @@ def _wrap(model, a):
     if a.strategy == "fsdp" or a.mode == "save":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.layers:
-            fully_shard(block)
+        units = [model.tok_embeddings, *model.layers, model.output] if a.fsdp_units == "runtime" else model.layers
+        for unit in units:
+            fully_shard(unit)
         fully_shard(model)
     return model
 

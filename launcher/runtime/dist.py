@@ -25,7 +25,6 @@ class ProcEnv:
     world_size: int
     local_rank: int
     local_world_size: int
-    node_rank: int
     master_addr: str
     master_port: int
     source: str  # torchrun | slurm | skypilot | single
@@ -63,7 +62,7 @@ def detect(env: Mapping[str, str] = os.environ) -> ProcEnv:
         world = _int(env, "WORLD_SIZE")
         return ProcEnv(
             rank=_int(env, "RANK"), world_size=world, local_rank=_int(env, "LOCAL_RANK", 0),
-            local_world_size=_int(env, "LOCAL_WORLD_SIZE", world), node_rank=_int(env, "GROUP_RANK", 0),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
             source="torchrun", restart_count=restart,
         )
@@ -74,7 +73,7 @@ def detect(env: Mapping[str, str] = os.environ) -> ProcEnv:
         return ProcEnv(
             rank=_int(env, "SLURM_PROCID"), world_size=_int(env, "SLURM_NTASKS"), local_rank=_int(env, "SLURM_LOCALID", 0),
             local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", 1) if env.get("SLURM_NTASKS_PER_NODE", "").isdigit() else 1,
-            node_rank=_int(env, "SLURM_NODEID", 0), master_addr=addr, master_port=port, source="slurm",
+            master_addr=addr, master_port=port, source="slurm",
             restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
         )
     if "SKYPILOT_NODE_RANK" in env:
@@ -84,10 +83,10 @@ def detect(env: Mapping[str, str] = os.environ) -> ProcEnv:
         # Without torchrun SkyPilot starts one process per node.
         return ProcEnv(
             rank=_int(env, "SKYPILOT_NODE_RANK"), world_size=_int(env, "SKYPILOT_NUM_NODES", len(ips)), local_rank=0,
-            local_world_size=1, node_rank=_int(env, "SKYPILOT_NODE_RANK"), master_addr=env.get("MASTER_ADDR", ips[0]),
+            local_world_size=1, master_addr=env.get("MASTER_ADDR", ips[0]),
             master_port=_int(env, "MASTER_PORT", 29500), source="skypilot",
         )
-    return ProcEnv(0, 1, 0, 1, 0, "127.0.0.1", _int(env, "MASTER_PORT", 29500), "single", restart)
+    return ProcEnv(0, 1, 0, 1, "127.0.0.1", _int(env, "MASTER_PORT", 29500), "single", restart)
 
 
 def cpu_cores() -> int:
