@@ -30,10 +30,10 @@ lint: install
 # The whole suite. `make test PYTEST_WORKERS=2` runs two test files at a time (each file whole on one worker,
 # the SLURM tests together: tests/conftest.py); on 2 cores that took 23 min against ~29 min in one process,
 # but timing-sensitive SLURM tests then failed now and then, so CI runs one. pytest's exit code 5 (no tests
-# collected) is not a pass: it means nothing ran.
+# collected) is not a pass: it means nothing ran. The 15 slowest tests are listed at the end, to keep the suite short.
 PYTEST_WORKERS ?= 0
 test: install system lint
-	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=15 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 demo: install
 	@echo "== plan: Llama 3 70B on 8 nodes x 8 H100"
