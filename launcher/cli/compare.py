@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass
 
 from ..errors import DtlaunchError
+from ..jobenv import GB
 
-GB = 1e9
 GIB = 2**30
 
 
@@ -182,7 +182,7 @@ def compare(recipe, plan) -> Comparison:
         if not r.why and abs(r.ours - r.deepspeed) >= 0.005 * GB:
             r.why = (f"{lay.precision} training: 4-byte weights and gradients, no separate fp32 master copy; "
                      "DeepSpeed's estimators assume 16-bit ones" if w == 4 else
-                     f"dtlaunch's formula for {lay.strategy} with offload={lay.offload} (launcher/plan/moments.py, "
+                     f"dtlaunch's formula for {lay.strategy} with offload={lay.offload} (launcher/plan/states.py, "
                      "model_states) differs from DeepSpeed's here")
     ours = sum(r.ours for r in rows)
     total_why = "the differences of the lines above" if abs(ours - gpu) >= 0.005 * GB else ""

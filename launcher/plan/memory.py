@@ -54,7 +54,7 @@ NOT_MODELLED = (
     "context parallelism (sequence sharded across ranks in attention)",
 )
 # The output's units: GB = 1e9 bytes (DeepSpeed's estimators print GiB labelled GB).
-UNITS = {"gb_bytes": 1_000_000_000, "bytes_per_param_mixed_adam": 16,
+UNITS = {"gb_bytes": int(GB), "bytes_per_param_mixed_adam": 16,
          "deepspeed_step_fp32_grads_bytes_per_param": 4}
 
 # CUDA context, cuBLAS workspace and NCCL's own buffers on a GPU: ~1 GB measured on H100s with NCCL 2.2x.

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from .registry import JobRecord
 
 
+# How a SLURM job gets its secrets' values, whichever way it is submitted (sbatch, or submitit's sbatch).
+SLURM_SECRETS = "sbatch passes the submitting shell's environment to the job (--export=ALL)"
+
+
 def require_secrets(names: Iterable[str], how: str) -> dict[str, str]:
     """The values of the recipe's secrets in this environment. A recipe names its secrets and never holds
     them; each target carries the values from where it submits (`how` says how, for the fix line), so a

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..errors import BackendError
 from ..render.artifacts import Artifacts, SlurmRequest
 from ..render.slurm import JOBS_DIR
-from . import JobStatus, require_secrets
+from . import SLURM_SECRETS, JobStatus, require_secrets
 from .registry import JobRecord, SlurmHandle
 from .ssh import SshTransport
 
@@ -88,8 +88,7 @@ class SlurmBackend:
                                        settings.ssh.remote_dir.rstrip("/") + "/" + name)
             else:
                 submit_dir = str(Path(out_dir).resolve())
-                require_secrets(req.secrets, "sbatch passes the submitting shell's environment to the job "
-                                "(--export=ALL)")
+                require_secrets(req.secrets, SLURM_SECRETS)
             rc, out, err = tr.run(list(req.argv), cwd=submit_dir)
         finally:
             tr.close()

@@ -45,7 +45,7 @@ from submitit.slurm.slurm import SlurmExecutor
 
 from ..errors import BackendError, DtlaunchError
 from ..jobenv import ExitCode
-from . import require_secrets
+from . import SLURM_SECRETS, require_secrets
 from .slurm_decisions import JobFiles, Outcome, decide, seconds_left
 
 if TYPE_CHECKING:
@@ -285,7 +285,7 @@ def submit(request: SlurmRequest, submit_dir: str | Path) -> submitit.Job:
     if request.settings.ssh:
         raise BackendError("targets.slurm.submit: submitit submits from this machine; it cannot go through "
                            "targets.slurm.ssh", fix="run on the login node, or use targets.slurm.submit: sbatch")
-    require_secrets(request.secrets, "sbatch passes the submitting environment to the job (--export=ALL)")
+    require_secrets(request.secrets, SLURM_SECRETS)
     return submit_spec(request.submitit, submit_dir)
 
 

@@ -32,6 +32,8 @@ from .lock import RunLock
 from .state import rank_file, rng_state, save_torch, set_rng_state
 
 FORMAT = 2  # 2: written in place with per-rank manifests (1: renamed from step-N.tmp, no checksums)
+
+
 class CheckpointInvalid(Exception):
     """A committed checkpoint whose files do not check out, or that cannot be loaded."""
 

@@ -11,6 +11,7 @@ compares.
 """
 from __future__ import annotations
 
+import os
 import threading
 import zlib
 from contextlib import contextmanager, nullcontext
@@ -128,8 +129,6 @@ DCP_WRITE_THREADS = 4
 def dcp_write_threads(cpus: int | None = None, local_ranks: int | None = None) -> int:
     """Writer threads for this rank: its share of the node's cores (those this process may run on), between
     1 and DCP_WRITE_THREADS."""
-    import os
-
     if cpus is None:
         try:
             cpus = len(os.sched_getaffinity(0))
@@ -196,10 +195,7 @@ def _without_zip_crc():
 
 def save_context(synchronous: bool):
     """What surrounds a DCP save: no redundant zip checksums while a synchronous save blocks training."""
-    return _without_zip_crc() if synchronous and SKIP_ZIP_CRC else nullcontext()
-
-
-SKIP_ZIP_CRC = True
+    return _without_zip_crc() if synchronous else nullcontext()
 
 
 def planner():
@@ -208,10 +204,4 @@ def planner():
     PyTorch's cached-plan work removed from DCP saves. A changed plan is compared and planned afresh."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    try:
-        return DefaultSavePlanner(enable_plan_caching=PLAN_CACHING)
-    except TypeError:  # a torch without the option
-        return DefaultSavePlanner()
-
-
-PLAN_CACHING = True
+    return DefaultSavePlanner(enable_plan_caching=True)
