@@ -47,6 +47,24 @@ def bootstrap_band(pairs: list, statistic: Callable[[list], float], n: int = 200
     return quantile(vals, lo), quantile(vals, hi)
 
 
+def time_command(cmd: list[str], repeat: int, env: dict | None = None, cwd: Path = ROOT) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def interleaved(fns: dict[str, Callable[[], float]], repeat: int) -> dict[str, list[float]]:
+    """Run the contenders alternately (A B A B ...) so drift in machine load hits both alike."""
+    res = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            res[k].append(fn())
+    return res
+
+
 def result(ratio: float, target: float, meets: bool, band: list | None = None, **detail) -> dict:
     """A benchmark's record: its ratio, the noise band around it (when it has one), target and verdict."""
     out = {"ratio": round(ratio, 4), "target": target, "meets": bool(meets), "detail": detail}
