@@ -83,3 +83,37 @@ def test_rendered_scripts_match_the_golden_files(recipe, target, overrides):
         assert golden.is_file(), f"no golden file {golden}: run with DTLAUNCH_UPDATE_GOLDEN=1 and review the diff"
         assert text == golden.read_text(), (f"{name} of {recipe} for {target} changed; if intended, regenerate the "
                                             "golden files with DTLAUNCH_UPDATE_GOLDEN=1 and review `git diff tests/golden`")
+
+
+def _render_in_child(tmp_path: Path, tmpdir: Path) -> subprocess.CompletedProcess:
+    """`render` in a fresh interpreter whose temp dir is `tmpdir` (tempfile reads TMPDIR once per process)."""
+    out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
+    return subprocess.run([sys.executable, "-m", "launcher.cli", "render", str(RECIPES / "llama70b.yaml"),
+                           "--target", "slurm", "-o", str(out), "-q"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(tmpdir)}, timeout=120)
+
+
+def test_compiled_templates_are_cached_per_user_and_a_bad_cache_dir_only_costs_time(tmp_path):
+    """Jinja's bytecode cache: the second render reads the compiled templates the first one wrote (into a
+    0700 directory of this user), and gives the same scripts; a cache directory that cannot be used (here
+    a plain file in its place) leaves `render` working and its output the same."""
+    good, bad = tmp_path / "tmp-good", tmp_path / "tmp-bad"
+    good.mkdir()
+    bad.mkdir()
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    first = _render_in_child(runs, good)
+    assert first.returncode == 0, first.stderr
+    cache = good / f"_jinja2-cache-{os.getuid()}"
+    entries = sorted(cache.glob("*.cache"))
+    assert entries and (cache.stat().st_mode & 0o777) == 0o700
+    stamps = {e: e.stat().st_mtime_ns for e in entries}
+    second = _render_in_child(runs, good)
+    assert second.returncode == 0, second.stderr
+    assert {e: e.stat().st_mtime_ns for e in entries} == stamps  # read, not rewritten
+    (bad / f"_jinja2-cache-{os.getuid()}").write_text("not a directory")
+    third = _render_in_child(runs, bad)
+    assert third.returncode == 0, third.stderr
+    outs = sorted(runs.iterdir())
+    scripts = [(d / "job.sbatch").read_text() for d in outs]
+    assert scripts[0] == scripts[1] == scripts[2]

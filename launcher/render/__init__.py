@@ -13,6 +13,8 @@ from ..strategies import TARGET_NAMES, TARGETS, TargetName, load_attr
 from .artifacts import Artifacts
 from .code import collect as collect_code
 
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml's emitter: the same text, 4x faster
+
 
 def common_files(recipe: Recipe, plan: Plan) -> dict[str, str | bytes]:
     """What every target ships: the resolved plan the job reads, the recipe as resolved, DeepSpeed's config,
@@ -20,7 +22,7 @@ def common_files(recipe: Recipe, plan: Plan) -> dict[str, str | bytes]:
     files: dict[str, str | bytes] = {
         "plan.json": planfile.dumps(recipe, plan),
         "recipe.yaml": "# The recipe as dtlaunch resolved it (defaults filled in).\n"
-        + yaml.safe_dump(recipe.to_dict(), sort_keys=False),
+        + yaml.dump(recipe.to_dict(), Dumper=_DUMPER, sort_keys=False),
     }
     files.update(collect_code(recipe))  # the user's entrypoint code, as code/...
     if plan.layout.spec.zero_stage is not None:

@@ -30,12 +30,33 @@ def verbatim(line: str) -> str:
     return line
 
 
+def _bytecode_cache(jinja2):
+    """Jinja's own cache of compiled templates, in the per-user directory it creates and checks (mode 0700,
+    owned by this user, under the system temp dir). Compiling the templates is about a fifth of a `render`;
+    an entry is keyed by the template's name and checked against its source's checksum and this Python's
+    marshal format, so an edited template or another interpreter recompiles. No usable directory (or a full
+    disk) only means no cache."""
+
+    class Quiet(jinja2.FileSystemBytecodeCache):
+        def dump_bytecode(self, bucket) -> None:
+            try:
+                super().dump_bytecode(bucket)
+            except OSError:
+                pass
+
+    try:
+        return Quiet()
+    except (OSError, RuntimeError):
+        return None
+
+
 @lru_cache(maxsize=1)
 def environment():
     import jinja2  # imported by render only; `plan` and `validate` never pay for it
 
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("launcher.render", "templates"),
+        bytecode_cache=_bytecode_cache(jinja2),
         undefined=jinja2.StrictUndefined,
         autoescape=False,
         keep_trailing_newline=True,
