@@ -109,6 +109,20 @@ def offload_for(strategy: str | StrategyName, offload: str) -> str:
     return modes[0] if modes else "none"
 
 
+
+def reduces_once_per_step(lay) -> bool:
+    """FSDP2 gradient accumulation without communication: `set_requires_gradient_sync(False)` on all but the
+    last micro-batch, so each unit's unsharded gradient (fp32: the reduce dtype) stays on every rank and is
+    reduce-scattered once per optimizer step, not once per micro-batch.
+
+    For `lay` (a plan's or the runtime's layout) with grad_reduce "once_per_step": only FSDP2 without tensor or
+    pipeline parallelism (a pipeline's stages already reduce once, at the end) and without CPU offload (the
+    unsharded gradients would sit on the GPU the offload is meant to relieve), and only with more than one
+    micro-batch per step. DDP always reduces once per step; DeepSpeed accumulates by its own schedule."""
+    sp = spec(lay.strategy)
+    return (getattr(lay, "grad_reduce", "every_micro_batch") == "once_per_step" and sp.family is Family.TORCH
+            and sp.sharded and lay.tp == 1 and lay.pp == 1 and lay.offload == "none" and lay.grad_accum > 1)
+
 # ----------------------------------------------------------------------------- targets
 
 

@@ -1,4 +1,6 @@
 """The `strategy: auto` decision rules on several models and cluster sizes."""
+import pytest
+
 from launcher.plan import make_plan
 from launcher.recipe import load_text
 
@@ -88,3 +90,54 @@ def test_checkpoint_interval_follows_young_daly():
     a = plan_for("preset: llama3-8b", "H100:8", nodes=1, training="micro_batch: 1, global_batch: 64, steps: 100000")
     b = plan_for("preset: llama3-8b", "H100:8", nodes=16, training="micro_batch: 1, global_batch: 1024, steps: 100000")
     assert b.checkpoint_every * b.step_seconds < a.checkpoint_every * a.step_seconds
+
+
+def _accumulating(strategy: str, accel: str, grad_reduce: str = "auto", preset: str = "llama3-8b", ac: str = "auto",
+                  global_batch: int = 64, nodes: int = 1):
+    return make_plan(load_text(f"""
+name: t
+model: {{preset: {preset}, seq_len: 2048}}
+parallelism: {{strategy: {strategy}, grad_reduce: {grad_reduce}, activation_checkpointing: {ac}}}
+resources: {{accelerator: "{accel}", nodes: {nodes}}}
+training: {{micro_batch: 1, global_batch: {global_batch}, steps: 10}}
+"""))
+
+
+def test_fsdp_reduces_once_per_step_when_the_unsharded_gradients_fit():
+    """8B on 8 x H100: the unsharded fp32 gradients (32 GB) fit beside the sharded states, so the plan picks one
+    reduce-scatter per step, and its memory counts them; the per-micro-batch plan is the smaller one."""
+    once = _accumulating("fsdp", "H100:8")
+    every = _accumulating("fsdp", "H100:8", "every_micro_batch")
+    assert once.layout.grad_accum == 8 and once.layout.grad_reduce == "once_per_step" and once.memory.fits
+    assert any("once per step" in r and "fits" in r for r in once.reasons)
+    assert every.layout.grad_reduce == "every_micro_batch"
+    # the difference at the peak is the unsharded fp32 gradients less the sharded ones: 4 B x n x (1 - 1/8)
+    extra = 4 * once.params * (1 - 1 / 8)
+    assert once.memory.grads - every.memory.grads == pytest.approx(extra, rel=0.02)
+
+
+def test_fsdp_keeps_reducing_every_micro_batch_when_the_unsharded_gradients_do_not_fit():
+    """70B on 4 nodes of 8 x H100: the sharded states fit (16 B x 70B / 32), the unsharded fp32 gradients
+    (4 B x 70B = 282 GB per GPU) never would."""
+    p = _accumulating("fsdp", "H100:8", preset="llama3-70b", ac="full", global_batch=128, nodes=4)
+    assert p.layout.grad_reduce == "every_micro_batch" and p.memory.fits and p.layout.grad_accum == 4
+    assert any("each of the 4 micro-batches" in r and "would need" in r for r in p.reasons)
+
+
+def test_once_per_step_applies_only_where_fsdp2_accumulates():
+    """DDP reduces once per step anyway, DeepSpeed by its own schedule; with one micro-batch there is nothing to
+    accumulate. The plan then says nothing about it and its memory is what it was."""
+    for strategy in ("ddp", "zero2", "zero3"):
+        p = _accumulating(strategy, "H100:8", preset="llama3-8b")
+        assert not p.layout.reduces_once_per_step
+        assert not any("once per step" in r for r in p.reasons), strategy
+    single = _accumulating("fsdp", "H100:8", global_batch=8)
+    assert single.layout.grad_accum == 1 and not single.layout.reduces_once_per_step
+
+
+def test_grad_reduce_survives_the_plan_file():
+    from launcher.plan import Plan
+
+    p = _accumulating("fsdp", "H100:8")
+    assert Plan.from_dict(p.to_dict()).layout == p.layout
+    assert p.to_dict()["grad_reduce"] == "once_per_step"

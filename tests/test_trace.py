@@ -53,8 +53,10 @@ def _assert_matches(planned, traced, exact_split: bool):
     for moment in planned:
         p, t = sum(planned[moment].values()), traced.totals[moment]
         assert p == pytest.approx(t, rel=WARN_RATIO), f"{moment}: planned {p:,.0f} B, traced {t:,.0f} B"
-    # the one moment the planner leaves out (clipping and zero_grad) is below its optimizer step
+    # the moments the planner leaves out are below others it has: clipping and zero_grad below its optimizer
+    # step, the gap between micro-steps below the next micro-step's forward (which holds all that and more)
     assert traced.totals.get("step", 0) <= traced.totals["optimizer step"]
+    assert traced.totals.get("between micro-steps", 0) <= traced.totals["forward"]
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +69,21 @@ def test_tiny_preset_traced_in_full_matches_the_planner_term_by_term(tiny):
     recipe, plan, traced = tiny
     assert traced.exact and traced.depths == [recipe.model.shape().layers]
     _assert_matches(_planned(recipe, plan), traced, exact_split=False)
+    # It fits with room to spare, so the plan reduces once per step: in the last micro-step, before any unit's
+    # backward, every rank holds every unsharded fp32 gradient of the first one (4 bytes per parameter) and
+    # no sharded gradient yet.
+    assert plan.layout.grad_reduce == "once_per_step"
+    n = count_params(recipe.model.shape())
+    assert traced.moments["loss backward"]["grads"] == pytest.approx(4 * n, rel=1e-3)
+    # after the step's reduce-scatters only the sharded ones are left, as with a reduce every micro-step
+    assert traced.moments["optimizer step"]["grads"] == pytest.approx(4 * n / plan.world_size, rel=1e-3)
 
 
 def test_8b_shape_extrapolated_from_3_and_5_layers_matches_the_planner():
     """The shipped 8B layout (FSDP, no checkpointing, micro-batch 1 of 8192 tokens, 128K vocabulary)."""
     recipe, plan = _plan("llama3-8b.yaml", "parallelism.strategy=fsdp", "parallelism.activation_checkpointing=none",
-                         "parallelism.offload=none", "training.micro_batch=1")
+                         "parallelism.offload=none", "training.micro_batch=1",
+                         "parallelism.grad_reduce=every_micro_batch")
     traced = trace(recipe, plan, depths=(3, 5))
     assert not traced.exact and traced.layers == 32
     _assert_matches(_planned(recipe, plan), traced, exact_split=True)
@@ -99,10 +110,18 @@ def test_small_vocabulary_shape_peaks_at_the_second_layers_backward():
     ("parallelism.precision=bf16", "parallelism.activation_checkpointing=selective", "training.global_batch=8"),
     # bf16, blocks recomputed, reshard_after_forward=False (every unit stays gathered through the loss)
     ("parallelism.precision=bf16", "parallelism.activation_checkpointing=full", "parallelism.strategy=fsdp_grad_op"),
-    # hybrid sharding (reduce-scatter every micro-step, all-reduce across replicas at the last one)
+    # hybrid sharding, reducing once per step (the plan's choice here: it fits)
     ("parallelism.precision=bf16", "parallelism.strategy=hybrid", "resources.accelerator=cpu:1",
      "resources.nodes=2"),
-], ids=["bf16-selective-one-micro-step", "bf16-full-grad_op", "bf16-hybrid"])
+    # hybrid sharding, reduce-scatter every micro-step, all-reduce across replicas at the last one
+    ("parallelism.precision=bf16", "parallelism.strategy=hybrid", "resources.accelerator=cpu:1",
+     "resources.nodes=2", "parallelism.grad_reduce=every_micro_batch"),
+    # fp32, sharded gradients accumulated across micro-steps (reduce-scatter on each)
+    ("parallelism.grad_reduce=every_micro_batch",),
+    # bf16: each micro-step's 16-bit gradients added into the kept fp32 ones
+    ("parallelism.precision=bf16", "parallelism.grad_reduce=once_per_step"),
+], ids=["bf16-selective-one-micro-step", "bf16-full-grad_op", "bf16-hybrid-once", "bf16-hybrid-every-micro",
+        "fp32-every-micro", "bf16-once"])
 def test_tiny_variants_match_the_planner(sets):
     recipe, plan = _plan("tiny.yaml", *sets)
     _assert_matches(_planned(recipe, plan), trace(recipe, plan), exact_split=False)

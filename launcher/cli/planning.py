@@ -52,7 +52,8 @@ def _print_plan(recipe, p) -> None:
     echo("* = chosen")
     lay = p.layout
     extra = (" sequence_parallel" if lay.tp > 1 and lay.sequence_parallel else "") + \
-        (f" pipeline_schedule={lay.pp_schedule}" if lay.pp > 1 else "")
+        (f" pipeline_schedule={lay.pp_schedule}" if lay.pp > 1 else "") + \
+        (" grad_reduce=once_per_step" if lay.reduces_once_per_step else "")
     echo(f"layout: strategy={lay.strategy} dp={lay.dp} tp={lay.tp} pp={lay.pp}{extra} precision={lay.precision} "
          f"activation_checkpointing={lay.activation_checkpointing} offload={lay.offload}")
     echo(f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = global {p.global_batch} "

@@ -15,7 +15,7 @@ from . import cost
 from .layout import Layout
 from .memory import NOT_MODELLED, UNITS, Memory
 from .params import count_params
-from .strategy import Context, Request, choose, grad_accum_for
+from .strategy import Context, Request, choose, grad_accum_for, prefer_once_per_step
 
 
 @dataclass
@@ -76,6 +76,7 @@ class Plan:
             "optimizer": lay.optimizer,
             "micro_batch": lay.micro_batch,
             "grad_accum": lay.grad_accum,
+            "grad_reduce": lay.grad_reduce,
             "global_batch": self.global_batch,
             "seq_len": self.seq_len,
             "steps": self.steps,
@@ -106,7 +107,7 @@ class Plan:
             activation_checkpointing=d["activation_checkpointing"], offload=d.get("offload", "none"),
             micro_batch=int(d["micro_batch"]), grad_accum=int(d["grad_accum"]),
             sequence_parallel=bool(d.get("sequence_parallel", False)), optimizer=d.get("optimizer", "adamw"),
-            pp_schedule=d.get("pipeline_schedule", "1f1b"),
+            pp_schedule=d.get("pipeline_schedule", "1f1b"), grad_reduce=d.get("grad_reduce", "every_micro_batch"),
         )
         return cls(
             params=int(d["params"]), world_size=int(d["world_size"]), nodes=int(d["nodes"]),
@@ -139,6 +140,7 @@ def make_plan(recipe: Recipe) -> Plan:
         strategy="ddp", dp=dp, tp=tp, pp=pp, precision=par.precision, micro_batch=tr.micro_batch,
         grad_accum=grad_accum, sequence_parallel=par.sequence_parallel, optimizer=tr.optimizer,
         shard=res.per_node if par.strategy == "hybrid" else None, pp_schedule=par.pipeline_schedule,
+        grad_reduce="once_per_step" if par.grad_reduce == "once_per_step" else "every_micro_batch",
     )
     ctx = Context(shape, arch, n, seq, dev.memory_gb * 1e9, dev.is_gpu, res.per_node, res.nodes)
     fields_set = par.model_fields_set
@@ -148,11 +150,16 @@ def make_plan(recipe: Recipe) -> Plan:
     if lay.dp != dp:  # the search changed tp/pp: re-derive the batch split
         grad_accum, global_batch = grad_accum_for(tr.global_batch, tr.micro_batch, lay.dp, par.grad_accum)
         lay = replace(lay, grad_accum=grad_accum)
+    if par.grad_reduce == "auto":
+        lay, why = prefer_once_per_step(ctx, lay)
+        reasons += why
     mem = ctx.memory(lay)
     candidates = []
     for s, sp in STRATEGIES.items():
         c = replace(lay, strategy=s.value, offload=offload_for(s, lay.offload),
                     shard=(lay.shard or res.per_node) if sp.replicate_across_nodes else None)
+        if par.grad_reduce == "auto":  # each strategy with the reduction it would get
+            c = prefer_once_per_step(ctx, replace(c, grad_reduce="every_micro_batch"))[0]
         candidates.append((s.value, ctx.memory(c)))
     tokens_per_step = global_batch * seq
     if tr.steps is not None:

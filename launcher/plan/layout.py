@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..strategies import StrategySpec, spec
+from ..strategies import StrategySpec, reduces_once_per_step, spec
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,15 @@ class Layout:
     sequence_parallel: bool = False
     optimizer: str = "adamw"
     pp_schedule: str = "1f1b"  # the pipeline's schedule (launcher.plan.pipeline), when pp > 1
+    grad_reduce: str = "every_micro_batch"  # FSDP2: or "once_per_step" (strategies.reduces_once_per_step)
 
     @property
     def spec(self) -> StrategySpec:
         return spec(self.strategy)
+
+    @property
+    def reduces_once_per_step(self) -> bool:
+        return reduces_once_per_step(self)
 
     @property
     def shard_group(self) -> int:

@@ -178,6 +178,14 @@ def _grads_at(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
     return g * done.get(moment, 0.0) / n
 
 
+def _once_per_step_grads(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
+    """Reducing once per step (`strategies.reduces_once_per_step`): every unit's unsharded fp32 gradient is
+    alive from the step's first micro-batch until that unit's reduce-scatter in the last one, when its sharded
+    gradient replaces it. The last micro-batch is the peak: it holds all of them from its forward on."""
+    one = replace(lay, grad_accum=1)
+    return 4 * n - _grads_at(moment, 4 * n, n, u, one) + _grads_at(moment, g, n, u, one)
+
+
 def model_parallel(lay: Layout) -> bool:
     """Tensor or pipeline parallel: the runtime's DeviceMesh engine, FSDP2 for every torch strategy."""
     return lay.tp > 1 or lay.pp > 1
@@ -192,6 +200,7 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
     sp = lay.spec
     fsdp = sp.family is Family.TORCH and (sp.sharded or model_parallel(lay))
     piped = fsdp and lay.pp > 1
+    once = fsdp and lay.reduces_once_per_step
     w = 2 if lay.precision in ("bf16", "fp16") else 4  # param_dtype, 16-bit weights, autocast copies
     u = units(shape, arch, n, lay, part)
     acts = _activations(shape, arch, seq, lay, w, part)
@@ -204,6 +213,10 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
     else:
         buffers = dict.fromkeys((*MOMENTS, *VARIANTS), deepspeed_buffers(u, lay, w))
     buffers["optimizer step"] = 0.0
+    if once and w == 4:  # fp32: a unit's new gradient is added in place to the kept one, no copy beside it
+        for m, grad in (("layer backward", u.w2), ("layer backward (second)", u.w2),
+                        ("layer backward (end)", u.layer), ("layer backward (end, second)", u.layer)):
+            buffers[m] -= w * grad
     if part.recv and shape is not None:
         # torch's pipeline stages allocate, once and for good, a receive buffer per micro-batch for the stage's
         # input (all but the first stage) and one for the gradient of its output (all but the last), each a
@@ -218,6 +231,7 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
         rows[m] = {
             "params": st.params + rope,
             "grads": (_pipeline_grads(m, st.grads, n, u, lay, part) if piped
+                      else _once_per_step_grads(m, st.grads, n, u, lay) if once
                       else _grads_at(m, st.grads, n, u, lay) if fsdp else st.grads)
             + (st.step_grads if m == "optimizer step" else 0.0),
             "optimizer": st.optimizer + (st.step_temp if m == "optimizer step" else 0.0),
@@ -226,6 +240,15 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
             "loss": acts.loss.get(m, 0.0) + acts.tokens,
             "buffers": buffers[m],
         }
+    variants = VARIANTS
+    if once:
+        # The end of the first micro-batch's backward: every unit's gradient but the embedding's kept unsharded,
+        # and no reduce-scatter input (nothing is reduced until the last micro-batch).
+        one = replace(lay, grad_accum=1)
+        rows["end of backward (first micro-batch)"] = {
+            **rows["end of backward"], "grads": _grads_at("end of backward", 4 * n, n, u, one),
+            "buffers": buffers["end of backward"] - 4 * u.layer}
+        variants = {**VARIANTS, "end of backward (first micro-batch)": "end of backward"}
     if piped and acts.one:
         # A micro-batch's backward ends with the first stage's embedding (or a stage's first block) while the
         # other micro-batches in flight keep their activations: the step's "end of backward" is not the only one.
@@ -234,8 +257,6 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
             "activations": acts.layers - acts.one,
             "buffers": buffers["layer backward"] + (w * u.emb if w < 4 else 0.0) - (w * u.w2 if w < 4 else 0.0)}
         variants = {**VARIANTS, "end of backward (micro-batch)": "end of backward"}
-    else:
-        variants = VARIANTS
     for variant, moment in variants.items():
         if sum(rows[variant].values()) > sum(rows[moment].values()):
             rows[moment] = rows[variant]

@@ -137,6 +137,22 @@ def prefer_hybrid(ctx: Context, lay: Layout, req: Request) -> tuple[Layout, list
                  f"so parameter all-gathers stay on the node's fast links"]
 
 
+def prefer_once_per_step(ctx: Context, lay: Layout) -> tuple[Layout, list[str]]:
+    """FSDP2 with several micro-batches per step: reduce-scatter once per step instead of once per micro-batch
+    when the unsharded fp32 gradients that each rank then keeps between micro-batches fit as well. The
+    reduce-scatters drop by a factor of grad_accum; on a small model, where those collectives are short and
+    latency-bound, they are a large share of the step (measured: bench/trainer_overhead.py)."""
+    once = replace(lay, grad_reduce="once_per_step")
+    if lay.reduces_once_per_step or not once.reduces_once_per_step:
+        return lay, []
+    mem = ctx.memory(once)
+    if not mem.fits:
+        return lay, [f"gradients reduce-scattered on each of the {lay.grad_accum} micro-batches: keeping them "
+                     f"unsharded until the step's last one would need {gb(mem.total)} > {gb(mem.gpu)}"]
+    return once, [f"gradients reduce-scattered once per step, not on each of the {lay.grad_accum} micro-batches: "
+                  f"every rank keeps them unsharded in fp32 meanwhile, and that fits ({gb(mem.total)})"]
+
+
 def choose(ctx: Context, base: Layout, req: Request) -> tuple[Layout, list[str]]:
     """The first layout that fits, with the reasons; or the smallest one tried and 'nothing fits'."""
     pairs, reasons = model_parallel_degrees(ctx, base, req)

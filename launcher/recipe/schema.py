@@ -44,6 +44,10 @@ class ParallelismSpec(_Strict):
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
     offload: Literal["auto", "none", "optimizer", "params"] = "auto"
     grad_accum: AutoInt(1_000_000) = "auto"
+    grad_reduce: Literal["auto", "every_micro_batch", "once_per_step"] = Field(
+        "auto", description="FSDP2 with grad_accum > 1: reduce-scatter gradients on every micro-batch (they stay "
+                            "sharded), or once per step (each rank keeps the unsharded fp32 gradients meanwhile); "
+                            "auto = once per step when that fits")
     launcher: Literal["torchrun", "deepspeed"] = Field(
         "torchrun", description="how DeepSpeed recipes start: torchrun on every node, or the deepspeed launcher"
     )

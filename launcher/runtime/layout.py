@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..strategies import STRATEGIES, Family, StrategySpec, spec
+from ..strategies import STRATEGIES, Family, StrategySpec, reduces_once_per_step, spec
 from .failures import ConfigError
 
 
@@ -28,6 +28,11 @@ class RuntimeLayout:
     pp: int = 1
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"
+    grad_reduce: str = "every_micro_batch"  # FSDP2: or "once_per_step" (strategies.reduces_once_per_step)
+
+    @property
+    def reduces_once_per_step(self) -> bool:
+        return reduces_once_per_step(self)
 
     @property
     def dp(self) -> int:
@@ -113,4 +118,5 @@ def resolve_layout(plan, world_size: int) -> tuple[RuntimeLayout, list[str]]:
                               fix="raise training.global_batch (more micro-batches per step), lower "
                                   "parallelism.pipeline, or use parallelism.pipeline_schedule: 1f1b")
     return RuntimeLayout(strategy, lay.precision, lay.activation_checkpointing, lay.offload,
-                         micro, ga, world_size, shard, tp, pp, lay.sequence_parallel and tp > 1, schedule), notes
+                         micro, ga, world_size, shard, tp, pp, lay.sequence_parallel and tp > 1, schedule,
+                         getattr(lay, "grad_reduce", "every_micro_batch")), notes

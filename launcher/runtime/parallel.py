@@ -4,11 +4,12 @@ Every strategy is driven through the same small `Engine` surface (micro-step, op
 state for checkpoints), so the training loop has no per-strategy branches.
 
 Gradient accumulation: DDP all-reduces once per optimizer step (`no_sync` on the non-final micro-steps; its
-full gradients exist anyway). FSDP2 reduce-scatters on every micro-step, as torchtitan does: skipping it
-(`set_requires_gradient_sync(False)`) would keep every unsharded gradient, in fp32, on every rank until the
-last micro-step, i.e. DDP-sized gradient memory under FSDP. HSDP skips only the all-reduce across replicas
-until the last micro-step (`set_requires_all_reduce`), which keeps gradients sharded. DeepSpeed accumulates
-by its own gradient_accumulation_steps.
+full gradients exist anyway). FSDP2 does what the plan chose (`parallelism.grad_reduce`): reduce-scatter on
+every micro-step, as torchtitan does, so gradients stay sharded; or, when the plan found room for them, skip it
+until the last micro-step (`set_requires_gradient_sync(False)`), keeping every unsharded gradient in fp32 on
+every rank meanwhile (DDP-sized gradient memory) for grad_accum times fewer reduce-scatters. HSDP reducing on
+every micro-step skips only the all-reduce across replicas until the last one (`set_requires_all_reduce`),
+which keeps gradients sharded. DeepSpeed accumulates by its own gradient_accumulation_steps.
 """
 from __future__ import annotations
 
@@ -106,7 +107,9 @@ class TorchEngine(Engine):
     def _sync_context(self, last: bool):
         if not self.layout.spec.sharded:  # DDP
             return contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-        if self.layout.spec.replicate_across_nodes:  # HSDP: reduce-scatter now, all-reduce replicas at the end
+        if self.layout.reduces_once_per_step:  # accumulate unsharded; reduce-scatter (and all-reduce) at the end
+            self.model.set_requires_gradient_sync(last)
+        elif self.layout.spec.replicate_across_nodes:  # HSDP: reduce-scatter now, all-reduce replicas at the end
             self.model.set_requires_all_reduce(last)
         return contextlib.nullcontext()
 

@@ -83,9 +83,10 @@ def _mesh_outside_fake_mode():
         dm.init_device_mesh = orig
 
 
-def _moment(stage: str, unit: str | None, is_bw: bool, in_opt: bool, units: list[str]) -> tuple[str, str]:
+def _moment(stage: str, unit: str | None, is_bw: bool, in_opt: bool, units: list[str],
+            last_micro: bool = True) -> tuple[str, str]:
     """(planner moment, finer position) of the tracker's state; `units` are the FSDP units in forward order,
-    the root last."""
+    the root last; `last_micro`: in the step's last micro-step."""
     if in_opt:
         return "optimizer step", "optimizer step"
     if not is_bw:
@@ -93,6 +94,8 @@ def _moment(stage: str, unit: str | None, is_bw: bool, in_opt: bool, units: list
             return "forward", f"forward of {unit}"
         if stage == "after forward":
             return "loss forward", "loss forward (after the model's forward)"
+        if not last_micro:
+            return "between micro-steps", "after a micro-step's backward, before the next one's forward"
         return "step", "between backward and the optimizer step (clipping, zero_grad)"
     if stage == "after forward":
         return "loss backward", "loss backward (before any unit's backward)"
@@ -121,6 +124,7 @@ class StepTracker(FSDPMemTracker):
         self._born = WeakIdKeyDictionary()  # storage -> the op that made it
         self._ops, self._peak_op = 0, 0
         self._undo: list = []
+        self.last_micro = True  # set by the caller: is this the step's last micro-step
 
     def _mark(self, fsdp_mod, inner, stage):
         def wrapped(*args, **kwargs):
@@ -147,7 +151,26 @@ class StepTracker(FSDPMemTracker):
         return self._mark(fsdp_mod, super()._fsdp_param_group_pre_backward(fsdp_mod, orig), "backward")
 
     def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
-        return self._mark(fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig), "backward-done")
+        inner = self._mark(fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig), "backward-done")
+
+        def wrapped(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            if group is not None and not group.reduce_grads:  # reducing once per step: kept for the next one
+                for fp in group.fsdp_params:
+                    kept = self._kept_grad(fp)
+                    if kept is not None:
+                        self._relabel(kept, _FSDPRefType.SHARDED_GRAD)
+            return out
+        return wrapped
+
+    @staticmethod
+    def _kept_grad(fp):
+        """A parameter's unsharded gradient kept across micro-steps: `unsharded_accumulated_grad` in the reduce
+        dtype, or the unsharded parameter's own `.grad` when that is the reduce dtype already."""
+        if fp.unsharded_accumulated_grad is not None:
+            return fp.unsharded_accumulated_grad
+        return fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
 
     # Op counter and each storage's birth op: a gradient is known as one only when it is accumulated into
     # `.grad`, an op or two after the matmul that made it; `_relabel` also moves its bytes in the peaks
@@ -179,7 +202,7 @@ class StepTracker(FSDPMemTracker):
     def _update_peak_stats(self, peak_state):
         before = dict(self._peak_mem)
         super()._update_peak_stats(peak_state)
-        moment = _moment(self.stage, self.unit, self._mod_tracker.is_bw, self._in_opt, self.units)
+        moment = _moment(self.stage, self.unit, self._mod_tracker.is_bw, self._in_opt, self.units, self.last_micro)
         if self._peak_mem != before:
             self.peak_at, self._peak_op = moment, self._ops
         cur = next(iter(self._curr_mem_snap.values()), None)
@@ -213,6 +236,8 @@ class StepTracker(FSDPMemTracker):
 
     def _label_unsharded_grads(self):
         def hook(p):
+            if self._kept(p.grad):
+                return  # an unsharded gradient kept from an earlier micro-step, added to in place
             self._relabel(p.grad, _FSDPRefType.UNSHARDED_GRAD)
 
         for group in self._param_groups():
@@ -221,9 +246,15 @@ class StepTracker(FSDPMemTracker):
                     h = fp._unsharded_param.register_post_accumulate_grad_hook(hook)
                     self._undo.append(h.remove)
 
+    def _kept(self, t) -> bool:
+        return t is not None and any(self._WINFO.get(st, (None,))[0] is not None
+                                     and self._WINFO[st][0].reftype == _FSDPRefType.SHARDED_GRAD
+                                     for st in get_untyped_storages(t))
+
     def label_partial_grads(self):
         """HSDP between micro-steps keeps reduce-scattered, not yet all-reduced, gradients per unit
-        (`_partial_reduce_output`): accumulated gradients, whatever buffer they were born in."""
+        (`_partial_reduce_output`): accumulated gradients, whatever buffer they were born in. (Reducing once
+        per step, the kept unsharded ones are labelled at each unit's post-backward.)"""
         for group in self._param_groups():
             if getattr(group, "_partial_reduce_output", None) is not None:
                 self._update_and_maybe_create_winfos(group._partial_reduce_output, _FSDPRefType.SHARDED_GRAD)
@@ -284,7 +315,8 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
                     if i:
                         tracker.reset_mod_stats()
                         tracker.label_partial_grads()
-                    engine.micro_step(x, y, last=i == n_micro - 1)
+                    tracker.last_micro = i == n_micro - 1
+                    engine.micro_step(x, y, last=tracker.last_micro)
                 if recipe.training.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(module.parameters(), recipe.training.grad_clip)
                 engine.step()

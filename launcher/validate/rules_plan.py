@@ -124,6 +124,23 @@ def _fsdp_off(r: Recipe, p: Plan):
                 "say offload: params to be explicit, or use zero2/zero3 for optimizer-only offload")
 
 
+@rule("grad-reduce-ignored", "warning", "parallelism.grad_reduce", "once_per_step where FSDP2 does not accumulate")
+def _grad_reduce(r: Recipe, p: Plan):
+    lay = p.layout
+    if r.parallelism.grad_reduce != "once_per_step" or lay.reduces_once_per_step:
+        return None
+    if not lay.spec.sharded or lay.spec.family.value != "torch":
+        why = (f"{lay.strategy} reduces gradients once per step already" if lay.strategy == "ddp"
+               else f"DeepSpeed {lay.strategy} reduces gradients by its own schedule")
+    elif lay.grad_accum == 1:
+        why = "there is one micro-batch per step, so nothing accumulates"
+    elif lay.tp > 1 or lay.pp > 1:
+        why = "with tensor or pipeline parallelism the runtime's FSDP2 follows the pipeline's own reduction"
+    else:
+        why = "with CPU offload the unsharded gradients would sit on the GPU the offload is meant to relieve"
+    return (f"grad_reduce: once_per_step has no effect here: {why}", "remove parallelism.grad_reduce (or use auto)")
+
+
 @rule("long-seq-no-ac", "error", "parallelism.activation_checkpointing", "activation checkpointing off on a long sequence that does not fit")
 def _ac(r: Recipe, p: Plan):
     if (r.parallelism.activation_checkpointing == "none" and p.seq_len >= 4096 and not p.memory.fits

@@ -25,6 +25,7 @@ from launcher.plan.params import count_params
 from launcher.runtime import ckptdir
 from rt_harness import (
     TORCHRUN,
+    deep_merge,
     free_port,
     kill_tree,
     load_safetensors,
@@ -55,6 +56,9 @@ FP16_STEPS = 10
 
 def _case_recipe(name: str) -> dict:
     kind, strategy, precision, ac, offload = name.split(":")
+    if kind == "every-micro":  # the main case, but reduce-scattering on each of its 2 micro-steps
+        return deep_merge(_case_recipe(f"main:{strategy}:{precision}:{ac}:{offload}"),
+                          {"parallelism": {"grad_reduce": "every_micro_batch"}})
     if kind == "fp16":
         return recipe_dict(model={"preset": "micro", "seq_len": 64},
                            parallelism={"strategy": strategy, "precision": "fp16", "loss_scaling": "dynamic"},
@@ -64,7 +68,8 @@ def _case_recipe(name: str) -> dict:
                        training={"steps": STEPS}, checkpoint={"every": 10})
 
 
-NAMES = [f"main:{s}:{p}:{a}:{o}" for s, p, a, o in CASES] + [f"fp16:{s}:fp16:none:none" for s in FP16]
+NAMES = ([f"main:{s}:{p}:{a}:{o}" for s, p, a, o in CASES] + [f"fp16:{s}:fp16:none:none" for s in FP16]
+         + ["every-micro:fsdp:fp32:none:none"])
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +155,18 @@ def test_deepspeed_fp16_on_cpu_is_a_config_error(run_dir):
     assert "DeepSpeed does not support fp16" in res.stderr
     assert res.stderr.count("Traceback (most recent call last)") == 1  # torchrun's own report, none from workers
     assert not (run_dir / "metrics.jsonl").exists() or not res.losses()
+
+
+@pytest.mark.slow
+def test_fsdp_reducing_once_per_step_trains_as_reducing_every_micro_step(matrix):
+    """The plan has the tiny FSDP run reduce-scatter once per step (its unsharded gradients fit): the same run
+    reducing on each of its 2 micro-steps must follow the same loss curve, since only the order of the sums
+    changes (fp32 rounding: agreement to 1e-4, not bit-for-bit)."""
+    d_once, _, once = _result(matrix, "main:fsdp:fp32:none:none")
+    d_every, _, every = _result(matrix, "every-micro:fsdp:fp32:none:none")
+    assert json.loads((d_once / "plan.json").read_text())["plan"]["grad_reduce"] == "once_per_step"
+    assert json.loads((d_every / "plan.json").read_text())["plan"]["grad_reduce"] == "every_micro_batch"
+    a, b = [r["loss"] for r in once], [r["loss"] for r in every]
+    assert len(a) == len(b) == STEPS
+    assert a == pytest.approx(b, rel=1e-4)
+    assert a[-1] < a[0] - 1.5
