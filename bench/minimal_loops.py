@@ -57,12 +57,6 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=3, help="save mode: how many saves")
     ap.add_argument("--train-between", type=int, default=0,
                     help="save mode: training steps before each save (a run's checkpoint.every)")
-    ap.add_argument("--fsdp-reduce-every-micro", action="store_true",
-                    help="fsdp: reduce-scatter the gradients on every micro-step, as dtlaunch's runtime does (sharded "
-                         "accumulation), instead of once per step (to tell that choice from loop effects)")
-    ap.add_argument("--fsdp-units", default="blocks", choices=["blocks", "runtime"],
-                    help="fsdp: shard each block and the root (a hand-written loop), or the runtime's units (the "
-                         "embedding and the head apart, as torchtitan does), to tell that choice from loop effects")
     ap.add_argument("--ds-config", default=None, help="zero*: a DeepSpeed config JSON file instead of the minimal one "
                                                       "(to tell config effects from loop effects)")
     ap.add_argument("--out", required=True)
@@ -78,8 +72,7 @@ def _wrap(model, a):
     if a.strategy == "fsdp" or a.mode == "save":
         from torch.distributed.fsdp import fully_shard
 
-        units = [model.tok_embeddings, *model.layers, model.output] if a.fsdp_units == "runtime" else model.layers
-        for unit in units:
+        for unit in model.layers:
             fully_shard(unit)
         fully_shard(model)
     return model
@@ -189,7 +182,7 @@ def _micro_step(model, b, a, *, last: bool, ga: int, zero: bool):
         model.step()
         return loss
     if a.strategy == "fsdp":
-        model.set_requires_gradient_sync(last or a.fsdp_reduce_every_micro)
+        model.set_requires_gradient_sync(last)
         ctx = contextlib.nullcontext()
     else:
         ctx = contextlib.nullcontext() if last else model.no_sync()

@@ -120,8 +120,11 @@ def test_small_vocabulary_shape_peaks_at_the_second_layers_backward():
     ("parallelism.grad_reduce=every_micro_batch",),
     # bf16: each micro-step's 16-bit gradients added into the kept fp32 ones
     ("parallelism.precision=bf16", "parallelism.grad_reduce=once_per_step"),
+    # tied embeddings (one weight in the root): the head's gradient waits in autograd for the embedding's
+    ("model.tied_embeddings=true",),
+    ("model.tied_embeddings=true", "parallelism.precision=bf16", "parallelism.grad_reduce=every_micro_batch"),
 ], ids=["bf16-selective-one-micro-step", "bf16-full-grad_op", "bf16-hybrid-once", "bf16-hybrid-every-micro",
-        "fp32-every-micro", "bf16-once"])
+        "fp32-every-micro", "bf16-once", "tied-fp32-once", "tied-bf16-every-micro"])
 def test_tiny_variants_match_the_planner(sets):
     recipe, plan = _plan("tiny.yaml", *sets)
     _assert_matches(_planned(recipe, plan), trace(recipe, plan), exact_split=False)

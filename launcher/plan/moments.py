@@ -30,8 +30,10 @@ context and 5% fragmentation cover.
 FSDP2 facts used (torch.distributed.fsdp, `fully_shard` with MixedPrecisionPolicy(param_dtype, fp32 reduce)):
 weights are all-gathered per unit in param_dtype; gradients are produced unsharded in param_dtype and copied
 into an fp32 reduce-scatter input of the unit's size; sharded fp32 gradients accumulate across micro-steps
-because the runtime reduce-scatters on every micro-step. Units are `runtime.parallel.fsdp_units`: the token
-embedding, each block, the output head, and the root with the final norm.
+when the runtime reduce-scatters on every micro-step, unsharded ones when it reduces once per step
+(`strategies.reduces_once_per_step`). Units are `runtime.parallel.fsdp_units`: the token
+embedding, each block, the output head, and the root with the final norm; or, for tables no larger than a
+block (`params.embedding_units_apart`), each block and a root holding the embedding, the head and the norm.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from ..deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
 from ..strategies import Family
 from . import activations as act
 from .layout import Layout
-from .params import embedding_params, layer_params, layer_params_per_rank
+from .params import embedding_params, embedding_units_apart, layer_params, layer_params_per_rank
 from .parts import WHOLE_MODEL, Part, pipeline_parts
 from .states import fsdp_group, states
 
@@ -64,6 +66,8 @@ class Units:
     head: float
     root: float
     w2: float
+    root_head: float = 0.0  # the head's parameters when the root holds it (its gradient: head to root's backward)
+    tied: bool = False  # the head is the embedding's weight
 
 
 def units(shape: ModelShape | None, arch: str, n: float, lay: Layout, part: Part = WHOLE_MODEL) -> Units:
@@ -73,8 +77,9 @@ def units(shape: ModelShape | None, arch: str, n: float, lay: Layout, part: Part
     vh = shape.vocab * shape.hidden / t
     layer = layer_params(shape, arch) / t if arch == "gpt" else layer_params_per_rank(shape, t)
     w2 = shape.hidden * (shape.ffn_hidden if arch != "gpt" else 4 * shape.hidden) / t
-    if shape.tied_embeddings or arch == "gpt":  # tied (or GPT's extra tables): embedding and head in the root
-        return Units(0.0, layer, 0.0, embedding_params(shape, arch) / t, w2)
+    # tied, or GPT's extra tables, or tables no larger than a block: embedding and head in the root
+    if shape.tied_embeddings or arch == "gpt" or not embedding_units_apart(shape, lay.tp > 1 or lay.pp > 1):
+        return Units(0.0, layer, 0.0, embedding_params(shape, arch) / t, w2, vh, shape.tied_embeddings)
     return Units(vh if part.emb else 0.0, layer, vh if part.head else 0.0, shape.hidden if part.head else 0.0, w2)
 
 
@@ -90,7 +95,7 @@ VARIANTS = {
 }
 
 
-def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]:
+def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float, once: bool = False) -> dict[str, float]:
     """FSDP2's gathered weights, unsharded gradients and reduce-scatter inputs alive at each moment.
 
     w = param_dtype bytes; a reduce-scatter input is fp32 (reduce_dtype), 4 bytes per parameter, and its output
@@ -98,12 +103,16 @@ def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]
     per parameter; in backward the next unit is prefetched (w) and the last reduce-scatter input is held until
     the next unit's post-backward. reshard_after_forward=False (fsdp_grad_op) keeps every unit gathered from
     its forward to its backward. SwiGLU's backward peak comes right after w2's backward: of the block's
-    gradients only w2's exists then.
+    gradients only w2's exists then. Reducing once per step in fp32 (`once`), a unit's new gradient is added in
+    place to the one kept from the earlier micro-steps (counted with the gradients), so no copy of it is a
+    buffer; in 16-bit the new 16-bit gradient is one until its unit's post-backward adds it to the fp32 one.
     """
     keep = lay.spec.reshard_after_forward is False
     d = fsdp_group(lay)
     ag = 0.0 if d == 1 else 1.0  # a group of one copies its shard in place: no all-gather buffer
-    root = w * u.root  # gathered from the start of forward to the end of backward (the final norm: tiny)
+    # the root: gathered through its forward (the whole model's) and from the start of backward to its end;
+    # with every unit kept gathered, it is one of them (in `kept`)
+    root = 0.0 if keep else w * u.root
     kept = w * n if keep else 0.0
     kept_but_head = kept - w * u.head if keep else 0.0
     first, other = (u.emb, 0.0) if u.emb else (u.root, -root)  # the last unit in backward
@@ -111,26 +120,43 @@ def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]
         layer_bw, second_bw = kept_but_head, kept_but_head - w * u.layer
     else:  # the layer in backward and the next one, prefetched (its all-gather buffer)
         layer_bw = second_bw = (1 + ag) * w * u.layer
+    # A head in the root: its forward runs with the last block's all-gather buffer still held (no unit's
+    # copy-out since), and its unsharded gradient stays until the root's post-backward, at the very end.
+    head_fw = (1 + ag) * w * u.head if u.head else ag * w * u.layer
+    fresh = 0.0 if once and w >= 4 else 1.0
+    # In the head's backward, the head's new gradient exists in any case; after it, it is a buffer unless added
+    # in place to a kept one. A tied weight's is not here: see `_pending_tied_grad`.
+    hg_new = 0.0 if u.tied else w * u.root_head
+    hg = fresh * hg_new
     return {
-        "forward": root + kept_but_head + (1 + ag) * w * u.head,
+        "forward": root + kept_but_head + head_fw,
         "forward (last block)": root + kept_but_head - (w * u.layer if keep else 0.0) + (1 + ag) * w * u.layer,
-        "loss forward": root + kept,
-        "loss backward": root + kept,
-        "head backward": root + kept_but_head + 2 * w * u.head + (0.0 if keep else ag * w * u.layer),
-        "head backward (reduce)": root + (kept_but_head if keep else ag * w * u.layer) + w * u.head
+        # the root reshards after its forward (the loss runs outside it) unless every unit stays gathered
+        "loss forward": kept,
+        "loss backward": kept,
+        "head backward": root + kept_but_head + 2 * w * u.head + hg_new + (0.0 if keep else ag * w * u.layer),
+        "head backward (reduce)": root + (kept_but_head if keep else ag * w * u.layer) + w * u.head + hg
         + 4 * u.head * (1 + 1 / d),
-        "head backward (norm)": root + (kept_but_head if keep else ag * w * u.layer) + 4 * u.head,
-        "layer backward": root + layer_bw + w * u.w2 + 4 * u.head,
-        "layer backward (second)": root + second_bw + w * u.w2 + 4 * u.layer,
+        "head backward (norm)": root + (kept_but_head if keep else ag * w * u.layer) + 4 * u.head + hg,
+        "layer backward": root + layer_bw + fresh * w * u.w2 + 4 * u.head + hg,
+        "layer backward (second)": root + second_bw + fresh * w * u.w2 + 4 * u.layer + hg,
         # at the end of a layer's backward every gradient of it exists, the next layer is still prefetched
-        "layer backward (end)": root + layer_bw + w * u.layer + 4 * u.head,
-        "layer backward (end, second)": root + second_bw + w * u.layer + 4 * u.layer,
-        # its gradient computed with its weights gathered (plus the all-gather buffer at the copy-out) and the
-        # first layer's reduce-scatter input held; or its own reduce-scatter, its weights resharded
-        "end of backward": root + other + (1 + ag) * w * first + 4 * u.layer,
-        "end of backward (reduce)": root + other + w * first + 4 * first * (1 + 1 / d),
+        "layer backward (end)": root + layer_bw + fresh * w * u.layer + 4 * u.head + hg,
+        "layer backward (end, second)": root + second_bw + fresh * w * u.layer + 4 * u.layer + hg,
+        # its gradient computed with its weights gathered and the first layer's reduce-scatter input held; or
+        # its own reduce-scatter, its weights resharded
+        "end of backward": root + other + (1 + fresh) * w * first + 4 * u.layer,
+        "end of backward (reduce)": root + other + fresh * w * first + 4 * first * (1 + 1 / d),
         "optimizer step": 0.0,
     }
+
+
+def _pending_tied_grad(moment: str, u: Units, w: float) -> float:
+    """A tied weight's gradient from the head's backward waits in autograd's input buffer (like an activation's
+    gradient, not in `.grad`) until the embedding's backward adds its own; only the sum reaches `.grad`."""
+    if not u.tied or moment.startswith(("forward", "loss", "optimizer")) or moment == "end of backward (reduce)":
+        return 0.0
+    return w * u.root_head
 
 
 def _pipeline_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, float]:
@@ -174,7 +200,8 @@ def _grads_at(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
         return g
     done = {"head backward (norm)": u.head, "layer backward": u.head, "layer backward (second)": u.head + u.layer,
             "layer backward (end)": u.head, "layer backward (end, second)": u.head + u.layer,
-            "end of backward": n - u.emb, "end of backward (reduce)": n - u.emb, "optimizer step": n}
+            # the embedding's backward, then its reduce-scatter; the root's comes last
+            "end of backward": n - u.emb - u.root, "end of backward (reduce)": n - u.emb - u.root, "optimizer step": n}
     return g * done.get(moment, 0.0) / n
 
 
@@ -207,16 +234,12 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
     if piped:
         buffers = _pipeline_buffers(u, n, lay, w)
     elif fsdp:
-        buffers = _fsdp_buffers(u, n, lay, w)
+        buffers = _fsdp_buffers(u, n, lay, w, once)
     elif not sp.sharded:
         buffers = _ddp_buffers(shape, u, n, lay, w)
     else:
         buffers = dict.fromkeys((*MOMENTS, *VARIANTS), deepspeed_buffers(u, lay, w))
     buffers["optimizer step"] = 0.0
-    if once and w == 4:  # fp32: a unit's new gradient is added in place to the kept one, no copy beside it
-        for m, grad in (("layer backward", u.w2), ("layer backward (second)", u.w2),
-                        ("layer backward (end)", u.layer), ("layer backward (end, second)", u.layer)):
-            buffers[m] -= w * grad
     if part.recv and shape is not None:
         # torch's pipeline stages allocate, once and for good, a receive buffer per micro-batch for the stage's
         # input (all but the first stage) and one for the gradient of its output (all but the last), each a
@@ -236,18 +259,20 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
             + (st.step_grads if m == "optimizer step" else 0.0),
             "optimizer": st.optimizer + (st.step_temp if m == "optimizer step" else 0.0),
             "activations": acts.layers if acts.during_step(m) else 0.0,
-            "backward": acts.backward.get(m, 0.0),
+            "backward": acts.backward.get(m, 0.0) + (_pending_tied_grad(m, u, w) if fsdp and not piped else 0.0),
             "loss": acts.loss.get(m, 0.0) + acts.tokens,
             "buffers": buffers[m],
         }
     variants = VARIANTS
     if once:
-        # The end of the first micro-batch's backward: every unit's gradient but the embedding's kept unsharded,
-        # and no reduce-scatter input (nothing is reduced until the last micro-batch).
+        # The end of the first micro-batch's backward: every unit's gradient kept unsharded but the last unit's
+        # (the embedding's, or the root's), whose new gradient is a buffer until its post-backward; and no
+        # reduce-scatter input (nothing is reduced until the last micro-batch).
         one = replace(lay, grad_accum=1)
+        new = w * (u.emb or u.root) if w >= 4 else 0.0  # in 16-bit, counted as new in any micro-batch
         rows["end of backward (first micro-batch)"] = {
             **rows["end of backward"], "grads": _grads_at("end of backward", 4 * n, n, u, one),
-            "buffers": buffers["end of backward"] - 4 * u.layer}
+            "buffers": buffers["end of backward"] - 4 * u.layer + new}
         variants = {**VARIANTS, "end of backward (first micro-batch)": "end of backward"}
     if piped and acts.one:
         # A micro-batch's backward ends with the first stage's embedding (or a stage's first block) while the

@@ -41,6 +41,21 @@ def embedding_params(s: ModelShape, architecture: str = "llama") -> int:
     return emb + head + s.hidden
 
 
+def embedding_units_apart(s: ModelShape, model_parallel: bool = False) -> bool:
+    """Whether FSDP2 shards the token embedding and the output head as units of their own (gathered only
+    around their own forward and backward) rather than in the root unit (gathered from the start of forward
+    to the end of backward). Apart when each table is larger than a block: then a root holding both would be
+    the largest gathered unit of the step, which is torchtitan's reason for separate units at a 128k
+    vocabulary. When a table is no larger than a block, the root keeps both gathered for less than two
+    blocks' weights, and separate units would only add two all-gathers and two reduce-scatters to every
+    micro-step (their whole latency where collectives do not overlap compute). Tied tables share one
+    parameter and stay in the root. Tensor and pipeline layouts keep them apart (a stage holds only one of
+    the two). The runtime (`runtime.parallel.fsdp_units`) and the planner (`plan.moments.units`) both ask."""
+    if s.tied_embeddings:
+        return False
+    return model_parallel or s.vocab * s.hidden > layer_params(s)
+
+
 def count_params(s: ModelShape, architecture: str = "llama") -> int:
     """Llama 2 7B -> 6,738,415,616; Llama 3 8B -> 8,030,261,248 (matches the released checkpoints)."""
     return s.layers * layer_params(s, architecture) + embedding_params(s, architecture)

@@ -136,7 +136,7 @@ class MeshEngine(Engine):
             reshard = True
         mesh = self._dp_mesh()
         for chunk in split.chunks:
-            for unit in fsdp_units(chunk):
+            for unit in fsdp_units(chunk, model_parallel=True):
                 fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
 
     # ------------------------------------------------------------------ the step

@@ -186,21 +186,22 @@ def repeated_blocks(module: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def fsdp_units(module: nn.Module, blocks: list[nn.Module] | None = None) -> list[nn.Module]:
-    """The FSDP2 units in forward order: the token embedding, each block, the output head, then the root
-    (which keeps only the final norm's weight).
-
-    Separate embedding and head units are gathered only around their own forward and backward, where one root
-    unit holding both keeps both gathered through the whole forward and backward (torchtitan shards them
-    apart too). Tied embeddings share one parameter, so they stay in the root. A model that does not name
-    its embedding and head (a user's own, given to launcher.init().wrap) gets its blocks, then the root.
+def fsdp_units(module: nn.Module, blocks: list[nn.Module] | None = None, *,
+               model_parallel: bool = False) -> list[nn.Module]:
+    """The FSDP2 units in forward order: each block, then the root; the token embedding and the output head
+    as units of their own (first and before the root) where `plan.params.embedding_units_apart` says so
+    (tables larger than a block, or a tensor/pipeline layout), else in the root with the final norm. A model
+    that does not name its embedding and head (a user's own, given to launcher.init().wrap) gets its blocks,
+    then the root.
     """
+    from ..plan.params import embedding_units_apart
+
     shape = getattr(module, "shape", None)
     named = all(hasattr(module, a) for a in ("tok_embeddings", "layers", "output")) and shape is not None
     if blocks is not None or not named:
         return [*(blocks if blocks is not None else repeated_blocks(module)), module]
     layers = module.blocks() if hasattr(module, "blocks") else list(module.layers)
-    if shape.tied_embeddings:
+    if not embedding_units_apart(shape, model_parallel):
         return [*layers, module]
     # a pipeline stage (Llama.stage) has the embedding only first and the head only last
     return [u for u in (module.tok_embeddings, *layers, module.output) if u is not None] + [module]

@@ -99,14 +99,16 @@ def _moment(stage: str, unit: str | None, is_bw: bool, in_opt: bool, units: list
         return "step", "between backward and the optimizer step (clipping, zero_grad)"
     if stage == "after forward":
         return "loss backward", "loss backward (before any unit's backward)"
-    root, head, first = units[-1], units[-2], units[0]
+    root = units[-1]
     if unit == root:
         return (("head backward", "backward of the head") if stage == "backward"
                 else ("end of backward", "end of backward (the root's reduce-scatter)"))
-    if unit == head:
+    if unit == "output":  # the head as a unit of its own
         return "head backward", f"backward of {unit}"
-    if unit == first and first != "layers.0":
+    if unit == "tok_embeddings":
         return "end of backward", f"backward of {unit}"
+    if unit == units[0] and stage == "after backward":  # the first block done: the root's embedding's backward
+        return "end of backward", "backward of the embedding (in the root)"
     return "layer backward", f"backward of {unit}"
 
 
@@ -299,7 +301,7 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
         for group in engine.optimizer.param_groups:
             group["foreach"] = True  # what AdamW picks on CUDA
         names = {m: n for n, m in module.named_modules()}
-        units = [names[u] or "root" for u in fsdp_units(module)]
+        units = [names[u] or "root" for u in fsdp_units(module, model_parallel=layout.model_parallel)]
         # As `runtime.data.Batches`: the step's grad_accum micro-batches of s+1 tokens, loaded up front.
         batches = [torch.randint(0, shape.vocab, (layout.micro_batch, plan.seq_len + 1))
                    for _ in range(layout.grad_accum)]

@@ -41,6 +41,36 @@ def test_tied_embeddings_count_once():
     assert sum(p.numel() for p in model.parameters()) == count_params(shape)
 
 
+@pytest.mark.parametrize("preset,tied,model_parallel,apart", [
+    ("tiny", False, False, False),  # a 512 x 128 table is smaller than a block: both tables in the root
+    ("tiny", False, True, True),  # a pipeline stage holds only one of them
+    ("tiny", True, False, False),  # tied: one weight, in the root
+    ("llama3-8b", False, False, True),  # 128K x 4096 is larger than a block: units of their own
+    ("llama3-8b", True, False, False),
+])
+def test_fsdp_units_are_the_ones_the_planner_counts(preset, tied, model_parallel, apart):
+    """One rule for both: the runtime's FSDP2 units on the real model hold exactly the parameters the planner's
+    units say (the embedding and the head apart, or in the root with the final norm)."""
+    from launcher.plan.layout import Layout
+    from launcher.plan.moments import units
+    from launcher.runtime.parallel import fsdp_units
+
+    shape = dataclasses.replace(catalog.PRESETS[preset], tied_embeddings=tied, layers=2)
+    model = build_model(shape, device="meta")
+    got = fsdp_units(model, model_parallel=model_parallel)
+    size = lambda m, nested: sum(p.numel() for p in m.parameters()) - sum(  # noqa: E731
+        p.numel() for u in nested for p in u.parameters())
+    lay = Layout("fsdp", dp=2, pp=2 if model_parallel else 1)
+    planned = units(shape, "llama", count_params(shape), lay)
+    root = got[-1]
+    assert size(root, got[:-1]) == pytest.approx(planned.root)
+    assert (model.tok_embeddings in got) == apart and (model.output in got) == apart
+    if apart:
+        assert planned.emb == planned.head == shape.vocab * shape.hidden
+    else:
+        assert planned.emb == planned.head == 0
+
+
 @pytest.mark.parametrize("ac", ["selective", "full"])
 def test_activation_checkpointing_gives_identical_gradients(ac):
     """Recomputation must change memory, never results."""
