@@ -37,6 +37,7 @@ from .models.hf import load_weights
 from .optim import apply_schedule
 from .parallel import Engine, wrap_model
 from .signals import PreemptionFlag
+from .stepgc import StepGC
 
 # Build on the meta device (and materialise shard by shard) above this many parameters.
 META_INIT_PARAMS = 1_000_000_000
@@ -285,29 +286,31 @@ class Trainer:
         last_saved = self.step if self.step else None
         self.watchdog.beat(self.step)
         try:
-            while self.step < self.total_steps:
-                self.current = self.step + 1
-                self.faults.at_step_start(self.current)
-                t0 = time.perf_counter()
-                lr = self.engine.lr  # the rate this step uses (the scheduler advances inside the step)
-                loss, info = self._train_step()
-                self.step += 1
-                if self.faults.hit("desync_step", self.step):
+            with StepGC() as collector:
+                while self.step < self.total_steps:
+                    self.current = self.step + 1
+                    self.faults.at_step_start(self.current)
+                    t0 = time.perf_counter()
+                    lr = self.engine.lr  # the rate this step uses (the scheduler advances inside the step)
+                    loss, info = self._train_step()
                     self.step += 1
-                agreed = self._agree(self.step, flag.received, loss)
-                dt = time.perf_counter() - t0
-                finite = self.nonfinite.check(agreed.loss, self.step)
-                if self.step % tr.log_every == 0 or self.step == self.total_steps or agreed.stop:
-                    extra = {k: v for k, v in info.items() if k != "grad_norm" and v not in (None, False)}
-                    self.metrics.step(self.step, loss=agreed.loss, lr=lr, tokens=tokens_per_step,
-                                      step_time=dt, grad_norm=info.get("grad_norm"), extra=extra)
-                self.checkpointer.poll()
-                if agreed.stop and self.step < self.total_steps:
-                    self._preempt(agreed, flag, finite)
-                if finite and self.step % self.every == 0 and self.step < self.total_steps:
-                    self._save(blocking=False, reason="interval")
-                    last_saved = self.step
-                self.watchdog.beat(self.step)
+                    if self.faults.hit("desync_step", self.step):
+                        self.step += 1
+                    agreed = self._agree(self.step, flag.received, loss)
+                    dt = time.perf_counter() - t0
+                    finite = self.nonfinite.check(agreed.loss, self.step)
+                    if self.step % tr.log_every == 0 or self.step == self.total_steps or agreed.stop:
+                        extra = {k: v for k, v in info.items() if k != "grad_norm" and v not in (None, False)}
+                        self.metrics.step(self.step, loss=agreed.loss, lr=lr, tokens=tokens_per_step,
+                                          step_time=dt, grad_norm=info.get("grad_norm"), extra=extra)
+                    self.checkpointer.poll()
+                    if agreed.stop and self.step < self.total_steps:
+                        self._preempt(agreed, flag, finite)
+                    if finite and self.step % self.every == 0 and self.step < self.total_steps:
+                        self._save(blocking=False, reason="interval")
+                        last_saved = self.step
+                    collector.step(self.step)
+                    self.watchdog.beat(self.step)
             self.watchdog.pause()
             if last_saved != self.step and self.nonfinite.count == 0:
                 self._save(blocking=True, reason="final")
