@@ -4,6 +4,10 @@ library API (init_distributed once, then Trainer(..., world=world).run() per pla
 Starting a torchrun world costs several seconds on this 2-core machine; the strategy matrix shares
 one world so the suite stays short. Usage: torchrun ... multi_train.py CASES.json, where CASES.json
 lists {"plan": ..., "run_dir": ...}. Each case writes run_dir/result.json (rank 0).
+
+The trainer's garbage-collection policy is swapped for a probe (`CycleProbe`) that collects after every
+step and counts the tensors that only the collector could have freed: the policy of collecting every 50
+steps is safe only while that count is zero. Each result reports it.
 """
 from __future__ import annotations
 
@@ -14,8 +18,41 @@ import time
 import traceback
 from pathlib import Path
 
+import launcher.runtime.loop as loop_mod
 from launcher import planfile
 from launcher.runtime import Trainer, init_distributed
+from launcher.runtime.stepgc import StepGC
+
+
+class CycleProbe(StepGC):
+    """StepGC that collects after every step, with DEBUG_SAVEALL, and counts tensors in the garbage."""
+
+    found = {"collections": 0, "objects": 0, "tensors": 0, "tensor_bytes": 0}
+
+    def __enter__(self):
+        CycleProbe.found = {"collections": 0, "objects": 0, "tensors": 0, "tensor_bytes": 0}
+        return super().__enter__()
+
+    def step(self, step: int) -> None:
+        import gc
+
+        import torch
+
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        gc.set_debug(0)
+        tensors = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+        f = CycleProbe.found
+        f["collections"] += 1
+        f["objects"] += len(gc.garbage)
+        f["tensors"] += len(tensors)
+        f["tensor_bytes"] += sum(t.untyped_storage().nbytes() for t in tensors if not t.is_meta)
+        del tensors
+        gc.garbage.clear()
+        gc.collect()  # now without SAVEALL: free what was found
+
+
+loop_mod.StepGC = CycleProbe
 
 
 def main() -> None:
@@ -35,7 +72,7 @@ def main() -> None:
             code, err = getattr(e, "exit_code", 1), f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         if world.rank == 0 or err:
             (run_dir / f"result-rank{world.rank}.json").write_text(
-                json.dumps({"code": code, "error": err, "seconds": round(time.time() - t0, 2)}))
+                json.dumps({"code": code, "error": err, "seconds": round(time.time() - t0, 2), "gc": CycleProbe.found}))
         if err:  # the peers may be stuck in a collective: end the world, the remaining cases report "not run"
             print(f"case {run_dir} failed on rank {world.rank}: {err}", file=sys.stderr, flush=True)
             os._exit(1)
