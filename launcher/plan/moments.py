@@ -77,8 +77,8 @@ def units(shape: ModelShape | None, arch: str, n: float, lay: Layout, part: Part
     vh = shape.vocab * shape.hidden / t
     layer = layer_params(shape, arch) / t if arch == "gpt" else layer_params_per_rank(shape, t)
     w2 = shape.hidden * (shape.ffn_hidden if arch != "gpt" else 4 * shape.hidden) / t
-    # tied, or GPT's extra tables, or tables no larger than a block: embedding and head in the root
-    if shape.tied_embeddings or arch == "gpt" or not embedding_units_apart(shape, lay.tp > 1 or lay.pp > 1):
+    # GPT's extra tables, or tied tables, or tables no larger than a block: embedding and head in the root
+    if arch == "gpt" or not embedding_units_apart(shape, model_parallel(lay)):
         return Units(0.0, layer, 0.0, embedding_params(shape, arch) / t, w2, vh, shape.tied_embeddings)
     return Units(vh if part.emb else 0.0, layer, vh if part.head else 0.0, shape.hidden if part.head else 0.0, w2)
 

@@ -11,12 +11,15 @@ steps is safe only while that count is zero. Each result reports it.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
+
+import torch
 
 import launcher.runtime.loop as loop_mod
 from launcher import planfile
@@ -34,10 +37,6 @@ class CycleProbe(StepGC):
         return super().__enter__()
 
     def step(self, step: int) -> None:
-        import gc
-
-        import torch
-
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         gc.set_debug(0)
