@@ -9,12 +9,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+import msgspec
 
 from . import __version__
 from .errors import Problem, RecipeError
 from .plan import Plan
-from .recipe import Recipe
+from .recipe import Recipe, parse
 
 FORMAT = 1
 MAX_BYTES = 16 << 20
@@ -59,8 +59,8 @@ def read(path: str | Path) -> tuple[Recipe, Plan, dict[str, Any]]:
         raise RecipeError([Problem(str(p), "format", f"unsupported plan file format {found!r}",
                                    f"re-render it with this dtlaunch ({__version__})")])
     try:
-        recipe = Recipe.model_validate(doc["recipe"])
+        recipe = parse(doc["recipe"])
         plan = Plan.from_dict(doc["plan"])
-    except (ValidationError, KeyError, TypeError, ValueError) as e:
+    except (msgspec.ValidationError, KeyError, TypeError, ValueError) as e:
         raise _fail(p, f"the plan file is damaged or from another dtlaunch version: {str(e).splitlines()[0]}") from None
     return recipe, plan, doc

@@ -200,8 +200,8 @@ def test_ddp_on_real_tensors_matches_the_planner(sets, tmp_path):
         layout, _ = resolve_layout(plan, 1)
         torch.manual_seed(0)
         module = build_model(recipe.model.shape(), layout.activation_checkpointing, device="cpu")
-        training = recipe.training.model_copy(update={"grad_clip": 0.0})
-        engine = wrap_model(module, layout, recipe.model_copy(update={"training": training}), plan, 10,
+        training = recipe.training.replace(grad_clip=0.0)
+        engine = wrap_model(module, layout, recipe.replace(training=training), plan, 10,
                             torch.device("cpu"), is_gpu=False)
         for group in engine.optimizer.param_groups:
             group["foreach"] = True  # as on CUDA

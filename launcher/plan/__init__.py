@@ -143,7 +143,7 @@ def make_plan(recipe: Recipe) -> Plan:
         grad_reduce="once_per_step" if par.grad_reduce == "once_per_step" else "every_micro_batch",
     )
     ctx = Context(shape, arch, n, seq, dev.memory_gb * 1e9, dev.is_gpu, res.per_node, res.nodes)
-    fields_set = par.model_fields_set
+    fields_set = par.fields_set
     req = Request(par.strategy, par.backend, par.activation_checkpointing, par.offload,
                   tp_fixed="tensor" in fields_set, pp_fixed="pipeline" in fields_set)
     lay, reasons = choose(ctx, base, req)

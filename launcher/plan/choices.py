@@ -55,9 +55,9 @@ def with_accelerator(recipe: Recipe, accelerator: str) -> Recipe:
     """The recipe on another accelerator; the primary's device overrides do not carry over."""
     if accelerator == recipe.resources.accelerator:
         return recipe
-    res = recipe.resources.model_copy(update={"accelerator": accelerator, "gpu_memory_gb": None,
-                                              "peak_tflops": None, "usd_per_gpu_hour": None})
-    return recipe.model_copy(update={"resources": res})
+    res = recipe.resources.replace(accelerator=accelerator, gpu_memory_gb=None, peak_tflops=None,
+                                   usd_per_gpu_hour=None)
+    return recipe.replace(resources=res)
 
 
 def accelerators(recipe: Recipe) -> list[str]:

@@ -1,21 +1,18 @@
 """The recipe's `model` section: a preset, an explicit Llama-style shape, a Hugging Face config.json, or only a
 parameter count, resolved into the one `catalog.ModelShape` the planner and the runtime both build from."""
-from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
-
 from .. import catalog
-from .fields import Float, Int, Str, _Strict, suggest
+from .fields import Doc, Float, Int, Invalid, Spec, Str, suggest
 
 
-class ModelSpec(_Strict):
+class ModelSpec(Spec, kw_only=True):
     """Either a preset, an explicit shape, or only a parameter count (model states only)."""
 
-    preset: str | None = Field(None, description="e.g. llama3-70b, llama2-7b, tiny")
-    architecture: Literal["llama", "gpt"] = Field("llama", description="gpt = the Korthikanti et al. reference layer "
-                                                  "(planning only: the runtime trains llama)")
+    preset: Doc("e.g. llama3-70b, llama2-7b, tiny", str | None) = None
+    architecture: Doc("gpt = the Korthikanti et al. reference layer (planning only: the runtime trains llama)",
+                      Literal["llama", "gpt"]) = "llama"
     layers: Int(1, 100000) | None = None
     hidden: Int(1, 10000000) | None = None
     ffn_hidden: Int(1, 100000000) | None = None
@@ -26,24 +23,17 @@ class ModelSpec(_Strict):
     params: Int(1, 10 ** 15, "parameter count, when the shape is unknown") | None = None
     seq_len: Int(1, 100000000) | None = None
     rope_theta: Float(gt=0, le=1000000000000.0) | None = None
-    hf: Str | None = Field(
-        None, description="a Hugging Face model directory (config.json, optional *.safetensors), relative to the "
-                          "recipe file: Llama, Mistral or Qwen2; the runtime builds it with transformers")
-    hf_config: dict[str, Any] | None = Field(
-        None, description="filled in by dtlaunch from model.hf's config.json (the resolved recipe carries it)")
-    hf_weights: Str | None = Field(
-        None, description="the directory of the *.safetensors weights as the nodes see it (default: model.hf when "
-                          "it holds weights); unset: train from random initialisation")
+    hf: Doc("a Hugging Face model directory (config.json, optional *.safetensors), relative to the recipe file: "
+            "Llama, Mistral or Qwen2; the runtime builds it with transformers", Str | None) = None
+    hf_config: Doc("filled in by dtlaunch from model.hf's config.json (the resolved recipe carries it)",
+                   dict[str, Any] | None) = None
+    hf_weights: Doc("the directory of the *.safetensors weights as the nodes see it (default: model.hf when it "
+                    "holds weights); unset: train from random initialisation", Str | None) = None
 
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, v: str | None) -> str | None:
-        if v is not None and v not in catalog.PRESETS:
-            raise ValueError(f"unknown preset {v!r}{suggest(v, catalog.PRESETS)}; known: {', '.join(catalog.PRESETS)}")
-        return v
-
-    @model_validator(mode="after")
-    def _complete(self) -> ModelSpec:
+    def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in catalog.PRESETS:
+            raise Invalid("preset", f"unknown preset {self.preset!r}{suggest(self.preset, catalog.PRESETS)}; "
+                                    f"known: {', '.join(catalog.PRESETS)}")
         if self.hf is not None or self.hf_config is not None:
             return self._hf_complete()
         if self.hf_weights is not None:
@@ -64,9 +54,8 @@ class ModelSpec(_Strict):
             if (s.hidden // s.heads) % 2:
                 raise ValueError(f"the head dimension hidden/heads = {s.hidden // s.heads} is odd: rotary position "
                                  "embeddings rotate pairs of dimensions")
-        return self
 
-    def _hf_complete(self) -> ModelSpec:
+    def _hf_complete(self) -> None:
         from .hf import HFConfigError, shape_fields
 
         others = [f for f in ("preset", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab",
@@ -81,7 +70,6 @@ class ModelSpec(_Strict):
             shape_fields(self.hf_config, self.seq_len)
         except HFConfigError as e:
             raise ValueError(str(e)) from None
-        return self
 
     def shape(self) -> catalog.ModelShape | None:
         """The resolved shape (preset with explicit overrides), or None for a params-only model."""

@@ -1,101 +1,111 @@
-"""The recipe schema: pydantic models, strict about what they accept.
+"""The recipe schema: msgspec structs, strict about what they accept.
 
 Every number has bounds (a hostile or mistyped value must fail here, not as an overflow in the planner or a
 loop that runs for hours), booleans are not numbers, infinities and NaN are refused, and strings that reach
 shell scripts or file names are limited in length and content.
 """
-from __future__ import annotations
 
 import hashlib
 import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    Field,
-    PrivateAttr,
-    field_validator,
-    model_validator,
-)
+import msgspec
+from msgspec import Meta
 
 from .. import catalog
 from ..errors import FieldError
-from .fields import ENV_NAME, MAX_ENV_VALUE, RUN_ID, AutoInt, Float, Int, Str, Strategy, Target, _Strict, suggest
+from .fields import (
+    ENV_NAME,
+    MAX_ENV_VALUE,
+    RUN_ID,
+    AutoInt,
+    Doc,
+    Float,
+    Int,
+    Invalid,
+    Spec,
+    Str,
+    Strategy,
+    Target,
+    Text,
+    suggest,
+)
 from .model_spec import ModelSpec
-from .target_specs import LocalTarget, SkyTarget, SlurmTarget
+from .target_specs import LocalTarget, SkyTarget, SlurmTarget, checked
 
 
-class ParallelismSpec(_Strict):
+class ParallelismSpec(Spec, kw_only=True, dict=True):
     strategy: Strategy = "auto"
-    backend: Literal["torch", "deepspeed"] = Field(
-        "torch", description="which family `auto` picks from: torch (DDP/FSDP2) or deepspeed (ZeRO)"
-    )
-    data: AutoInt(10_000_000) = Field("auto", description="data-parallel degree; auto = world / (tensor*pipeline)")
+    backend: Doc("which family `auto` picks from: torch (DDP/FSDP2) or deepspeed (ZeRO)",
+                 Literal["torch", "deepspeed"]) = "torch"
+    data: AutoInt(10_000_000, "data-parallel degree; auto = world / (tensor*pipeline)") = "auto"
     tensor: Int(1, 1024) = 1
     pipeline: Int(1, 1024) = 1
-    sequence_parallel: bool = Field(False, description="with tensor > 1: split the residual stream and the norms "
-                                                       "over the sequence across the tensor-parallel group")
-    pipeline_schedule: Literal["1f1b", "interleaved_1f1b"] = Field(
-        "1f1b", description="with pipeline > 1: 1F1B (one stage per rank), or interleaved 1F1B (two stages per "
-                            "rank: smaller bubbles, more activations in flight)")
+    sequence_parallel: Doc("with tensor > 1: split the residual stream and the norms over the sequence across the "
+                           "tensor-parallel group", bool) = False
+    pipeline_schedule: Doc("with pipeline > 1: 1F1B (one stage per rank), or interleaved 1F1B (two stages per rank: "
+                           "smaller bubbles, more activations in flight)", Literal["1f1b", "interleaved_1f1b"]) = "1f1b"
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    loss_scaling: Literal["dynamic", "none"] = Field("dynamic", description="fp16 only: dynamic loss scaling")
+    loss_scaling: Doc("fp16 only: dynamic loss scaling", Literal["dynamic", "none"]) = "dynamic"
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
     offload: Literal["auto", "none", "optimizer", "params"] = "auto"
     grad_accum: AutoInt(1_000_000) = "auto"
-    grad_reduce: Literal["auto", "every_micro_batch", "once_per_step"] = Field(
-        "auto", description="FSDP2 with grad_accum > 1: reduce-scatter gradients on every micro-batch (they stay "
-                            "sharded), or once per step (each rank keeps the unsharded fp32 gradients meanwhile); "
-                            "auto = once per step when that fits")
-    launcher: Literal["torchrun", "deepspeed"] = Field(
-        "torchrun", description="how DeepSpeed recipes start: torchrun on every node, or the deepspeed launcher"
-    )
+    grad_reduce: Doc("FSDP2 with grad_accum > 1: reduce-scatter gradients on every micro-batch (they stay sharded), "
+                     "or once per step (each rank keeps the unsharded fp32 gradients meanwhile); auto = once per step "
+                     "when that fits", Literal["auto", "every_micro_batch", "once_per_step"]) = "auto"
+    launcher: Doc("how DeepSpeed recipes start: torchrun on every node, or the deepspeed launcher",
+                  Literal["torchrun", "deepspeed"]) = "torchrun"
+
+    @property
+    def fields_set(self) -> frozenset[str]:
+        """The fields the recipe wrote (the planner keeps a written tensor or pipeline degree as the user's
+        choice). Without a record of the input (a section built in code), the fields that differ from their
+        defaults."""
+        given = self.__dict__.get("given")
+        if given is not None:
+            return given
+        return frozenset(f.name for f in msgspec.structs.fields(self) if getattr(self, f.name) != f.default)
+
+    def remember_given(self, keys) -> None:
+        self.__dict__["given"] = frozenset(keys)
+
+    def replace(self, **changes: Any) -> "ParallelismSpec":
+        out = super().replace(**changes)
+        out.remember_given(self.fields_set | changes.keys())
+        return out
 
 
-class ResourcesSpec(_Strict):
-    accelerator: str = Field("H100:8", max_length=64,
-                             description="TYPE:COUNT per node, as SkyPilot spells it, e.g. H100:8, cpu:2")
-    gpu_memory_gb: Float(gt=0, le=100000) | None = Field(None, description="override the catalogue's memory per device")
-    usd_per_gpu_hour: Float(ge=0, le=1000000) | None = Field(None, description="override the catalogue's price")
-    peak_tflops: Float(ge=0.001, le=1000000) | None = Field(None, description="override the catalogue's dense bf16 peak")
+class ResourcesSpec(Spec, kw_only=True):
+    accelerator: Text(64, "TYPE:COUNT per node, as SkyPilot spells it, e.g. H100:8, cpu:2") = "H100:8"
+    gpu_memory_gb: Float(gt=0, le=100000, description="override the catalogue's memory per device") | None = None
+    usd_per_gpu_hour: Float(ge=0, le=1000000, description="override the catalogue's price") | None = None
+    peak_tflops: Float(ge=0.001, le=1000000, description="override the catalogue's dense bf16 peak") | None = None
     nodes: Int(1, 100_000) = 1
-    network: str = Field("best", max_length=64, description="best, infiniband, efa, tcp, loopback")
-    mfu: Float(gt=0, le=1) = Field(0.40, description="assumed model FLOPs utilisation for time estimates")
-    gpu_mtbf_hours: Float(gt=0, le=1e9) = Field(catalog.GPU_MTBF_HOURS, description="mean time between failures per GPU")
+    network: Text(64, "best, infiniband, efa, tcp, loopback") = "best"
+    mfu: Float(gt=0, le=1, description="assumed model FLOPs utilisation for time estimates") = 0.40
+    gpu_mtbf_hours: Float(gt=0, le=1e9, description="mean time between failures per GPU") = catalog.GPU_MTBF_HOURS
     storage_gbps_per_node: Float(ge=0.001, le=1_000_000) = catalog.STORAGE_GBPS_PER_NODE
-    socket_ifname: str | None = Field(
-        None, max_length=256, pattern=r"^[A-Za-z0-9_.:^,=-]+$",
-        description="NCCL/gloo network interface(s), e.g. eth0 or ^docker; unset = let NCCL choose (best)")
-    image: str | None = Field(
-        None, max_length=512,
-        description="a Docker/OCI image every target's job runs in, e.g. nvcr.io/nvidia/pytorch:24.05-py3 "
-                    "(SkyPilot: image_id; SLURM: targets.slurm.container picks pyxis or Apptainer)")
+    socket_ifname: Text(256, "NCCL/gloo network interface(s), e.g. eth0 or ^docker; unset = let NCCL choose (best)",
+                        r"^[A-Za-z0-9_.:^,=-]+$") | None = None
+    image: Text(512, "a Docker/OCI image every target's job runs in, e.g. nvcr.io/nvidia/pytorch:24.05-py3 "
+                     "(SkyPilot: image_id; SLURM: targets.slurm.container picks pyxis or Apptainer)") | None = None
 
-    @field_validator("accelerator")
-    @classmethod
-    def _known_accelerator(cls, v: str) -> str:
-        name, _ = catalog.parse_accelerator(v)
+    def __post_init__(self) -> None:
+        name, _ = checked("accelerator", catalog.parse_accelerator, self.accelerator)
         if name not in catalog.ACCELERATORS:
-            raise ValueError(f"unknown accelerator {name!r}{suggest(name, catalog.ACCELERATORS)}; "
-                             f"known: {', '.join(catalog.ACCELERATORS)}")
-        return v
-
-    @field_validator("image")
-    @classmethod
-    def _image(cls, v: str | None) -> str | None:
-        if v is not None:
+            raise Invalid("accelerator", f"unknown accelerator {name!r}{suggest(name, catalog.ACCELERATORS)}; "
+                                         f"known: {', '.join(catalog.ACCELERATORS)}")
+        if self.image is not None:
             from .images import parse_image
 
-            parse_image(v)
-        return v
-
-    @field_validator("network")
-    @classmethod
-    def _known_network(cls, v: str) -> str:
-        if v not in catalog.NETWORKS:
-            raise ValueError(f"unknown network {v!r}{suggest(v, catalog.NETWORKS)}; known: {', '.join(catalog.NETWORKS)}")
-        return v
+            try:
+                parse_image(self.image)
+            except ValueError as e:
+                raise Invalid("image", str(e)) from None
+        if self.network not in catalog.NETWORKS:
+            raise Invalid("network", f"unknown network {self.network!r}{suggest(self.network, catalog.NETWORKS)}; "
+                                     f"known: {', '.join(catalog.NETWORKS)}")
 
     @property
     def accel_name(self) -> str:
@@ -121,22 +131,23 @@ class ResourcesSpec(_Strict):
         )
 
 
-class DataSpec(_Strict):
+class DataSpec(Spec, kw_only=True):
     source: Literal["synthetic", "file"] = "synthetic"
-    path: Str | None = Field(None, description="a token file (.bin uint16/uint32 or .npy, or .txt bytes) for source: file")
+    path: Doc("a token file (.bin uint16/uint32 or .npy, or .txt bytes) for source: file", Str | None) = None
     dtype: Literal["uint16", "uint32", "bytes"] = "uint16"
     # Synthetic tokens are generated in memory (4 bytes each): 2**31 is already 8 GB per rank.
     num_tokens: Int(2, 2**31 - 1, "synthetic: how many tokens to generate") = 1 << 20
     workers: Int(0, 256) = 0
 
-    @model_validator(mode="after")
-    def _path_for_file(self) -> DataSpec:
+    def __post_init__(self) -> None:
         if self.source == "file" and not self.path:
             raise ValueError("source: file needs `path` (a local token file)")
-        return self
 
 
-class TrainingSpec(_Strict):
+Beta = Float(ge=0, lt=1)
+
+
+class TrainingSpec(Spec, kw_only=True):
     micro_batch: Int(1, 1_000_000, "sequences per GPU per forward pass") = 1
     global_batch: Int(1, 10 ** 9, "sequences per optimizer step, all GPUs") | None = None
     steps: Int(1, 10 ** 12) | None = None
@@ -145,174 +156,124 @@ class TrainingSpec(_Strict):
     lr: Float(gt=0, le=10) = 3e-4
     min_lr: Float(ge=0, le=10) = 0.0
     weight_decay: Float(ge=0, le=10) = 0.1
-    betas: tuple[Float(ge=0, lt=1), Float(ge=0, lt=1)] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
     grad_clip: Float(ge=0, le=1e6) = 1.0
     warmup_steps: Int(0, 10**12) = 0
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     seed: Int(0, 2**63 - 1) = 0
-    data: DataSpec = Field(default_factory=DataSpec)
+    data: DataSpec = msgspec.field(default_factory=DataSpec)
     log_every: Int(1, 10**9) = 1
     timeout_seconds: Int(1, 10**7, "collective timeout after init; a hang ends the job after this") = 600
     init_timeout_seconds: Int(1, 10**7, "rendezvous / first collective timeout") = 900
     deterministic: bool = False
     max_nonfinite_steps: Int(1, 1000, "end the run (exit 45) after this many steps in a row with a NaN/inf loss") = 3
     preflight: bool = True
-    min_allreduce_fraction: Float(ge=0, le=1) = Field(
-        0.0, description="fail preflight below this fraction of the network's expected bandwidth")
+    min_allreduce_fraction: Float(ge=0, le=1, description="fail preflight below this fraction of the network's "
+                                                          "expected bandwidth") = 0.0
 
-    @model_validator(mode="after")
-    def _steps_or_tokens(self) -> TrainingSpec:
+    def __post_init__(self) -> None:
         if self.steps is not None and self.tokens is not None:
             raise FieldError("set only one of `steps` (optimizer steps) and `tokens` (training tokens)",
                              "keep one; to override one on the command line, unset the other: "
                              "--set training.steps=100 --set training.tokens=null")
-        return self
 
 
-class CheckpointSpec(_Strict):
-    dir: Str | None = Field(None, description="shared directory for checkpoints; {run_id} expands to the job's run id")
+class CheckpointSpec(Spec, kw_only=True):
+    dir: Doc("shared directory for checkpoints; {run_id} expands to the job's run id", Str | None) = None
     every: AutoInt(10**12) = "auto"
     keep: Int(1, 10_000) = 3
-    async_: bool = Field(False, alias="async")
+    async_: bool = msgspec.field(default=False, name="async")
     export: Literal["none", "safetensors", "torch"] = "safetensors"
-    resume_changed_recipe: bool = Field(
-        False, description="resume a checkpoint written by a recipe with another model, optimizer, schedule or data "
-                           "(normally refused: it is another run's checkpoint)")
-    grace_seconds: AutoInt(86_400) = Field(
-        "auto", description="after TERM/USR2, how long torchrun waits for the workers to checkpoint and exit before "
-                            "it kills them; auto = 3 checkpoint writes + 30 s (at least 30)")
+    resume_changed_recipe: Doc("resume a checkpoint written by a recipe with another model, optimizer, schedule or "
+                               "data (normally refused: it is another run's checkpoint)", bool) = False
+    grace_seconds: AutoInt(86_400, "after TERM/USR2, how long torchrun waits for the workers to checkpoint and exit "
+                                   "before it kills them; auto = 3 checkpoint writes + 30 s (at least 30)") = "auto"
 
 
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", re.ASCII)
 
 
-def _no_nul(v: str) -> str:
-    if "\x00" in v:
-        raise ValueError("contains a NUL byte, which no command-line argument can hold")
-    return v
-
-
-class EntrypointSpec(_Strict):
+class EntrypointSpec(Spec, kw_only=True):
     """The user's own training code, started by the job instead of `python -m launcher.train`."""
 
-    script: Str | None = Field(
-        None, description="a Python file, relative to workdir (shipped with the job): torchrun runs it on every rank")
-    module: str | None = Field(None, max_length=512,
-                                  description="a module importable from workdir, run like `python -m MODULE`")
-    args: list[Annotated[str, AfterValidator(_no_nul), Field(max_length=4096)]] = Field(
-        default_factory=list, max_length=1000, description="arguments passed to the script or module, as written")
-    workdir: Str | None = Field(
-        None, description="the directory shipped with the job (relative to the recipe file, default: the recipe "
-                          "file's directory); the code runs from its copy")
-    exclude: list[Annotated[str, Field(max_length=512)]] = Field(
-        default_factory=list, max_length=200,
-        description="glob patterns of files not to ship (e.g. data/*, *.ckpt), besides .git, caches and venvs")
+    script: Doc("a Python file, relative to workdir (shipped with the job): torchrun runs it on every rank",
+                Str | None) = None
+    module: Text(512, "a module importable from workdir, run like `python -m MODULE`") | None = None
+    args: Annotated[list[Text(4096)], Meta(max_length=1000, description="arguments passed to the script or module, "
+                                                                        "as written")] = []
+    workdir: Doc("the directory shipped with the job (relative to the recipe file, default: the recipe file's "
+                 "directory); the code runs from its copy", Str | None) = None
+    exclude: Annotated[list[Text(512)], Meta(
+        max_length=200, description="glob patterns of files not to ship (e.g. data/*, *.ckpt), besides .git, caches "
+                                    "and venvs")] = []
 
-    @field_validator("script")
-    @classmethod
-    def _script(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        parts = v.replace("\\", "/").split("/")
-        if not v.strip() or v.startswith("/") or v.startswith("~") or ".." in parts or "\x00" in v:
-            raise ValueError(f"{v!r}: a path relative to entrypoint.workdir, inside it (the job runs a copy of workdir)")
-        if not v.endswith(".py"):
-            raise ValueError(f"{v!r}: a Python file (.py); for a package use entrypoint.module")
-        return v
-
-    @field_validator("module")
-    @classmethod
-    def _module(cls, v: str | None) -> str | None:
-        if v is not None and not MODULE_NAME.match(v):
-            raise ValueError(f"{v!r} is not a module name (dotted Python identifiers, e.g. mypkg.train)")
-        return v
-
-    @model_validator(mode="after")
-    def _one(self) -> EntrypointSpec:
+    def __post_init__(self) -> None:
+        v = self.script
+        if v is not None:
+            parts = v.replace("\\", "/").split("/")
+            if not v.strip() or v.startswith("/") or v.startswith("~") or ".." in parts or "\x00" in v:
+                raise Invalid("script", f"{v!r}: a path relative to entrypoint.workdir, inside it (the job runs a copy "
+                                        "of workdir)")
+            if not v.endswith(".py"):
+                raise Invalid("script", f"{v!r}: a Python file (.py); for a package use entrypoint.module")
+        if self.module is not None and not MODULE_NAME.match(self.module):
+            raise Invalid("module", f"{self.module!r} is not a module name (dotted Python identifiers, e.g. "
+                                    "mypkg.train)")
+        for a in self.args:
+            if "\x00" in a:
+                raise Invalid("args", "contains a NUL byte, which no command-line argument can hold")
         if (self.script is None) == (self.module is None):
             raise ValueError("set exactly one of entrypoint.script (a .py file) and entrypoint.module")
-        return self
 
 
-class TargetsSpec(_Strict):
+class TargetsSpec(Spec, kw_only=True):
     default: Target = "local"
-    local: LocalTarget = Field(default_factory=LocalTarget)
-    slurm: SlurmTarget = Field(default_factory=SlurmTarget)
-    sky: SkyTarget = Field(default_factory=SkyTarget)
+    local: LocalTarget = msgspec.field(default_factory=LocalTarget)
+    slurm: SlurmTarget = msgspec.field(default_factory=SlurmTarget)
+    sky: SkyTarget = msgspec.field(default_factory=SkyTarget)
 
 
-class Recipe(_Strict):
-    name: str = Field(max_length=200)
-    run_id: str | None = Field(
-        None, description="the run's identity (checkpoints, metrics): set it to resume an earlier run; default: "
-                          "the scheduler's job id (SLURM), the managed job's task id (SkyPilot), the name (local)")
+class Recipe(Spec, kw_only=True, dict=True):
+    name: Text(200)
+    run_id: Doc("the run's identity (checkpoints, metrics): set it to resume an earlier run; default: the "
+                "scheduler's job id (SLURM), the managed job's task id (SkyPilot), the name (local)",
+                str | None) = None
     model: ModelSpec
-    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    parallelism: ParallelismSpec = msgspec.field(default_factory=ParallelismSpec)
+    resources: ResourcesSpec = msgspec.field(default_factory=ResourcesSpec)
     training: TrainingSpec
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    entrypoint: EntrypointSpec | None = Field(
-        None, description="the user's own training code; default: dtlaunch's trainer (python -m launcher.train)")
-    targets: TargetsSpec = Field(default_factory=TargetsSpec)
-    env: dict[str, str] = Field(default_factory=dict, max_length=1000,
-                                description="plain environment variables for the job")
-    secrets: list[str] = Field(default_factory=list, max_length=100,
-                               description="names of environment variables passed through; never values")
-    _source: Any = PrivateAttr(None)  # loading.SourceMap: file and line of each field, for later findings
+    checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
+    entrypoint: Doc("the user's own training code; default: dtlaunch's trainer (python -m launcher.train)",
+                    EntrypointSpec | None) = None
+    targets: TargetsSpec = msgspec.field(default_factory=TargetsSpec)
+    env: Annotated[dict[str, Any], Meta(max_length=1000, description="plain environment variables for the job")] = {}
+    secrets: Annotated[list[str], Meta(max_length=100, description="names of environment variables passed "
+                                                                   "through; never values")] = []
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise Invalid("name", "must not be empty")
+        if self.run_id is not None and not RUN_ID.match(self.run_id):
+            raise Invalid("run_id", f"{self.run_id!r}: a run id is 1-128 letters, digits, '.', '_' or '-', starting "
+                                    "with a letter or digit")
+        self.env = _env_values(self.env)
+        for s in self.secrets:
+            if not ENV_NAME.match(s):
+                raise Invalid("secrets", f"{s!r} is not an environment variable name; secrets lists names only, "
+                                         "never values")
 
     def set_source(self, source: Any) -> None:
-        self._source = source
+        """Remember where the recipe came from (loading.SourceMap: file and line of each field)."""
+        self.__dict__["source"] = source
 
     def locate(self, field: str) -> tuple[str | None, int | None]:
         """(file or `--set KEY=VALUE`, line) of a field, when the recipe was loaded from text."""
-        return self._source.locate(field) if self._source is not None else (None, None)
+        source = self.__dict__.get("source")
+        return source.locate(field) if source is not None else (None, None)
 
     def base_dir(self) -> str | None:
         """The directory of the recipe file it was loaded from (None for text or a plan file)."""
-        return getattr(self._source, "base_dir", None)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
-        return v
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_values(cls, v):
-        if isinstance(v, dict):
-            out = {}
-            for k, val in v.items():
-                if not isinstance(k, str) or not ENV_NAME.match(k):
-                    raise ValueError(f"{k!r} is not a valid environment variable name (letters, digits, _)")
-                if isinstance(val, (dict, list)) or val is None:
-                    raise ValueError(f"{k}: value must be a string or number")
-                if isinstance(val, float) and val != val or val in (float("inf"), float("-inf")):
-                    raise ValueError(f"{k}: {val} is not a finite number; quote it if you mean the text")
-                s = str(val).lower() if isinstance(val, bool) else str(val)
-                if "\x00" in s:
-                    raise ValueError(f"{k}: the value contains a NUL byte, which no environment variable can hold")
-                if len(s) > MAX_ENV_VALUE:
-                    raise ValueError(f"{k}: the value is {len(s):,} characters long (at most {MAX_ENV_VALUE:,})")
-                out[k] = s
-            return out
-        return v
-
-    @field_validator("run_id")
-    @classmethod
-    def _run_id(cls, v: str | None) -> str | None:
-        if v is not None and not RUN_ID.match(v):
-            raise ValueError(f"{v!r}: a run id is 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
-        return v
-
-    @field_validator("secrets")
-    @classmethod
-    def _secret_names(cls, v: list[str]) -> list[str]:
-        for s in v:
-            if not ENV_NAME.match(s):
-                raise ValueError(f"{s!r} is not an environment variable name; secrets lists names only, never values")
-        return v
+        return getattr(self.__dict__.get("source"), "base_dir", None)
 
     @property
     def job_name(self) -> str:
@@ -330,7 +291,7 @@ class Recipe(_Strict):
         return n[:63]
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True)
+        return msgspec.to_builtins(self)
 
     def digest(self) -> str:
         """A recipe's identity: unchanged by a newer dtlaunch that only added optional fields it leaves unset."""
@@ -343,6 +304,34 @@ class Recipe(_Strict):
             if isinstance(cur, dict) and cur.get(leaf, default) == default:
                 cur.pop(leaf, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _env_values(v: dict) -> dict[str, str]:
+    """env values as the job's environment holds them: text (numbers and booleans written as YAML spells them)."""
+    out = {}
+    for k, val in v.items():
+        if not ENV_NAME.match(k):
+            raise Invalid("env", f"{k!r} is not a valid environment variable name (letters, digits, _)")
+        if isinstance(val, (dict, list)) or val is None:
+            raise Invalid("env", f"{k}: value must be a string or number")
+        if isinstance(val, float) and (val != val or val in (float("inf"), float("-inf"))):
+            raise Invalid("env", f"{k}: {val} is not a finite number; quote it if you mean the text")
+        s = str(val).lower() if isinstance(val, bool) else str(val)
+        if "\x00" in s:
+            raise Invalid("env", f"{k}: the value contains a NUL byte, which no environment variable can hold")
+        if len(s) > MAX_ENV_VALUE:
+            raise Invalid("env", f"{k}: the value is {len(s):,} characters long (at most {MAX_ENV_VALUE:,})")
+        out[k] = s
+    return out
+
+
+def parse(data: Any) -> Recipe:
+    """A Recipe from plain data (a loaded YAML document, a plan file's copy): msgspec.ValidationError on any
+    mistake. Records which parallelism fields the data wrote, for the planner."""
+    recipe = msgspec.convert(data, Recipe)
+    par = data.get("parallelism") if isinstance(data, dict) else None
+    recipe.parallelism.remember_given(par.keys() if isinstance(par, dict) else ())
+    return recipe
 
 
 # Fields added after the first recipe format, with their defaults: left at the default, they are left out of

@@ -1,30 +1,24 @@
 """The recipe's `targets` sections (local, SLURM with its containers, SkyPilot with its checkpoint storage):
 what each scheduler accepts, checked where it is written rather than by sbatch or sky after the queue.
 """
-from __future__ import annotations
 
 import re
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from msgspec import Meta
 
 from .. import catalog
-from .fields import BUCKET, Int, Line, Str, _Strict, suggest
+from .fields import BUCKET, Doc, Int, Invalid, Line, Spec, Str, Text, suggest
 
 
-class LocalTarget(_Strict):
+class LocalTarget(Spec, kw_only=True):
     max_restarts: Int(0, 1000) = 3
     run_dir: Str = "runs"
 
 
-class SshSpec(_Strict):
-    host: str = Field(max_length=255)
-    user: str | None = Field(None, max_length=255)
+class SshSpec(Spec, kw_only=True):
+    host: Text(255)
+    user: Text(255) | None = None
     port: Int(1, 65535) = 22
     key_file: Str | None = None
     known_hosts: Str | None = None
@@ -42,55 +36,46 @@ MOUNT_PATH = re.compile(_MOUNT_PATH, re.ASCII)
 _SITE_IMAGE = re.compile(r"[A-Za-z0-9_./~][A-Za-z0-9._/:@#+=%~-]*", re.ASCII)
 
 
-class SlurmContainer(_Strict):
+
+class SlurmContainer(Spec, kw_only=True):
     """The job's steps run in a container: pyxis (srun --container-image) or Apptainer/Singularity
     (apptainer exec). The submit directory is always mounted at its own path."""
 
-    runtime: Literal["pyxis", "apptainer", "singularity"] = Field(
-        description="pyxis: srun's --container-* options (enroot); apptainer/singularity: `apptainer exec` on "
-                    "each node")
-    image: str | None = Field(
-        None, max_length=1024,
-        description="the image as this cluster's runtime spells it (e.g. /shared/images/train.sqsh or .sif); "
-                    "default: resources.image, converted for the runtime")
-    mounts: list[Annotated[str, Field(max_length=2048)]] = Field(
-        default_factory=list, max_length=100,
-        description="extra bind mounts SRC[:DST[:ro|rw]], absolute paths, e.g. /datasets:/data:ro")
-    workdir: str | None = Field(
-        None, max_length=1024, pattern=rf"^{_MOUNT_PATH}$",
-        description="working directory inside the container (default: the submit directory)")
+    runtime: Doc("pyxis: srun's --container-* options (enroot); apptainer/singularity: `apptainer exec` on each node",
+                 Literal["pyxis", "apptainer", "singularity"])
+    image: Text(1024, "the image as this cluster's runtime spells it (e.g. /shared/images/train.sqsh or .sif); "
+                      "default: resources.image, converted for the runtime") | None = None
+    mounts: Annotated[list[Text(2048)], Meta(max_length=100, description="extra bind mounts SRC[:DST[:ro|rw]], "
+                                                                         "absolute paths, e.g. /datasets:/data:ro")] = []
+    workdir: Text(1024, "working directory inside the container (default: the submit directory)",
+                  rf"^{_MOUNT_PATH}$") | None = None
 
-    @field_validator("image")
-    @classmethod
-    def _image(cls, v: str | None) -> str | None:
+    def __post_init__(self) -> None:
+        v = self.image
         if v is not None and not _SITE_IMAGE.fullmatch(v):
-            raise ValueError(f"{v[:80]!r}: an image path or URI of letters, digits and ._/:@#+=%~- only (no spaces, "
-                             "commas, quotes or $), not starting with '-'")
-        return v
-
-    @field_validator("mounts")
-    @classmethod
-    def _mounts(cls, v: list[str]) -> list[str]:
+            raise Invalid("image", f"{v[:80]!r}: an image path or URI of letters, digits and ._/:@#+=%~- only (no "
+                                   "spaces, commas, quotes or $), not starting with '-'")
         out = []
-        for m in v:
+        for m in self.mounts:
             mm = _MOUNT.fullmatch(m)
             if not mm:
-                raise ValueError(f"{m[:80]!r}: a mount is SRC[:DST[:ro|rw]] with absolute paths of letters, digits and "
-                                 "._/+@%=~- (no ',' or ':' inside a path), e.g. /datasets:/data:ro")
+                raise Invalid("mounts", f"{m[:80]!r}: a mount is SRC[:DST[:ro|rw]] with absolute paths of letters, "
+                                        "digits and ._/+@%=~- (no ',' or ':' inside a path), e.g. /datasets:/data:ro")
             src, dst, flags = mm.groups()
             out.append(f"{src}:{dst or src}" + (f":{flags}" if flags else ""))  # pyxis needs DST; both read this
-        return out
+        self.mounts = out
 
 
-class SlurmTarget(_Strict):
+class SlurmTarget(Spec, kw_only=True):
     partition: Line(256) | None = None
     account: Line(256) | None = None
     qos: Line(256) | None = None
-    time: str = Field("24:00:00", max_length=32, description="SLURM time limit, e.g. 24:00:00 or 2-00:00:00")
+    time: Doc("SLURM time limit, e.g. 24:00:00 or 2-00:00:00; a number is minutes",
+              Text(32) | int) = "24:00:00"
     cpus_per_task: Int(1, 100000) | None = None
-    mem: str | None = Field(None, max_length=32, description="memory per node (--mem), e.g. 0 (all), 500G")
-    mem_per_gpu: str | None = Field(None, max_length=32,
-                                       description="memory per allocated GPU (--mem-per-gpu), e.g. 80G; instead of mem")
+    mem: Doc("memory per node (--mem), e.g. 0 (all), 500G; a number is MB", Text(32) | int | None) = None
+    mem_per_gpu: Doc("memory per allocated GPU (--mem-per-gpu), e.g. 80G; instead of mem",
+                     Text(32) | int | None) = None
     constraint: Line(1024) | None = None
     exclusive: bool = True
     signal_seconds: Int(1, 65535, "send USR2 this long before the time limit") = 120
@@ -98,216 +83,162 @@ class SlurmTarget(_Strict):
     max_failures: Int(0, 10_000) = 3
     max_restarts: Int(0, 1000, "torchrun restarts inside one allocation") = 2
     submit: Literal["sbatch", "submitit"] = "sbatch"
-    array_parallelism: Int(1, 100000) | None = Field(
-        None, description="sweeps: at most this many array tasks run at once (sbatch --array=0-N%P)")
-    cpus_per_gpu: Int(1, 10000) | None = Field(
-        None, description="CPUs per GPU (sbatch --cpus-per-gpu), instead of cpus_per_task; GPU recipes only")
-    gpu_request: Literal["gpus_per_node", "gres"] = Field(
-        "gpus_per_node", description="how GPUs are asked for: --gpus-per-node (select/cons_tres), or --gres=gpu:N "
-                                     "for clusters without cons_tres")
-    gpu_type: str | None = Field(
-        None, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-        description="the cluster's GPU type name (its GRES type), e.g. a100: --gpus-per-node=a100:8 or "
-                    "--gres=gpu:a100:8")
-    nodelist: str | None = Field(None, max_length=4096,
-                                    description="run on these nodes (--nodelist), e.g. gpu[01-04] or a list of names")
-    exclude: str | None = Field(None, max_length=4096,
-                                   description="never run on these nodes (--exclude), e.g. gpu07,gpu[10-12]")
-    reservation: str | None = Field(None, max_length=256, pattern=r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$",
-                                       description="allocate from this reservation (--reservation)")
-    dependency: str | None = Field(
-        None, max_length=1024,
-        description="start after other jobs (--dependency), e.g. afterok:123 or singleton; `dtlaunch up --after` "
-                    "adds one")
-    mail_type: list[str] | None = Field(None, max_length=20,
-                                           description="mail on these events (--mail-type), e.g. [END, FAIL]")
-    mail_user: str | None = Field(None, max_length=256, pattern=r"^[A-Za-z0-9._%+-]+(@[A-Za-z0-9.-]+)?$",
-                                     description="who gets the mail (--mail-user; default: the submitting user)")
-    container: SlurmContainer | None = Field(
-        None, description="run the steps in a container: {runtime: pyxis|apptainer, image?, mounts?, workdir?}")
+    array_parallelism: Int(1, 100000, "sweeps: at most this many array tasks run at once (sbatch --array=0-N%P)") \
+        | None = None
+    cpus_per_gpu: Int(1, 10000, "CPUs per GPU (sbatch --cpus-per-gpu), instead of cpus_per_task; GPU recipes "
+                                "only") | None = None
+    gpu_request: Doc("how GPUs are asked for: --gpus-per-node (select/cons_tres), or --gres=gpu:N for clusters "
+                     "without cons_tres", Literal["gpus_per_node", "gres"]) = "gpus_per_node"
+    gpu_type: Text(64, "the cluster's GPU type name (its GRES type), e.g. a100: --gpus-per-node=a100:8 or "
+                       "--gres=gpu:a100:8", r"^[A-Za-z0-9][A-Za-z0-9_.-]*$") | None = None
+    nodelist: Doc("run on these nodes (--nodelist), e.g. gpu[01-04] or a list of names",
+                  Text(4096) | list[Text(255)] | None) = None
+    exclude: Doc("never run on these nodes (--exclude), e.g. gpu07,gpu[10-12]",
+                 Text(4096) | list[Text(255)] | None) = None
+    reservation: Text(256, "allocate from this reservation (--reservation)",
+                      r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$") | None = None
+    dependency: Text(1024, "start after other jobs (--dependency), e.g. afterok:123 or singleton; `dtlaunch up "
+                           "--after` adds one") | None = None
+    mail_type: Doc("mail on these events (--mail-type), e.g. [END, FAIL]",
+                   Text(256) | Annotated[list[Text(64)], Meta(max_length=20)] | None) = None
+    mail_user: Text(256, "who gets the mail (--mail-user; default: the submitting user)",
+                    r"^[A-Za-z0-9._%+-]+(@[A-Za-z0-9.-]+)?$") | None = None
+    container: Doc("run the steps in a container: {runtime: pyxis|apptainer, image?, mounts?, workdir?}",
+                   SlurmContainer | None) = None
     ssh: SshSpec | None = None
-    extra_sbatch: list[Line(1024)] = Field(default_factory=list, max_length=100)
-    setup: list[Str] = Field(default_factory=list, max_length=1000,
-                             description="shell lines run before training, e.g. module load")
+    extra_sbatch: Annotated[list[Line(1024)], Meta(max_length=100)] = []
+    setup: Annotated[list[Str], Meta(max_length=1000, description="shell lines run before training, e.g. module "
+                                                                 "load")] = []
 
-    @field_validator("time", mode="before")
-    @classmethod
-    def _minutes(cls, v):
-        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # `time: 90` means 90 minutes
-
-    @field_validator("time")
-    @classmethod
-    def _time(cls, v: str) -> str:
+    def __post_init__(self) -> None:
+        from .slurmsyntax import parse_dependency, parse_hostlist, parse_mail_types, parse_mem
         from .slurmtime import parse_time
 
-        parse_time(v)  # raises ValueError with the accepted forms
-        return v
-
-    @field_validator("mem", "mem_per_gpu", mode="before")
-    @classmethod
-    def _mem_number(cls, v):
-        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # `mem: 0`, `mem: 4096` (MB)
-
-    @field_validator("mem")
-    @classmethod
-    def _mem(cls, v: str | None) -> str | None:
-        from .slurmsyntax import parse_mem
-
-        return None if v is None else parse_mem(v)
-
-    @field_validator("mem_per_gpu")
-    @classmethod
-    def _mem_per_gpu(cls, v: str | None, info: ValidationInfo) -> str | None:
-        from .slurmsyntax import parse_mem
-
-        if v is None:
-            return v
-        parse_mem(v, zero=False)
-        if info.data.get("mem") is not None:
-            raise ValueError("set only one of `mem` (per node) and `mem_per_gpu`: sbatch refuses both "
-                             "(--mem and --mem-per-gpu are mutually exclusive)")
-        return v
-
-    @field_validator("cpus_per_gpu")
-    @classmethod
-    def _cpus_per_gpu(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and info.data.get("cpus_per_task") is not None:
-            raise ValueError("set only one of `cpus_per_task` and `cpus_per_gpu`: sbatch refuses both "
-                             "(--cpus-per-gpu is mutually exclusive with --cpus-per-task)")
-        return v
-
-    @field_validator("nodelist", "exclude", mode="before")
-    @classmethod
-    def _hosts(cls, v):
-        from .slurmsyntax import parse_hostlist
-
-        return None if v is None else parse_hostlist(v)
-
-    @field_validator("dependency")
-    @classmethod
-    def _dependency(cls, v: str | None) -> str | None:
-        from .slurmsyntax import parse_dependency
-
-        return None if v is None else parse_dependency(v)
-
-    @field_validator("mail_type", mode="before")
-    @classmethod
-    def _mail_type(cls, v):
-        from .slurmsyntax import parse_mail_types
-
-        return None if v is None else parse_mail_types(v)
+        if isinstance(self.time, int):  # `time: 90` means 90 minutes
+            self.time = str(self.time)
+        checked("time", parse_time, self.time)  # raises with the accepted forms
+        if isinstance(self.mem, int):  # `mem: 0`, `mem: 4096` (MB)
+            self.mem = str(self.mem)
+        if isinstance(self.mem_per_gpu, int):
+            self.mem_per_gpu = str(self.mem_per_gpu)
+        if self.mem is not None:
+            self.mem = checked("mem", parse_mem, self.mem)
+        if self.mem_per_gpu is not None:
+            checked("mem_per_gpu", lambda v: parse_mem(v, zero=False), self.mem_per_gpu)
+            if self.mem is not None:
+                raise Invalid("mem_per_gpu", "set only one of `mem` (per node) and `mem_per_gpu`: sbatch refuses both "
+                                             "(--mem and --mem-per-gpu are mutually exclusive)")
+        if self.cpus_per_gpu is not None and self.cpus_per_task is not None:
+            raise Invalid("cpus_per_gpu", "set only one of `cpus_per_task` and `cpus_per_gpu`: sbatch refuses both "
+                                          "(--cpus-per-gpu is mutually exclusive with --cpus-per-task)")
+        if self.nodelist is not None:
+            self.nodelist = checked("nodelist", parse_hostlist, self.nodelist)
+        if self.exclude is not None:
+            self.exclude = checked("exclude", parse_hostlist, self.exclude)
+        if self.dependency is not None:
+            self.dependency = checked("dependency", parse_dependency, self.dependency)
+        if self.mail_type is not None:
+            self.mail_type = checked("mail_type", parse_mail_types, self.mail_type)
 
 
-class SkyStorage(_Strict):
+def checked(field: str, parse, value):
+    """parse(value), its ValueError reported at this field."""
+    try:
+        return parse(value)
+    except ValueError as e:
+        raise Invalid(field, str(e), getattr(e, "fix", None)) from None
+
+
+class SkyStorage(Spec, kw_only=True):
     """Checkpoint storage every node (and every recovery) sees: a bucket or a SkyPilot volume, mounted."""
 
-    bucket: str | None = Field(None, max_length=1024, description="e.g. s3://my-bucket/ckpt, gs://..., r2://...")
-    volume: str | None = Field(None, max_length=256, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
-                                  description="a SkyPilot volume (sky volumes apply), instead of a bucket")
-    mount: str = Field("/checkpoints", max_length=1024, description="where the nodes see it")
-    mode: Literal["MOUNT_CACHED", "MOUNT"] = Field(
-        "MOUNT_CACHED", description="MOUNT_CACHED writes to local disk and uploads in the background (fast saves)")
+    bucket: Text(1024, "e.g. s3://my-bucket/ckpt, gs://..., r2://...") | None = None
+    volume: Text(256, "a SkyPilot volume (sky volumes apply), instead of a bucket",
+                 r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$") | None = None
+    mount: Text(1024, "where the nodes see it") = "/checkpoints"
+    mode: Doc("MOUNT_CACHED writes to local disk and uploads in the background (fast saves)",
+              Literal["MOUNT_CACHED", "MOUNT"]) = "MOUNT_CACHED"
 
-    @field_validator("bucket")
-    @classmethod
-    def _bucket(cls, v: str | None) -> str | None:
-        if v is not None and not BUCKET.match(v):
-            raise ValueError(f"{v!r} is not a bucket URI: use s3://, gs://, r2://, cos://, oci://, nebius:// or https://")
-        return v
-
-    @field_validator("mount")
-    @classmethod
-    def _mount(cls, v: str) -> str:
+    def __post_init__(self) -> None:
+        if self.bucket is not None and not BUCKET.match(self.bucket):
+            raise Invalid("bucket", f"{self.bucket!r} is not a bucket URI: use s3://, gs://, r2://, cos://, oci://, "
+                                    "nebius:// or https://")
+        v = self.mount
         if not (v.startswith("/") or v.startswith("~/")) or "{" in v or ".." in v.split("/"):
-            raise ValueError(f"{v!r}: the mount point must be an absolute path or start with ~/")
-        return v.rstrip("/") or "/"
-
-    @model_validator(mode="after")
-    def _one_source(self) -> SkyStorage:
+            raise Invalid("mount", f"{v!r}: the mount point must be an absolute path or start with ~/")
+        self.mount = v.rstrip("/") or "/"
         if (self.bucket is None) == (self.volume is None):
             raise ValueError("give exactly one of `bucket` and `volume`")
-        return self
 
 
-class SkyTarget(_Strict):
-    infra: str | None = Field(None, max_length=256, description="e.g. aws, gcp/us-central1, k8s")
-    cloud: str | None = Field(None, max_length=64)
-    region: str | None = Field(None, max_length=128)
-    zone: str | None = Field(None, max_length=128)
+class SkyTarget(Spec, kw_only=True):
+    infra: Text(256, "e.g. aws, gcp/us-central1, k8s") | None = None
+    cloud: Text(64) | None = None
+    region: Text(128) | None = None
+    zone: Text(128) | None = None
     spot: bool = False
     managed: bool = False
     disk_size: Int(1, 65536) = 512
     max_restarts_on_errors: Int(0, 1000) = 3
     max_restarts: Int(0, 1000, "torchrun restarts inside one launch") = 2
-    setup: list[Str] = Field(default_factory=list, max_length=1000)
+    setup: Annotated[list[Str], Meta(max_length=1000)] = []
     workdir: Str | None = None
-    checkpoint_storage: SkyStorage | None = Field(
-        None, description="shared checkpoint storage; required for multi-node, managed and spot jobs")
-    autostop_minutes: Int(1, 100000) | None = Field(
-        10, description="`sky launch` clusters: stop after this many idle minutes (null: never)")
-    autodown: bool = Field(True, description="with autostop: tear the cluster down instead of stopping it")
-    deepspeed_ssh: bool = Field(
-        False, description="parallelism.launcher: deepspeed: the head starts every node's workers over ssh/pdsh "
-                           "(default: every node runs DeepSpeed's launcher itself, --no_ssh)")
-    accelerators: list[Annotated[str, Field(max_length=64)]] = Field(
-        default_factory=list, max_length=16,
-        description="fallbacks after resources.accelerator, e.g. [A100-80GB:8]: each is planned on its own, those "
-                    "that cannot fit are dropped; same device count per node")
-    fallback: Literal["ordered", "any_of"] = Field(
-        "ordered", description="with accelerators: ordered = try the cheapest plan first (dtlaunch's cost estimate); "
-                               "any_of = let SkyPilot pick the cheapest available")
-    instance_type: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-                                         description="a cloud instance type, e.g. p5.48xlarge, a3-highgpu-8g")
-    cpus: str | None = Field(None, max_length=16, description="vCPUs per node: N, or N+ for at least N")
-    memory: str | None = Field(None, max_length=16, description="memory per node in GB: N, or N+ for at least N")
-    ports: list[int | str] = Field(default_factory=list, max_length=100,
-                                         description="ports to open on the nodes: 8080 or ranges like 10000-10010")
-    disk_tier: Literal["low", "medium", "high", "ultra", "best"] | None = Field(
-        None, description="disk performance tier (SkyPilot's disk_tier)")
+    checkpoint_storage: Doc("shared checkpoint storage; required for multi-node, managed and spot jobs",
+                            SkyStorage | None) = None
+    autostop_minutes: Int(1, 100000, "`sky launch` clusters: stop after this many idle minutes (null: never)") \
+        | None = 10
+    autodown: Doc("with autostop: tear the cluster down instead of stopping it", bool) = True
+    deepspeed_ssh: Doc("parallelism.launcher: deepspeed: the head starts every node's workers over ssh/pdsh "
+                       "(default: every node runs DeepSpeed's launcher itself, --no_ssh)", bool) = False
+    accelerators: Annotated[list[Text(64)], Meta(
+        max_length=16, description="fallbacks after resources.accelerator, e.g. [A100-80GB:8]: each is planned on "
+                                   "its own, those that cannot fit are dropped; same device count per node")] = []
+    fallback: Doc("with accelerators: ordered = try the cheapest plan first (dtlaunch's cost estimate); any_of = let "
+                  "SkyPilot pick the cheapest available", Literal["ordered", "any_of"]) = "ordered"
+    instance_type: Text(128, "a cloud instance type, e.g. p5.48xlarge, a3-highgpu-8g",
+                        r"^[A-Za-z0-9][A-Za-z0-9._-]*$") | None = None
+    cpus: Doc("vCPUs per node: N, or N+ for at least N", Text(16) | int | float | None) = None
+    memory: Doc("memory per node in GB: N, or N+ for at least N", Text(16) | int | float | None) = None
+    ports: Annotated[list[int | Text(16)], Meta(
+        max_length=100, description="ports to open on the nodes: 8080 or ranges like 10000-10010")] = []
+    disk_tier: Doc("disk performance tier (SkyPilot's disk_tier)",
+                   Literal["low", "medium", "high", "ultra", "best"] | None) = None
 
-    @field_validator("accelerators")
-    @classmethod
-    def _fallbacks(cls, v: list[str]) -> list[str]:
-        for a in v:
-            name, _ = catalog.parse_accelerator(a)
+    def __post_init__(self) -> None:
+        for a in self.accelerators:
+            name, _ = checked("accelerators", catalog.parse_accelerator, a)
             if name not in catalog.ACCELERATORS:
-                raise ValueError(f"unknown accelerator {name!r}{suggest(name, catalog.ACCELERATORS)}; "
-                                 f"known: {', '.join(catalog.ACCELERATORS)}")
+                raise Invalid("accelerators", f"unknown accelerator {name!r}{suggest(name, catalog.ACCELERATORS)}; "
+                                              f"known: {', '.join(catalog.ACCELERATORS)}")
             if not catalog.ACCELERATORS[name].is_gpu:
-                raise ValueError(f"{a!r}: SkyPilot has no cpu accelerator; a fallback is a GPU type, e.g. A100-80GB:8")
+                raise Invalid("accelerators", f"{a!r}: SkyPilot has no cpu accelerator; a fallback is a GPU type, "
+                                              "e.g. A100-80GB:8")
+        self.cpus = checked("cpus", _amount, self.cpus)
+        self.memory = checked("memory", _amount, self.memory)
+        self.ports = checked("ports", _ports, self.ports)
+
+
+def _amount(v):
+    if v is None:
         return v
+    if isinstance(v, int):
+        v = str(v) if 0 < v < 10**6 else "out of range"
+    elif isinstance(v, float):
+        v = format(v, "g")
+    if re.fullmatch(r"\d{1,6}(\.\d{1,3})?\+?", v, flags=re.ASCII) and float(v.rstrip("+")) > 0:
+        return v
+    raise ValueError(f"{str(v)[:40]!r}: a positive number, optionally followed by + (at least), e.g. 8 or 32+")
 
-    @field_validator("cpus", "memory", mode="before")
-    @classmethod
-    def _amount(cls, v):
-        if v is None:
-            return v
-        if isinstance(v, bool):
-            raise ValueError("expected a number such as 8 or 8+, not true/false")
-        if isinstance(v, int):
-            v = str(v) if 0 < v < 10**6 else "out of range"
-        elif isinstance(v, float):
-            v = format(v, "g")
-        if isinstance(v, str) and re.fullmatch(r"\d{1,6}(\.\d{1,3})?\+?", v, flags=re.ASCII) \
-                and float(v.rstrip("+")) > 0:
-            return v
-        raise ValueError(f"{str(v)[:40]!r}: a positive number, optionally followed by + (at least), e.g. 8 or 32+")
 
-    @field_validator("ports", mode="before")
-    @classmethod
-    def _ports(cls, v):
-        if not isinstance(v, list):
-            raise ValueError("ports is a list, e.g. [8080, 10000-10010]")
-        out: list[int | str] = []
-        for p in v:
-            if isinstance(p, bool):
-                raise ValueError("a port is a number 1-65535 or a range like 10000-10010, not true/false")
-            lo, hi = (p, p) if isinstance(p, int) else (None, None)
-            if isinstance(p, str):
-                m = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", p, flags=re.ASCII)
-                if m:
-                    lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-            if lo is None or not 1 <= lo <= hi <= 65535:
-                raise ValueError(f"{str(p)[:40]!r}: a port is a number 1-65535 or a range LOW-HIGH within it")
-            out.append(lo if lo == hi else f"{lo}-{hi}")
-        return out
+def _ports(v: list) -> list[int | str]:
+    out: list[int | str] = []
+    for p in v:
+        lo, hi = (p, p) if isinstance(p, int) else (None, None)
+        if isinstance(p, str):
+            m = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", p, flags=re.ASCII)
+            if m:
+                lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if lo is None or not 1 <= lo <= hi <= 65535:
+            raise ValueError(f"{str(p)[:40]!r}: a port is a number 1-65535 or a range LOW-HIGH within it")
+        out.append(lo if lo == hi else f"{lo}-{hi}")
+    return out

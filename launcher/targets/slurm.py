@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import msgspec
+
 from ..errors import BackendError
 from ..render.artifacts import Artifacts, SlurmRequest
 from ..render.slurm import JOBS_DIR
@@ -79,7 +81,7 @@ class SlurmBackend:
 
             return record(submit(req, out_dir), artifacts.job_name, out_dir, dependency=req.settings.dependency)
         settings = req.settings
-        ssh = settings.ssh.model_dump() if settings.ssh else None
+        ssh = msgspec.to_builtins(settings.ssh) if settings.ssh else None
         tr = SshTransport(ssh) if ssh else LocalShell()
         try:
             if settings.ssh:

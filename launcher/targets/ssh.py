@@ -11,6 +11,8 @@ import posixpath
 import shlex
 from collections.abc import Sequence
 
+import msgspec
+
 from ..errors import BackendError
 from ..recipe import SshSpec
 
@@ -25,7 +27,7 @@ def _remote_path(path: str) -> str:
 
 class SshTransport:
     def __init__(self, spec: SshSpec | dict):
-        self.spec = spec if isinstance(spec, SshSpec) else SshSpec.model_validate(spec)
+        self.spec = spec if isinstance(spec, SshSpec) else msgspec.convert(spec, SshSpec)
         self._client = None
 
     @property

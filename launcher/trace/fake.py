@@ -293,7 +293,7 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
     if layers is not None:
         shape = dataclasses.replace(shape, layers=layers)
     layout, _ = resolve_layout(plan, plan.world_size)
-    no_clip = recipe.model_copy(update={"training": recipe.training.model_copy(update={"grad_clip": 0.0})})
+    no_clip = recipe.replace(training=recipe.training.replace(grad_clip=0.0))
     n_micro = min(layout.grad_accum, 2)  # from the second micro-step on, every micro-step looks alike
     with _mesh_outside_fake_mode(), FakeTensorMode():
         module = build_model(shape, layout.activation_checkpointing, device="meta")

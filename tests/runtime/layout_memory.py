@@ -55,8 +55,8 @@ def measure(sets: list[str], world: int, rank: int) -> dict:
     layout, _ = resolve_layout(plan, world)
     torch.manual_seed(0)
     module = build_model(recipe.model.shape(), layout.activation_checkpointing, device="cpu")
-    training = recipe.training.model_copy(update={"grad_clip": 0.0})
-    engine = wrap_model(module, layout, recipe.model_copy(update={"training": training}), plan, 10,
+    training = recipe.training.replace(grad_clip=0.0)
+    engine = wrap_model(module, layout, recipe.replace(training=training), plan, 10,
                         torch.device("cpu"), is_gpu=False)
     for group in engine.optimizer.param_groups:
         group["foreach"] = True  # what AdamW picks on CUDA
