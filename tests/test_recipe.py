@@ -116,3 +116,30 @@ def test_the_schema_build_leaves_pydantics_plugin_setting_as_it_was(before):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == repr(before)
+
+
+def test_a_recipe_round_trips_through_json_unchanged():
+    """A checkpoint and a plan file keep the recipe as JSON; the copy read back must equal the recipe's own
+    dict, or a resume would see its own recipe as another (a tuple is not equal to the list JSON gives back)."""
+    import json
+
+    from launcher.recipe import parse
+
+    r = load_text(GOOD + "env: {A: 1, B: true}\n")
+    d = r.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    again = parse(json.loads(json.dumps(d)))
+    assert again == r and again.to_dict() == d and again.digest() == r.digest()
+
+
+def test_every_mistake_is_listed_not_only_the_first():
+    ps = problems(GOOD.replace("  steps: 10", "  steps: 0\n  lr: -1\n  micro_bach: 2")
+                  + "resources: {nodes: true, accelerator: H1000:8}\nparallelism: {strategy: zero4}\n")
+    by_field = {p.field: p for p in ps}
+    assert set(by_field) == {"training.steps", "training.lr", "training.micro_bach", "resources.nodes",
+                             "resources.accelerator", "parallelism.strategy"}, [p.render() for p in ps]
+    assert by_field["training.steps"].line == 5 and ">= 1" in by_field["training.steps"].message
+    assert "true/false" in by_field["resources.nodes"].message
+    assert "did you mean 'H100'" in by_field["resources.accelerator"].message
+    assert "did you mean 'zero3'" in by_field["parallelism.strategy"].message
+

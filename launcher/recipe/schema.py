@@ -291,7 +291,9 @@ class Recipe(Spec, kw_only=True, dict=True):
         return n[:63]
 
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self)
+        """The recipe as JSON holds it (lists, not tuples), so a copy read back from a checkpoint or plan file
+        compares equal to it."""
+        return msgspec.json.decode(msgspec.json.encode(self))
 
     def digest(self) -> str:
         """A recipe's identity: unchanged by a newer dtlaunch that only added optional fields it leaves unset."""
