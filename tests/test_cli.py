@@ -9,7 +9,9 @@ import pytest
 
 from testpaths import RECIPES
 
-HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko", "transformers")
+# pydantic: ~70 ms of start-up (its import and building a schema's classes); the recipe schema is msgspec's,
+# and a stray import (a helper typed with pydantic) would bring the cost back unseen.
+HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko", "transformers", "pydantic")
 PY = sys.executable
 
 

@@ -393,9 +393,9 @@ def _problems(data: Any, first: msgspec.ValidationError, source: str, lines: dic
                 if path[:-1] + (key,) not in removed and len(out) < MAX_PROBLEMS:
                     out.append(_problem(path[:-1] + (key,), msg, f"add `{key}:`", source, lines, overrides))
             break
+        # A section's check that fails once a bad value was taken out of it says nothing new.
         after_removal = kind == "section" and any(r[:len(path)] == path for r in removed)
-        if path not in seen and not after_removal:  # a section's check that fails only because a bad value
-            # was taken out of it says nothing new
+        if path not in seen and not after_removal:
             seen.add(path)
             if len(out) < MAX_PROBLEMS:
                 out.append(_problem(path, msg, fix, source, lines, overrides))
