@@ -5,7 +5,6 @@ loop that runs for hours), booleans are not numbers, infinities and NaN are refu
 shell scripts or file names are limited in length and content.
 """
 
-import hashlib
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -283,12 +282,14 @@ class Recipe(Spec, kw_only=True, dict=True):
         name; a short digest of the original keeps them apart.
         """
         n = re.sub(r"[^A-Za-z0-9._-]+", "-", self.name).strip("-._")
+        if n == self.name:
+            return n[:63]
+        import hashlib  # loads OpenSSL (~2 ms): only a name that had to change needs the digest
+
         tag = hashlib.sha256(self.name.encode()).hexdigest()[:8]
         if not re.search(r"[A-Za-z0-9]", n):
             return f"job-{tag}"
-        if n != self.name:
-            n = f"{n[:54]}-{tag}"
-        return n[:63]
+        return f"{n[:54]}-{tag}"[:63]
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as JSON holds it (lists, not tuples), so a copy read back from a checkpoint or plan file
@@ -297,6 +298,8 @@ class Recipe(Spec, kw_only=True, dict=True):
 
     def digest(self) -> str:
         """A recipe's identity: unchanged by a newer dtlaunch that only added optional fields it leaves unset."""
+        import hashlib
+
         d = self.to_dict()
         for path, default in LATER_FIELDS:
             *parents, leaf = path.split(".")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +117,9 @@ class Artifacts:
         Files of an earlier render that this one does not produce (a sweep's task-N directories, a wheel of
         another version) are removed, so the directory holds exactly what `submit_command` will use.
         """
+        import shutil  # render's writing only: `validate` imports this module for its types
+        import tempfile
+
         out = Path(out_dir)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
