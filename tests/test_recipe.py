@@ -125,3 +125,13 @@ def test_every_mistake_is_listed_not_only_the_first():
     assert "did you mean 'H100'" in by_field["resources.accelerator"].message
     assert "did you mean 'zero3'" in by_field["parallelism.strategy"].message
 
+
+
+def test_past_the_listed_mistakes_the_rest_are_counted():
+    from launcher.recipe.loading import MAX_PROBLEMS
+
+    extra = "".join(f"  unknown_{i}: 1\n" for i in range(MAX_PROBLEMS + 5))
+    with pytest.raises(RecipeError) as e:
+        load_text(GOOD.replace("  steps: 10\n", "  steps: 10\n" + extra), "r.yaml")
+    assert len(e.value.problems) == MAX_PROBLEMS and e.value.more == 5
+    assert {p.field for p in e.value.problems} <= {f"training.unknown_{i}" for i in range(MAX_PROBLEMS + 5)}

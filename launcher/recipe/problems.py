@@ -1,0 +1,247 @@
+"""A recipe's schema errors as Problems: every mistake at once, each located (file or `--set` item, line,
+field) and said in the recipe's words with a fix.
+
+msgspec stops at the first mistake and says it in its own words ("Expected `int` >= 1 - at `$.training.steps`").
+So `collect` reads the path and the kind of each error, rewords it, then takes the mistaken value out of a
+copy of the document (its field falls back to its default) and converts again, until the copy converts or a
+required field is missing. Imported only when a recipe has a mistake.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import re
+from typing import Any
+
+import msgspec
+
+from ..errors import Problem
+from .fields import ONE_LINE, suggest
+from .loading import MAX_PROBLEMS, Path_, dotted
+from .schema import Recipe, parse
+
+MAX_ROUNDS = 200  # conversions of the copy, at most: each takes ~0.1 ms
+_PATH = re.compile(r"\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\]|\[\.\.\.\])*)", re.ASCII)
+_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]|\[\.\.\.\]", re.ASCII)
+
+_TYPE_FIX = {
+    "int": "give a whole number, e.g. 8",
+    "float": "give a number, e.g. 0.4",
+    "finite": "give a finite number (not .inf or .nan)",
+    "bool": "give true or false",
+    "str": "give a text value (quote it if it looks like a number)",
+    "object": "give a mapping of key: value lines",
+    "array": "give a list, e.g. [A, B]",
+}
+_TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "text", "bool": "true/false",
+               "object": "a mapping", "array": "a list", "null": "null (nothing)"}
+
+
+def _words(spelled: str) -> str:
+    """msgspec's `int | str | null` in the recipe's words."""
+    parts = [_TYPE_WORDS.get(t.strip(), t.strip()) for t in spelled.split("|")]
+    return " or ".join(dict.fromkeys(parts))
+
+
+def _split(err: msgspec.ValidationError) -> tuple[str, Path_, BaseException | None]:
+    """(message, path, the check's own exception) of one msgspec error. A check's message is the exception's
+    text, so a user's value inside it cannot be mistaken for the location that msgspec appends."""
+    text, cause = str(err), err.__cause__
+    msg, loc = text, ""
+    if cause is not None and text.startswith(str(cause)):
+        msg, rest = str(cause), text[len(str(cause)):]
+        loc = rest[len(" - at `"):-1] if rest.startswith(" - at `") else ""
+    else:
+        head, sep, tail = text.rpartition(" - at `")
+        if sep and tail.endswith("`") and _PATH.fullmatch(tail[:-1]):
+            msg, loc = head, tail[:-1]
+    path: list = []
+    for m in _STEP.finditer(loc[1:] if loc.startswith("$") else ""):
+        if m.group(1) is not None:
+            path.append(m.group(1))
+        elif m.group(2) is not None:
+            path.append(int(m.group(2)))
+        else:
+            break  # a mapping's key: the mapping is the place to point at
+    return msg, tuple(path), cause
+
+
+def _type_at(path: Path_) -> Any:
+    """The schema's type (msgspec.inspect) at a field path, or None."""
+    import msgspec.inspect as mi
+
+    t: Any = mi.type_info(Recipe)
+    for part in path:
+        while isinstance(t, (mi.Metadata, mi.UnionType)):
+            if isinstance(t, mi.Metadata):
+                t = t.type
+            else:
+                inner = [x for x in t.types if isinstance(x, (mi.StructType, mi.ListType, mi.Metadata))]
+                if not inner:
+                    return None
+                t = inner[0]
+        if isinstance(part, int) and isinstance(t, (mi.ListType, mi.TupleType)):
+            t = t.item_type if isinstance(t, mi.ListType) else (t.item_types[part] if part < len(t.item_types)
+                                                                else None)
+        elif isinstance(t, mi.StructType):
+            t = next((f.type for f in t.fields if f.encode_name == part), None)
+        else:
+            return None
+    return t
+
+
+def _keys_at(path: Path_) -> list[str]:
+    import msgspec.inspect as mi
+
+    t = _type_at(path)
+    while isinstance(t, (mi.Metadata, mi.UnionType)):
+        t = t.type if isinstance(t, mi.Metadata) else next(
+            (x for x in t.types if isinstance(x, mi.StructType)), None)
+    return [f.encode_name for f in t.fields] if isinstance(t, mi.StructType) else []
+
+
+def _missing_keys(data: Any, path: Path_) -> list[str]:
+    import msgspec.inspect as mi
+
+    t, have = _type_at(path), _value_at(data, path)
+    while isinstance(t, (mi.Metadata, mi.UnionType)):
+        t = t.type if isinstance(t, mi.Metadata) else next((x for x in t.types if isinstance(x, mi.StructType)), None)
+    if not isinstance(t, mi.StructType) or not isinstance(have, dict):
+        return []
+    return [f.encode_name for f in t.fields if f.required and f.encode_name not in have]
+
+
+def _choices_at(path: Path_) -> tuple:
+    import msgspec.inspect as mi
+
+    found: list = []
+    todo = [_type_at(path)]
+    while todo:
+        t = todo.pop()
+        if isinstance(t, mi.Metadata):
+            todo.append(t.type)
+        elif isinstance(t, mi.UnionType):
+            todo.extend(t.types)
+        elif isinstance(t, mi.LiteralType):
+            found.extend(t.values)
+    return tuple(found)
+
+
+_MISSING = object()
+
+
+def _value_at(data: Any, path: Path_) -> Any:
+    for part in path:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return _MISSING
+    return data
+
+
+def _got(v: Any) -> str:
+    r = repr(v)
+    return f" (got {r[:80] + '...' if len(r) > 80 else r})" if v is not _MISSING else ""
+
+
+def _message(err: msgspec.ValidationError, data: Any) -> tuple[Path_, str, str | None, str]:
+    """(field path, what is wrong, what to do, kind) of one msgspec error, in the recipe's words. The kind is
+    "missing" (a required field), "section" (a check across a section's fields) or "field"."""
+    msg, path, cause = _split(err)
+    fix = None
+    if cause is not None:
+        field = getattr(cause, "field", None)
+        return (path + (field,) if field else path), msg, getattr(cause, "fix", None), "field" if field else "section"
+    value = _value_at(data, path)
+    if m := re.fullmatch(r"Object contains unknown field `(.*)`", msg, re.S):
+        key = m.group(1)
+        names = _keys_at(path)
+        return (path + (key,), f"unknown key {key!r}{suggest(key, names)}",
+                "allowed keys here: " + ", ".join(names) if names else "remove it", "field")
+    if m := re.fullmatch(r"Object missing required field `(.*)`", msg, re.S):
+        return path + (m.group(1),), "required field is missing", f"add `{m.group(1)}:`", "missing"
+    if m := re.fullmatch(r"Invalid enum value (.*)", msg, re.S):
+        choices = _choices_at(path)
+        v = value if value is not _MISSING else m.group(1)
+        msg = f"{str(v)[:80]!r} is not one of {', '.join(map(repr, choices))}{suggest(v, choices)}" if choices else msg
+        return path, msg, "use one of the listed values", "field"
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, f"must be a finite number{_got(value)}", _TYPE_FIX["finite"], "field"
+    if m := re.fullmatch(r"Expected `([^`]*)`, got `([^`]*)`", msg):
+        want = m.group(1)
+        return path, f"expected {_words(want)}, not {_words(m.group(2))}{_got(value)}", \
+            _TYPE_FIX.get(want.split(" | ")[0]), "field"
+    if m := re.fullmatch(r"Expected `(\w+)` (>=|>|<=|<) (\S+)", msg):
+        return path, f"must be {m.group(2)} {m.group(3)}{_got(value)}", None, "field"
+    if m := re.fullmatch(r"Expected `(str|array|object)` of length (<=|>=) (\d+)", msg):
+        n = len(value) if isinstance(value, (str, list, dict)) else None
+        what = {"str": "characters", "array": "items", "object": "entries"}[m.group(1)]
+        most = "at most" if m.group(2) == "<=" else "at least"
+        return path, f"{most} {int(m.group(3)):,} {what}" + (f", got {n:,}" if n is not None else ""), None, "field"
+    if m := re.fullmatch(r"Expected `str` matching regex '(.*)'", msg, re.S):
+        if m.group(1) == ONE_LINE:
+            return path, ("must be a single line (no line break or NUL): it goes into an #SBATCH line of the job "
+                          "script"), "write it on one line", "field"
+        return path, f"should match pattern {m.group(1)!r}{_got(value)}", None, "field"
+    return path, msg, fix, "field"
+
+
+def _problem(path: Path_, msg: str, fix: str | None, source: str, lines: dict[Path_, int],
+             overrides: list[tuple[Path_, str]]) -> Problem:
+    field = dotted(path)
+    if fix is None:
+        fix = f"see the `{path[-1] if path else 'recipe'}` entry of `dtlaunch schema` for what this field accepts"
+    # An error inside a value that --set gave belongs to that --set item, not to a line of the file.
+    for opath, item in reversed(overrides):
+        if path[:len(opath)] == opath:
+            return Problem(f"--set {item[:200]}", field, msg, fix)
+    touched = [item for opath, item in overrides if opath[:len(path)] == path and path]
+    if touched:
+        msg += f" (after --set {', --set '.join(t[:80] for t in touched)})"
+    line = None
+    for n in range(len(path), -1, -1):
+        if path[:n] in lines:
+            line = lines[path[:n]]
+            break
+    return Problem(source, field, msg, fix, line)
+
+
+def collect(data: Any, first: msgspec.ValidationError, source: str, lines: dict[Path_, int],
+              overrides: list[tuple[Path_, str]]) -> tuple[list[Problem], int]:
+    """Every mistake in the document: report one, take its value out of a copy, convert again."""
+    work = copy.deepcopy(data)
+    out: list[Problem] = []
+    seen: set[Path_] = set()
+    removed: set[Path_] = set()
+    more, err = 0, first
+    for _ in range(MAX_ROUNDS):
+        path, msg, fix, kind = _message(err, work)
+        if kind == "missing":
+            # Nothing can stand in for a required field, so the search ends here, with every required field
+            # of that section that is missing (unless the loader took the section out itself).
+            for key in _missing_keys(work, path[:-1]) or [path[-1]]:
+                if path[:-1] + (key,) not in removed and len(out) < MAX_PROBLEMS:
+                    out.append(_problem(path[:-1] + (key,), msg, f"add `{key}:`", source, lines, overrides))
+            break
+        # A section's check that fails once a bad value was taken out of it says nothing new.
+        after_removal = kind == "section" and any(r[:len(path)] == path for r in removed)
+        if path not in seen and not after_removal:
+            seen.add(path)
+            if len(out) < MAX_PROBLEMS:
+                out.append(_problem(path, msg, fix, source, lines, overrides))
+            else:
+                more += 1
+        cut = path
+        while cut and not isinstance(cut[-1], str):
+            cut = cut[:-1]  # a list item: the whole list goes
+        parent = _value_at(work, cut[:-1]) if cut else _MISSING
+        if not cut or not isinstance(parent, dict) or cut[-1] not in parent:
+            break
+        del parent[cut[-1]]
+        removed.add(cut)
+        try:
+            parse(work)
+            break
+        except msgspec.ValidationError as e:
+            err = e
+    return out, more
