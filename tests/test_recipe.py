@@ -135,3 +135,8 @@ def test_past_the_listed_mistakes_the_rest_are_counted():
         load_text(GOOD.replace("  steps: 10\n", "  steps: 10\n" + extra), "r.yaml")
     assert len(e.value.problems) == MAX_PROBLEMS and e.value.more == 5
     assert {p.field for p in e.value.problems} <= {f"training.unknown_{i}" for i in range(MAX_PROBLEMS + 5)}
+
+
+def test_a_line_break_in_an_sbatch_value_is_named_as_such():
+    [p] = problems(GOOD + "targets: {slurm: {partition: \"gpu\\ntouch /tmp/pwned\"}}\n")
+    assert p.field == "targets.slurm.partition" and "single line" in p.message

@@ -179,7 +179,7 @@ def _message(err: msgspec.ValidationError, data: Any) -> tuple[Path_, str, str |
         most = "at most" if m.group(2) == "<=" else "at least"
         return path, f"{most} {int(m.group(3)):,} {what}" + (f", got {n:,}" if n is not None else ""), None, "field"
     if m := re.fullmatch(r"Expected `str` matching regex '(.*)'", msg, re.S):
-        if m.group(1) == ONE_LINE:
+        if m.group(1) in (ONE_LINE, repr(ONE_LINE)[1:-1]):  # msgspec prints the pattern as its repr
             return path, ("must be a single line (no line break or NUL): it goes into an #SBATCH line of the job "
                           "script"), "write it on one line", "field"
         return path, f"should match pattern {m.group(1)!r}{_got(value)}", None, "field"
