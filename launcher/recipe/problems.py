@@ -111,6 +111,21 @@ def _missing_keys(data: Any, path: Path_) -> list[str]:
     return [f.encode_name for f in t.fields if f.required and f.encode_name not in have]
 
 
+def _takes_int(path: Path_) -> bool:
+    import msgspec.inspect as mi
+
+    todo = [_type_at(path)]
+    while todo:
+        t = todo.pop()
+        if isinstance(t, mi.Metadata):
+            todo.append(t.type)
+        elif isinstance(t, mi.UnionType):
+            todo.extend(t.types)
+        elif isinstance(t, mi.IntType):
+            return True
+    return False
+
+
 def _choices_at(path: Path_) -> tuple:
     import msgspec.inspect as mi
 
@@ -148,11 +163,9 @@ def _message(err: msgspec.ValidationError, data: Any) -> tuple[Path_, str, str |
     """(field path, what is wrong, what to do, kind) of one msgspec error, in the recipe's words. The kind is
     "missing" (a required field), "section" (a check across a section's fields) or "field"."""
     msg, path, cause = _split(err)
-    fix = None
     if cause is not None:
         field = getattr(cause, "field", None)
         return (path + (field,) if field else path), msg, getattr(cause, "fix", None), "field" if field else "section"
-    value = _value_at(data, path)
     if m := re.fullmatch(r"Object contains unknown field `(.*)`", msg, re.S):
         key = m.group(1)
         names = _keys_at(path)
@@ -160,30 +173,40 @@ def _message(err: msgspec.ValidationError, data: Any) -> tuple[Path_, str, str |
                 "allowed keys here: " + ", ".join(names) if names else "remove it", "field")
     if m := re.fullmatch(r"Object missing required field `(.*)`", msg, re.S):
         return path + (m.group(1),), "required field is missing", f"add `{m.group(1)}:`", "missing"
+    return (path, *_value_message(msg, path, _value_at(data, path)), "field")
+
+
+def _value_message(msg: str, path: Path_, value: Any) -> tuple[str, str | None]:
+    """(what is wrong, what to do) for a value msgspec refused."""
     if m := re.fullmatch(r"Invalid enum value (.*)", msg, re.S):
         choices = _choices_at(path)
         v = value if value is not _MISSING else m.group(1)
-        msg = f"{str(v)[:80]!r} is not one of {', '.join(map(repr, choices))}{suggest(v, choices)}" if choices else msg
-        return path, msg, "use one of the listed values", "field"
+        listed = ("one of " if len(choices) > 1 else "") + ", ".join(map(repr, choices))
+        if _takes_int(path):  # e.g. grad_accum: a number or 'auto'
+            listed = "a whole number or " + listed
+        return (f"{str(v)[:80]!r} is not {listed}{suggest(v, choices)}" if choices else msg,
+                "use one of the listed values")
     if isinstance(value, float) and not math.isfinite(value):
-        return path, f"must be a finite number{_got(value)}", _TYPE_FIX["finite"], "field"
+        return f"must be a finite number{_got(value)}", _TYPE_FIX["finite"]
     if m := re.fullmatch(r"Expected `([^`]*)`, got `([^`]*)`", msg):
         want = m.group(1)
-        return path, f"expected {_words(want)}, not {_words(m.group(2))}{_got(value)}", \
-            _TYPE_FIX.get(want.split(" | ")[0]), "field"
+        return f"expected {_words(want)}, not {_words(m.group(2))}{_got(value)}", _TYPE_FIX.get(want.split(" | ")[0])
     if m := re.fullmatch(r"Expected `(\w+)` (>=|>|<=|<) (\S+)", msg):
-        return path, f"must be {m.group(2)} {m.group(3)}{_got(value)}", None, "field"
+        return f"must be {m.group(2)} {m.group(3)}{_got(value)}", None
+    if m := re.fullmatch(r"Expected `array` of length (\d+), got (\d+)", msg):
+        return (f"expected a list of {m.group(1)} items, got {m.group(2)}",
+                "give a list of two numbers, e.g. [0.9, 0.95]" if m.group(1) == "2" else None)
     if m := re.fullmatch(r"Expected `(str|array|object)` of length (<=|>=) (\d+)", msg):
         n = len(value) if isinstance(value, (str, list, dict)) else None
         what = {"str": "characters", "array": "items", "object": "entries"}[m.group(1)]
         most = "at most" if m.group(2) == "<=" else "at least"
-        return path, f"{most} {int(m.group(3)):,} {what}" + (f", got {n:,}" if n is not None else ""), None, "field"
+        return f"{most} {int(m.group(3)):,} {what}" + (f", got {n:,}" if n is not None else ""), None
     if m := re.fullmatch(r"Expected `str` matching regex '(.*)'", msg, re.S):
         if m.group(1) in (ONE_LINE, repr(ONE_LINE)[1:-1]):  # msgspec prints the pattern as its repr
-            return path, ("must be a single line (no line break or NUL): it goes into an #SBATCH line of the job "
-                          "script"), "write it on one line", "field"
-        return path, f"should match pattern {m.group(1)!r}{_got(value)}", None, "field"
-    return path, msg, fix, "field"
+            return ("must be a single line (no line break or NUL): it goes into an #SBATCH line of the job script",
+                    "write it on one line")
+        return f"should match pattern {m.group(1)!r}{_got(value)}", None
+    return msg, None
 
 
 def _problem(path: Path_, msg: str, fix: str | None, source: str, lines: dict[Path_, int],
@@ -213,32 +236,45 @@ def collect(data: Any, first: msgspec.ValidationError, source: str, lines: dict[
     out: list[Problem] = []
     seen: set[Path_] = set()
     removed: set[Path_] = set()
+    standins: set[Path_] = set()  # required sections the search took out and put back empty
     more, err = 0, first
     for _ in range(MAX_ROUNDS):
         path, msg, fix, kind = _message(err, work)
+        if any(path[:len(s)] == s for s in standins):
+            break  # an empty stand-in is not valid either: nothing more can be learned
         if kind == "missing":
-            # Nothing can stand in for a required field, so the search ends here, with every required field
-            # of that section that is missing (unless the loader took the section out itself).
-            for key in _missing_keys(work, path[:-1]) or [path[-1]]:
-                if path[:-1] + (key,) not in removed and len(out) < MAX_PROBLEMS:
-                    out.append(_problem(path[:-1] + (key,), msg, f"add `{key}:`", source, lines, overrides))
-            break
-        # A section's check that fails once a bad value was taken out of it says nothing new.
-        after_removal = kind == "section" and any(r[:len(path)] == path for r in removed)
-        if path not in seen and not after_removal:
-            seen.add(path)
-            if len(out) < MAX_PROBLEMS:
-                out.append(_problem(path, msg, fix, source, lines, overrides))
+            parent = _value_at(work, path[:-1])
+            if path in removed and isinstance(parent, dict):
+                # The search took out a required section after a check across its fields failed; an empty
+                # one (its defaults) lets it go on to the other sections.
+                parent[path[-1]] = {}
+                standins.add(path)
             else:
-                more += 1
-        cut = path
-        while cut and not isinstance(cut[-1], str):
-            cut = cut[:-1]  # a list item: the whole list goes
-        parent = _value_at(work, cut[:-1]) if cut else _MISSING
-        if not cut or not isinstance(parent, dict) or cut[-1] not in parent:
-            break
-        del parent[cut[-1]]
-        removed.add(cut)
+                # Nothing can stand in for a field the recipe lacks: the search ends here, with every required
+                # field of that section that is missing.
+                for key in _missing_keys(work, path[:-1]) or [path[-1]]:
+                    if path[:-1] + (key,) not in removed and len(out) < MAX_PROBLEMS:
+                        out.append(_problem(path[:-1] + (key,), msg, f"add `{key}:`", source, lines, overrides))
+                break
+        else:
+            # A section's check that names a field taken out of it failed because of that: nothing new.
+            consequence = kind == "section" and any(
+                r[:len(path)] == path and len(r) == len(path) + 1 and re.search(rf"\b{re.escape(str(r[-1]))}\b", msg)
+                for r in removed)
+            if path not in seen and not consequence:
+                seen.add(path)
+                if len(out) < MAX_PROBLEMS:
+                    out.append(_problem(path, msg, fix, source, lines, overrides))
+                else:
+                    more += 1
+            cut = path
+            while cut and not isinstance(cut[-1], str):
+                cut = cut[:-1]  # a list item: the whole list goes
+            parent = _value_at(work, cut[:-1]) if cut else _MISSING
+            if not cut or not isinstance(parent, dict) or cut[-1] not in parent:
+                break
+            del parent[cut[-1]]
+            removed.add(cut)
         try:
             parse(work)
             break
