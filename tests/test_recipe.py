@@ -144,3 +144,29 @@ def test_past_the_listed_mistakes_the_rest_are_counted():
 def test_a_line_break_in_an_sbatch_value_is_named_as_such():
     [p] = problems(GOOD + "targets: {slurm: {partition: \"gpu\\ntouch /tmp/pwned\"}}\n")
     assert p.field == "targets.slurm.partition" and "single line" in p.message
+
+
+@pytest.mark.parametrize("override", [
+    'targets.slurm.partition="gpu\\n"', 'targets.slurm.gpu_type="a100\\n"', 'secrets=["A\\n"]',
+    'run_id="r1\\n"', 'resources.socket_ifname="eth0\\n"', 'targets.slurm.extra_sbatch=["--comment=x\\n"]',
+])
+def test_a_trailing_line_break_is_refused_too(override):
+    """`$` in a Python pattern also matches before a final line break: the patterns end with \\Z instead."""
+    ps = problems(GOOD, overrides=[override])
+    assert ps and ps[0].field.startswith(override.split("=")[0]), [p.render() for p in ps]
+
+
+def test_numbers_and_booleans_yaml_left_as_text_are_read():
+    """PyYAML reads `1e-4` (no dot) as text; a learning rate is written that way."""
+    r = load_text(GOOD.replace("  steps: 10", "  steps: 10\n  lr: 1e-4\n  deterministic: 'true'"))
+    assert r.training.lr == 1e-4 and r.training.deterministic is True
+    [p] = problems(GOOD.replace("  steps: 10", "  steps: true"))
+    assert "true/false" in p.message
+
+
+def test_later_mistakes_are_found_past_a_missing_field_a_text_key_and_an_alias():
+    ps = problems(GOOD + "targets: {slurm: {container: {mounts: [/a]}}}\nenv: {1: x}\n"
+                  "parallelism: &p {tensor: 0}\ncheckpoint: *p\n")
+    fields = {p.field for p in ps}
+    assert {"targets.slurm.container.runtime", "env", "parallelism.tensor", "checkpoint.tensor"} <= fields, \
+        [p.render() for p in ps]

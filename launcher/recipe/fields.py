@@ -17,11 +17,11 @@ from msgspec import Meta
 
 from ..strategies import STRATEGY_NAMES, TARGET_NAMES
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", re.ASCII)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z", re.ASCII)
 MAX_ENV_VALUE = 64 * 1024
-BUCKET = re.compile(r"^(s3|gs|r2|cos|oci|nebius|https)://[^\s]+$", re.ASCII)
-ONE_LINE = r"^[^\n\r\x00]*$"
+BUCKET = re.compile(r"^(s3|gs|r2|cos|oci|nebius|https)://[^\s]+\Z", re.ASCII)
+ONE_LINE = r"^[^\n\r\x00]*\Z"
 
 
 class Invalid(ValueError):

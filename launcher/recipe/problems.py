@@ -8,7 +8,6 @@ required field is missing. Imported only when a recipe has a mistake.
 """
 from __future__ import annotations
 
-import copy
 import math
 import re
 from typing import Any
@@ -17,7 +16,7 @@ import msgspec
 
 from ..errors import Problem
 from .fields import ONE_LINE, suggest
-from .loading import MAX_PROBLEMS, Path_, dotted
+from .loading import MAX_DEPTH, MAX_PROBLEMS, Path_, dotted
 from .schema import Recipe, parse
 
 MAX_ROUNDS = 200  # conversions of the copy, at most: each takes ~0.1 ms
@@ -51,6 +50,9 @@ def _split(err: msgspec.ValidationError) -> tuple[str, Path_, BaseException | No
     if cause is not None and text.startswith(str(cause)):
         msg, rest = str(cause), text[len(str(cause)):]
         loc = rest[len(" - at `"):-1] if rest.startswith(" - at `") else ""
+    elif m := re.fullmatch(r"(.*) - at `key` in `(\$[^`]*)`", text, re.S):
+        got = re.search(r"got `([^`]*)`", m.group(1))  # e.g. `1: x` under env
+        msg, loc = "a key must be text" + (f", not {_words(got.group(1))}" if got else ""), m.group(2)
     else:
         head, sep, tail = text.rpartition(" - at `")
         if sep and tail.endswith("`") and _PATH.fullmatch(tail[:-1]):
@@ -229,15 +231,38 @@ def _problem(path: Path_, msg: str, fix: str | None, source: str, lines: dict[Pa
     return Problem(source, field, msg, fix, line)
 
 
+def _unshared(v: Any, depth: int = 0) -> Any:
+    """A copy in which no two places share a mapping or list (a YAML alias shares one): taking a mistake out
+    of one place must leave the others as written. The loader has bounded the document's size; a `--set`
+    value that refers to itself stays shared below the recipe's depth bound."""
+    if depth > 2 * MAX_DEPTH:
+        return v
+    if isinstance(v, dict):
+        return {k: _unshared(x, depth + 1) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_unshared(x, depth + 1) for x in v]
+    return v
+
+
+def _take_out(work: Any, path: Path_, removed: set[Path_]) -> bool:
+    """Delete the value at `path` (its field falls back to its default); False if there is none to delete."""
+    parent = _value_at(work, path[:-1]) if path else _MISSING
+    if not path or not isinstance(parent, dict) or path[-1] not in parent:
+        return False
+    del parent[path[-1]]
+    removed.add(path)
+    return True
+
+
 def collect(data: Any, first: msgspec.ValidationError, source: str, lines: dict[Path_, int],
               overrides: list[tuple[Path_, str]]) -> tuple[list[Problem], int]:
     """Every mistake in the document: report one, take its value out of a copy, convert again."""
-    work = copy.deepcopy(data)
+    work = _unshared(data)
     out: list[Problem] = []
     seen: set[Path_] = set()
     removed: set[Path_] = set()
     standins: set[Path_] = set()  # required sections the search took out and put back empty
-    more, err = 0, first
+    err = first
     for _ in range(MAX_ROUNDS):
         path, msg, fix, kind = _message(err, work)
         if any(path[:len(s)] == s for s in standins):
@@ -250,12 +275,15 @@ def collect(data: Any, first: msgspec.ValidationError, source: str, lines: dict[
                 parent[path[-1]] = {}
                 standins.add(path)
             else:
-                # Nothing can stand in for a field the recipe lacks: the search ends here, with every required
-                # field of that section that is missing.
+                # Every required field of that section that is missing; then the section goes, unless it is
+                # the recipe itself: nothing can stand in for what the recipe lacks.
                 for key in _missing_keys(work, path[:-1]) or [path[-1]]:
-                    if path[:-1] + (key,) not in removed and len(out) < MAX_PROBLEMS:
-                        out.append(_problem(path[:-1] + (key,), msg, f"add `{key}:`", source, lines, overrides))
-                break
+                    where = path[:-1] + (key,)
+                    if where not in removed and where not in seen:
+                        seen.add(where)
+                        out.append(_problem(where, msg, f"add `{key}:`", source, lines, overrides))
+                if not _take_out(work, path[:-1], removed):
+                    break
         else:
             # A section's check that names a field taken out of it failed because of that: nothing new.
             consequence = kind == "section" and any(
@@ -263,21 +291,15 @@ def collect(data: Any, first: msgspec.ValidationError, source: str, lines: dict[
                 for r in removed)
             if path not in seen and not consequence:
                 seen.add(path)
-                if len(out) < MAX_PROBLEMS:
-                    out.append(_problem(path, msg, fix, source, lines, overrides))
-                else:
-                    more += 1
+                out.append(_problem(path, msg, fix, source, lines, overrides))
             cut = path
             while cut and not isinstance(cut[-1], str):
                 cut = cut[:-1]  # a list item: the whole list goes
-            parent = _value_at(work, cut[:-1]) if cut else _MISSING
-            if not cut or not isinstance(parent, dict) or cut[-1] not in parent:
+            if not _take_out(work, cut, removed):
                 break
-            del parent[cut[-1]]
-            removed.add(cut)
         try:
             parse(work)
             break
         except msgspec.ValidationError as e:
             err = e
-    return out, more
+    return out[:MAX_PROBLEMS], len(out[MAX_PROBLEMS:])

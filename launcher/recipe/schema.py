@@ -86,7 +86,7 @@ class ResourcesSpec(Spec, kw_only=True):
     gpu_mtbf_hours: Float(gt=0, le=1e9, description="mean time between failures per GPU") = catalog.GPU_MTBF_HOURS
     storage_gbps_per_node: Float(ge=0.001, le=1_000_000) = catalog.STORAGE_GBPS_PER_NODE
     socket_ifname: Text(256, "NCCL/gloo network interface(s), e.g. eth0 or ^docker; unset = let NCCL choose (best)",
-                        r"^[A-Za-z0-9_.:^,=-]+$") | None = None
+                        r"^[A-Za-z0-9_.:^,=-]+\Z") | None = None
     image: Text(512, "a Docker/OCI image every target's job runs in, e.g. nvcr.io/nvidia/pytorch:24.05-py3 "
                      "(SkyPilot: image_id; SLURM: targets.slurm.container picks pyxis or Apptainer)") | None = None
 
@@ -189,7 +189,7 @@ class CheckpointSpec(Spec, kw_only=True):
                                    "before it kills them; auto = 3 checkpoint writes + 30 s (at least 30)") = "auto"
 
 
-MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", re.ASCII)
+MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z", re.ASCII)
 
 
 class EntrypointSpec(Spec, kw_only=True):
@@ -333,7 +333,9 @@ def _env_values(v: dict) -> dict[str, str]:
 def parse(data: Any) -> Recipe:
     """A Recipe from plain data (a loaded YAML document, a plan file's copy): msgspec.ValidationError on any
     mistake. Records which parallelism fields the data wrote, for the planner."""
-    recipe = msgspec.convert(data, Recipe)
+    # strict=False reads numbers and booleans that YAML left as text, as pydantic did: PyYAML reads `1e-4`
+    # (no dot) as a string, and users write learning rates that way. Booleans are still not numbers.
+    recipe = msgspec.convert(data, Recipe, strict=False)
     par = data.get("parallelism") if isinstance(data, dict) else None
     recipe.parallelism.remember_given(par.keys() if isinstance(par, dict) else ())
     return recipe

@@ -48,7 +48,7 @@ class SlurmContainer(Spec, kw_only=True):
     mounts: Annotated[list[Text(2048)], Meta(max_length=100, description="extra bind mounts SRC[:DST[:ro|rw]], "
                                                                          "absolute paths, e.g. /datasets:/data:ro")] = []
     workdir: Text(1024, "working directory inside the container (default: the submit directory)",
-                  rf"^{_MOUNT_PATH}$") | None = None
+                  rf"^{_MOUNT_PATH}\Z") | None = None
 
     def __post_init__(self) -> None:
         v = self.image
@@ -90,19 +90,19 @@ class SlurmTarget(Spec, kw_only=True):
     gpu_request: Doc("how GPUs are asked for: --gpus-per-node (select/cons_tres), or --gres=gpu:N for clusters "
                      "without cons_tres", Literal["gpus_per_node", "gres"]) = "gpus_per_node"
     gpu_type: Text(64, "the cluster's GPU type name (its GRES type), e.g. a100: --gpus-per-node=a100:8 or "
-                       "--gres=gpu:a100:8", r"^[A-Za-z0-9][A-Za-z0-9_.-]*$") | None = None
+                       "--gres=gpu:a100:8", r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z") | None = None
     nodelist: Doc("run on these nodes (--nodelist), e.g. gpu[01-04] or a list of names",
                   Text(4096) | list[Text(255)] | None) = None
     exclude: Doc("never run on these nodes (--exclude), e.g. gpu07,gpu[10-12]",
                  Text(4096) | list[Text(255)] | None) = None
     reservation: Text(256, "allocate from this reservation (--reservation)",
-                      r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$") | None = None
+                      r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*\Z") | None = None
     dependency: Text(1024, "start after other jobs (--dependency), e.g. afterok:123 or singleton; `dtlaunch up "
                            "--after` adds one") | None = None
     mail_type: Doc("mail on these events (--mail-type), e.g. [END, FAIL]",
                    Text(256) | Annotated[list[Text(64)], Meta(max_length=20)] | None) = None
     mail_user: Text(256, "who gets the mail (--mail-user; default: the submitting user)",
-                    r"^[A-Za-z0-9._%+-]+(@[A-Za-z0-9.-]+)?$") | None = None
+                    r"^[A-Za-z0-9._%+-]+(@[A-Za-z0-9.-]+)?\Z") | None = None
     container: Doc("run the steps in a container: {runtime: pyxis|apptainer, image?, mounts?, workdir?}",
                    SlurmContainer | None) = None
     ssh: SshSpec | None = None
@@ -154,7 +154,7 @@ class SkyStorage(Spec, kw_only=True):
 
     bucket: Text(1024, "e.g. s3://my-bucket/ckpt, gs://..., r2://...") | None = None
     volume: Text(256, "a SkyPilot volume (sky volumes apply), instead of a bucket",
-                 r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$") | None = None
+                 r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?\Z") | None = None
     mount: Text(1024, "where the nodes see it") = "/checkpoints"
     mode: Doc("MOUNT_CACHED writes to local disk and uploads in the background (fast saves)",
               Literal["MOUNT_CACHED", "MOUNT"]) = "MOUNT_CACHED"
@@ -196,7 +196,7 @@ class SkyTarget(Spec, kw_only=True):
     fallback: Doc("with accelerators: ordered = try the cheapest plan first (dtlaunch's cost estimate); any_of = let "
                   "SkyPilot pick the cheapest available", Literal["ordered", "any_of"]) = "ordered"
     instance_type: Text(128, "a cloud instance type, e.g. p5.48xlarge, a3-highgpu-8g",
-                        r"^[A-Za-z0-9][A-Za-z0-9._-]*$") | None = None
+                        r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z") | None = None
     cpus: Doc("vCPUs per node: N, or N+ for at least N", Text(16) | int | float | None) = None
     memory: Doc("memory per node in GB: N, or N+ for at least N", Text(16) | int | float | None) = None
     ports: Annotated[list[int | Text(16)], Meta(
