@@ -32,6 +32,14 @@ class Invalid(ValueError):
         self.field, self.fix = field, fix
 
 
+def checked(field: str, parse, value):
+    """parse(value), its ValueError reported at this field."""
+    try:
+        return parse(value)
+    except ValueError as e:
+        raise Invalid(field, str(e), getattr(e, "fix", None)) from None
+
+
 def suggest(word: str, choices) -> str:
     import difflib
 

@@ -8,6 +8,7 @@ required field is missing. Imported only when a recipe has a mistake.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
@@ -68,80 +69,76 @@ def _split(err: msgspec.ValidationError) -> tuple[str, Path_, BaseException | No
     return msg, tuple(path), cause
 
 
+@functools.cache
+def _schema() -> Any:
+    """The recipe's schema as msgspec.inspect describes it (built once: the search asks it every round)."""
+    import msgspec.inspect as mi
+
+    return mi.type_info(Recipe)
+
+
+def _alternatives(t: Any) -> list:
+    """The plain types a schema type stands for, in order: descriptions unwrapped, unions flattened."""
+    import msgspec.inspect as mi
+
+    out, todo = [], [t]
+    while todo:
+        t = todo.pop()
+        if isinstance(t, mi.Metadata):
+            todo.append(t.type)
+        elif isinstance(t, mi.UnionType):
+            todo.extend(reversed(t.types))
+        elif t is not None:
+            out.append(t)
+    return out
+
+
 def _type_at(path: Path_) -> Any:
     """The schema's type (msgspec.inspect) at a field path, or None."""
     import msgspec.inspect as mi
 
-    t: Any = mi.type_info(Recipe)
+    t: Any = _schema()
     for part in path:
-        while isinstance(t, (mi.Metadata, mi.UnionType)):
-            if isinstance(t, mi.Metadata):
-                t = t.type
-            else:
-                inner = [x for x in t.types if isinstance(x, (mi.StructType, mi.ListType, mi.Metadata))]
-                if not inner:
-                    return None
-                t = inner[0]
-        if isinstance(part, int) and isinstance(t, (mi.ListType, mi.TupleType)):
-            t = t.item_type if isinstance(t, mi.ListType) else (t.item_types[part] if part < len(t.item_types)
-                                                                else None)
-        elif isinstance(t, mi.StructType):
+        t = next((x for x in _alternatives(t) if isinstance(x, (mi.StructType, mi.ListType, mi.TupleType))), None)
+        if isinstance(part, int) and isinstance(t, mi.ListType):
+            t = t.item_type
+        elif isinstance(part, int) and isinstance(t, mi.TupleType):
+            t = t.item_types[part] if part < len(t.item_types) else None
+        elif isinstance(part, str) and isinstance(t, mi.StructType):
             t = next((f.type for f in t.fields if f.encode_name == part), None)
         else:
             return None
     return t
 
 
-def _keys_at(path: Path_) -> list[str]:
+def _struct_at(path: Path_) -> Any:
     import msgspec.inspect as mi
 
-    t = _type_at(path)
-    while isinstance(t, (mi.Metadata, mi.UnionType)):
-        t = t.type if isinstance(t, mi.Metadata) else next(
-            (x for x in t.types if isinstance(x, mi.StructType)), None)
-    return [f.encode_name for f in t.fields] if isinstance(t, mi.StructType) else []
+    return next((x for x in _alternatives(_type_at(path)) if isinstance(x, mi.StructType)), None)
+
+
+def _keys_at(path: Path_) -> list[str]:
+    s = _struct_at(path)
+    return [f.encode_name for f in s.fields] if s is not None else []
 
 
 def _missing_keys(data: Any, path: Path_) -> list[str]:
-    import msgspec.inspect as mi
-
-    t, have = _type_at(path), _value_at(data, path)
-    while isinstance(t, (mi.Metadata, mi.UnionType)):
-        t = t.type if isinstance(t, mi.Metadata) else next((x for x in t.types if isinstance(x, mi.StructType)), None)
-    if not isinstance(t, mi.StructType) or not isinstance(have, dict):
+    s, have = _struct_at(path), _value_at(data, path)
+    if s is None or not isinstance(have, dict):
         return []
-    return [f.encode_name for f in t.fields if f.required and f.encode_name not in have]
+    return [f.encode_name for f in s.fields if f.required and f.encode_name not in have]
 
 
 def _takes_int(path: Path_) -> bool:
     import msgspec.inspect as mi
 
-    todo = [_type_at(path)]
-    while todo:
-        t = todo.pop()
-        if isinstance(t, mi.Metadata):
-            todo.append(t.type)
-        elif isinstance(t, mi.UnionType):
-            todo.extend(t.types)
-        elif isinstance(t, mi.IntType):
-            return True
-    return False
+    return any(isinstance(x, mi.IntType) for x in _alternatives(_type_at(path)))
 
 
 def _choices_at(path: Path_) -> tuple:
     import msgspec.inspect as mi
 
-    found: list = []
-    todo = [_type_at(path)]
-    while todo:
-        t = todo.pop()
-        if isinstance(t, mi.Metadata):
-            todo.append(t.type)
-        elif isinstance(t, mi.UnionType):
-            todo.extend(t.types)
-        elif isinstance(t, mi.LiteralType):
-            found.extend(t.values)
-    return tuple(found)
+    return tuple(v for x in _alternatives(_type_at(path)) if isinstance(x, mi.LiteralType) for v in x.values)
 
 
 _MISSING = object()

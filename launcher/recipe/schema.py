@@ -28,10 +28,11 @@ from .fields import (
     Strategy,
     Target,
     Text,
+    checked,
     suggest,
 )
 from .model_spec import ModelSpec
-from .target_specs import LocalTarget, SkyTarget, SlurmTarget, checked
+from .target_specs import LocalTarget, SkyTarget, SlurmTarget
 
 
 class ParallelismSpec(Spec, kw_only=True, dict=True):
@@ -98,10 +99,7 @@ class ResourcesSpec(Spec, kw_only=True):
         if self.image is not None:
             from .images import parse_image
 
-            try:
-                parse_image(self.image)
-            except ValueError as e:
-                raise Invalid("image", str(e)) from None
+            checked("image", parse_image, self.image)
         if self.network not in catalog.NETWORKS:
             raise Invalid("network", f"unknown network {self.network!r}{suggest(self.network, catalog.NETWORKS)}; "
                                      f"known: {', '.join(catalog.NETWORKS)}")

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from msgspec import Meta
 
 from .. import catalog
-from .fields import BUCKET, Doc, Int, Invalid, Line, Spec, Str, Text, suggest
+from .fields import BUCKET, Doc, Int, Invalid, Line, Spec, Str, Text, checked, suggest
 
 
 class LocalTarget(Spec, kw_only=True):
@@ -139,14 +139,6 @@ class SlurmTarget(Spec, kw_only=True):
             self.dependency = checked("dependency", parse_dependency, self.dependency)
         if self.mail_type is not None:
             self.mail_type = checked("mail_type", parse_mail_types, self.mail_type)
-
-
-def checked(field: str, parse, value):
-    """parse(value), its ValueError reported at this field."""
-    try:
-        return parse(value)
-    except ValueError as e:
-        raise Invalid(field, str(e), getattr(e, "fix", None)) from None
 
 
 class SkyStorage(Spec, kw_only=True):
