@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install system test lint demo bench bench-smoke clean
+.PHONY: install system test lint templates demo bench bench-smoke clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,7 +25,11 @@ system:
 	bash scripts/install-system.sh
 
 lint: install
-	$(VENV)/bin/ruff check launcher tests bench
+	$(VENV)/bin/ruff check launcher tests bench scripts
+
+# After editing launcher/render/templates/*.j2: rebuild the Python that `render` runs (tests fail until then).
+templates: install
+	$(PY) scripts/compile_templates.py
 
 # The whole suite. `make test PYTEST_WORKERS=2` runs two test files at a time (each file whole on one worker,
 # the SLURM tests together: tests/conftest.py); on 2 cores that took 23 min against ~29 min in one process,

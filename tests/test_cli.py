@@ -11,7 +11,7 @@ from testpaths import RECIPES
 
 # pydantic: ~70 ms of start-up (its import and building a schema's classes); the recipe schema is msgspec's,
 # and a stray import (a helper typed with pydantic) would bring the cost back unseen.
-HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko", "transformers", "pydantic")
+HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko", "transformers", "pydantic", "jinja2")
 PY = sys.executable
 
 

@@ -44,7 +44,7 @@ JOB_SCRIPT = "job.sbatch"
 STEP_SCRIPT = "step.sh"
 JOBS_DIR = "jobs"  # jobs/$SLURM_JOB_ID: one allocation's ledgers and logs (a requeue keeps the id)
 RUNS_DIR = "runs"  # runs/$DTLAUNCH_RUN_ID: one training run's metrics, status and (by default) checkpoints
-IMAGE_HINT = ("the image needs python3 with torch and dtlaunch's dependencies (msgspec, PyYAML, click, rich, jinja2, "
+IMAGE_HINT = ("the image needs python3 with torch and dtlaunch's dependencies (msgspec, PyYAML, click, rich, "
               "safetensors, psutil); dtlaunch itself comes with the job; DTLAUNCH_PYTHON names another interpreter "
               "in the image")
 SETUP_HINT = ("activate the environment that has torch and dtlaunch in targets.slurm.setup, "
