@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -24,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec.structs
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -87,7 +87,7 @@ def main() -> None:
     ga = a.global_batch // (a.micro_batch * world)
 
     torch.manual_seed(0)
-    shape = dataclasses.replace(PRESETS[a.preset], seq_len=a.seq_len)
+    shape = msgspec.structs.replace(PRESETS[a.preset], seq_len=a.seq_len)
     model = _wrap(build_model(shape), a)
     # param groups after wrapping: fully_shard replaces the parameters with DTensors
     params = list(model.parameters())

@@ -5,11 +5,10 @@ one place, every number a plan depends on. Imports nothing of ours.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass(frozen=True)
-class ModelShape:
+class ModelShape(msgspec.Struct, frozen=True):
     layers: int
     hidden: int
     ffn_hidden: int
@@ -44,8 +43,7 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-@dataclass(frozen=True)
-class Accelerator:
+class Accelerator(msgspec.Struct, frozen=True):
     name: str
     memory_gb: float  # GB = 1e9 bytes, as vendors quote it
     peak_tflops: float  # dense bf16 (fp16 where bf16 is absent), per device
@@ -79,12 +77,11 @@ ACCELERATORS: dict[str, Accelerator] = {
 }
 
 
-@dataclass(frozen=True)
-class Network:
+class Network(msgspec.Struct, frozen=True):
     name: str
     description: str
     node_gbps: float  # expected all-reduce bus bandwidth between nodes, GB/s (1e9 bytes)
-    nccl_env: dict[str, str] = field(default_factory=dict)
+    nccl_env: dict[str, str] = msgspec.field(default_factory=dict)
     sky_network_tier: str | None = None
 
 

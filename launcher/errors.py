@@ -5,11 +5,11 @@ Every error carries what went wrong and, where we know it, how to fix it, in one
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import msgspec
+from msgspec.structs import asdict
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(msgspec.Struct, frozen=True):
     """One mistake in a recipe (or a --set override, or a plan file), located as precisely as we can."""
 
     file: str

@@ -7,8 +7,9 @@ Imports nothing of ours, so the CLI can read it without cost.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
+
+import msgspec
 
 
 class StrategyName(str, Enum):
@@ -39,8 +40,7 @@ class Family(str, Enum):
 SHARDED_NOTHING: frozenset[str] = frozenset()
 
 
-@dataclass(frozen=True)
-class StrategySpec:
+class StrategySpec(msgspec.Struct, frozen=True):
     name: StrategyName
     family: Family
     shards: frozenset[str]  # which model states are split over the data-parallel ranks: optimizer, grads, params
@@ -135,8 +135,7 @@ class TargetName(str, Enum):
         return self.value
 
 
-@dataclass(frozen=True)
-class TargetSpec:
+class TargetSpec(msgspec.Struct, frozen=True):
     """Where a target's renderer and backend live ("module:attribute", imported only when used)."""
 
     name: TargetName

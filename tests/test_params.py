@@ -21,14 +21,14 @@ def test_exact_param_counts(preset, expected):
 
 
 def test_tied_embeddings_count_the_matrix_once():
-    from dataclasses import replace
+    from msgspec.structs import replace
 
     s = PRESETS["tiny"]
     assert count_params(s) - count_params(replace(s, tied_embeddings=True)) == s.vocab * s.hidden
 
 
 def test_gqa_shrinks_attention():
-    from dataclasses import replace
+    from msgspec.structs import replace
 
     s = PRESETS["llama2-7b"]
     # k and v go from h x h to h x (h/4): saves 2 * h * (h - h/4) per layer

@@ -6,8 +6,10 @@ a job reads is `Plan.to_dict()` (the `plan --json` contract), read back with `Pl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
 from typing import Any
+
+import msgspec
+from msgspec.structs import replace
 
 from ..recipe import Recipe
 from ..strategies import STRATEGIES, offload_for
@@ -18,8 +20,7 @@ from .params import count_params
 from .strategy import Context, Request, choose, grad_accum_for, prefer_once_per_step
 
 
-@dataclass
-class Plan:
+class Plan(msgspec.Struct):
     """The resolved job: everything `render` and the runtime need, and what `plan --json` prints."""
 
     params: int
@@ -40,7 +41,7 @@ class Plan:
     usd: float | None
     checkpoint_every: int
     checkpoint_write_seconds: float
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = msgspec.field(default_factory=list)
 
     @property
     def strategy(self) -> str:

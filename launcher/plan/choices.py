@@ -21,15 +21,14 @@ only; the others use the catalogue.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from .. import catalog
 from ..recipe import Recipe
 from . import Plan, cost, make_plan
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(msgspec.Struct, frozen=True):
     accelerator: str  # TYPE:COUNT as SkyPilot spells it
     device: catalog.Accelerator
     own: Plan  # the recipe planned for this accelerator alone
@@ -38,13 +37,12 @@ class Choice:
     usd: float | None = None  # the shipped layout's total cost on this device (None: no training length)
 
 
-@dataclass
-class Choices:
+class Choices(msgspec.Struct):
     choices: list[Choice]  # every accelerator, primary first, in the recipe's order
     kept: list[Choice]  # the ones the task asks for, in the order it asks (cheapest first for `ordered`)
     shipped: Plan  # the plan the job carries: valid on every kept accelerator
     basis: str  # the accelerator the shipped plan was made for
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = msgspec.field(default_factory=list)
 
     @property
     def dropped(self) -> list[Choice]:

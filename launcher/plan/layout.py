@@ -1,13 +1,13 @@
 """How one model replica is split and trained: the planner's decision, and what the job is told to run."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import msgspec
+from msgspec.structs import asdict
 
 from ..strategies import StrategySpec, reduces_once_per_step, spec
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(msgspec.Struct, frozen=True):
     strategy: str
     dp: int
     tp: int = 1

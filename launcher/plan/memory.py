@@ -36,7 +36,7 @@ Choices where the sources disagree (`UNITS`, `NOT_MODELLED`; the plan states the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from ..catalog import ModelShape
 from ..jobenv import GB
@@ -67,8 +67,7 @@ __all__ = ["NOT_MODELLED", "UNITS", "Memory", "breakdown", "activations", "activ
            "optimizer_state_bytes", "Layout", "MOMENTS", "TERMS"]
 
 
-@dataclass(frozen=True)
-class Memory:
+class Memory(msgspec.Struct, frozen=True):
     """The peak moment's memory. `activations` = layers + layer in backward + loss; `buffers` = the strategy's
     buffers + context + fragmentation; `terms` has them apart, `moments` the tensor total of every moment."""
 
@@ -81,8 +80,8 @@ class Memory:
     gpu: float
     fits: bool
     peak_at: str = ""
-    terms: dict[str, float] = field(default_factory=dict)
-    moments: dict[str, float] = field(default_factory=dict)
+    terms: dict[str, float] = msgspec.field(default_factory=dict)
+    moments: dict[str, float] = msgspec.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = {k: int(round(getattr(self, k))) for k in ("params", "grads", "optimizer", "activations", "buffers",

@@ -37,7 +37,8 @@ block (`params.embedding_units_apart`), each block and a root holding the embedd
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import msgspec
+from msgspec.structs import replace
 
 from ..catalog import ModelShape
 from ..deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
@@ -56,8 +57,7 @@ MOMENTS = ("forward", "loss forward", "loss backward", "head backward", "layer b
 TERMS = ("params", "grads", "optimizer", "activations", "backward", "loss", "buffers")
 
 
-@dataclass(frozen=True)
-class Units:
+class Units(msgspec.Struct, frozen=True):
     """Parameter counts of the FSDP units (per model-parallel shard): embedding, one block, head, root; and
     the block's down projection w2, whose gradient is the one alive at the block's backward peak."""
 
@@ -289,8 +289,7 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
     return rows
 
 
-@dataclass(frozen=True)
-class _Acts:
+class _Acts(msgspec.Struct, frozen=True):
     layers: float  # every layer's saved activations (the pipeline's first stage: its in-flight micro-batches)
     backward: dict[str, float]  # by moment: what the layer in backward (or the last in forward) adds
     loss: dict[str, float]  # by moment: the head's activations, the logits and the loss's temporaries

@@ -4,7 +4,8 @@ pipeline rank (`pipeline_parts`); the memory test sizes each rank of a real run 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+import msgspec
 
 from ..catalog import ModelShape
 from .layout import Layout
@@ -13,8 +14,7 @@ from .pipeline import in_flight, num_stages, stage_layers, stages_of_rank, stead
 from .states import model_states
 
 
-@dataclass(frozen=True)
-class Part:
+class Part(msgspec.Struct, frozen=True):
     """What one rank holds of the model, and the most block activations it keeps at once: the whole model
     (pp = 1: every block of one micro-batch), or a pipeline rank's stages under its schedule."""
 

@@ -2,14 +2,13 @@
 step, and what its optimizer step adds. The moments of a step (`moments`) stand on these."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from ..strategies import Family
 from .layout import Layout
 
 
-@dataclass(frozen=True)
-class States:
+class States(msgspec.Struct, frozen=True):
     """Model states per GPU, bytes: what the strategy keeps for the whole step."""
 
     params: float

@@ -15,7 +15,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+
+import msgspec
+from msgspec.structs import replace
 
 from ..catalog import ModelShape
 from ..jobenv import gb
@@ -27,8 +29,7 @@ TP_PARAM_THRESHOLD = 80e9  # Megatron/Llama practice: beyond ~70B, TP within the
 MAX_TP = 8  # one NVLink domain
 
 
-@dataclass(frozen=True)
-class Context:
+class Context(msgspec.Struct, frozen=True):
     """What is fixed while we search: the model and the machine."""
 
     shape: ModelShape | None
@@ -44,8 +45,7 @@ class Context:
         return breakdown(self.shape, self.arch, self.n_params, self.seq, lay, self.gpu_bytes, self.is_gpu)
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(msgspec.Struct, frozen=True):
     """What the recipe asks for; "auto" leaves the choice to the search."""
 
     strategy: str

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,7 @@ _CLOSE = ("BlockEndToken", "FlowMappingEndToken", "FlowSequenceEndToken")
 Path_ = tuple  # a field path, e.g. ("training", "steps") or ("env", "X") or ("secrets", 0)
 
 
-@dataclass(frozen=True)
-class SourceMap:
+class SourceMap(msgspec.Struct, frozen=True):
     """Where each field of a loaded recipe came from, so findings made later (validate) name file and line,
     or the `--set` item that gave the value."""
 

@@ -20,7 +20,7 @@ container or under `apptainer exec` (no PID namespace) are processes of the step
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from ..errors import DtlaunchError
 from ..recipe import Recipe
@@ -33,8 +33,7 @@ MOUNTS_VAR = "CONTAINER_MOUNTS"
 CHECK_ARG = "--check"  # step.sh's argument for the interpreter check only
 
 
-@dataclass(frozen=True)
-class Container:
+class Container(msgspec.Struct, frozen=True):
     runtime: str  # pyxis | apptainer | singularity
     image: str  # as the runtime spells it
     mounts: tuple[str, ...]  # SRC:DST[:FLAGS] besides the submit directory: the checkpoint root, the recipe's

@@ -26,6 +26,7 @@ import gc
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.common_utils import get_untyped_storages
@@ -291,7 +292,7 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
     t0 = time.monotonic()
     shape = recipe.model.shape()
     if layers is not None:
-        shape = dataclasses.replace(shape, layers=layers)
+        shape = msgspec.structs.replace(shape, layers=layers)
     layout, _ = resolve_layout(plan, plan.world_size)
     no_clip = recipe.replace(training=recipe.training.replace(grad_clip=0.0))
     n_micro = min(layout.grad_accum, 2)  # from the second micro-step on, every micro-step looks alike

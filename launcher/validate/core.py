@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+
+import msgspec
+from msgspec.structs import asdict
 
 from ..plan import Plan
 from ..recipe import Recipe
 
 
-@dataclass(frozen=True)
-class Finding:
+class Finding(msgspec.Struct, frozen=True):
     rule: str
     severity: str  # error | warning
     field: str
@@ -22,8 +23,7 @@ class Finding:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class Rule:
+class Rule(msgspec.Struct, frozen=True):
     id: str
     severity: str
     field: str

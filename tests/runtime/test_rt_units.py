@@ -2,12 +2,12 @@
 selection, data order, fault parsing, environment detection."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import msgspec.structs
 import pytest
 import torch
 import yaml
@@ -55,7 +55,7 @@ def test_fsdp_units_are_the_ones_the_planner_counts(preset, tied, model_parallel
     from launcher.plan.moments import units
     from launcher.runtime.parallel import fsdp_units
 
-    shape = dataclasses.replace(catalog.PRESETS[preset], tied_embeddings=tied, layers=2)
+    shape = msgspec.structs.replace(catalog.PRESETS[preset], tied_embeddings=tied, layers=2)
     model = build_model(shape, device="meta")
     got = fsdp_units(model, model_parallel=model_parallel)
     size = lambda m, nested: sum(p.numel() for p in m.parameters()) - sum(  # noqa: E731
@@ -449,10 +449,10 @@ def test_layout_keeps_the_global_batch_on_another_world_size():
     with pytest.raises(ConfigError, match="cannot be split"):
         resolve_layout(plan, 3)
     # tensor 2 on 2 ranks keeps one data-parallel rank, so the micro-steps per rank double again
-    lay, _ = resolve_layout(dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, tp=2)), 2)
+    lay, _ = resolve_layout(msgspec.structs.replace(plan, layout=msgspec.structs.replace(plan.layout, tp=2)), 2)
     assert (lay.tp, lay.dp, lay.global_batch) == (2, 1, 16)
     with pytest.raises(ConfigError, match="cannot hold tensor 2 x pipeline 1"):
-        resolve_layout(dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, tp=2)), 3)
+        resolve_layout(msgspec.structs.replace(plan, layout=msgspec.structs.replace(plan.layout, tp=2)), 3)
 
 
 # ----------------------------------------------------------------------------- checksums taken while writing
