@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from .. import catalog
+from ..digest import sha256_hex
 from ..errors import FieldError
 from .fields import (
     ENV_NAME,
@@ -282,9 +283,7 @@ class Recipe(Spec, kw_only=True, dict=True):
         n = re.sub(r"[^A-Za-z0-9._-]+", "-", self.name).strip("-._")
         if n == self.name:
             return n[:63]
-        import hashlib  # loads OpenSSL (~2 ms): only a name that had to change needs the digest
-
-        tag = hashlib.sha256(self.name.encode()).hexdigest()[:8]
+        tag = sha256_hex(self.name.encode())[:8]
         if not re.search(r"[A-Za-z0-9]", n):
             return f"job-{tag}"
         return f"{n[:54]}-{tag}"[:63]
@@ -296,8 +295,6 @@ class Recipe(Spec, kw_only=True, dict=True):
 
     def digest(self) -> str:
         """A recipe's identity: unchanged by a newer dtlaunch that only added optional fields it leaves unset."""
-        import hashlib
-
         d = self.to_dict()
         for path, default in LATER_FIELDS:
             *parents, leaf = path.split(".")
@@ -306,7 +303,7 @@ class Recipe(Spec, kw_only=True, dict=True):
                 cur = cur.get(k) if isinstance(cur, dict) else None
             if isinstance(cur, dict) and cur.get(leaf, default) == default:
                 cur.pop(leaf, None)
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return sha256_hex(json.dumps(d, sort_keys=True).encode())[:16]
 
 
 def _env_values(v: dict) -> dict[str, str]:

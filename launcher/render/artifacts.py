@@ -8,6 +8,7 @@ cost it ~2 ms of start-up (each one compiles its methods), structs next to nothi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -116,15 +117,12 @@ class Artifacts(msgspec.Struct):
         Files of an earlier render that this one does not produce (a sweep's task-N directories, a wheel of
         another version) are removed, so the directory holds exactly what `submit_command` will use.
         """
-        import shutil  # render's writing only: `validate` imports this module for its types
-        import tempfile
-
         out = Path(out_dir)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             if out.exists() and not out.is_dir():
                 raise DtlaunchError(f"{out} exists and is not a directory", fix="pick another -o/--out directory")
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            tmp = _scratch_dir(out)
         except OSError as e:
             raise DtlaunchError(f"cannot write into {out}: {e.strerror}",
                                 fix="pick a directory you can write to with -o/--out") from None
@@ -154,7 +152,7 @@ class Artifacts(msgspec.Struct):
             raise DtlaunchError(f"cannot write into {out}: {e.strerror}",
                                 fix="pick a directory you can write to with -o/--out") from None
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_tree(tmp)
         return out
 
 
@@ -174,6 +172,38 @@ def read_manifest(out: Path) -> tuple[set[str], str | None]:
 
 def _write_manifest(out: Path, files: set[str], origin: str) -> None:
     (out / MANIFEST).write_text(f"# written by dtlaunch {origin}\n" + "".join(f"{rel}\n" for rel in sorted(files)))
+
+
+def _scratch_dir(out: Path) -> Path:
+    """A new private directory beside `out`, on its filesystem, so each file's os.replace into `out` is atomic.
+    tempfile.mkdtemp does the same, but importing tempfile (with shutil and random) costs ~3 ms of every
+    `render`; the name's 8 random bytes make a clash as unlikely as tempfile's, and one is retried anyway."""
+    for _ in range(100):
+        tmp = out.parent / f".{out.name}.{os.urandom(8).hex()}"
+        try:
+            tmp.mkdir(mode=0o700)
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free scratch directory name beside {out}")
+
+
+def _remove_tree(top: Path) -> None:
+    """rm -rf of our own scratch directory, never following a link out of it; errors are ignored, as
+    shutil.rmtree(ignore_errors=True) does (a leftover dot-directory costs nothing but space)."""
+    for d, dirs, files in os.walk(top, topdown=False):
+        for name in files:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(d, name))
+        for name in dirs:
+            p = os.path.join(d, name)
+            with contextlib.suppress(OSError):
+                if os.path.islink(p):
+                    os.unlink(p)
+                else:
+                    os.rmdir(p)
+    with contextlib.suppress(OSError):
+        os.rmdir(top)
 
 
 def _prune_empty_dirs(d: Path, stop: Path) -> None:

@@ -23,7 +23,8 @@ from ..recipe import Recipe
 from ..recipe.slurmtime import parse_time
 from .artifacts import Artifacts, SlurmRequest, SubmititSpec
 from .shell import sbatch_value
-from .slurm import STEP_SCRIPT, directives, srun_words
+from .slurm import STEP_SCRIPT, srun_words
+from .slurm_directives import directives
 from .templates import render_template
 from .torchrun import grace_seconds
 

@@ -9,8 +9,8 @@ from ..plan import Plan
 from ..recipe import Recipe
 from ..recipe.slurmsyntax import expand_hostlist
 from ..recipe.target_specs import MOUNT_PATH
-from ..render.slurm import PLAN_OPTIONS, field_clashes
 from ..render.slurm_container import checkpoint_root, image_for
+from ..render.slurm_directives import PLAN_OPTIONS, field_clashes
 from ..render.torchrun import grace_seconds
 from .core import rule
 
