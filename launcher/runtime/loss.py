@@ -29,12 +29,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         n = logits.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         for i in range(0, n, rows):
-            # log-sum-exp by hand, in place on one fp32 copy: the one temporary is this chunk (logsumexp would
-            # allocate a second one inside the kernel)
-            x = logits[i:i + rows].to(torch.float32, copy=True)
-            m = x.amax(dim=-1)
-            lse[i:i + rows] = x.sub_(m.unsqueeze(1)).exp_().sum(dim=-1).log_().add_(m)
-            del x
+            # log-sum-exp by hand: the one temporary is this chunk's fp32 `x - max`, written by the subtraction
+            # itself (a 16-bit chunk minus an fp32 column promotes to fp32: no separate copy, one pass less),
+            # then changed in place (logsumexp would allocate a second one inside the kernel)
+            chunk = logits[i:i + rows]
+            m = chunk.amax(dim=-1).float()  # exact in any dtype
+            lse[i:i + rows] = (chunk - m.unsqueeze(1)).exp_().sum(dim=-1).log_().add_(m)
         picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()
         ctx.save_for_backward(logits, targets, lse)
         ctx.rows = rows
@@ -48,12 +48,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         scale = grad.float() / n
         for i in range(0, n, rows):
             j = min(i + rows, n)
-            p = logits[i:j].to(torch.float32, copy=True)  # a copy even for fp32 logits: modified in place below
-            p.sub_(lse[i:j].unsqueeze(1)).exp_()
+            p = torch.sub(logits[i:j], lse[i:j].unsqueeze(1)).exp_()  # fp32, a new chunk even for fp32 logits
             p[torch.arange(j - i, device=p.device), targets[i:j]] -= 1
-            p.mul_(scale)
-            out[i:j].copy_(p)
-            del p  # before the next chunk's copy is made, so that only one chunk is alive at a time
+            torch.mul(p, scale, out=out[i:j])  # scaled straight into the gradient, in its dtype
+            del p  # before the next chunk is made, so that only one chunk is alive at a time
         return out, None, None
 
 

@@ -509,3 +509,27 @@ def test_checksums_not_taken_in_order_are_not_trusted(tmp_path):
     (tmp_path / "__0_0.distcp").write_bytes(b"changed later")  # a different size: recomputed, not trusted
     m = ckptdir.write_manifest(tmp_path, 0, sums)["files"]["__0_0.distcp"]
     assert m == {"size": 13, "crc32": ckptdir.crc32_of(tmp_path / "__0_0.distcp")}
+
+
+# ----------------------------------------------------------------------------- loss
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64, 10_000])  # one token per chunk, a chunk that does not divide, all at once
+def test_the_chunked_cross_entropy_is_torchs_in_value_and_gradient(dtype, rows):
+    """The loss and the logits' gradient equal F.cross_entropy's on an fp32 copy (the reference the chunked
+    version exists to avoid), and the gradient comes back in the logits' own dtype."""
+    from launcher.runtime.loss import cross_entropy
+
+    g = torch.Generator().manual_seed(rows)
+    logits = (4 * torch.randn(3, 50, 301, generator=g)).to(dtype)
+    targets = torch.randint(0, 301, (3, 50), generator=g)
+    mine = logits.clone().requires_grad_()
+    ref = logits.clone().float().requires_grad_()
+    loss = cross_entropy(mine, targets, rows)
+    expected = torch.nn.functional.cross_entropy(ref.flatten(0, 1), targets.flatten(0, 1))
+    (2.5 * loss).backward()
+    (2.5 * expected).backward()
+    assert loss.dtype == torch.float32 and mine.grad.dtype == dtype
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(mine.grad.float(), ref.grad.to(dtype).float(), rtol=tol, atol=tol * 1e-2)
