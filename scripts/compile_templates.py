@@ -22,12 +22,12 @@ from pathlib import Path
 import jinja2
 from jinja2 import nodes
 
+from launcher.render.template_filters import FILTERS  # the installed checkout's (`make templates` installs it)
+
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "launcher" / "render" / "templates"
 OUTPUT = ROOT / "launcher" / "render" / "compiled_templates.py"
 
-BINARY = {nodes.Add: "+", nodes.Sub: "-", nodes.Mul: "*"}
-COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "lteq": "<=", "gt": ">", "gteq": ">="}
 
 
 def environment() -> jinja2.Environment:
@@ -123,7 +123,8 @@ class TemplateCompiler:
             for local, value in zip(scope.values(), values, strict=True):
                 self.emit(depth, f"{local} = {value}")
             self.scopes.append(scope)
-            self.block(node.body, depth)
+            for inner in node.body:  # no Python block of its own: the names are locals of the function
+                self.statement(inner, depth)
             self.scopes.pop()
         elif isinstance(node, nodes.Include):
             if not isinstance(node.template, nodes.Const) or node.ignore_missing or not node.with_context:
@@ -143,15 +144,15 @@ class TemplateCompiler:
         if isinstance(node, nodes.Getattr):
             return f"attr({self.expr(node.node)}, {node.attr!r})"
         if isinstance(node, nodes.Filter):
-            if node.kwargs or node.dyn_args or node.dyn_kwargs or node.name not in FILTER_NAMES:
+            if node.kwargs or node.dyn_args or node.dyn_kwargs or node.name not in FILTERS:
                 self.fail(node, f"the filter {node.name!r} (or its keyword arguments)")
             self.filters_used.add(node.name)
             args = [self.expr(node.node), *(self.expr(a) for a in node.args)]
             return f"f_{node.name}({', '.join(args)})"
         if isinstance(node, nodes.Concat):
             return "(" + " + ".join(f"str({self.expr(n)})" for n in node.nodes) + ")"
-        if type(node) in BINARY:
-            return f"({self.expr(node.left)} {BINARY[type(node)]} {self.expr(node.right)})"
+        if isinstance(node, nodes.Add):
+            return f"({self.expr(node.left)} + {self.expr(node.right)})"
         if isinstance(node, nodes.CondExpr):
             if node.expr2 is None:
                 self.fail(node, "an if-expression without else")
@@ -164,16 +165,10 @@ class TemplateCompiler:
             self.fail(node, f"the test {node.name!r}")
         if isinstance(node, nodes.Not):
             return f"(not {self.expr(node.node)})"
-        if isinstance(node, nodes.And | nodes.Or):
-            op = "and" if isinstance(node, nodes.And) else "or"
-            return f"({self.expr(node.left)} {op} {self.expr(node.right)})"
-        if isinstance(node, nodes.Compare):
-            if any(op.op not in COMPARE for op in node.ops):
-                self.fail(node, "a comparison other than == != < <= > >=")
-            return "(" + self.expr(node.expr) + "".join(f" {COMPARE[o.op]} {self.expr(o.expr)}" for o in node.ops) + ")"
-        if isinstance(node, nodes.List | nodes.Tuple):
-            items = ", ".join(self.expr(n) for n in node.items)
-            return f"[{items}]" if isinstance(node, nodes.List) else f"({items}{',' if len(node.items) == 1 else ''})"
+        if isinstance(node, nodes.Or):
+            return f"({self.expr(node.left)} or {self.expr(node.right)})"
+        if isinstance(node, nodes.List):
+            return "[" + ", ".join(self.expr(n) for n in node.items) + "]"
         if isinstance(node, nodes.Call):
             if node.kwargs or node.dyn_args or node.dyn_kwargs:
                 self.fail(node, "a call with keyword arguments")
@@ -181,18 +176,15 @@ class TemplateCompiler:
         self.fail(node, f"the expression {type(node).__name__}")
 
 
-# The filters a template may use: the quoting filters of launcher/render/template_filters.py.
-FILTER_NAMES = ("q", "cmd", "sbatch", "envname", "verbatim", "int")
-
-
 def compile_all() -> str:
     env = environment()
     filters_used: set[str] = set()
+    paths = sorted(TEMPLATES.glob("*.j2"))
     functions = []
-    for path in sorted(TEMPLATES.glob("*.j2")):
+    for path in paths:
         tree = env.parse(path.read_text(), path.name, str(path))
         functions.append("\n".join(TemplateCompiler(path.name, filters_used).compile(tree)))
-    names = sorted(p.name for p in TEMPLATES.glob("*.j2"))
+    names = [p.name for p in paths]
     if len({function_name(n) for n in names}) != len(names):
         raise Unsupported(f"two templates compile to the same function name: {names}")
     header = [

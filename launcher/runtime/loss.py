@@ -23,6 +23,22 @@ def chunk_rows(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
+def _softmax_minus_target(logits: torch.Tensor, lse: torch.Tensor, cols: torch.Tensor, grad: torch.Tensor, rows: int,
+                          outside: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient of the mean cross-entropy, (softmax - onehot(cols)) * grad / N, one fp32 chunk at a time,
+    into a tensor of the logits' dtype. `outside`: rows whose target another rank's slice holds (no onehot)."""
+    n = logits.shape[0]
+    out = torch.empty_like(logits)
+    scale = grad.float() / n
+    for i in range(0, n, rows):
+        j = min(i + rows, n)
+        p = torch.sub(logits[i:j], lse[i:j].unsqueeze(1)).exp_()  # fp32, a new chunk even for fp32 logits
+        p[torch.arange(j - i, device=p.device), cols[i:j]] -= 1 if outside is None else (~outside[i:j]).float()
+        torch.mul(p, scale, out=out[i:j])  # scaled straight into the gradient, in its dtype
+        del p  # before the next chunk is made, so that only one chunk is alive at a time
+    return out
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -43,16 +59,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
-        n, rows = logits.shape[0], ctx.rows
-        out = torch.empty_like(logits)
-        scale = grad.float() / n
-        for i in range(0, n, rows):
-            j = min(i + rows, n)
-            p = torch.sub(logits[i:j], lse[i:j].unsqueeze(1)).exp_()  # fp32, a new chunk even for fp32 logits
-            p[torch.arange(j - i, device=p.device), targets[i:j]] -= 1
-            torch.mul(p, scale, out=out[i:j])  # scaled straight into the gradient, in its dtype
-            del p  # before the next chunk is made, so that only one chunk is alive at a time
-        return out, None, None
+        return _softmax_minus_target(logits, lse, targets, grad, ctx.rows), None, None
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -69,10 +76,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         m = logits.amax(dim=-1).float()  # exact in any dtype: no fp32 copy needed for the max
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         total = torch.empty(n, dtype=torch.float32, device=logits.device)
-        for i in range(0, n, rows):
-            x = logits[i:i + rows].to(torch.float32, copy=True)
-            total[i:i + rows] = x.sub_(m[i:i + rows].unsqueeze(1)).exp_().sum(dim=-1)
-            del x
+        for i in range(0, n, rows):  # the fp32 `x - max` chunk is the subtraction's own result, as above
+            total[i:i + rows] = (logits[i:i + rows] - m[i:i + rows].unsqueeze(1)).exp_().sum(dim=-1)
         local = targets - start
         outside = (local < 0) | (local >= v)
         local = local.masked_fill(outside, 0)
@@ -87,18 +92,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, local, outside, lse = ctx.saved_tensors
-        n, rows = logits.shape[0], ctx.rows
-        out = torch.empty_like(logits)
-        scale = grad.float() / n
-        for i in range(0, n, rows):
-            j = min(i + rows, n)
-            p = logits[i:j].to(torch.float32, copy=True)
-            p.sub_(lse[i:j].unsqueeze(1)).exp_()
-            p[torch.arange(j - i, device=p.device), local[i:j]] -= (~outside[i:j]).float()
-            p.mul_(scale)
-            out[i:j].copy_(p)
-            del p
-        return out, None, None, None, None
+        return _softmax_minus_target(logits, lse, local, grad, ctx.rows, outside), None, None, None, None
 
 
 def _vocab_parallel(logits, targets: torch.Tensor, rows: int | None) -> torch.Tensor:
