@@ -2,7 +2,8 @@
 (bench/minimal_loops.py) on the same tiny Llama, data, batch and optimizer; 2 ranks, gloo, fp32.
 
 Strategies: DDP, FSDP2 and DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3, each against its own minimal loop. Runs are
-interleaved (for each pair: every strategy's ours, then its minimal) so machine load hits both. Our run has
+interleaved so that machine load hits both arms: pair i runs every strategy's two arms back to back, ours first
+in even pairs and the minimal loop first in odd ones (a load that drifts over the pair favours neither). Our run has
 preflight off and no interval checkpoint (checkpoint.every huge), and logs at the same frequency as the
 minimal loop. Target: ours/minimal >= 0.97 for every strategy; the ratio reported is the worst strategy's.
 
@@ -19,6 +20,11 @@ the loop's own cost is in every one of them; what is left out is foreign load, a
 less often than once per interval in this configuration. The noise band is the 5-95% range of that ratio
 over bootstrap resamplings of the pairs; the plain window average (the old figure) is reported beside it.
 On a quiet machine the two agree.
+
+Why 6 pairs of 40 steps rather than 4 of 60. The machine's speed also drifts when nothing else runs on it (a
+virtual machine's neighbours): one 310-step run of the minimal DDP loop read 1.517-1.579 s per 5 steps in its
+successive 50-step windows, and pairs of the same code read ratios from 0.93 to 1.14. A run's speed is thus
+partly the minutes it ran in; more, shorter runs of each arm sample more of them, for the same total time.
 
 FSDP2 is compared with the loop a user writes from PyTorch's FSDP2 docs: each block and the root sharded,
 gradients reduce-scattered once per step (`set_requires_gradient_sync` on the last micro-step). The runtime
@@ -48,7 +54,7 @@ CACHE: dict = {}  # quick -> {"runs": {strategy: {"ours": [Run], "minimal": [Run
 def _config(quick: bool) -> dict:
     if quick:
         return {"steps": 12, "warmup_skip": 4, "repeat": 1, "strategies": ["ddp"], "log_every": 2}
-    return {"steps": 60, "warmup_skip": 10, "repeat": 4, "strategies": list(STRATEGIES), "log_every": 5}
+    return {"steps": 40, "warmup_skip": 10, "repeat": 6, "strategies": list(STRATEGIES), "log_every": 5}
 
 
 def collect(quick: bool) -> dict:
@@ -61,9 +67,10 @@ def collect(quick: bool) -> dict:
     for i in range(cfg["repeat"]):
         for s in cfg["strategies"]:
             rec = T.recipe(parallelism={"strategy": s}, training={"steps": cfg["steps"], "log_every": cfg["log_every"]})
-            runs[s]["ours"].append(T.ours(rec, base / f"{s}-ours-{i}").check())
             args = ["--strategy", s, "--steps", str(cfg["steps"]), "--log-every", str(cfg["log_every"])]
-            runs[s]["minimal"].append(T.minimal(args, base / f"{s}-min-{i}").check())
+            for arm in ("ours", "minimal") if i % 2 == 0 else ("minimal", "ours"):  # ABBA: drift favours neither
+                run = T.ours(rec, base / f"{s}-ours-{i}") if arm == "ours" else T.minimal(args, base / f"{s}-min-{i}")
+                runs[s][arm].append(run.check())
     CACHE[quick] = {"runs": runs, "config": cfg, "dir": str(base)}
     return CACHE[quick]
 

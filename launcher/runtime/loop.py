@@ -234,20 +234,20 @@ class Trainer:
     def _agree(self, step: int, flag: str | None, loss: torch.Tensor) -> Agreement:
         """One all-gather of (step, preempt flag, loss) per step; raises HangError if steps differ."""
         w = self.world
-        local = torch.stack([torch.tensor(float(step), dtype=torch.float64), torch.tensor(1.0 if flag else 0.0,
-                             dtype=torch.float64), loss.detach().to("cpu", torch.float64)]).to(w.device)
+        # one small tensor built from Python numbers: float(loss) is the one device sync a step needs anyway
+        local = torch.tensor([float(step), 1.0 if flag else 0.0, float(loss)], dtype=torch.float64, device=w.device)
         if not w.distributed or self.faults.hit("skip_collective", step):
-            rows = local.view(1, -1)
+            rows = [local.tolist()]
         else:
             parts = [torch.empty_like(local) for _ in range(w.world_size)]
             dist.all_gather(parts, local)
-            rows = torch.stack(parts)
-        steps = rows[:, 0].long().tolist()
+            rows = torch.stack(parts).tolist()
+        steps = [int(r[0]) for r in rows]
         if min(steps) != max(steps):
             raise HangError(f"ranks disagree on the step number (per rank: {steps}); this rank is at step {step}",
                             fix="a rank skipped or repeated work; restart from the last checkpoint", step=step)
-        signalled = tuple(int(r) for r in torch.nonzero(rows[:, 1] > 0).flatten().tolist())
-        return Agreement(step, bool(signalled), float(rows[:, 2].mean()), signalled)
+        signalled = tuple(rank for rank, r in enumerate(rows) if r[1] > 0)
+        return Agreement(step, bool(signalled), sum(r[2] for r in rows) / len(rows), signalled)
 
     def _train_step(self) -> tuple[torch.Tensor, dict]:
         loss = self.engine.forward_backward(self.batches.next_step())

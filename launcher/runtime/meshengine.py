@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .failures import ConfigError
+from .gradclip import clip_grad_norm
 from .layout import RuntimeLayout
 from .loss import cross_entropy
 from .optim import build_optimizer, build_scheduler
@@ -171,21 +172,6 @@ class MeshEngine(Engine):
         backward(loss, self.layout.grad_accum, self.scaler)
         return loss.detach()
 
-    def _grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """The 2-norm of every gradient of the model: DTensor reduces over the tensor and data-parallel
-        dimensions; the pipeline's stages hold different parameters, so their squares are summed (torchtitan's
-        clip_grad_norm_)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None) if grads else \
-            torch.zeros((), device=self.device)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        if self.layout.pp > 1:
-            sq = norm.float() ** 2
-            dist.all_reduce(sq, group=self.mesh["pp"].get_group())
-            norm = sq.sqrt()
-        return norm
-
     def step(self) -> dict:
         self.step_lr = self.lr
         params = list(self.module.parameters())
@@ -193,9 +179,10 @@ class MeshEngine(Engine):
             self.scaler.unscale_(self.optimizer)
         norm: float | None = None
         if self.grad_clip > 0:
-            total = self._grad_norm(params)
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, total)
-            norm = float(total)
+            # the pipeline's stages hold different parameters: their squares are summed too (torchtitan's
+            # clip_grad_norm_)
+            stages = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+            norm = float(clip_grad_norm(params, self.grad_clip, sum_over=stages))
         skipped = optimizer_step(self.optimizer, self.scaler)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..strategies import Family
 from .failures import ConfigError
+from .gradclip import clip_grad_norm
 from .layout import RuntimeLayout
 from .loss import cross_entropy
 from .optim import build_optimizer, build_scheduler
@@ -129,10 +130,7 @@ class TorchEngine(Engine):
             self.scaler.unscale_(self.optimizer)
         norm = None
         if self.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
-            if hasattr(norm, "full_tensor"):
-                norm = norm.full_tensor()
-            norm = float(norm)
+            norm = float(clip_grad_norm(self.module.parameters(), self.grad_clip))
         skipped = optimizer_step(self.optimizer, self.scaler)
         self.scheduler.step()
         # DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view), which live as long as

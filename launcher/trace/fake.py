@@ -7,8 +7,8 @@ counting every live tensor by category. Three deliberate differences from a GPU 
 or a CPU-only torch cannot do otherwise, none of which moves a byte the planner counts:
 
 - the DeviceMesh is built outside fake mode (it holds real rank tensors);
-- gradient clipping runs here, before `engine.step()` with the engine's clipping off: the engine turns the norm
-  into a Python float, which a fake tensor cannot give;
+- gradient clipping (the runtime's own `clip_grad_norm`) runs here, before `engine.step()` with the engine's
+  clipping off: the engine turns the norm into a Python float, which a fake tensor cannot give;
 - the device is `cpu` (FSDP2 creates CUDA streams on a cuda device), so AdamW is set to `foreach`, as it
   defaults on CUDA (it falls back to a per-tensor loop on CPU), and SDPA runs the CPU flash kernel, which
   saves what the CUDA one saves (q, k, v, the output and an fp32 log-sum-exp).
@@ -285,6 +285,7 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..runtime.gradclip import clip_grad_norm
     from ..runtime.layout import resolve_layout
     from ..runtime.models import build_model
     from ..runtime.parallel import fsdp_units, wrap_model
@@ -321,7 +322,7 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
                     tracker.last_micro = i == n_micro - 1
                     engine.micro_step(x, y, last=tracker.last_micro)
                 if recipe.training.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(module.parameters(), recipe.training.grad_clip)
+                    clip_grad_norm(module.parameters(), recipe.training.grad_clip)
                 engine.step()
         peak = tracker.get_tracker_snapshot("peak")
     dev = next(iter(peak.values()), {"Total": 0})

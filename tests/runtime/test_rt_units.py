@@ -533,3 +533,28 @@ def test_the_chunked_cross_entropy_is_torchs_in_value_and_gradient(dtype, rows):
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
     tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(mine.grad.float(), ref.grad.to(dtype).float(), rtol=tol, atol=tol * 1e-2)
+
+
+# ----------------------------------------------------------------------------- gradient clipping
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipping, and a norm already under the limit
+def test_clipping_on_plain_gradients_is_torchs(max_norm):
+    """DDP's gradients (plain tensors): the same norm and the same scaled gradients as clip_grad_norm_, and
+    parameters without a gradient are left alone. (Sharded gradients: tests/runtime/test_rt_layouts.py compares
+    FSDP2 and tensor-parallel runs' clipped norms with one rank's.)"""
+    from launcher.runtime.gradclip import clip_grad_norm
+
+    g = torch.Generator().manual_seed(3)
+    mine = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(7, 5), (5,), (3, 3, 2), (4,)]]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in mine]
+    for a, b in zip(mine[:3], ref[:3], strict=True):
+        a.grad = torch.randn(a.shape, generator=g)
+        b.grad = a.grad.clone()
+    norm = clip_grad_norm(mine, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    torch.testing.assert_close(norm, expected)
+    for a, b in zip(mine, ref, strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert mine[3].grad is None
+    after = float(torch.stack([p.grad.norm() for p in mine[:3]]).norm())
+    assert after == pytest.approx(min(max_norm, float(norm)), rel=1e-5)
