@@ -41,7 +41,7 @@ def vmhwm_mb() -> float:
     return float("nan")
 
 
-def _args() -> argparse.Namespace:
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="train", choices=["train", "save"])
     ap.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp", "zero1", "zero2", "zero3"])
@@ -60,7 +60,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--ds-config", default=None, help="zero*: a DeepSpeed config JSON file instead of the minimal one "
                                                       "(to tell config effects from loop effects)")
     ap.add_argument("--out", required=True)
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def _wrap(model, a):
@@ -80,9 +80,16 @@ def _wrap(model, a):
 
 def main() -> None:
     a = _args()
-
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
+    run(a)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(a: argparse.Namespace) -> None:
+    """The loop itself, in a process group that already exists (bench/overhead_world.py runs it beside
+    `launcher.runtime.Trainer` in one world)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ga = a.global_batch // (a.micro_batch * world)
 
@@ -138,8 +145,6 @@ def main() -> None:
     rec = {"rank": rank, "t_start": t_start, "times": times, "losses": losses, "vmhwm_mb": vmhwm_mb(),
            "tokens_per_step": a.global_batch * a.seq_len}
     (out / f"minimal-{rank}.json").write_text(json.dumps(rec))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _deepspeed(model, opt, sched, a, ga: int):
@@ -234,8 +239,6 @@ def save_baseline(model, opt, a, rank: int, out: Path) -> None:
     dist.all_gather_object(sizes, nbytes)
     (out / f"minimal-{rank}.json").write_text(json.dumps({"rank": rank, "save_seconds": secs, "bytes_total": sum(sizes),
                                                           "vmhwm_mb": vmhwm_mb()}))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Trainer overhead: steady-state tokens/s of `launcher.train` vs the hand-written minimal loop
-(bench/minimal_loops.py) on the same tiny Llama, data, batch and optimizer; 2 ranks, gloo, fp32.
+"""Trainer overhead: steady-state tokens/s of our runtime (`launcher.runtime.Trainer`, which `launcher.train`
+runs) vs the hand-written minimal loop (bench/minimal_loops.py) on the same tiny Llama, data, batch and
+optimizer; 2 ranks, gloo, fp32.
 
-Strategies: DDP, FSDP2 and DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3, each against its own minimal loop. Runs are
-interleaved so that machine load hits both arms: pair i runs every strategy's two arms back to back, ours first
-in even pairs and the minimal loop first in odd ones (a load that drifts over the pair favours neither). Our run has
-preflight off and no interval checkpoint (checkpoint.every huge), and logs at the same frequency as the
+Strategies: DDP, FSDP2 and DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3, each against its own minimal loop. Each strategy
+runs in ONE torchrun world (bench/overhead_world.py) that alternates the two arms: pair i trains
+`launcher.runtime.Trainer` on the plan and then the minimal loop, or the other way round in odd pairs (a load that
+drifts over the pair favours neither). Each arm builds its model, optimizer and engine afresh, as a run does. Our
+run has preflight off and no interval checkpoint (checkpoint.every huge), and logs at the same frequency as the
 minimal loop. Target: ours/minimal >= 0.97 for every strategy; the ratio reported is the worst strategy's.
 
 How a run's speed is read. Both loops record the wall-clock time at the end of every LOG-th step; the
@@ -21,10 +23,15 @@ less often than once per interval in this configuration. The noise band is the 5
 over bootstrap resamplings of the pairs; the plain window average (the old figure) is reported beside it.
 On a quiet machine the two agree.
 
-Why 6 pairs of 40 steps rather than 4 of 60. The machine's speed also drifts when nothing else runs on it (a
-virtual machine's neighbours): one 310-step run of the minimal DDP loop read 1.517-1.579 s per 5 steps in its
-successive 50-step windows, and pairs of the same code read ratios from 0.93 to 1.14. A run's speed is thus
-partly the minutes it ran in; more, shorter runs of each arm sample more of them, for the same total time.
+Why one world per strategy, not one torchrun per run. The machine's speed drifts when nothing else runs on it
+(a virtual machine's neighbours): one 310-step run of the minimal DDP loop read 1.517-1.579 s per 5 steps in its
+successive 50-step windows. Separate processes differ by more than that: with a torchrun per run, pairs of
+runs read ratios from 0.90 to 1.10, and a full run of 6 pairs per strategy put ZeRO-3 at 0.923 (band
+0.907-0.987) and DDP at 0.953. Two arms in one pair of processes
+share the cores the ranks landed on, the memory layout and the libraries' start-up state; what differs between
+them is the loop. In one world, the same ZeRO-3 code read 0.990 (band 0.981-0.997; its 10 pairs 0.967-1.009).
+Without torchrun's and the imports' seconds per run, 10 pairs of 35 steps take ~5.6 min per strategy here,
+about what 6 pairs of separate runs took.
 
 FSDP2 is compared with the loop a user writes from PyTorch's FSDP2 docs: each block and the root sharded,
 gradients reduce-scattered once per step (`set_requires_gradient_sync` on the last micro-step). The runtime
@@ -33,7 +40,7 @@ they stay in the root; its unsharded gradients fit, so they are reduced once per
 or gradients that do not fit, it would shard the tables apart or reduce on every micro-step, costing the
 collectives those choices add.
 
-The runs are cached for bench/peak_memory.py, which reads the same processes' peak RSS.
+A process's peak RSS is its whole life's, so bench/peak_memory.py runs each arm in its own torchrun.
 """
 from __future__ import annotations
 
@@ -49,28 +56,31 @@ TARGET = 0.97
 Q = 0.2  # the quantile of interval durations that reads an arm's unloaded speed
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]  # recipe strategy == minimal_loops --strategy
 CACHE: dict = {}  # quick -> {"runs": {strategy: {"ours": [Run], "minimal": [Run]}}, "config": {...}}
+WORLD = str(Path(__file__).resolve().parent / "overhead_world.py")
 
 
 def _config(quick: bool) -> dict:
     if quick:
         return {"steps": 12, "warmup_skip": 4, "repeat": 1, "strategies": ["ddp"], "log_every": 2}
-    return {"steps": 40, "warmup_skip": 10, "repeat": 6, "strategies": list(STRATEGIES), "log_every": 5}
+    return {"steps": 35, "warmup_skip": 10, "repeat": 10, "strategies": list(STRATEGIES), "log_every": 5}
 
 
 def collect(quick: bool) -> dict:
-    """Run (or reuse) the interleaved ours/minimal runs of every strategy."""
+    """Run (or reuse) each strategy's interleaved ours/minimal pairs, one torchrun world per strategy."""
     if quick in CACHE:
         return CACHE[quick]
     cfg = _config(quick)
     base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    runs = {s: {"ours": [], "minimal": []} for s in cfg["strategies"]}
-    for i in range(cfg["repeat"]):
-        for s in cfg["strategies"]:
-            rec = T.recipe(parallelism={"strategy": s}, training={"steps": cfg["steps"], "log_every": cfg["log_every"]})
-            args = ["--strategy", s, "--steps", str(cfg["steps"]), "--log-every", str(cfg["log_every"])]
-            for arm in ("ours", "minimal") if i % 2 == 0 else ("minimal", "ours"):  # ABBA: drift favours neither
-                run = T.ours(rec, base / f"{s}-ours-{i}") if arm == "ours" else T.minimal(args, base / f"{s}-min-{i}")
-                runs[s][arm].append(run.check())
+    runs = {}
+    for s in cfg["strategies"]:
+        d = base / s
+        rec = T.recipe(parallelism={"strategy": s}, training={"steps": cfg["steps"], "log_every": cfg["log_every"]})
+        spec = {"plan": str(T.write_plan(d, rec)), "pairs": cfg["repeat"], "out": str(d),
+                "minimal_args": ["--strategy", s, "--steps", str(cfg["steps"]), "--log-every", str(cfg["log_every"])]}
+        (d / "spec.json").write_text(json.dumps(spec))
+        T.torchrun([WORLD, str(d / "spec.json")], d, timeout=1800).check()
+        runs[s] = {arm: [T.Run(0, "", "", 0.0, 0.0, d / f"{arm}-{i}") for i in range(cfg["repeat"])]
+                   for arm in ("ours", "minimal")}
     CACHE[quick] = {"runs": runs, "config": cfg, "dir": str(base)}
     return CACHE[quick]
 
