@@ -1,12 +1,14 @@
 """`make bench`: run every benchmark, write bench/results.json, bench/results.md and PNG plots.
 
 `--quick` is the smoke version CI runs so the benchmarks keep working; it never fails for slowness,
-only for a benchmark that crashes.
+only for a benchmark that crashes. `--only NAME... --update` measures those benchmarks again and replaces their
+rows in the existing results (and the README's table), each such row naming the commit it was measured at.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import traceback
 from pathlib import Path
@@ -31,6 +33,10 @@ def markdown(results: dict) -> str:
         rows.append(f"| {name} | {r['ratio']:.3f} | {band} | {r['target']} | {'yes' if r['meets'] else 'no'} |")
     m = results["machine"]
     rows.append(f"\nMeasured on {m['cpus']} CPUs, Python {m['python']}, commit {m['commit']}, {m['date']}.")
+    for name, r in results["benchmarks"].items():
+        again = r.get("measured_again")
+        if again:
+            rows.append(f"{name} measured again at commit {again['commit']}, {again['date']}.")
     return "\n".join(rows) + "\n"
 
 
@@ -39,10 +45,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer repeats, smaller sizes")
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--out", default=str(HERE))
+    ap.add_argument("--update", action="store_true", help="with --only: replace those rows of OUT/results.json")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.update and (args.quick or not args.only):
+        ap.error("--update re-measures the benchmarks named by --only, in full (not --quick)")
     results = {"machine": machine(), "quick": args.quick, "benchmarks": {}}
+    if args.update:
+        previous = json.loads((out / "results.json").read_text())
+        results = {**previous, "benchmarks": dict(previous["benchmarks"])}
     failed = False
     for name in args.only or BENCHMARKS:
         if not (HERE / f"{name}.py").exists():
@@ -57,13 +69,16 @@ def main() -> int:
                 if sync:
                     kwargs["write_s"] = sync
             results["benchmarks"][name] = mod.run(**kwargs)
+            if args.update:
+                m = machine()
+                results["benchmarks"][name]["measured_again"] = {"commit": m["commit"], "date": m["date"]}
         except Exception as e:  # one broken benchmark must not hide the others' figures
             traceback.print_exc()
             results["benchmarks"][name] = {"error": f"{type(e).__name__}: {e}"}
             failed = True
     save(results, out / "results.json")
     (out / "results.md").write_text(markdown(results))
-    if not args.quick and not args.only and out == HERE:
+    if not args.quick and (not args.only or args.update) and out == HERE:
         from readme_table import update  # a full run in place: its table becomes the README's
 
         update(HERE.parent / "README.md", markdown(results))

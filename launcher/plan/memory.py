@@ -36,6 +36,8 @@ Choices where the sources disagree (`UNITS`, `NOT_MODELLED`; the plan states the
 """
 from __future__ import annotations
 
+import functools
+
 import msgspec
 
 from ..catalog import ModelShape
@@ -104,10 +106,15 @@ def activations(shape: ModelShape, arch: str, seq: int, lay: Layout) -> float:
     return timeline(shape, arch, 0.0, seq, lay)["loss backward"]["activations"]
 
 
+@functools.lru_cache(maxsize=16384)
 def breakdown(shape: ModelShape | None, arch: str, n_params: int, seq: int, lay: Layout, gpu_bytes: float,
               is_gpu: bool = True) -> Memory:
     """The whole per-GPU picture for one layout: the largest moment of the step, with context and slack; under
-    pipeline parallelism, of the rank (first or last stage) whose step peaks higher."""
+    pipeline parallelism, of the rank (first or last stage) whose step peaks higher.
+
+    Cached: a pure function of frozen values, and `auto`'s search and a sweep ask for the same layout of the
+    same model again and again (bench/planner_scale.py's 792 plans make 9,970 calls, 2,184 of them distinct).
+    The Memory returned is shared between callers, so nobody changes its dicts."""
     best = None
     for part in pipeline_parts(shape, lay):
         # TP splits the blocks, PP gives each rank its stages' blocks (`parts.rank_params`)
