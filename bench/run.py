@@ -25,7 +25,9 @@ BENCHMARKS = ["trainer_overhead", "peak_memory", "checkpoint_stall", "recovery",
 
 def markdown(results: dict) -> str:
     rows = ["| benchmark | ratio | noise band | target | meets |", "|---|---|---|---|---|"]
-    for name, r in results["benchmarks"].items():
+    order = sorted(results["benchmarks"], key=lambda n: BENCHMARKS.index(n) if n in BENCHMARKS else len(BENCHMARKS))
+    for name in order:  # results.json keeps its keys sorted; the table keeps the order benchmarks run in
+        r = results["benchmarks"][name]
         if "error" in r:
             rows.append(f"| {name} | error | | | no |")
             continue
