@@ -56,6 +56,12 @@ def time_command(cmd: list[str], repeat: int, env: dict | None = None, cwd: Path
     return out
 
 
+def abba(i: int) -> tuple[str, str]:
+    """The order of the two arms in pair i: ours first in even pairs, the minimal loop first in odd ones, so a
+    load that drifts over a pair favours neither."""
+    return ("ours", "minimal") if i % 2 == 0 else ("minimal", "ours")
+
+
 def interleaved(fns: dict[str, Callable[[], float]], repeat: int) -> dict[str, list[float]]:
     """Run the contenders alternately (A B A B ...) so drift in machine load hits both alike."""
     res = {k: [] for k in fns}

@@ -41,7 +41,7 @@ def vmhwm_mb() -> float:
     return float("nan")
 
 
-def _args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="train", choices=["train", "save"])
     ap.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp", "zero1", "zero2", "zero3"])
@@ -79,7 +79,7 @@ def _wrap(model, a):
 
 
 def main() -> None:
-    a = _args()
+    a = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     run(a)

@@ -6,12 +6,10 @@ SPEC.json: {"plan": plan.json of our run, "minimal_args": [bench/minimal_loops.p
 "out": DIR}. Pair i runs `launcher.runtime.Trainer` on the plan (DIR/ours-i/metrics.jsonl) and the minimal
 loop (DIR/minimal-i/minimal-RANK.json), ours first in even pairs and the minimal loop first in odd ones.
 
-Why one world rather than a torchrun per run: separate processes of the same code read speeds up to 7% apart
-on this machine (pair ratios 0.93-1.14), more than the 3% the benchmark must resolve. Within one pair of
-processes the two arms share everything that differs between processes - which core each rank landed on,
-the memory layout, the libraries' start-up state - so what is left between them is the loop. Each arm still
-builds its model, optimizer and engine from scratch, as a run does; what it skips is torchrun and the
-imports, which the steady-state speed never included.
+Why one world rather than a torchrun per run: see bench/trainer_overhead.py (separate processes of the same
+code read up to 10% apart here, more than the 3% the benchmark must resolve). Each arm still builds its model,
+optimizer and engine from scratch, as a run does; what it skips is torchrun and the imports, which the
+steady-state speed never included.
 """
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import minimal_loops  # noqa: E402
+from common import abba  # noqa: E402
 from launcher import planfile  # noqa: E402
 from launcher.runtime import Trainer, init_distributed  # noqa: E402
 from launcher.runtime.dist import shutdown  # noqa: E402
@@ -39,7 +38,7 @@ def main() -> int:
 
     out = Path(spec["out"])
     for i in range(spec["pairs"]):
-        for arm in ("ours", "minimal") if i % 2 == 0 else ("minimal", "ours"):  # ABBA: drift favours neither
+        for arm in abba(i):
             run_dir = out / f"{arm}-{i}"
             run_dir.mkdir(parents=True, exist_ok=True)
             gc.collect()  # the previous arm's model and engine go now, not during this arm's steps
@@ -50,7 +49,7 @@ def main() -> int:
                     print(f"overhead_world: our run {run_dir} ended with exit code {code}", file=sys.stderr, flush=True)
                     os._exit(code)
             else:
-                minimal_loops.run(minimal_loops._args([*spec["minimal_args"], "--out", str(run_dir)]))
+                minimal_loops.run(minimal_loops.parse_args([*spec["minimal_args"], "--out", str(run_dir)]))
     shutdown()
     return 0
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from trainer_overhead import STRATEGIES
 
 import _torchrun as T
-from common import result, stats
+from common import abba, result, stats
 
 TARGET = 1.05
 
@@ -28,7 +28,7 @@ def collect(quick: bool) -> dict:
         for s in strategies:
             rec = T.recipe(parallelism={"strategy": s}, training={"steps": steps, "log_every": 5})
             args = ["--strategy", s, "--steps", str(steps), "--log-every", "5"]
-            for arm in ("ours", "minimal") if i % 2 == 0 else ("minimal", "ours"):
+            for arm in abba(i):
                 run = T.ours(rec, base / f"{s}-ours-{i}") if arm == "ours" else T.minimal(args, base / f"{s}-min-{i}")
                 runs[s][arm].append(run.check())
     return {"runs": runs}

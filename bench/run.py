@@ -35,8 +35,8 @@ def markdown(results: dict) -> str:
         rows.append(f"| {name} | {r['ratio']:.3f} | {band} | {r['target']} | {'yes' if r['meets'] else 'no'} |")
     m = results["machine"]
     rows.append(f"\nMeasured on {m['cpus']} CPUs, Python {m['python']}, commit {m['commit']}, {m['date']}.")
-    for name, r in results["benchmarks"].items():
-        again = r.get("measured_again")
+    for name in order:
+        again = results["benchmarks"][name].get("measured_again")
         if again:
             rows.append(f"{name} measured again at commit {again['commit']}, {again['date']}.")
     return "\n".join(rows) + "\n"
@@ -53,10 +53,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.update and (args.quick or not args.only):
         ap.error("--update re-measures the benchmarks named by --only, in full (not --quick)")
-    results = {"machine": machine(), "quick": args.quick, "benchmarks": {}}
     if args.update:
-        previous = json.loads((out / "results.json").read_text())
-        results = {**previous, "benchmarks": dict(previous["benchmarks"])}
+        results = json.loads((out / "results.json").read_text())
+    else:
+        results = {"machine": machine(), "quick": args.quick, "benchmarks": {}}
     failed = False
     for name in args.only or BENCHMARKS:
         if not (HERE / f"{name}.py").exists():

@@ -27,9 +27,8 @@ Why one world per strategy, not one torchrun per run. The machine's speed drifts
 (a virtual machine's neighbours): one 310-step run of the minimal DDP loop read 1.517-1.579 s per 5 steps in its
 successive 50-step windows. Separate processes differ by more than that: with a torchrun per run, pairs of
 runs read ratios from 0.90 to 1.10, and a full run of 6 pairs per strategy put ZeRO-3 at 0.923 (band
-0.907-0.987) and DDP at 0.953. Two arms in one pair of processes
-share the cores the ranks landed on, the memory layout and the libraries' start-up state; what differs between
-them is the loop. In one world, the same ZeRO-3 code read 0.990 (band 0.981-0.997; its 10 pairs 0.967-1.009).
+0.907-0.987) and DDP at 0.953. Two arms in one pair of processes share the cores the ranks landed on, the
+memory layout and the libraries' start-up state; what differs between them is the loop. In one world, the same ZeRO-3 code read 0.990 (band 0.981-0.997; its 10 pairs 0.967-1.009).
 Without torchrun's and the imports' seconds per run, 10 pairs of 35 steps take ~5.6 min per strategy here,
 about what 6 pairs of separate runs took.
 
