@@ -44,3 +44,27 @@ def pytest_collection_modifyitems(config, items):
         else:
             group = path
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+
+UNGROUPED = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session):
+    """Notice when xdist's loadgroup did not group (it did not with pytest 9.2, which stopped reading the
+    `_nodeid` xdist rewrites): the SLURM tests would then run on two workers, each starting a cluster on the
+    same ports and stopping the other's, and fail in confusing ways minutes later."""
+    if not getattr(session.config.option, "loadgroup", False):  # only set in an xdist worker under loadgroup
+        return
+    ungrouped = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if ungrouped:
+        session.config.stash[UNGROUPED] = (
+            f"pytest-xdist's --dist loadgroup did not group {len(ungrouped)} tests: this pytest and pytest-xdist do "
+            "not work together. Use the versions in constraints.txt (make install), or run without -n.")
+
+
+def pytest_runtest_setup(item):
+    """Each test fails at once, with the reason, rather than minutes later with a confusing one."""
+    msg = item.config.stash.get(UNGROUPED, None)
+    if msg:
+        pytest.fail(msg, pytrace=False)

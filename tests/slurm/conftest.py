@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -75,8 +74,8 @@ def partition(slurm) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def _shared_root():
-    """The stand-in for a shared filesystem (slurmkit.SHARED_ROOT) is emptied at the end of the session."""
-    from slurmkit import SHARED_ROOT
+    """The stand-in for a shared filesystem (slurmkit.SHARED_ROOT): this worker's directories go at its end."""
+    from slurmkit import clean_shared_root
 
     yield
-    shutil.rmtree(SHARED_ROOT, ignore_errors=True)
+    clean_shared_root()

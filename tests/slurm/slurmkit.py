@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from launcher.plan import make_plan
@@ -70,14 +72,15 @@ def sacct_rows(job_id: str, fields: str = "JobID,State,ExitCode", timeout: float
     return wait_for(rows, timeout, f"sacct to record the end of job {job_id}", interval=0.5)
 
 
-def wait_for(pred, timeout: float, what: str, interval: float = 0.3):
+def wait_for(pred, timeout: float, what: str, interval: float = 0.3, explain=None):
+    """Poll pred until it is truthy; on a timeout, explain() (if given) says what the job was doing."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         v = pred()
         if v:
             return v
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"\n{explain()}" if explain else ""))
 
 
 # ----------------------------------------------------------------------------- a submitted job and its records
@@ -180,10 +183,41 @@ def release_after_requeue(job: str, requeued_at: float) -> None:
 # A cluster's shared filesystem (NFS, Lustre) for absolute checkpoint directories. Not under /tmp: on a real
 # cluster /tmp is each node's own disk, and validate rightly refuses it for a multi-node job's checkpoints.
 SHARED_ROOT = Path(os.environ.get("DTLAUNCH_TEST_SHARED_ROOT", "/srv/dtlaunch-tests"))
+# Unlike tmp_path, this root outlives the session: a session that was killed leaves its directories behind, and
+# SLURM numbers jobs from 1 again on a fresh cluster, so a directory named only after the test (and the job id)
+# would hold an earlier session's checkpoints and the job would resume from them. Each session gets its own
+# subdirectory: xdist gives all of a run's workers one PYTEST_XDIST_TESTRUNUID; without xdist, a fresh uuid.
+SESSION = os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex
+STALE_AFTER_S = 24 * 3600
+_created: set[Path] = set()
 
 
 def shared_dir(tmp: Path) -> Path:
-    """The test's directory on the 'shared filesystem', named after its tmp_path (so it is unique)."""
-    d = SHARED_ROOT / tmp.name
+    """The test's directory on the 'shared filesystem': this session's, named after its tmp_path, which is unique
+    within one worker's base directory (two workers can both have a 'test_x0')."""
+    d = SHARED_ROOT / SESSION / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{tmp.name}"
     d.mkdir(parents=True, exist_ok=True)
+    _created.add(d)
     return d
+
+
+def clean_shared_root() -> None:
+    """At a worker's end: its own test directories, and whatever killed sessions left over a day ago.
+
+    Not the whole session directory: the other xdist workers of this session may still be using theirs."""
+    for d in _created:
+        shutil.rmtree(d, ignore_errors=True)
+    _created.clear()
+    if SHARED_ROOT.is_dir():
+        for s in SHARED_ROOT.iterdir():
+            try:
+                stale = time.time() - s.stat().st_mtime > STALE_AFTER_S
+            except FileNotFoundError:
+                continue
+            if stale:
+                shutil.rmtree(s, ignore_errors=True)
+            elif s.name == SESSION:
+                try:
+                    s.rmdir()  # only if empty: another worker may just have made its first directory in it
+                except OSError:
+                    pass

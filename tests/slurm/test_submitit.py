@@ -71,6 +71,10 @@ class Run:
         p = self.job.paths.stdout
         return p.read_text(errors="replace") if p.exists() else "(no log)"
 
+    def state(self) -> str:
+        """For a timeout's message: the queue's view of the job and the tail of its log."""
+        return f"squeue: {squeue_state(self.id)!r}\nlog tail:\n{self.log()[-3000:]}"
+
     def sacct(self) -> list[list[str]]:
         """Once accounting has recorded the end (sacct_rows)."""
         return sacct_rows(self.id)
@@ -274,9 +278,9 @@ def test_usr2_checkpoints_requeues_through_submitit_and_resumes(tmp_path, partit
     t0 = time.time()
     job = launcher.submit(TINY, target_dir=tmp_path / "out", overrides=cluster_overrides(partition, tmp_path))
     r = Run(job, tmp_path / "out")
-    wait_for(lambda: r.max_step() >= 3, 180, "step 3")
+    wait_for(lambda: r.max_step() >= 3, 180, "step 3", explain=r.state)
     sh("scancel", "--batch", "--signal=USR2", r.id)
-    wait_for(lambda: r.ledger("requeues"), 90, "submitit to requeue the job")
+    wait_for(lambda: r.ledger("requeues"), 90, "submitit to requeue the job", explain=r.state)
     requeued_at = time.time()
     assert r.ledger("exit_codes") == ["0 42 USR2"], r.log()
     pre, = r.events("preempt")
@@ -305,7 +309,7 @@ def test_cancel_of_a_running_job_ends_it_for_good(tmp_path, partition, login_she
     job = launcher.submit(TINY, target_dir=tmp_path / "out",
                           overrides=cluster_overrides(partition, tmp_path, "training.steps=2000"))
     r = Run(job, tmp_path / "out")
-    wait_for(lambda: r.max_step() >= 3, 180, "step 3")
+    wait_for(lambda: r.max_step() >= 3, 180, "step 3", explain=r.state)
     t_cancel = time.time()
     job.cancel()
     with pytest.raises(submitit.core.utils.UncompletedJobError):
