@@ -131,6 +131,22 @@ def test_every_mistake_is_listed_not_only_the_first():
 
 
 
+def test_every_bad_item_of_a_list_is_listed_at_its_own_index_and_line():
+    """A bad item is taken out alone (not its whole list), so the list's later bad items are reported too,
+    at their indices and lines in the file, not the shrunk copy's; a fixed-length list's own length rule,
+    broken only by that taking out, is not reported."""
+    text = (GOOD.replace("  steps: 10", "  steps: 10\n  betas: [0.9, x]") + "secrets: [A=b, 3, C=d]\n"
+            "targets:\n  slurm:\n    setup:\n      - ok\n      - 1\n      - fine\n      - {a: 2}\n      - [x]\n")
+    ps = problems(text)
+    got = {p.field: p for p in ps}
+    assert set(got) == {"training.betas.1", "targets.slurm.setup.1", "targets.slurm.setup.3",
+                        "targets.slurm.setup.4", "secrets.1"}, [p.render() for p in ps]
+    line_of = {t: n for n, t in enumerate(text.splitlines(), 1)}
+    for index, item, kind in [(1, "1", "whole number"), (3, "{a: 2}", "mapping"), (4, "[x]", "a list")]:
+        p = got[f"targets.slurm.setup.{index}"]
+        assert kind in p.message and p.line == line_of[f"      - {item}"], p.render()
+
+
 def test_past_the_listed_mistakes_the_rest_are_counted():
     from launcher.recipe.loading import MAX_PROBLEMS
 
@@ -139,6 +155,20 @@ def test_past_the_listed_mistakes_the_rest_are_counted():
         load_text(GOOD.replace("  steps: 10\n", "  steps: 10\n" + extra), "r.yaml")
     assert len(e.value.problems) == MAX_PROBLEMS and e.value.more == 5
     assert {p.field for p in e.value.problems} <= {f"training.unknown_{i}" for i in range(MAX_PROBLEMS + 5)}
+
+
+def test_validate_says_how_many_problems_it_did_not_list(tmp_path, run_cli):
+    import json
+
+    from launcher.recipe.loading import MAX_PROBLEMS
+
+    f = tmp_path / "r.yaml"
+    f.write_text(GOOD + "targets: {slurm: {setup: [" + ", ".join(["1"] * (MAX_PROBLEMS + 7)) + "]}}\n")
+    code, out, _ = run_cli("validate", f)
+    assert code == 1 and out.count("targets.slurm.setup.") == MAX_PROBLEMS and "... and 7 more problem(s)" in out
+    code, out, _ = run_cli("validate", f, "--format", "json")
+    [res] = json.loads(out)
+    assert code == 1 and len(res["findings"]) == MAX_PROBLEMS and res["more"] == 7
 
 
 def test_a_line_break_in_an_sbatch_value_is_named_as_such():

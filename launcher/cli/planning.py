@@ -165,7 +165,7 @@ def validate_cmd(recipe_paths, overrides, fmt, target):
             failed = True
             results.append({"file": path, "ok": False, "findings": [
                 {"rule": "recipe", "severity": "error", "field": pr.field, "message": pr.message, "fix": pr.fix,
-                 "file": pr.file, "line": pr.line} for pr in e.problems]})
+                 "file": pr.file, "line": pr.line} for pr in e.problems], "more": e.more})
             continue
         findings = run_rules(recipe, p, target)
         failed |= has_errors(findings)
@@ -181,6 +181,8 @@ def validate_cmd(recipe_paths, overrides, fmt, target):
                 click.echo(f"{res['file']}: ok")
             for f in res["findings"]:
                 print_finding(SimpleNamespace(**f), res["file"])
+            if res.get("more"):
+                click.echo(f"{res['file']}: ... and {res['more']} more problem(s) not listed")
     sys.exit(1 if failed else 0)
 
 

@@ -241,58 +241,97 @@ def _unshared(v: Any, depth: int = 0) -> Any:
     return v
 
 
-def _take_out(work: Any, path: Path_, removed: set[Path_]) -> bool:
-    """Delete the value at `path` (its field falls back to its default); False if there is none to delete."""
+def _take_out(work: Any, path: Path_, removed: set[Path_], original: Path_) -> bool:
+    """Delete the value at `path` (its field falls back to its default); False if there is none to delete.
+    `removed` records it at its `original` place (the document's, before any list item was taken out)."""
     parent = _value_at(work, path[:-1]) if path else _MISSING
     if not path or not isinstance(parent, dict) or path[-1] not in parent:
         return False
     del parent[path[-1]]
-    removed.add(path)
+    removed.add(original)
     return True
+
+
+def _original(path: Path_, kept: dict[Path_, list[int]]) -> Path_:
+    """A path in the working copy as a path in the document: a list some items were taken out of has its
+    remaining items' original indices in `kept` (keyed by the list's own original path)."""
+    out: Path_ = ()
+    for part in path:
+        if isinstance(part, int) and out in kept and part < len(kept[out]):
+            part = kept[out][part]
+        out = (*out, part)
+    return out
+
+
+def _take_out_item(work: Any, path: Path_, kept: dict[Path_, list[int]]) -> bool:
+    """Take one bad item out of its list, so that the list's other items are still checked; False when it is
+    the last item (an empty list may break the list's own rules: the list goes instead)."""
+    items = _value_at(work, path[:-1])
+    i = path[-1]
+    if not isinstance(items, list) or not 0 <= i < len(items) or len(items) < 2:
+        return False
+    where = _original(path[:-1], kept)
+    del items[i]
+    del kept.setdefault(where, list(range(len(items) + 1)))[i]
+    return True
+
+
+def _take_out_mistake(work: Any, wpath: Path_, kept: dict[Path_, list[int]], removed: set[Path_],
+                      alone: bool) -> bool:
+    """Take out a refused value: a list item alone if it can go alone, else its field (the whole list)."""
+    if alone and wpath and isinstance(wpath[-1], int) and _take_out_item(work, wpath, kept):
+        return True
+    cut = wpath
+    while cut and not isinstance(cut[-1], str):
+        cut = cut[:-1]
+    return _take_out(work, cut, removed, _original(cut, kept))
 
 
 def collect(data: Any, first: msgspec.ValidationError, source: str, lines: dict[Path_, int],
               overrides: list[tuple[Path_, str]]) -> tuple[list[Problem], int]:
-    """Every mistake in the document: report one, take its value out of a copy, convert again."""
+    """Every mistake in the document: report one, take its value out of a copy, convert again. A bad list
+    item goes alone, so the next bad item of the same list is reported too; paths in the copy are mapped
+    back to the document's (its lines, its indices) before they are reported."""
     work = _unshared(data)
     out: list[Problem] = []
     seen: set[Path_] = set()
-    removed: set[Path_] = set()
-    standins: set[Path_] = set()  # required sections the search took out and put back empty
+    removed: set[Path_] = set()  # original paths
+    standins: set[Path_] = set()  # required sections the search took out and put back empty (original paths)
+    kept: dict[Path_, list[int]] = {}
     err = first
     for _ in range(MAX_ROUNDS):
-        path, msg, fix, kind = _message(err, work)
+        wpath, msg, fix, kind = _message(err, work)
+        path = _original(wpath, kept)
         if any(path[:len(s)] == s for s in standins):
             break  # an empty stand-in is not valid either: nothing more can be learned
         if kind == "missing":
-            parent = _value_at(work, path[:-1])
+            parent = _value_at(work, wpath[:-1])
             if path in removed and isinstance(parent, dict):
                 # The search took out a required section after a check across its fields failed; an empty
                 # one (its defaults) lets it go on to the other sections.
-                parent[path[-1]] = {}
+                parent[wpath[-1]] = {}
                 standins.add(path)
             else:
                 # Every required field of that section that is missing; then the section goes, unless it is
                 # the recipe itself: nothing can stand in for what the recipe lacks.
-                for key in _missing_keys(work, path[:-1]) or [path[-1]]:
+                for key in _missing_keys(work, wpath[:-1]) or [path[-1]]:
                     where = path[:-1] + (key,)
                     if where not in removed and where not in seen:
                         seen.add(where)
                         out.append(_problem(where, msg, f"add `{key}:`", source, lines, overrides))
-                if not _take_out(work, path[:-1], removed):
+                if not _take_out(work, wpath[:-1], removed, path[:-1]):
                     break
         else:
             # A section's check that names a field taken out of it failed because of that: nothing new.
             consequence = kind == "section" and any(
                 r[:len(path)] == path and len(r) == len(path) + 1 and re.search(rf"\b{re.escape(str(r[-1]))}\b", msg)
                 for r in removed)
+            # So did a list's own rule (its length) once items were taken out of it.
+            consequence = consequence or path in kept
             if path not in seen and not consequence:
                 seen.add(path)
                 out.append(_problem(path, msg, fix, source, lines, overrides))
-            cut = path
-            while cut and not isinstance(cut[-1], str):
-                cut = cut[:-1]  # a list item: the whole list goes
-            if not _take_out(work, cut, removed):
+            if not _take_out_mistake(work, wpath, kept, removed, alone=not consequence):
                 break
         try:
             parse(work)
