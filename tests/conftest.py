@@ -46,7 +46,6 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
-
 UNGROUPED = pytest.StashKey[str]()
 
 
