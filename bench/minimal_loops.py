@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec.structs
@@ -88,8 +89,15 @@ def main() -> None:
 
 
 def run(a: argparse.Namespace) -> None:
-    """The loop itself, in a process group that already exists (bench/overhead_world.py runs it beside
-    `launcher.runtime.Trainer` in one world)."""
+    """The loop itself, in a process group that already exists."""
+    for _ in steps(a):
+        pass
+
+
+def steps(a: argparse.Namespace) -> Iterator[int]:
+    """The loop one step at a time: yields each completed step; DIR/minimal-RANK.json is written after the
+    last (bench/overhead_world.py alternates a few of these steps with a few of `launcher.runtime.Trainer`'s
+    in one world)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ga = a.global_batch // (a.micro_batch * world)
 
@@ -126,7 +134,8 @@ def run(a: argparse.Namespace) -> None:
 
     out = Path(a.out)
     if a.mode == "save":
-        return save_baseline(model, opt, a, rank, out)
+        save_baseline(model, opt, a, rank, out)
+        return
 
     data = batches()
     times, losses = {}, {}
@@ -142,6 +151,7 @@ def run(a: argparse.Namespace) -> None:
             if rank == 0:
                 print(f"step {step} loss {losses[step]:.4f}", flush=True)
         times[step] = time.time()
+        yield step
     rec = {"rank": rank, "t_start": t_start, "times": times, "losses": losses, "vmhwm_mb": vmhwm_mb(),
            "tokens_per_step": a.global_batch * a.seq_len}
     (out / f"minimal-{rank}.json").write_text(json.dumps(rec))

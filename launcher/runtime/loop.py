@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -276,6 +277,23 @@ class Trainer:
         raise Preempted(f"preempted at step {self.step}; checkpoint written, resubmit to resume", step=self.step)
 
     def run(self) -> int:
+        """Train to the plan's last step (or until preempted, which raises); ExitCode.OK at the end."""
+        for _ in self.steps():
+            pass
+        return ExitCode.OK
+
+    def steps(self) -> Iterator[int]:
+        """The run, one optimizer step at a time: set up and resume on the first `next()`, then yield each
+        completed step number; the final checkpoint, export and clean-up follow the last one.
+
+        Why a generator: a caller can put its own work between our steps in the same process group, with
+        everything the loop does per step (agreement collective, logging, polls) still inside each step.
+        The trainer-overhead benchmark uses this to alternate a few of our steps with a few of a
+        hand-written loop's, so both see the same machine at nearly the same time. Every rank must drive
+        it in step with the others (each step ends in a collective), and drive it to the end or `close()`
+        it: the clean-up (signal handlers restored, metrics closed) runs then. While it is suspended, the
+        run's process settings stay in force for the caller too (automatic garbage collection off: StepGC).
+        """
         self._setup()
         self._resume()
         tr = self.recipe.training
@@ -311,6 +329,7 @@ class Trainer:
                         last_saved = self.step
                     collector.step(self.step)
                     self.watchdog.beat(self.step)
+                    yield self.step
             self.watchdog.pause()
             if last_saved != self.step and self.nonfinite.count == 0:
                 self._save(blocking=True, reason="final")
@@ -325,4 +344,3 @@ class Trainer:
             flag.uninstall()
             self.watchdog.pause()
             self.metrics.close()
-        return ExitCode.OK
