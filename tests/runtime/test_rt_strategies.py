@@ -59,6 +59,8 @@ def _case_recipe(name: str) -> dict:
     if kind == "every-micro":  # the main case, but reduce-scattering on each of its 2 micro-steps
         return deep_merge(_case_recipe(f"main:{strategy}:{precision}:{ac}:{offload}"),
                           {"parallelism": {"grad_reduce": "every_micro_batch"}})
+    if kind in STEPWISE:  # the main case, driven through Trainer.steps()
+        return _case_recipe(f"main:{strategy}:{precision}:{ac}:{offload}")
     if kind == "fp16":
         return recipe_dict(model={"preset": "micro", "seq_len": 64},
                            parallelism={"strategy": strategy, "precision": "fp16", "loss_scaling": "dynamic"},
@@ -68,8 +70,9 @@ def _case_recipe(name: str) -> dict:
                        training={"steps": STEPS}, checkpoint={"every": 10})
 
 
+STEPWISE = {"stepwise": {}, "stepwise-closed": {"close_after": 3}}  # kind -> how multi_train drives steps()
 NAMES = ([f"main:{s}:{p}:{a}:{o}" for s, p, a, o in CASES] + [f"fp16:{s}:fp16:none:none" for s in FP16]
-         + ["every-micro:fsdp:fp32:none:none"])
+         + ["every-micro:fsdp:fp32:none:none"] + [f"{k}:ddp:fp32:none:none" for k in STEPWISE])
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +83,8 @@ def matrix(tmp_path_factory):
     for i, name in enumerate(NAMES):
         d = root / f"case{i:02d}"
         cases.append({"plan": str(write_plan(d, _case_recipe(name))), "run_dir": str(d)})
+        if name.split(":")[0] in STEPWISE:
+            cases[-1]["stepwise"] = STEPWISE[name.split(":")[0]]
         dirs[name] = d
     (root / "cases.json").write_text(json.dumps(cases))
     port = free_port()
@@ -144,7 +149,8 @@ def test_no_step_leaves_tensors_in_reference_cycles(matrix):
     for name in NAMES:
         _, res, _ = _result(matrix, name)
         gc_found = res["gc"]
-        assert gc_found["collections"] >= FP16_STEPS, (name, gc_found)
+        steps = STEPWISE.get(name.split(":")[0], {}).get("close_after", FP16_STEPS)  # the fewest a case runs
+        assert gc_found["collections"] >= steps, (name, gc_found)
         assert gc_found["tensors"] == 0, f"{name}: {gc_found['tensors']} tensors ({gc_found['tensor_bytes']} bytes) " \
                                          "were held only by reference cycles"
         seen += gc_found["objects"]
@@ -188,3 +194,24 @@ def test_fsdp_reducing_once_per_step_trains_as_reducing_every_micro_step(matrix)
     assert len(a) == len(b) == STEPS
     assert a == pytest.approx(b, rel=1e-4)
     assert a[-1] < a[0] - 1.5
+
+
+@pytest.mark.slow
+def test_a_run_driven_step_by_step_trains_as_run_does(matrix):
+    """`Trainer.steps()` with foreign collectives between its steps (how the overhead benchmark interleaves a
+    hand-written loop) yields each step once, follows run()'s loss curve and checkpoints, and restores the
+    signal handlers at its end; closed after 3 steps, it stops there, saves nothing and still restores them."""
+    d_run, res_run, by_run = _result(matrix, "main:ddp:fp32:none:none")
+    d, res, stepped = _result(matrix, "stepwise:ddp:fp32:none:none")
+    assert res["stepwise"]["yielded"] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in stepped] == pytest.approx([r["loss"] for r in by_run], rel=1e-6)
+    assert ckptdir.complete_steps(d / "checkpoints") == [10, 20]
+    assert (d / "model.safetensors").exists()
+    assert res["stepwise"]["handlers_restored"] and res_run["stepwise"]["handlers_restored"]
+
+    d, res, closed = _result(matrix, "stepwise-closed:ddp:fp32:none:none")
+    assert res["stepwise"]["yielded"] == [1, 2, 3]
+    assert [r["step"] for r in closed] == [1, 2, 3]
+    assert ckptdir.complete_steps(d / "checkpoints") == []
+    assert not (d / "model.safetensors").exists()
+    assert res["stepwise"]["handlers_restored"]
