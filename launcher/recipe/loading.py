@@ -62,6 +62,7 @@ def _fail(source: str, message: str, line: int | None = None, fix: str | None = 
 
 def _check_depth(text: str, source: str) -> None:
     """Scan the tokens (libyaml's scanner is iterative) and stop at the first level past MAX_DEPTH."""
+    fix = "a recipe is a few sections of key: value lines; flatten it"
     loader = _Loader(text)
     try:
         depth = 0
@@ -71,10 +72,17 @@ def _check_depth(text: str, source: str) -> None:
             if name in _OPEN:
                 depth += 1
                 if depth > MAX_DEPTH:
-                    _fail(source, f"the YAML is nested more than {MAX_DEPTH} levels deep",
-                          tok.start_mark.line + 1, "a recipe is a few sections of key: value lines; flatten it")
+                    _fail(source, f"the YAML is nested more than {MAX_DEPTH} levels deep", tok.start_mark.line + 1, fix)
             elif name in _CLOSE:
                 depth -= 1
+    except yaml.YAMLError as e:
+        # libyaml >= the one in PyYAML 6.0.4 stops at 1,000 levels itself, while scanning ahead of the token
+        # we asked for (so before the count above reaches MAX_DEPTH): the same mistake, not a syntax error,
+        # or `--set` would take the text for a plain string.
+        if "nesting depth" not in str(getattr(e, "problem", "")):
+            raise
+        mark = getattr(e, "problem_mark", None)
+        _fail(source, f"the YAML is nested more than {MAX_DEPTH} levels deep", mark.line + 1 if mark else None, fix)
     finally:
         loader.dispose()
 
