@@ -75,16 +75,23 @@ def t_slurm_batch_sh(c, w):
     w(str(f_q(need(c, 'outside_hint', '_slurm_batch.sh.j2'))))
     w("\n\n# ---- identity. The run (checkpoints, metrics) is named by DTLAUNCH_RUN_ID, which outlives this job:\n# export DTLAUNCH_RUN_ID=<an earlier run's id> before sbatch to resume that run. This allocation's own\n# ledgers (attempts, requeues, exit codes) and logs live under jobs/$SLURM_JOB_ID; a requeue keeps the id.\nDEFAULT_RUN_ID=")
     w(str(f_q(need(c, 'default_run_id', '_slurm_batch.sh.j2'))))
-    w('\nexport DTLAUNCH_RUN_ID="${DTLAUNCH_RUN_ID:-$DEFAULT_RUN_ID}"\n')
+    w('\n')
+    if need(c, 'run_named_by_job', '_slurm_batch.sh.j2'):
+        w('RUN_NAMED_BY_JOB="${DTLAUNCH_RUN_ID:+no}"  # the run\'s name is the job id unless DTLAUNCH_RUN_ID names it\n')
+    else:
+        w("RUN_NAMED_BY_JOB=no  # the recipe's run_id names the run\n")
+    w('export DTLAUNCH_RUN_ID="${DTLAUNCH_RUN_ID:-$DEFAULT_RUN_ID}"\n')
     if need(c, 'array', '_slurm_batch.sh.j2'):
         w('export DTLAUNCH_RUN_ID="${DTLAUNCH_RUN_ID}_${SLURM_ARRAY_TASK_ID}"  # one run per array task\n')
-    w('case "$DTLAUNCH_RUN_ID" in\n  \'\'|*[!A-Za-z0-9._-]*) fail ')
+    w('ATTEMPT="${SLURM_RESTART_COUNT:-0}"\nID_DIR="$SUBMIT_DIR/jobs/$SLURM_JOB_ID"  # JOB_DIR once it is known to be this job\'s (fail() marks JOB_DIR failed)\n# ---- a job id seen before. SLURM numbers jobs from FirstJobId again once its saved state is lost (and wraps at\n# MaxJobId), so a new job\'s first attempt can find an earlier job\'s ledgers under jobs/$SLURM_JOB_ID and, when\n# the run is named after the job id, that job\'s run and checkpoints: it would stop at once as "already finished",\n# or resume (and prune) another run\'s checkpoints. A requeue of this same job has SLURM_RESTART_COUNT >= 1, and\n# only this script writes the attempts ledger. The earlier job\'s files are kept, moved aside; a run named after\n# the job id gets a name of its own, which jobs/$SLURM_JOB_ID/run_id keeps for this job\'s requeues.\nif [ "$ATTEMPT" = 0 ] && [ -e "$ID_DIR/attempts" ]; then\n  STAMP="$(date +%s)"\n  mv "$ID_DIR" "$ID_DIR.earlier-$STAMP" \\\n    || fail ')
     w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'CONFIG')))
-    w(' "DTLAUNCH_RUN_ID=$DTLAUNCH_RUN_ID: use letters, digits, \'.\', \'_\' and \'-\' only" ;;\nesac\nexport DTLAUNCH_RUN_DIR="$SUBMIT_DIR/runs/$DTLAUNCH_RUN_ID"\nexport DTLAUNCH_PLAN=')
+    w(' "job id $SLURM_JOB_ID was used before in $SUBMIT_DIR and its jobs/$SLURM_JOB_ID cannot be" \\\n            "moved aside; move it yourself and submit again"\n  echo "dtlaunch: job id $SLURM_JOB_ID was used before in $SUBMIT_DIR (the cluster\'s job ids restarted):" \\\n       "that job\'s ledgers and logs are now in jobs/$SLURM_JOB_ID.earlier-$STAMP" >&2\n  if [ "$RUN_NAMED_BY_JOB" != no ]; then\n    DTLAUNCH_RUN_ID="$DTLAUNCH_RUN_ID-$STAMP"\n    echo "dtlaunch: this job\'s run is $DTLAUNCH_RUN_ID, so that runs/$SLURM_JOB_ID and its checkpoints stay as they were" >&2\n  fi\nelif [ "$ATTEMPT" != 0 ] && [ -s "$ID_DIR/run_id" ]; then\n  DTLAUNCH_RUN_ID="$(cat "$ID_DIR/run_id")"  # the run this job\'s first attempt trained\nfi\ncase "$DTLAUNCH_RUN_ID" in\n  \'\'|*[!A-Za-z0-9._-]*) fail ')
+    w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'CONFIG')))
+    w(' "DTLAUNCH_RUN_ID=$DTLAUNCH_RUN_ID: use letters, digits, \'.\', \'_\' and \'-\' only" ;;\nesac\nexport DTLAUNCH_RUN_ID\nexport DTLAUNCH_RUN_DIR="$SUBMIT_DIR/runs/$DTLAUNCH_RUN_ID"\nexport DTLAUNCH_PLAN=')
     w(str(f_q(need(c, 'plan_file', '_slurm_batch.sh.j2'))))
-    w('\nJOB_DIR="$SUBMIT_DIR/jobs/$SLURM_JOB_ID"\nATTEMPT="${SLURM_RESTART_COUNT:-0}"\nexport DTLAUNCH_ATTEMPT="$SLURM_JOB_ID.$ATTEMPT"\nexport DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"\nmkdir -p "$JOB_DIR/logs" "$DTLAUNCH_STATUS" || fail ')
+    w('\nJOB_DIR="$ID_DIR"\nexport DTLAUNCH_ATTEMPT="$SLURM_JOB_ID.$ATTEMPT"\nexport DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"\nmkdir -p "$JOB_DIR/logs" "$DTLAUNCH_STATUS" || fail ')
     w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'FAILED')))
-    w(' "cannot create $JOB_DIR and $DTLAUNCH_STATUS"\nif [ -e "$JOB_DIR/finished" ]; then\n  echo "dtlaunch: job $SLURM_JOB_ID already finished; nothing to do (requeued after completion)"\n  exit 0\nfi\necho "$ATTEMPT $(date +%s) $(hostname) $SLURM_JOB_NODELIST" >> "$JOB_DIR/attempts"\necho STARTING > "$JOB_DIR/state"\ncount() { if [ -f "$1" ]; then wc -l < "$1"; else echo 0; fi; }\n\n# ---- environment: loud failures, the network profile, the recipe\'s env\n')
+    w(' "cannot create $JOB_DIR and $DTLAUNCH_STATUS"\n[ "$ATTEMPT" != 0 ] || echo "$DTLAUNCH_RUN_ID" > "$JOB_DIR/run_id"\nif [ -e "$JOB_DIR/finished" ]; then\n  echo "dtlaunch: job $SLURM_JOB_ID already finished; nothing to do (requeued after completion)"\n  exit 0\nfi\necho "$ATTEMPT $(date +%s) $(hostname) $SLURM_JOB_NODELIST" >> "$JOB_DIR/attempts"\necho STARTING > "$JOB_DIR/state"\ncount() { if [ -f "$1" ]; then wc -l < "$1"; else echo 0; fi; }\n\n# ---- environment: loud failures, the network profile, the recipe\'s env\n')
     for l1_name, l2_value in attr(need(c, 'env', '_slurm_batch.sh.j2'), 'items')():
         w('export ')
         w(str(f_envname(l1_name)))

@@ -104,13 +104,14 @@ def overrides(partition: str) -> list[str]:
 class Job:
     """One submitted job: its id, submit dir and run dir, and readers for what it left there."""
 
-    def __init__(self, out: Path, fault: str | None = None, run_id: str | None = None, env: dict | None = None):
+    def __init__(self, out: Path, fault: str | None = None, run_id: str | None = None, env: dict | None = None,
+                 sbatch_args: tuple[str, ...] = ()):
         env = {**{k: v for k, v in os.environ.items() if k not in ("DTLAUNCH_FAULT", "DTLAUNCH_RUN_ID")}, **(env or {})}
         if fault:
             env["DTLAUNCH_FAULT"] = fault  # the job inherits it: sbatch's default --export=ALL
         if run_id:
             env["DTLAUNCH_RUN_ID"] = run_id
-        p = sh("sbatch", "--parsable", "job.sbatch", cwd=out, env=env)
+        p = sh("sbatch", "--parsable", *sbatch_args, "job.sbatch", cwd=out, env=env)
         self.out, self.id = out, p.stdout.strip().split(";")[0]
         self.run = out / "runs" / (run_id or self.id)
         self.jobdir = out / "jobs" / self.id

@@ -1,6 +1,6 @@
 """The whole job on real SLURM + srun + torchrun + the real runtime (`python -m launcher.train`): 2-node
 rendezvous, USR2 -> checkpoint -> requeue -> resume, `scontrol requeue` -> resume, a crashing rank
-restarted by torchrun without a requeue.
+restarted by torchrun without a requeue, a new job given the id of an earlier one in the same submit dir.
 
 Nothing is stubbed: the rendered job.sbatch/step.sh start launcher.train on node1 and node2 (one CPU
 rank each, gloo), and every assertion reads what the runtime and the script leave behind: the run dir
@@ -11,6 +11,8 @@ losses an interrupted job logs after resuming equal the reference's at the same 
 """
 from __future__ import annotations
 
+import hashlib
+import shutil
 import time
 from pathlib import Path
 
@@ -23,7 +25,9 @@ from slurmkit import (
     Job,
     assert_completed,
     assert_same_losses,
+    overrides,
     release_after_requeue,
+    render_to,
     sh,
     submit,
     wait_for,
@@ -131,3 +135,50 @@ def test_crashing_rank_is_restarted_by_torchrun_without_requeue(tmp_path, partit
     assert [a.split()[0] for a in job.ledger("attempts")] == ["0"]
     assert job.ledger("exit_codes") == ["0 0 none"]
     assert_completed(job, attempts=1)
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_new_job_with_an_earlier_jobs_id_trains_its_own_run_and_keeps_the_earlier_one(
+        tmp_path, partition, reference, ref_losses):
+    """SLURM numbers jobs from FirstJobId again once its saved state is lost, so a new job can get the id of an
+    earlier one submitted from the same directory (every `dtlaunch up` of a recipe uses one). Here the earlier
+    job is the reference job's own files (ledgers, logs, its finished run and checkpoints), put under the id the
+    new job got while SLURM held it. Without a guard the new job stops at once as "already finished"; it must
+    train its own run from step 0, leave every earlier file as it was, and resume that run of its own, not the
+    earlier one, when it is requeued."""
+    render_to(tmp_path, "tiny", overrides(partition))
+    job = Job(tmp_path, sbatch_args=("--hold",))
+    earlier_run = tmp_path / "runs" / job.id
+    shutil.copytree(reference.jobdir, job.jobdir)
+    shutil.copytree(reference.run, earlier_run)
+    earlier_ledgers, earlier_files = _tree(job.jobdir), _tree(earlier_run)
+    sh("scontrol", "release", job.id)
+    wait_for(lambda: list(tmp_path.glob(f"jobs/{job.id}.earlier-*")), 120, "the earlier ledgers to move aside",
+             explain=job.explain)
+    run_id = wait_for(lambda: (job.jobdir / "run_id").is_file() and (job.jobdir / "run_id").read_text().strip(),
+                      60, "the new job's run_id", explain=job.explain)
+    assert run_id.startswith(f"{job.id}-") and run_id != job.id, run_id
+    job.run = tmp_path / "runs" / run_id
+    wait_for(lambda: job.max_step() >= EVERY + 2, 180, f"step {EVERY + 2}", explain=job.explain)
+    sh("scontrol", "requeue", job.id)
+    release_after_requeue(job.id, time.time())
+    job.done()
+    moved, = tmp_path.glob(f"jobs/{job.id}.earlier-*")
+    assert _tree(moved) == earlier_ledgers  # the earlier job's ledgers and logs, moved aside whole
+    assert _tree(earlier_run) == earlier_files  # its run untouched: no checkpoint resumed into or pruned
+    out = (tmp_path / f"tiny-{job.id}.out").read_text()
+    assert f"job id {job.id} was used before" in out and f"this job's run is {run_id}" in out, out[-3000:]
+    # The new run: its own steps from 1, then a resume from its own checkpoint after the requeue.
+    start = job.events("start")
+    assert [e["attempt"] for e in start] == [0, 0], job.explain()
+    resumed, = job.events("resume")
+    assert EVERY <= resumed["step"] < STEPS, resumed
+    assert [r["step"] for r in job.steps(after=0)][:EVERY] == list(range(1, EVERY + 1))
+    assert_same_losses(job.steps(), ref_losses)
+    assert (job.jobdir / "run_id").read_text().strip() == run_id  # the requeue kept the run
+    assert [a.split()[0] for a in job.ledger("attempts")] == ["0", "1"]
+    assert_completed(job, attempts=2)
