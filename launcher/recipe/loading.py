@@ -62,6 +62,7 @@ def _fail(source: str, message: str, line: int | None = None, fix: str | None = 
 
 def _check_depth(text: str, source: str) -> None:
     """Scan the tokens (libyaml's scanner is iterative) and stop at the first level past MAX_DEPTH."""
+    too_deep = f"the YAML is nested more than {MAX_DEPTH} levels deep"
     fix = "a recipe is a few sections of key: value lines; flatten it"
     loader = _Loader(text)
     try:
@@ -72,7 +73,7 @@ def _check_depth(text: str, source: str) -> None:
             if name in _OPEN:
                 depth += 1
                 if depth > MAX_DEPTH:
-                    _fail(source, f"the YAML is nested more than {MAX_DEPTH} levels deep", tok.start_mark.line + 1, fix)
+                    _fail(source, too_deep, tok.start_mark.line + 1, fix)
             elif name in _CLOSE:
                 depth -= 1
     except yaml.YAMLError as e:
@@ -82,7 +83,7 @@ def _check_depth(text: str, source: str) -> None:
         if "nesting depth" not in str(getattr(e, "problem", "")):
             raise
         mark = getattr(e, "problem_mark", None)
-        _fail(source, f"the YAML is nested more than {MAX_DEPTH} levels deep", mark.line + 1 if mark else None, fix)
+        _fail(source, too_deep, mark.line + 1 if mark else None, fix)
     finally:
         loader.dispose()
 

@@ -95,8 +95,8 @@ def _batch_context(recipe: Recipe, array: bool) -> dict:
     plan_file = ShellExpr("$SUBMIT_DIR/task-$SLURM_ARRAY_TASK_ID/plan.json") if array else ShellExpr("$SUBMIT_DIR/plan.json")
     default_run_id = recipe.run_id or ShellExpr("$SLURM_ARRAY_JOB_ID" if array else "$SLURM_JOB_ID")
     c = container(recipe)
-    return dict(code=ExitCode, array=array, default_run_id=default_run_id, run_named_by_job=not recipe.run_id,
-                plan_file=plan_file, env=job_env(recipe), checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets,
+    return dict(code=ExitCode, array=array, default_run_id=default_run_id, plan_file=plan_file, env=job_env(recipe),
+                checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets,
                 setup=recipe.targets.slurm.setup, setup_hint=SETUP_HINT, default_python=None, port_base=PORT_BASE,
                 port_span=PORT_SPAN, signal_seconds=recipe.targets.slurm.signal_seconds,
                 code_dir=ShellExpr(f"$SUBMIT_DIR/{CODE_DIR}") if recipe.entrypoint else None,
