@@ -77,6 +77,32 @@ ACCELERATORS: dict[str, Accelerator] = {
 }
 
 
+# Dense (no sparsity) bf16 tensor-core peaks, TFLOPS per device, keyed by the exact name
+# torch.cuda.get_device_name() reports: what MFU is measured against in a running job. The data sheets'
+# headline figures are with 2:4 sparsity, twice these (H100 SXM: 1,979 sparse, 989 dense). Parts sold in
+# several forms differ: an H100 PCIe has fewer SMs and lower clocks than the SXM board.
+DEVICE_PEAK_TFLOPS: dict[str, float] = {
+    "NVIDIA B200": 2250,
+    "NVIDIA H200": 989,
+    "NVIDIA H100 80GB HBM3": 989,  # SXM5
+    "NVIDIA H100": 989,  # SXM5 on some drivers
+    "NVIDIA H100 PCIe": 756,
+    "NVIDIA H100 NVL": 835,
+    "NVIDIA GH200 480GB": 989,
+    "NVIDIA A100-SXM4-80GB": 312,
+    "NVIDIA A100-SXM4-40GB": 312,
+    "NVIDIA A100 80GB PCIe": 312,
+    "NVIDIA A100-PCIE-40GB": 312,
+    "NVIDIA L40S": 362,
+    "NVIDIA L4": 121,
+    "NVIDIA A10G": 70,
+    "NVIDIA A10": 125,
+    "Tesla V100-SXM2-32GB": 125,  # fp16: no bf16 on V100 and T4
+    "Tesla V100-SXM2-16GB": 125,
+    "Tesla T4": 65,
+}
+
+
 class Network(msgspec.Struct, frozen=True):
     name: str
     description: str

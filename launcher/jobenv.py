@@ -65,6 +65,8 @@ def job_port(job_id: int) -> int:
 MIN_TORCH = (2, 12)
 
 
+FLIGHT_RECORDER_DUMP_WAIT_S = 60
+
 # Failures must be loud and diagnosable: an NCCL timeout that says nothing costs hours.
 LOUD_FAILURES = {
     # 2 = CleanUpOnly: on a timed-out collective the watchdog aborts the communicators and the error reaches
@@ -73,6 +75,10 @@ LOUD_FAILURES = {
     # recorder's dump (below), which the job scripts also read as HANG.
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # flight recorder dump on timeout (path set per attempt by the job script)
+    # How long the watchdog waits for that dump before it aborts the communicators and the error reaches Python
+    # (torch's default, 15 s, can cut a large dump short on slow storage); the rank then waits for its own dump
+    # file before exiting (launcher.train), so the dump is not lost to the exit.
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(FLIGHT_RECORDER_DUMP_WAIT_S * 1000),
     "TORCH_FR_BUFFER_SIZE": "2000",
     "NCCL_DEBUG": "WARN",
     "PYTHONUNBUFFERED": "1",
@@ -83,13 +89,31 @@ LOUD_FAILURES = {
 }
 
 
+# GPU jobs (as torchtitan's): the caching allocator grows a segment in place instead of reserving a new one for
+# each odd-sized block, which keeps fragmentation within what the planner budgets (launcher.plan.memory).
+GPU_ENV = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+
+# training.deterministic: a restarted run must end with the same weights as an uninterrupted one. cuBLAS needs a
+# fixed workspace for deterministic GEMMs; NCCL picks its algorithm and protocol by message size and topology and
+# reduces in-switch (NVLS on H100 nodes) or in-network (CollNet), each summing in its own order: fixed to the ring
+# and the simple protocol, which costs bandwidth (deterministic mode is for debugging and drills).
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+DETERMINISTIC_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_COLLNET_ENABLE": "0", "NCCL_ALGO": "Ring",
+                          "NCCL_PROTO": "Simple"}
+
+
 def job_environment(network_env: dict[str, str], *, is_gpu: bool, socket_ifname: str | None = None,
-                    omp_threads: int | None = None) -> dict[str, str]:
+                    omp_threads: int | None = None, deterministic: bool = False) -> dict[str, str]:
     """The variables a job sets for its processes (render writes them into scripts; the runtime sets the
     same ones when started without a script). NCCL settings only matter on GPUs; threads only on CPUs."""
     env = dict(LOUD_FAILURES)
+    if deterministic:
+        env.update(DETERMINISTIC_ENV)
     if is_gpu:
+        env.update(GPU_ENV)
         env.update(network_env)
+        if deterministic:
+            env.update(DETERMINISTIC_NCCL_ENV)
     if socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = socket_ifname
         env["GLOO_SOCKET_IFNAME"] = socket_ifname

@@ -13,7 +13,7 @@ def job_env(recipe: Recipe) -> dict[str, str]:
     res = recipe.resources
     is_gpu = res.device().is_gpu
     env = job_environment(NETWORKS[res.network].nccl_env, is_gpu=is_gpu, socket_ifname=res.socket_ifname,
-                          omp_threads=None if is_gpu else 1)
+                          omp_threads=None if is_gpu else 1, deterministic=recipe.training.deterministic)
     env.update(recipe.env)
     return env
 

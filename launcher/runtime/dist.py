@@ -109,7 +109,7 @@ def interface_of(addr: str) -> str | None:
 
 
 def job_environment(network_env: Mapping[str, str], local_world_size: int, is_gpu: bool,
-                    env: Mapping[str, str] = os.environ) -> dict[str, str]:
+                    env: Mapping[str, str] = os.environ, deterministic: bool = False) -> dict[str, str]:
     """Variables to set before the process group exists: the same ones the job scripts write (jobenv), for
     a process started without them; already-set variables always win (pure).
 
@@ -117,7 +117,7 @@ def job_environment(network_env: Mapping[str, str], local_world_size: int, is_gp
     to, which on cloud images is 127.0.1.1: unreachable from other nodes. When the job script said which
     address is this node's (DTLAUNCH_NODE_ADDR), gloo is pinned to the interface that holds it.
     """
-    want = jobenv.job_environment(dict(network_env), is_gpu=is_gpu,
+    want = jobenv.job_environment(dict(network_env), is_gpu=is_gpu, deterministic=deterministic,
                                   omp_threads=max(1, cpu_cores() // max(1, local_world_size)))
     node_addr = env.get(jobenv.NODE_ADDR)
     if node_addr and "GLOO_SOCKET_IFNAME" not in env:
@@ -125,6 +125,62 @@ def job_environment(network_env: Mapping[str, str], local_world_size: int, is_gp
         if iface:
             want["GLOO_SOCKET_IFNAME"] = iface
     return {k: v for k, v in want.items() if k not in env}
+
+
+def backend_for(is_gpu: bool, host_collectives: bool) -> str:
+    """The default process group's backend. NCCL reduces only CUDA tensors ("No backend type associated with device
+    type cpu"): with FSDP2's CPU offload the gradients, the clipping norm and the fp16 scaler's found-inf live on
+    the host, so their collectives need gloo beside NCCL (torchtitan's enable_cpu_backend)."""
+    if not is_gpu:
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
+
+
+def host_collectives(plan) -> bool:
+    """Does this plan reduce host tensors over the training groups? FSDP2 with CPU offload does (DeepSpeed's
+    offload moves its reductions to the GPU itself)."""
+    from ..strategies import Family
+
+    return plan is not None and plan.layout.offload != "none" and plan.layout.spec.family is not Family.DEEPSPEED
+
+
+def gpu_index(local_rank: int, local_world_size: int, device_count: int, visible: str | None) -> int:
+    """The GPU this rank drives, or PreflightError when the node cannot give each local rank a GPU of its own.
+
+    Each rank sees every GPU of the node (torchrun): its local rank. Each rank sees exactly one (srun
+    --gpus-per-task, or CUDA_VISIBLE_DEVICES set per task): index 0 of its own view. Fewer GPUs than local
+    ranks otherwise: two ranks would share a GPU (NCCL's "Duplicate GPU detected", or a silent slowdown)."""
+    from .failures import PreflightError
+
+    if device_count >= local_world_size:
+        return local_rank
+    if device_count == 1 and visible:
+        return 0
+    raise PreflightError(f"{local_world_size} ranks on this node but torch sees {device_count} GPU(s)"
+                         + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""),
+                         fix="start one rank per GPU (resources.accelerator's count per node), or make every GPU "
+                             "visible to the job; this node may also have lost a GPU (check nvidia-smi)")
+
+
+def check_gpu_node(want_gpu: bool, local_world_size: int) -> str:
+    """The node against the recipe: a GPU recipe needs a CUDA build of torch that sees a GPU per local rank
+    (PreflightError: the node, not the recipe, is wrong). Returns a short description of what was found."""
+    import torch
+
+    from .failures import PreflightError
+
+    if not want_gpu:
+        return "cpu"
+    if torch.version.cuda is None:
+        raise PreflightError(f"the recipe asks for GPUs, but torch {torch.__version__} here is a CPU-only build",
+                             fix="install a CUDA build of torch in the job's environment")
+    if not torch.cuda.is_available():
+        raise PreflightError(f"the recipe asks for GPUs, but torch (CUDA {torch.version.cuda}) sees none on this "
+                             "node: no driver, a driver older than the CUDA runtime, or no GPU allocated",
+                             fix="check nvidia-smi on the node; exclude it if its GPUs are gone")
+    n = torch.cuda.device_count()
+    gpu_index(0, local_world_size, n, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return f"{n} x {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
 
 
 @dataclass
@@ -136,6 +192,9 @@ class World:
     device: object  # torch.device
     is_gpu: bool
     checkpoint_group: object = None  # a gloo group for checkpoint I/O (async saves must not share the training group)
+    # A gloo group for the per-step agreement (step, preemption flag) on host numbers: no GPU sync, and apart from
+    # the checkpoint group, whose collectives an async save runs from its own thread.
+    control_group: object = None
     env_set: dict[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
 
@@ -166,12 +225,14 @@ def _apply_threads() -> None:
         torch.set_num_threads(n)
 
 
-def init_distributed(recipe=None, *, init_timeout_s: float | None = None, timeout_s: float | None = None,
+def init_distributed(recipe=None, plan=None, *, init_timeout_s: float | None = None, timeout_s: float | None = None,
                      env: MutableMapping[str, str] = os.environ, verbose: bool = True) -> World:
     """Create the process group (NCCL on GPU, gloo on CPU) and return the World.
 
-    `recipe` supplies timeouts and the network profile; a user's own script may pass none and get
-    PyTorch's defaults for the timeouts and no fabric tuning.
+    `recipe` supplies timeouts, the network profile and whether this is a GPU job (its accelerator, never
+    whatever this process happens to see: a GPU node with a broken driver must not turn into a gloo rank of an
+    NCCL world); a user's own script may pass none and get PyTorch's defaults for the timeouts, no fabric
+    tuning, and the GPU when there is one. `plan` says whether the training groups reduce host tensors too.
     """
     import torch
     import torch.distributed as dist
@@ -179,9 +240,11 @@ def init_distributed(recipe=None, *, init_timeout_s: float | None = None, timeou
     from .. import catalog
 
     proc = detect(env)
-    is_gpu = torch.cuda.is_available()
+    is_gpu = recipe.resources.device().is_gpu if recipe is not None else torch.cuda.is_available()
+    check_gpu_node(is_gpu, proc.local_world_size)
     net = catalog.NETWORKS.get(recipe.resources.network) if recipe is not None else None
-    env_set = job_environment(net.nccl_env if net else {}, proc.local_world_size, is_gpu, env)
+    env_set = job_environment(net.nccl_env if net else {}, proc.local_world_size, is_gpu, env,
+                              deterministic=bool(recipe is not None and recipe.training.deterministic))
     if proc.source != "torchrun":
         # Libraries that read torchrun's variables (DeepSpeed needs LOCAL_RANK) see the same world.
         env_set.update({k: v for k, v in {
@@ -194,12 +257,17 @@ def init_distributed(recipe=None, *, init_timeout_s: float | None = None, timeou
         init_timeout_s = init_timeout_s or recipe.training.init_timeout_seconds
         timeout_s = timeout_s or recipe.training.timeout_seconds
     if is_gpu:
-        torch.cuda.set_device(proc.local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-        backend = "nccl"
+        index = gpu_index(proc.local_rank, proc.local_world_size, torch.cuda.device_count(),
+                          env.get("CUDA_VISIBLE_DEVICES"))
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
+        if index != proc.local_rank:
+            # DeepSpeed (and other libraries) pick their GPU by LOCAL_RANK: under srun with one GPU per task that
+            # is "invalid device ordinal". Tell them the index really used.
+            env["LOCAL_RANK"] = str(index)
     else:
         device = torch.device("cpu")
-        backend = "gloo"
+    backend = backend_for(is_gpu, host_collectives(plan))
     world = World(proc, backend, device, is_gpu, env_set=env_set)
     if not dist.is_initialized():
         kwargs = {}
@@ -224,7 +292,9 @@ def init_distributed(recipe=None, *, init_timeout_s: float | None = None, timeou
                                  fix="check that MASTER_ADDR resolves to the head node from every node") from None
     # Checkpoint collectives get their own gloo group with the long timeout: a big save may
     # legitimately take minutes, and async saves must not interleave with training collectives.
-    world.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=init_timeout_s or 1800))
+    long = datetime.timedelta(seconds=init_timeout_s or 1800)
+    world.checkpoint_group = dist.new_group(backend="gloo", timeout=long)
+    world.control_group = dist.new_group(backend="gloo", timeout=long)
     if verbose and proc.rank == 0:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(env_set.items())) or "nothing (all already set)"
         print(f"dtlaunch: world {proc.world_size} via {proc.source}, backend {backend}, "
@@ -235,16 +305,40 @@ def init_distributed(recipe=None, *, init_timeout_s: float | None = None, timeou
 
 
 def set_collective_timeout(world: World, seconds: float | None) -> None:
-    """Shorten the training group's timeout once the world is up (init used the long one).
+    """Shorten the timeout of every training group (the world, each mesh dimension's, FSDP2's and DeepSpeed's
+    groups, the per-step agreement's) once the first step is done; only the checkpoint group keeps the long one.
 
-    `_set_pg_timeout` changes the default timeout of the existing gloo/NCCL backends; creating a new
-    group would double the communicators on GPU.
+    Not before: building the model, reading pretrained weights on rank 0 and the first step's lazy
+    initialisation can legitimately take long on slow storage (torchtitan does the same after its first step).
+    A barrier first, so that no rank shortens a timeout while another is still in that first step.
+    `_set_pg_timeout` changes the existing gloo/NCCL backends' default; creating new groups would double the
+    communicators on GPU.
     """
     if not seconds or not world.distributed:
         return
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
-    _set_pg_timeout(datetime.timedelta(seconds=seconds))
+    dist.barrier(group=world.control_group)
+    td = datetime.timedelta(seconds=seconds)
+    for pg in list(_world.pg_map):
+        if pg is not world.checkpoint_group:
+            _set_pg_timeout(td, pg)
+    world.timeout_s = seconds
+
+
+def group_timeouts() -> dict[str, float]:
+    """Every process group's timeout in seconds, by group name and backend (what set_collective_timeout set)."""
+    import torch
+    from torch.distributed.distributed_c10d import _world
+
+    out = {}
+    for pg in _world.pg_map:
+        for dev in pg._device_types:
+            opts = getattr(pg._get_backend(torch.device(dev)), "options", None)
+            if opts is not None:
+                out[f"{pg.group_name}/{dev}"] = opts._timeout.total_seconds()
+    return out
 
 
 def shutdown(world: World | None = None) -> None:
@@ -258,5 +352,6 @@ def shutdown(world: World | None = None) -> None:
             dist.destroy_process_group()
 
 
-__all__ = ["ProcEnv", "World", "detect", "job_environment", "init_distributed", "set_collective_timeout", "shutdown",
-           "first_slurm_host", "cpu_cores"]
+__all__ = ["ProcEnv", "World", "backend_for", "check_gpu_node", "cpu_cores", "detect", "first_slurm_host", "gpu_index",
+           "group_timeouts", "host_collectives", "init_distributed", "job_environment", "set_collective_timeout",
+           "shutdown"]

@@ -5,9 +5,6 @@ HANG = restart and resume, PREEMPTED = requeue and resume.
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 from ..errors import DtlaunchError
 from ..jobenv import ExitCode
 
@@ -71,28 +68,3 @@ def is_comm_error(exc: BaseException) -> bool:
     text = str(exc)
     return any(m in text for m in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer",
                                    "EnforceNotMet", "Broken pipe"))
-
-
-class NonFiniteLosses:
-    """Steps in a row whose loss was NaN or inf, for the trainer and a user's script (`launcher.init()`) alike.
-    While it is not finite nothing is saved (a NaN checkpoint would be committed and pruning would then delete
-    the good ones); past `limit` steps in a row the run ends with Diverged, so the newest checkpoint is the
-    last good one."""
-
-    def __init__(self, limit: int, log: Callable[[str], None]):
-        self.limit, self.log, self.count = limit, log, 0
-
-    def check(self, loss: float, step: int) -> bool:
-        """True when `loss` is finite; counts and warns otherwise, and raises Diverged at the limit."""
-        if math.isfinite(loss):
-            self.count = 0
-            return True
-        self.count += 1
-        self.log(f"WARNING: loss is {loss} at step {step} ({self.count} of at most {self.limit} in a row); no "
-                 "checkpoint is saved while it is not finite")
-        if self.count >= self.limit:
-            raise Diverged(f"the loss was not finite for {self.count} steps in a row (steps {step - self.count + 1}-"
-                           f"{step}); nothing was saved since, so the newest checkpoint is the last good one",
-                           fix="resume with a lower training.lr, more warmup_steps, or grad_clip; check the data",
-                           step=step)
-        return False

@@ -41,12 +41,13 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, *, sum
     *different* parameters (a pipeline's stages), whose squares are summed too."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    local = _uniform_shards(grads)
+    local = _uniform_shards(grads) if grads else ([], [])
     if local is None:  # mixed placements: DTensor reduces each gradient by its own
         norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None).full_tensor()
         groups = []
+    elif not grads:  # nothing to clip here, but a pipeline's other stages still sum this stage's zero
+        grads, groups = local
+        norm = torch.zeros((), device=params[0].device if params else "cpu")
     else:
         grads, groups = local
         norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)

@@ -25,22 +25,22 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import jobenv
 from ..jobenv import ExitCode
+from ..plan.cost import flops_per_token
+from .agreement import NonFiniteWatch, Reporter, StepSync
 from .checkpoint import Checkpointer
 from .checkpoint.compat import identity
 from .ckptdir import expand_dir
 from .dist import World, init_distributed, set_collective_timeout, shutdown
-from .failures import ConfigError, NonFiniteLosses, Preempted
+from .failures import ConfigError, Preempted
 from .layout import RuntimeLayout, resolve_layout
 from .metrics import Metrics
 from .optim import apply_schedule
@@ -64,11 +64,15 @@ class Job:
         self.start_step = 0
         self.engine: Engine | None = None
         self.checkpointer: Checkpointer | None = None
-        self.nonfinite = NonFiniteLosses(recipe.training.max_nonfinite_steps, lambda m: self.metrics.log(m))
         self._last_saved: int | None = None
         self._position: dict = {}  # the caller's state at the last step, for finish()
-        self._t_step = time.perf_counter()
         self.metrics = Metrics(run_dir, enabled=world.is_main, total_steps=plan.steps or 0, is_gpu=world.is_gpu)
+        self.nonfinite = NonFiniteWatch(recipe.training.max_nonfinite_steps, world.device, self.metrics.log)
+        self._sync = StepSync(world)
+        self._reporter = Reporter(self._sync, self.nonfinite, self.metrics, is_gpu=world.is_gpu,
+                                  tokens_per_step=self.layout.global_batch * plan.seq_len,
+                                  flops_per_token=flops_per_token(plan.params, recipe.model.shape(), plan.seq_len),
+                                  world_size=world.world_size)
         for n in notes:
             self.metrics.log(n)
         self.checkpoint_dir = Path(os.path.expanduser(os.environ.get(jobenv.CHECKPOINT_DIR) or str(
@@ -123,7 +127,6 @@ class Job:
         steps = self.total_steps or FALLBACK_STEPS
         self.engine = wrap_model(model, self.layout, self.recipe, self.plan, steps, self.world.device,
                                  self.world.is_gpu, blocks=blocks, optimizer=optimizer)
-        set_collective_timeout(self.world, self.recipe.training.timeout_seconds)
         rec = self.recipe
         meta = {"recipe_hash": rec.digest(), "identity": identity(rec.to_dict()), "strategy": self.layout.strategy,
                 "family": self.layout.family, "precision": self.layout.precision, "grad_accum": self.layout.grad_accum,
@@ -163,39 +166,40 @@ class Job:
 
     # ------------------------------------------------------------------ the step
 
-    def _agree(self, loss: float) -> tuple[bool, float]:
-        """(stop, mean loss) over every rank, in one small all-reduce: all ranks stop at the same step."""
-        t = torch.tensor([1.0 if self.stopping else 0.0, loss], dtype=torch.float64, device=self.world.device)
-        if self.world.distributed:
-            dist.all_reduce(t)
-        return bool(t[0] > 0), float(t[1]) / self.world_size
-
     def step_done(self, step: int, *, loss: Any = None, state: dict | None = None, **metrics: Any) -> None:
         """After each optimizer step: agree on stopping, log, and checkpoint when due (async) or when
-        preempted (then raise Preempted: exit 42 after the checkpoint is committed)."""
+        preempted (then raise Preempted: exit 42 after the checkpoint is committed). The loss (a tensor, kept
+        on the device) is read only on log and checkpoint steps."""
         cp = self._need_checkpointer("step_done")
         if step != self.step + 1:
             raise ConfigError(f"job.step_done({step}) after step {self.step}: steps must follow one another",
                               fix="loop from job.step + 1 (after job.resume())")
-        value = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)
-        stop, mean_loss = self._agree(value)
+        value = loss.detach().float().mean() if isinstance(loss, torch.Tensor) else float(loss or 0.0)
+        self.nonfinite.update(value, step)
+        agreed = self._sync.agree(step, self.stopping)
         self.step = step
         record_progress(step=step)
-        now = time.perf_counter()
-        if step % self.recipe.training.log_every == 0 or stop or step == self.total_steps:
-            self.metrics.step(step, loss=mean_loss, lr=self.engine.step_lr or self.engine.lr, tokens=self.layout.global_batch * self.plan.seq_len,
-                              step_time=now - self._t_step, grad_norm=None, extra=metrics or None)
-        self._t_step = now
-        finite = self.nonfinite.check(mean_loss, step)
+        self._reporter.tick({})
+        if step == self.start_step + 1:  # the first step of this attempt is done: the short timeouts from now on
+            set_collective_timeout(self.world, self.recipe.training.timeout_seconds)
+        last = step == self.total_steps
+        log = step % self.recipe.training.log_every == 0 or agreed.stop or last
+        due = step % self.every == 0 and not last
+        finite = True
+        if log or due:
+            mean_loss, finite, memory = self._reporter.check(step, value, log=log)
+            if log:
+                self._reporter.log(step, mean_loss, self.engine.step_lr or self.engine.lr, memory,
+                                   extra=metrics or None)
         position = _json_state(state)
         cp.poll()
-        if stop:
+        if agreed.stop:
             if finite:
                 self.metrics.log(f"preemption signal ({self.flag.received or 'on another rank'}) at step {step}: "
                                  f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}")
                 self._save(position, blocking=True, reason="preempt")
             raise Preempted(f"preempted at step {step}; checkpoint written, resubmit to resume", step=step)
-        if finite and step % self.every == 0 and step != self.total_steps:
+        if finite and due:
             self._save(position, blocking=False, reason="interval")
         self._position = position
 
@@ -254,6 +258,6 @@ def init(plan_path: str | None = None, run_dir: str | None = None) -> Job:
         from .loop import enable_determinism
 
         enable_determinism()
-    world = init_distributed(recipe)
+    world = init_distributed(recipe, plan)
     torch.manual_seed(recipe.training.seed)
     return Job(recipe, plan, rd, world, flag)

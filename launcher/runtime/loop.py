@@ -12,42 +12,44 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from .. import catalog, jobenv
 from ..jobenv import ExitCode
-from ..plan.cost import checkpoint_bytes
+from ..plan.cost import checkpoint_bytes, flops_per_token
 from . import ckptdir
 from . import preflight as preflight_mod
+from .agreement import Agreement, NonFiniteWatch, Reporter, StepSync
 from .check import check_model
 from .checkpoint import Checkpointer, export_model
 from .checkpoint.compat import identity
 from .ckptdir import expand_dir
 from .data import Batches, build_dataloader, rescale_position
 from .dist import World, init_distributed, set_collective_timeout
-from .failures import ConfigError, HangError, NonFiniteLosses, Preempted, PreflightError
+from .failures import ConfigError, Preempted, PreflightError
 from .faults import Faults
 from .layout import resolve_layout
 from .metrics import Metrics
-from .models import build_for_recipe
+from .models import build_for_recipe, init_on_meta
 from .models.hf import load_weights
 from .optim import apply_schedule
 from .parallel import Engine, wrap_model
 from .signals import PreemptionFlag
 from .stepgc import StepGC
 
-# Build on the meta device (and materialise shard by shard) above this many parameters.
-META_INIT_PARAMS = 1_000_000_000
-
 
 def enable_determinism() -> None:
-    """Bit-reproducible kernels: a restarted run must end with the same weights as an uninterrupted one."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    """Bit-reproducible kernels: a restarted run must end with the same weights as an uninterrupted one. The
+    environment part (cuBLAS, NCCL) is jobenv's, set before the process group exists. Deterministic mode would
+    also fill every new tensor's memory (a kernel per torch.empty); the runtime reads only memory it wrote."""
+    for k, v in jobenv.DETERMINISTIC_ENV.items():
+        os.environ.setdefault(k, v)
+    import torch.utils.deterministic
+
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.benchmark = False
 
 
@@ -92,14 +94,6 @@ class Watchdog:
                 self._exit(f"received {self.flag.received} but reached no step boundary within {self.grace:.0f}s")
 
 
-@dataclass
-class Agreement:
-    step: int
-    stop: bool
-    loss: float
-    signalled: tuple = ()  # ranks that received a preemption signal
-
-
 class Trainer:
     """Runs one recipe's plan to completion (or to preemption). Collective: every rank runs it."""
 
@@ -111,7 +105,7 @@ class Trainer:
         self.step = 0  # optimizer steps completed
         self.start_step = 0  # the step this attempt resumed from
         self.current: int | None = None  # the step being trained
-        self.nonfinite = NonFiniteLosses(recipe.training.max_nonfinite_steps, lambda m: self.metrics.log(m))
+        self.nonfinite: NonFiniteWatch | None = None  # built with the loop (it counts on this rank's device)
         # Installed as early as possible by the entry point: a preemption during start-up is not lost.
         self.flag = flag or PreemptionFlag().install()
         if plan.steps is None:
@@ -137,7 +131,7 @@ class Trainer:
         tr = rec.training
         if tr.deterministic:
             enable_determinism()
-        self.world = self.world or init_distributed(rec)
+        self.world = self.world or init_distributed(rec, plan)
         w = self.world
         self.faults = Faults(w.rank, w.proc.restart_count)
         self.metrics = Metrics(self.run_dir, enabled=w.is_main, total_steps=plan.steps, is_gpu=w.is_gpu)
@@ -148,18 +142,17 @@ class Trainer:
         shape = self.shape
         self.ckpt_root = Path(os.path.expanduser(os.environ.get(jobenv.CHECKPOINT_DIR) or str(
             expand_dir(rec.checkpoint.dir, self.run_dir, os.environ.get(jobenv.RUN_ID)))))
+        # sharded layouts build on meta: each rank materialises only its shards (of its stages)
+        meta = init_on_meta(rec.model, self.layout, plan.params)
         self.metrics.event("start", world_size=w.world_size, strategy=self.layout.strategy,
                            layout=self.layout.describe(), precision=self.layout.precision,
                            grad_accum=self.layout.grad_accum, global_batch=self.layout.global_batch,
-                           attempt=w.proc.restart_count)
+                           attempt=w.proc.restart_count, init="meta" if meta else "eager")
         if tr.preflight:
             self._preflight()
-        set_collective_timeout(w, tr.timeout_seconds)
         torch.manual_seed(tr.seed)  # the same initial weights on every rank and every attempt
-        # (tensor/pipeline layouts always shard: each rank materialises only its split of its stages)
-        meta = plan.params > META_INIT_PARAMS and self.layout.family == "dcp" and (
-            self.layout.spec.sharded or self.layout.model_parallel)
-        module = build_for_recipe(rec.model, self.layout.activation_checkpointing, device="meta" if meta else "cpu")
+        module = build_for_recipe(rec.model, self.layout.activation_checkpointing, device="meta" if meta else "cpu",
+                                  seed=tr.seed)
         weights = rec.model.hf_weights if not ckptdir.complete_steps(self.ckpt_root) else None
         if weights and not meta:  # fine-tuning: every rank reads the weights before the strategy wraps the model
             n = load_weights(module, weights, sharded=False)
@@ -232,24 +225,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
 
-    def _agree(self, step: int, flag: str | None, loss: torch.Tensor) -> Agreement:
-        """One all-gather of (step, preempt flag, loss) per step; raises HangError if steps differ."""
-        w = self.world
-        # one small tensor built from Python numbers: float(loss) is the one device sync a step needs anyway
-        local = torch.tensor([float(step), 1.0 if flag else 0.0, float(loss)], dtype=torch.float64, device=w.device)
-        if not w.distributed or self.faults.hit("skip_collective", step):
-            rows = [local.tolist()]
-        else:
-            parts = [torch.empty_like(local) for _ in range(w.world_size)]
-            dist.all_gather(parts, local)
-            rows = torch.stack(parts).tolist()
-        steps = [int(r[0]) for r in rows]
-        if min(steps) != max(steps):
-            raise HangError(f"ranks disagree on the step number (per rank: {steps}); this rank is at step {step}",
-                            fix="a rank skipped or repeated work; restart from the last checkpoint", step=step)
-        signalled = tuple(rank for rank, r in enumerate(rows) if r[1] > 0)
-        return Agreement(step, bool(signalled), sum(r[2] for r in rows) / len(rows), signalled)
-
     def _train_step(self) -> tuple[torch.Tensor, dict]:
         loss = self.engine.forward_backward(self.batches.next_step())
         info = self.engine.step()
@@ -298,40 +273,56 @@ class Trainer:
         self._resume()
         tr = self.recipe.training
         w = self.world
-        tokens_per_step = self.layout.global_batch * self.seq_len
         flag = self.flag
-        self.watchdog = Watchdog(2 * tr.timeout_seconds + 60, max(5.0, tr.timeout_seconds), w.rank, flag)
+        # The first step runs under the long start-up timeouts (lazy initialisation, first allocations); then every
+        # training group gets training.timeout_seconds, and the watchdog the same bound.
+        self.watchdog = Watchdog(2 * tr.init_timeout_seconds + 60, max(5.0, tr.timeout_seconds), w.rank, flag)
+        sync = StepSync(w, skip=lambda step: self.faults.hit("skip_collective", step) is not None)
+        watch = NonFiniteWatch(tr.max_nonfinite_steps, w.device, self.metrics.log)
+        self.nonfinite = watch
+        reporter = Reporter(sync, watch, self.metrics, is_gpu=w.is_gpu,
+                            tokens_per_step=self.layout.global_batch * self.seq_len,
+                            flops_per_token=flops_per_token(self.plan.params, self.shape, self.seq_len),
+                            world_size=w.world_size)
         last_saved = self.step if self.step else None
+        first = True
         self.watchdog.beat(self.step)
         try:
             with StepGC() as collector:
                 while self.step < self.total_steps:
                     self.current = self.step + 1
                     self.faults.at_step_start(self.current)
-                    t0 = time.perf_counter()
                     lr = self.engine.lr  # the rate this step uses (the scheduler advances inside the step)
                     loss, info = self._train_step()
                     self.step += 1
                     if self.faults.hit("desync_step", self.step):
                         self.step += 1
-                    agreed = self._agree(self.step, flag.received, loss)
-                    dt = time.perf_counter() - t0
-                    finite = self.nonfinite.check(agreed.loss, self.step)
-                    if self.step % tr.log_every == 0 or self.step == self.total_steps or agreed.stop:
-                        extra = {k: v for k, v in info.items() if k != "grad_norm" and v not in (None, False)}
-                        self.metrics.step(self.step, loss=agreed.loss, lr=lr, tokens=tokens_per_step,
-                                          step_time=dt, grad_norm=info.get("grad_norm"), extra=extra)
+                    watch.update(loss, self.step)
+                    agreed = sync.agree(self.step, flag.received is not None)
+                    reporter.tick(info)
+                    if first:
+                        set_collective_timeout(w, tr.timeout_seconds)
+                        self.watchdog.limit = 2 * tr.timeout_seconds + 60
+                        first = False
+                    last = self.step == self.total_steps
+                    log = self.step % tr.log_every == 0 or last or agreed.stop
+                    due = self.step % self.every == 0 and not last
+                    finite = True
+                    if log or due:
+                        mean_loss, finite, memory = reporter.check(self.step, loss, log=log)
+                        if log:
+                            reporter.log(self.step, mean_loss, lr, memory)
                     self.checkpointer.poll()
-                    if agreed.stop and self.step < self.total_steps:
+                    if agreed.stop and not last:
                         self._preempt(agreed, flag, finite)
-                    if finite and self.step % self.every == 0 and self.step < self.total_steps:
+                    if finite and due:
                         self._save(blocking=False, reason="interval")
                         last_saved = self.step
                     collector.step(self.step)
                     self.watchdog.beat(self.step)
                     yield self.step
             self.watchdog.pause()
-            if last_saved != self.step and self.nonfinite.count == 0:
+            if last_saved != self.step and watch.count == 0:
                 self._save(blocking=True, reason="final")
             self.checkpointer.close()
             out = export_model(self.engine, self.run_dir, self.recipe.checkpoint.export, w.rank)

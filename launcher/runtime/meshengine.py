@@ -27,7 +27,7 @@ from .gradclip import clip_grad_norm
 from .layout import RuntimeLayout
 from .loss import cross_entropy
 from .optim import build_optimizer, build_scheduler
-from .parallel import DTYPES, Engine, _make_scaler, backward, fsdp_units, optimizer_step
+from .parallel import DTYPES, Engine, _make_scaler, backward, fsdp_units, optimizer_step, step_info
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 # DTensor logs a performance advice on every rank whenever it reduces a gradient norm or gathers a weight over
@@ -58,7 +58,7 @@ class MeshEngine(Engine):
 
     def __init__(self, module: nn.Module, layout: RuntimeLayout, training, steps: int, device: torch.device,
                  is_gpu: bool, loss_scaling: str = "dynamic"):
-        from .pipeline import Split, build_schedule, split_model
+        from .pipeline import Split, build_schedule, materialise_split, split_model
         from .tensor_parallel import apply_tensor_parallel, check_divisible
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -95,8 +95,7 @@ class MeshEngine(Engine):
             apply_tensor_parallel(local, self.mesh["tp"], layout.sequence_parallel)
         self._shard(split)
         if meta:
-            local.to_empty(device=device)
-            local.init_weights()
+            materialise_split(split, device, offload=layout.offload != "none")
         self.module = self.model = local  # every parameter of this rank under its whole-model name
         self.split = split
         self.optimizer = build_optimizer(local, training)
@@ -177,17 +176,16 @@ class MeshEngine(Engine):
         params = list(self.module.parameters())
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm: float | None = None
+        norm = None
         if self.grad_clip > 0:
             # the pipeline's stages hold different parameters: their squares are summed too (torchtitan's
             # clip_grad_norm_)
             stages = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
-            norm = float(clip_grad_norm(params, self.grad_clip, sum_over=stages))
+            norm = clip_grad_norm(params, self.grad_clip, sum_over=stages)
         skipped = optimizer_step(self.optimizer, self.scaler)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": norm, "skipped": skipped,
-                "loss_scale": self.scaler.get_scale() if self.scaler is not None else None}
+        return step_info(norm, skipped, self.scaler)
 
     # ------------------------------------------------------------------ export
 

@@ -26,6 +26,7 @@ from .failures import ConfigError
 from .gradclip import clip_grad_norm
 from .layout import RuntimeLayout
 from .loss import cross_entropy
+from .models import materialise
 from .optim import build_optimizer, build_scheduler
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Any]  # params -> a torch optimizer
@@ -130,7 +131,7 @@ class TorchEngine(Engine):
             self.scaler.unscale_(self.optimizer)
         norm = None
         if self.grad_clip > 0:
-            norm = float(clip_grad_norm(self.module.parameters(), self.grad_clip))
+            norm = clip_grad_norm(self.module.parameters(), self.grad_clip)
         skipped = optimizer_step(self.optimizer, self.scaler)
         self.scheduler.step()
         # DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view), which live as long as
@@ -138,8 +139,7 @@ class TorchEngine(Engine):
         # gradients beside the buckets, twice the gradient memory until the next all-reduce. FSDP2's sharded
         # gradients are set to None, freed until the next reduce-scatter.
         self.optimizer.zero_grad(set_to_none=self.layout.spec.sharded)
-        return {"grad_norm": norm, "skipped": skipped,
-                "loss_scale": self.scaler.get_scale() if self.scaler is not None else None}
+        return step_info(norm, skipped, self.scaler)
 
 
 def backward(loss: torch.Tensor, grad_accum: int, scaler) -> None:
@@ -151,16 +151,22 @@ def backward(loss: torch.Tensor, grad_accum: int, scaler) -> None:
     scaled.backward()
 
 
-def optimizer_step(optimizer, scaler) -> bool:
-    """Step the optimizer, through the loss scaler if there is one (fp16); True when the scaler skipped the
-    step because a gradient overflowed (it then lowers its scale)."""
+def optimizer_step(optimizer, scaler) -> torch.Tensor | None:
+    """Step the optimizer, through the loss scaler if there is one (fp16). Returns, as a device tensor (read on
+    log steps only: no sync here), 1 when the scaler skipped the step because a gradient overflowed (it then
+    lowered its scale), else 0; None without a scaler."""
     if scaler is None:
         optimizer.step()
-        return False
-    before = scaler.get_scale()
+        return None
+    before = scaler._scale.clone()  # get_scale() would wait for the GPU
     scaler.step(optimizer)
     scaler.update()
-    return scaler.get_scale() < before
+    return (scaler._scale < before).to(torch.int64)
+
+
+def step_info(norm: torch.Tensor | None, skipped: torch.Tensor | None, scaler) -> dict:
+    """What an optimizer step reports, as device tensors (the loop reads them on log steps)."""
+    return {"grad_norm": norm, "skipped": skipped, "loss_scale": scaler._scale if scaler is not None else None}
 
 
 def _make_scaler(device: torch.device, fsdp: bool):
@@ -234,8 +240,7 @@ def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, 
     for unit in fsdp_units(module, blocks):
         fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     if meta:
-        module.to_empty(device="cpu" if isinstance(offload, CPUOffloadPolicy) else device)
-        module.init_weights()
+        materialise(module, device, offload=isinstance(offload, CPUOffloadPolicy))
     return module
 
 

@@ -56,6 +56,20 @@ def split_model(model: nn.Module, pp: int, pp_rank: int, schedule: str) -> Split
     return Split(local, chunks, ids, n)
 
 
+def materialise_split(split: Split, device: torch.device, offload: bool) -> None:
+    """Materialise a split built on the meta device, chunk by chunk: with an interleaved schedule `local` is a
+    module of its own beside the chunks (they share its blocks, not its buffers), and each chunk is an FSDP2
+    root whose sharded parameters are reset only by its own to_empty. `local` then shares the first chunk's
+    rotary tables (it never runs forward, but must hold no meta tensor)."""
+    from .models import materialise
+
+    for chunk in split.chunks:
+        materialise(chunk, device, offload)
+    if split.local not in split.chunks:
+        for name in ("rope_cos", "rope_sin"):
+            split.local.register_buffer(name, getattr(split.chunks[0], name), persistent=False)
+
+
 def build_schedule(split: Split, device: torch.device, group, schedule: str, micro_batches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
     """The schedule that runs one optimizer step's micro-batches through this rank's stages. `loss_fn` sees

@@ -36,8 +36,8 @@ def holdings(trainer: Trainer, rank: int) -> dict:
 
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
-    first, _, _ = planfile.read(cases[0]["plan"])
-    world = init_distributed(first)
+    first, first_plan, _ = planfile.read(cases[0]["plan"])
+    world = init_distributed(first, first_plan)
     import torch.distributed as dist
 
     for case in cases:

@@ -73,8 +73,8 @@ def drive_stepwise(trainer: Trainer, how: dict) -> dict:
 
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
-    first, _, _ = planfile.read(cases[0]["plan"])
-    world = init_distributed(first)
+    first, first_plan, _ = planfile.read(cases[0]["plan"])
+    world = init_distributed(first, first_plan)
     import torch.distributed as dist
 
     for case in cases:

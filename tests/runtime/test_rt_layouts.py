@@ -182,8 +182,18 @@ def compare(runs, name: str, ref: str, steps, grad_rtol: float = GRAD_RTOL) -> f
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tp2", "pp2", "tp2xdp2", "pp2xdp2", "tp2xpp2", "tp2xpp2xdp2", "tp2xhsdp"])
 def test_layout_losses_equal_the_single_rank_run(runs, name):
+    """Built on the meta device and materialised shard by shard (interleaved: chunk by chunk), every layout
+    starts from the eager single-rank model's weights: a wrong or duplicated shard, a stage drawing another
+    stage's numbers, or a rotary table left unmaterialised would move the first step's loss by far more
+    than TOL."""
     compare(runs, name, "ref", range(1, FIRST + 1))
     assert result(runs, name)[1][1]["grad_norm"] > 1.0  # clipping was active
+    d, _ = result(runs, name)
+    start = [m for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if m.get("event") == "start"]
+    assert start[0]["init"] == "meta", start
+    ref_start = [m for m in map(json.loads, (result(runs, "ref")[0] / "metrics.jsonl").read_text().splitlines())
+                 if m.get("event") == "start"]
+    assert ref_start[0]["init"] == "eager"
 
 
 @pytest.mark.slow

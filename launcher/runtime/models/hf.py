@@ -59,13 +59,15 @@ class HFCausalLM(nn.Module):
         return self.hf(input_ids=tokens, use_cache=False).logits
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """After `to_empty`: transformers' own initialisation, and the rotary tables (buffers, not state)."""
+    def init_weights(self, buffer_device: str | torch.device | None = None) -> None:
+        """After `to_empty`: transformers' own initialisation, and the rotary tables (buffers, not state), made on
+        `buffer_device` (where forward runs; the parameters may be on the host, offloaded)."""
         self.hf.apply(self.hf._init_weights)
         rot = getattr(self.hf.model, "rotary_emb", None)
         if rot is not None and hasattr(rot, "rope_init_fn"):
-            inv_freq, scaling = rot.rope_init_fn(rot.config, rot.inv_freq.device)
-            rot.inv_freq.copy_(inv_freq)
+            device = torch.device(buffer_device) if buffer_device is not None else rot.inv_freq.device
+            inv_freq, scaling = rot.rope_init_fn(rot.config, device)
+            rot.register_buffer("inv_freq", inv_freq, persistent=False)
             if hasattr(rot, "original_inv_freq"):
                 rot.original_inv_freq = inv_freq
             rot.attention_scaling = scaling

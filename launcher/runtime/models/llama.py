@@ -14,8 +14,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ...catalog import ModelShape
+from . import init
 
 AC_MODES = ("none", "selective", "full")
+INIT_STD = 0.02
+
+
+def init_std(name: str, layers: int) -> float | None:
+    """The initial standard deviation of parameter `name` (None: a norm's weight, all ones). GPT-2/Llama practice:
+    residual projections scaled down by depth so that the residual stream stays O(1)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        return INIT_STD / math.sqrt(2 * layers)
+    return INIT_STD
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,9 +55,6 @@ class RMSNorm(nn.Module):
         if torch.is_grad_enabled():
             return checkpoint(_rms_norm, x, self.weight, self.eps, use_reentrant=False, preserve_rng_state=False)
         return _rms_norm(x, self.weight, self.eps)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,6 +140,7 @@ class Llama(nn.Module):
         if activation_checkpointing not in AC_MODES:
             raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {activation_checkpointing!r}")
         self.shape = shape
+        self.init_seed = 0  # init_weights draws from it (launcher.runtime.models.init); build_model sets it
         self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden)
         self.layers = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.layers))
         self.norm = RMSNorm(shape.hidden, shape.norm_eps)
@@ -153,7 +163,7 @@ class Llama(nn.Module):
         blocks = whole.blocks()
         part = cls.__new__(cls)
         nn.Module.__init__(part)
-        part.shape, part.full_checkpoint = whole.shape, whole.full_checkpoint
+        part.shape, part.full_checkpoint, part.init_seed = whole.shape, whole.full_checkpoint, whole.init_seed
         part.tok_embeddings = whole.tok_embeddings if first else None
         part.layers = nn.ModuleDict({str(i): blocks[i] for i in layer_ids})
         part.norm = whole.norm if last else None
@@ -163,28 +173,25 @@ class Llama(nn.Module):
         return part
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialise in place; also the second half of meta-device construction (after `to_empty`)."""
+    def init_weights(self, buffer_device: str | torch.device | None = None) -> None:
+        """Initialise in place; also the second half of meta-device construction (after `to_empty`).
+
+        Each parameter's values depend only on (init_seed, its name in the whole model, its shape), whether it
+        is whole or this rank's shard (`models.init`), so every layout starts from the same weights.
+        `buffer_device`: where the rotary tables go; with FSDP2's CPU offload the parameters are materialised
+        on the host but forward runs on the GPU, so the tables must be made there (torchtitan's buffer_device).
+        """
+        device = torch.device(buffer_device) if buffer_device is not None else self.rope_cos.device
         cos, sin = rope_tables(self.shape.hidden // self.shape.heads, self.shape.seq_len, self.shape.rope_theta,
-                               device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-        std = 0.02
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=std)
-        # GPT-2/Llama practice: residual projections scaled down by depth so the residual stream stays O(1).
-        out_std = std / math.sqrt(2 * self.shape.layers)
-        for layer in self.blocks():
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1, layer.feed_forward.w3):
-                nn.init.normal_(lin.weight, std=std)
-            for lin in (layer.attention.wo, layer.feed_forward.w2):
-                nn.init.normal_(lin.weight, std=out_std)
-            layer.attention_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not self.shape.tied_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
+                               device=device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        for name, p in self.named_parameters():
+            std = init_std(name, self.shape.layers)
+            if std is None:
+                nn.init.ones_(p)
+            else:
+                init.normal_(p, std, seed=self.init_seed, name=name)
 
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks in order: a ModuleList, or a pipeline stage's ModuleDict keyed by each block's
@@ -213,14 +220,13 @@ class Llama(nn.Module):
 
 
 def build_model(shape: ModelShape, activation_checkpointing: str = "none",
-                device: str | torch.device | None = "cpu") -> Llama:
-    """Build on `device`; "meta" allocates nothing (for presets too big for one host, and for counting).
-
-    Always constructed on meta and then initialised by `init_weights`, so a model materialised later
-    (after sharding) gets exactly the weights an eagerly built one would, from the same seed.
-    """
+                device: str | torch.device | None = "cpu", seed: int = 0) -> Llama:
+    """Build on `device`; "meta" allocates nothing (materialised by the strategy after sharding, then
+    `init_weights`). The initial weights depend on `seed` and the shape only: the same for an eager build and
+    a meta one materialised shard by shard, in any layout."""
     with torch.device("meta"):
         model = Llama(shape, activation_checkpointing)
+    model.init_seed = seed
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
         model.init_weights()

@@ -1,0 +1,68 @@
+"""Initial weights that are a function of (seed, parameter name, global shape) only.
+
+Why not `nn.init.normal_` on the global generator: a model built on the meta device and materialised after
+sharding initialises each rank's shard on its own. On CUDA, DTensor's RNG tracker gives every rank of the
+world the same Philox offset, so every pipeline stage would draw the same numbers for its layers (correlated
+stages); on CPU, DTensor has no tracker and every shard of a parameter would hold the same values. Either way
+the weights would depend on the layout.
+
+Here each parameter is cut into blocks of whole rows (about `BLOCK_ELEMS` elements; the row count depends on
+the global shape only), each block drawn from its own CPU generator seeded by (seed, name, block). A rank
+draws only the blocks that overlap its shard and keeps its part, so the initial weights are the same for any
+layout, any world size, eager or meta construction, and on CPU or GPU: a layout change at step 0 changes
+nothing, and a rehearsal on CPU starts from the weights the GPU job starts from.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+BLOCK_ELEMS = 1 << 22  # 16 MB of fp32 per drawn block: a bounded transient, few generator set-ups
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(this rank's tensor, the global shape, the global offset of its first element) of a parameter that may be
+    a DTensor (FSDP2 or tensor parallel shards; DCP uses the same offsets to reshard checkpoints)."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = param.to_local()
+        shape = tuple(param.shape)
+        local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
+        if tuple(local_shape) != tuple(local.shape):  # pragma: no cover - a placement DCP could not reshard either
+            raise RuntimeError(f"cannot place a shard of shape {tuple(local.shape)} in a {shape} parameter "
+                               f"(expected {tuple(local_shape)})")
+        return local, shape, tuple(offset)
+    return param, tuple(param.shape), (0,) * param.dim()
+
+
+@torch.no_grad()
+def normal_(param: torch.Tensor, std: float, *, seed: int, name: str) -> None:
+    """Fill `param` (whole, or this rank's shard of it) with N(0, std) values that depend only on
+    (seed, name, its global shape)."""
+    local, shape, offset = local_part(param)
+    if local.numel() == 0:
+        return
+    row_elems = math.prod(shape[1:])
+    rows_per_block = max(1, BLOCK_ELEMS // max(1, row_elems))
+    r0, r1 = offset[0], offset[0] + local.shape[0]
+    for b in range(r0 // rows_per_block, (r1 - 1) // rows_per_block + 1):
+        lo, hi = b * rows_per_block, min((b + 1) * rows_per_block, shape[0])
+        gen = torch.Generator().manual_seed(_block_seed(seed, name, b))
+        block = torch.empty((hi - lo, *shape[1:]), dtype=torch.float32, device="cpu")
+        block.normal_(0.0, std, generator=gen)
+        a, z = max(lo, r0), min(hi, r1)
+        piece = block[a - lo:z - lo]
+        for d in range(1, len(shape)):
+            piece = piece.narrow(d, offset[d], local.shape[d])
+        local[a - r0:z - r0].copy_(piece)
+
+
+__all__ = ["BLOCK_ELEMS", "local_part", "normal_"]
