@@ -23,10 +23,19 @@ STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
 STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
 
 
+def uses_cpu_adam(recipe: Recipe, offload: str, is_gpu: bool) -> bool:
+    """DeepSpeedCPUAdam steps the optimizer states on the host: only for AdamW, with the states offloaded and the
+    model computing on GPUs (on a CPU-only machine the states are on the host anyway, and torch's AdamW does the
+    same work without its JIT build)."""
+    return offload in ("optimizer", "params") and is_gpu and recipe.training.optimizer == "adamw"
+
+
 def deepspeed_config(recipe: Recipe, plan: Plan, *, dp: int | None = None, grad_accum: int | None = None,
-                     offload: str | None = None, is_gpu: bool | None = None) -> dict[str, Any]:
+                     offload: str | None = None, is_gpu: bool | None = None,
+                     client_optimizer: bool = False) -> dict[str, Any]:
     """The config dict for `plan` (a ZeRO strategy). `dp`/`grad_accum` override the plan's when the job
-    runs on a different world size than planned (the global batch stays the same)."""
+    runs on a different world size than planned (the global batch stays the same). `client_optimizer`: the
+    optimizer is the user's own (`job.wrap(optimizer=...)`), not the one the recipe names."""
     lay = plan.layout
     stage = spec(lay.strategy).zero_stage
     if stage is None:
@@ -71,9 +80,10 @@ def deepspeed_config(recipe: Recipe, plan: Plan, *, dp: int | None = None, grad_
         "steps_per_print": 1 << 30,  # the runtime logs; DeepSpeed's own prints would interleave
         "wall_clock_breakdown": False,
     }
-    if "offload_optimizer" in zero and not is_gpu:
-        # On a CPU-only machine the states are on the host anyway: torch's AdamW does the same work
-        # without DeepSpeedCPUAdam's JIT build (minutes on a small machine). GPUs use DeepSpeedCPUAdam.
+    if "offload_optimizer" in zero and (client_optimizer or not uses_cpu_adam(recipe, offload, is_gpu)):
+        # ZeRO-Offload refuses any optimizer but DeepSpeed's CPU Adam unless told otherwise ("client optimizer with
+        # ZeRO-Offload", a ZeRORuntimeException at start-up): SGD, a user's own optimizer, or torch's AdamW on a
+        # CPU-only machine step the offloaded states on the host as they are.
         cfg["zero_force_ds_cpu_optimizer"] = False
     precision = lay.precision
     if precision == "bf16":

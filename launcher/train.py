@@ -16,7 +16,7 @@ from pathlib import Path
 from . import jobenv
 from .errors import DtlaunchError
 from .jobenv import ExitCode
-from .runtime.status import classify, rank_from_env, write_status
+from .runtime.status import classify, is_oom, rank_from_env, write_status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,12 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         message = "finished"
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
         step = trainer.current
-        code, message = classify(exc, step, recipe.training.timeout_seconds)
+        code, message = classify(exc, step, recipe.training.timeout_seconds,
+                                 memory_note=memory_note(plan) if is_oom(exc) else None)
         if code == ExitCode.FAILED and not isinstance(exc, (DtlaunchError, KeyboardInterrupt)):
             traceback.print_exc()  # an unexpected error is a bug: keep the traceback for the report
         label = ExitCode.name_of(code)
         print(f"dtlaunch: rank {rank}: exit {code} ({label}): {message}", file=sys.stderr, flush=True)
         write_status(run_dir, rank, code, message, step, trainer.start_step)
+        if code == ExitCode.HANG and trainer.writes_flight_recorder():
+            wait_for_flight_recorder(rank)
         sys.stdout.flush()
         sys.stderr.flush()
         # No destroy_process_group on failure: peers may be gone (it would hang), and C++ teardown of a
@@ -81,6 +84,42 @@ def main(argv: list[str] | None = None) -> int:
 
     shutdown()
     return code
+
+
+def memory_note(plan) -> str:
+    """The plan's memory figure beside this rank's GPU memory when it ran out (when torch can still read it)."""
+    mem = plan.memory
+    note = f"the plan expected {jobenv.gb(mem.total)} per GPU at its peak ({mem.peak_at})"
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return note
+    try:
+        dev = torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(dev).total_memory
+        return (f"this GPU: {jobenv.gb(torch.cuda.memory_allocated(dev))} allocated, "
+                f"{jobenv.gb(torch.cuda.memory_reserved(dev))} reserved, peak "
+                f"{jobenv.gb(torch.cuda.max_memory_allocated(dev))}, of {jobenv.gb(total)}; " + note)
+    except Exception:  # noqa: BLE001 - a broken device must not hide the error itself
+        return note
+
+
+def wait_for_flight_recorder(rank: int, limit_s: float = jobenv.FLIGHT_RECORDER_DUMP_WAIT_S) -> None:
+    """A rank ending with HANG: give NCCL's watchdog the time to finish writing this rank's flight-recorder dump
+    (an immediate exit kills the thread writing it). Returns as soon as the file exists and stops growing."""
+    import time
+
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if not prefix or os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") != "1":
+        return
+    path = Path(f"{prefix}{rank}")
+    deadline = time.monotonic() + limit_s
+    size = -1
+    while time.monotonic() < deadline:
+        now = path.stat().st_size if path.exists() else -1
+        if now >= 0 and now == size:
+            return
+        size = now
+        time.sleep(0.5)
 
 
 def _check(recipe, plan, run_dir: Path) -> int:

@@ -27,6 +27,13 @@ def _gpt_layer(shape: ModelShape, s: int, b: int, t: int, sp: bool, ac: str, sca
     return sbh * (10 + 24 / t + scores / t) * scale
 
 
+def kv_width_heads(shape: ModelShape, act_bytes: int) -> int:
+    """The heads k and v are kept at for backward: kv_heads (GQA inside the attention kernel), but the query heads
+    in fp32, where the runtime expands them so that the memory-efficient kernel runs (it has no GQA; flash has no
+    fp32; the math kernel would keep every score)."""
+    return shape.heads if act_bytes == 4 else shape.kv_heads
+
+
 def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, ac: str,
                                act_bytes: int = 2, cast_inputs: bool = True, autocast: bool = False) -> float:
     """Activations one transformer layer keeps for backward, per GPU, between its forward and its backward.
@@ -34,8 +41,9 @@ def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: 
     Llama block of the runtime (pre-norm RMSNorm, GQA attention through SDPA with `enable_gqa`, SwiGLU):
       each RMSNorm keeps only its input (it recomputes its fp32 work in backward), and its output is kept by
       the projections that read it: 2 norms x (input + output) = 4e sbh;
-      attention: SDPA keeps q (e sbh), k and v at kv width (2e sbh g/a), its output O (e sbh, also what wo
-      keeps) and an fp32 log-sum-exp per head and token (4asb); no s x s scores (flash attention);
+      attention: SDPA keeps q (e sbh), k and v at kv width (2e sbh g/a; query width in fp32: `kv_width_heads`),
+      its output O (e sbh, also what wo keeps) and an fp32 log-sum-exp per head and token (4asb); no s x s
+      scores (flash or memory-efficient attention);
       SwiGLU w2(silu(w1 x) * w3 x): w1 x, w3 x, silu(w1 x) and their product, 4e sbf;
       the block's own 16-bit copy of the RoPE tables (FSDP2 casts a block's inputs; `cast_inputs`), e s h/a;
       => e sbh (6 + 2g/a) + 4e sbf + 4asb + e s h/a, divided by t for the tensor-parallel parts (the runtime's
@@ -54,7 +62,8 @@ def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: 
         return res * s * b * shape.hidden / (t if sp else 1)
     if arch == "gpt":
         return _gpt_layer(shape, s, b, t, sp, ac, scale)
-    h, a, g, f = shape.hidden, shape.heads, shape.kv_heads, shape.ffn_hidden
+    h, a, f = shape.hidden, shape.heads, shape.ffn_hidden
+    g = kv_width_heads(shape, act_bytes)
     sbh = s * b * h
     # Each norm's input (the residual stream) and its output, read by the projections. With sequence
     # parallelism the input is a rank's slice of the sequence, but DTensor all-gathers the output before the

@@ -40,8 +40,16 @@ def _all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+AGREE, REPORT = 1.0, 2.0
+PAYLOAD = 9  # a report row: loss, three non-finite counts, five memory figures (metrics.MEMORY_FIELDS)
+
+
 class StepSync:
-    """The per-step agreement and the log-step gather, on `world.control_group` (host numbers only)."""
+    """The per-step agreement and the decision steps' gather, on `world.control_group` (host numbers only).
+
+    Both exchange rows of one fixed size, (kind, step, preemption flag, payload): gloo aborts the process when a
+    rank's message has another size than its peer expects, so a rank that skipped or repeated a collective must
+    meet rows of the right size, whose kind and step then tell every rank that they are out of step (HANG)."""
 
     def __init__(self, world, skip: Callable[[int], bool] = lambda step: False):
         self.world = world
@@ -51,28 +59,34 @@ class StepSync:
     def distributed(self) -> bool:
         return self.world.distributed and self.world.control_group is not None
 
-    def agree(self, step: int, signalled: bool) -> Agreement:
-        """Raises HangError if the ranks are not at the same step."""
-        local = torch.tensor([step, 1 if signalled else 0], dtype=torch.int64, device="cpu")
-        if not self.distributed or self.skip(step):
-            rows = [local.tolist()]
-        else:
-            rows = _all_gather_rows(local, self.world.control_group).tolist()
-        steps = [r[0] for r in rows]
+    def _exchange(self, kind: float, step: int, flag: bool, payload: list[float | None]) -> list[list[float]]:
+        row = [kind, float(step), 1.0 if flag else 0.0, *(math.nan if v is None else float(v) for v in payload)]
+        row += [math.nan] * (3 + PAYLOAD - len(row))
+        local = torch.tensor(row, dtype=torch.float64, device="cpu")
+        if not self.distributed or (kind == AGREE and self.skip(step)):
+            return [local.tolist()]
+        rows = _all_gather_rows(local, self.world.control_group).tolist()
+        kinds, steps = [r[0] for r in rows], [int(r[1]) for r in rows]
         if min(steps) != max(steps):
             raise HangError(f"ranks disagree on the step number (per rank: {steps}); this rank is at step {step}",
                             fix="a rank skipped or repeated work; restart from the last checkpoint", step=step)
-        who = tuple(rank for rank, r in enumerate(rows) if r[1])
+        if len(set(kinds)) > 1:
+            what = {AGREE: "the step agreement", REPORT: "the log-step report"}
+            per_rank = ", ".join(f"rank {r}: {what.get(k, k)}" for r, k in enumerate(kinds) if k != kind)
+            raise HangError(f"ranks are out of step at step {step}: this rank was in {what[kind]}, {per_rank}",
+                            fix="a rank skipped or repeated a collective; restart from the last checkpoint", step=step)
+        return rows
+
+    def agree(self, step: int, signalled: bool) -> Agreement:
+        """Raises HangError if the ranks are not at the same step."""
+        rows = self._exchange(AGREE, step, signalled, [])
+        who = tuple(rank for rank, r in enumerate(rows) if r[2])
         return Agreement(step, bool(who), who)
 
-    def gather(self, row: list[float | None]) -> list[list[float | None]]:
-        """Every rank's row of host numbers (None travels as NaN and comes back as None)."""
-        local = torch.tensor([math.nan if v is None else float(v) for v in row], dtype=torch.float64, device="cpu")
-        if not self.distributed:
-            rows = [local.tolist()]
-        else:
-            rows = _all_gather_rows(local, self.world.control_group).tolist()
-        return [[None if math.isnan(v) else v for v in r] for r in rows]
+    def gather(self, step: int, payload: list[float | None]) -> list[list[float | None]]:
+        """Every rank's payload of host numbers at `step` (None travels as NaN and comes back as None)."""
+        rows = self._exchange(REPORT, step, False, payload)
+        return [[None if math.isnan(v) else v for v in r[3:3 + len(payload)]] for r in rows]
 
 
 class NonFiniteWatch:
@@ -181,7 +195,7 @@ class Reporter:
         t = torch.as_tensor(loss, device=state.device).detach().to(torch.float64).reshape(1)
         value, run, worst, end = host_values(torch.cat((t, state.to(torch.float64))))  # the step's one read
         mem = self.memory.read() if log else dict.fromkeys(MEMORY_FIELDS)
-        rows = self.sync.gather([value, run, worst, end, *(mem[k] for k in MEMORY_FIELDS)])
+        rows = self.sync.gather(step, [value, run, worst, end, *(mem[k] for k in MEMORY_FIELDS)])
         finite = self.watch.decide([(int(r[1]), int(r[2]), int(r[3])) for r in rows], step)
         losses = [r[0] for r in rows]
         mean = math.nan if any(v is None for v in losses) else sum(losses) / len(losses)

@@ -183,6 +183,17 @@ def check_gpu_node(want_gpu: bool, local_world_size: int) -> str:
     return f"{n} x {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
 
 
+def gpu_settings() -> None:
+    """Process-wide GPU settings. SDPA's math kernel off: it keeps every b x heads x t x t score, so a silent
+    fallback to it (a dtype or head size the fused kernels do not take) would run out of memory far from the
+    plan; an error names the cause instead. fp32 matmuls on TF32 tensor cores ("high"), as is usual for fp32
+    training on NVIDIA GPUs since Ampere (~8x the fp32 rate, 10-bit mantissa products, fp32 accumulation)."""
+    import torch
+
+    torch.backends.cuda.enable_math_sdp(False)
+    torch.set_float32_matmul_precision("high")
+
+
 @dataclass
 class World:
     """The initialised world: ranks, device, and the groups the runtime uses."""
@@ -261,6 +272,7 @@ def init_distributed(recipe=None, plan=None, *, init_timeout_s: float | None = N
                           env.get("CUDA_VISIBLE_DEVICES"))
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
+        gpu_settings()
         if index != proc.local_rank:
             # DeepSpeed (and other libraries) pick their GPU by LOCAL_RANK: under srun with one GPU per task that
             # is "invalid device ordinal". Tell them the index really used.

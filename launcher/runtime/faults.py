@@ -14,7 +14,13 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
     signal:rank=0:step=6[:sig=USR2]    the rank sends itself a signal at the start of the step (preemption tests)
     nan_loss:step=7                    the loss of step 7 is NaN (a diverging run)
     collective_abort:rank=1:step=5     what NCCL's watchdog does after a collective timeout (no GPU here to time
-                                       one out): write the flight-recorder dump, then abort the process
+                                       one out) under TORCH_NCCL_ASYNC_ERROR_HANDLING=3: write the flight-recorder
+                                       dump, then abort the process
+    comm_abort:rank=1:step=5[:delay=2] the same under =2 (what the job sets): the watchdog aborts the communicators
+                                       and the rank's next NCCL call raises "NCCL communicator was aborted", while
+                                       the dump is still being written (it lands `delay` seconds later)
+    oom:rank=1:step=5                  a CUDA out-of-memory error at the start of the step
+    gpu_fault:rank=1:step=5            a CUDA error of failing hardware (an uncorrectable ECC error)
 
 `rank` defaults to every rank; `attempt` (default 0) restricts the fault to that torchrun restart count,
 so a restarted job does not crash again at the same step. Each fault fires once per process.
@@ -31,7 +37,7 @@ from dataclasses import dataclass, field
 from .failures import ConfigError
 
 KINDS = ("exit", "sigkill", "hang", "skip_collective", "desync_step", "kill_in_checkpoint", "slow_checkpoint", "signal",
-         "nan_loss", "collective_abort")
+         "nan_loss", "collective_abort", "comm_abort", "oom", "gpu_fault")
 ENV = "DTLAUNCH_FAULT"
 ANY = -1
 
@@ -107,9 +113,33 @@ class Faults:
                 with open(f"{dump}{self.rank}", "wb") as out:
                     out.write(b"flight recorder dump (injected)")
             os.abort()
+        if (f := self.hit("comm_abort", step)) is not None:
+            import threading
+
+            import torch.distributed as dist
+
+            threading.Thread(target=self._dump_later, args=(float(f.params.get("delay", 2)),), daemon=True).start()
+            raise dist.DistBackendError(f"NCCL communicator was aborted on rank {self.rank}.")
+        if self.hit("oom", step) is not None:
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                         "of 79.19 GiB of which 1.06 GiB is free. (injected)")
+        if self.hit("gpu_fault", step) is not None:
+            raise RuntimeError("CUDA error: uncorrectable ECC error encountered (injected)")
         if (f := self.hit("signal", step)) is not None:
             name = f.params.get("sig", "USR2").upper()
             os.kill(os.getpid(), getattr(signal, name if name.startswith("SIG") else "SIG" + name))
+
+    def fired(self, kind: str) -> bool:
+        return any(f.kind == kind and f.fired for f in self.faults)
+
+    def _dump_later(self, delay: float) -> None:
+        time.sleep(delay)
+        dump = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+        if dump:
+            with open(f"{dump}{self.rank}", "wb") as out:
+                out.write(b"flight recorder dump (injected, written late)")
 
     def in_checkpoint(self, step: int) -> None:
         if self.hit("kill_in_checkpoint", step) is not None:

@@ -35,7 +35,7 @@ from .metrics import Metrics
 from .models import build_for_recipe, init_on_meta
 from .models.hf import load_weights
 from .optim import apply_schedule
-from .parallel import Engine, wrap_model
+from .parallel import Engine, build_partitioned, builds_partitioned, wrap_model
 from .signals import PreemptionFlag
 from .stepgc import StepGC
 
@@ -147,12 +147,17 @@ class Trainer:
         self.metrics.event("start", world_size=w.world_size, strategy=self.layout.strategy,
                            layout=self.layout.describe(), precision=self.layout.precision,
                            grad_accum=self.layout.grad_accum, global_batch=self.layout.global_batch,
-                           attempt=w.proc.restart_count, init="meta" if meta else "eager")
+                           attempt=w.proc.restart_count,
+                           init="partitioned" if builds_partitioned(self.layout, rec.model) else
+                           "meta" if meta else "eager")
         if tr.preflight:
             self._preflight()
         torch.manual_seed(tr.seed)  # the same initial weights on every rank and every attempt
-        module = build_for_recipe(rec.model, self.layout.activation_checkpointing, device="meta" if meta else "cpu",
-                                  seed=tr.seed)
+        if builds_partitioned(self.layout, rec.model):
+            module = build_partitioned(rec, plan, self.layout, w.rank, w.device, w.is_gpu)
+        else:
+            module = build_for_recipe(rec.model, self.layout.activation_checkpointing,
+                                      device="meta" if meta else "cpu", seed=tr.seed)
         weights = rec.model.hf_weights if not ckptdir.complete_steps(self.ckpt_root) else None
         if weights and not meta:  # fine-tuning: every rank reads the weights before the strategy wraps the model
             n = load_weights(module, weights, sharded=False)
@@ -251,6 +256,12 @@ class Trainer:
                            saved=finite)
         raise Preempted(f"preempted at step {self.step}; checkpoint written, resubmit to resume", step=self.step)
 
+    def writes_flight_recorder(self) -> bool:
+        """Does this rank's NCCL write a flight-recorder dump when a collective times out (or a drill says it
+        does)? Only then is there a dump to wait for before exiting."""
+        nccl = self.world is not None and "nccl" in self.world.backend
+        return nccl or bool(self.faults and self.faults.fired("comm_abort"))
+
     def run(self) -> int:
         """Train to the plan's last step (or until preempted, which raises); ExitCode.OK at the end."""
         for _ in self.steps():
@@ -325,7 +336,7 @@ class Trainer:
             if last_saved != self.step and watch.count == 0:
                 self._save(blocking=True, reason="final")
             self.checkpointer.close()
-            out = export_model(self.engine, self.run_dir, self.recipe.checkpoint.export, w.rank)
+            out = export_model(self.engine, self.run_dir, self.recipe.checkpoint.export, w.rank, w.checkpoint_group)
             if out is not None:
                 self.metrics.log(f"exported the trained weights to {out}")
                 self.metrics.event("export", path=str(out), step=self.step)

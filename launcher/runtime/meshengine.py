@@ -186,22 +186,3 @@ class MeshEngine(Engine):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return step_info(norm, skipped, self.scaler)
-
-    # ------------------------------------------------------------------ export
-
-    def full_state_dict(self, rank: int) -> dict:
-        """Every parameter, whole and fp32 on the CPU, on global rank 0 ({} elsewhere); collective. Each stage's
-        tensors are gathered over its data and tensor ranks, then the stages' first ranks send theirs to rank 0."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        pp_rank, dp_rank, tp_rank = self.layout.coords(rank)
-        if self.layout.pp == 1:
-            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            return {k: v.detach().to("cpu", torch.float32).clone() for k, v in sd.items()} if rank == 0 else {}
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        if dp_rank or tp_rank:
-            return {}
-        mine = {k: v.detach().to("cpu", torch.float32).clone() for k, v in sd.items()}
-        parts: list | None = [None] * self.layout.pp if rank == 0 else None
-        dist.gather_object(mine, parts, dst=0, group=self.mesh["pp"].get_group())
-        return {k: v for part in parts for k, v in part.items()} if parts is not None else {}

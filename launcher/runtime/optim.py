@@ -29,7 +29,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 else no_decay).append(p)
+        # a ZeRO-3 parameter built under zero.Init is an empty placeholder; its real shape is ds_shape
+        ndim = len(getattr(p, "ds_shape", p.shape))
+        (decay if ndim >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -256,7 +256,7 @@ class DeepSpeedEngine(Engine):
                               fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)") from None
         from deepspeed.accelerator import get_accelerator
 
-        from ..deepspeed_config import deepspeed_config
+        from ..deepspeed_config import uses_cpu_adam
 
         acc = get_accelerator()
         if layout.precision == "fp16" and not acc.is_fp16_supported():
@@ -267,11 +267,9 @@ class DeepSpeedEngine(Engine):
             raise ConfigError(f"DeepSpeed does not support bf16 on its {acc.device_name()} accelerator",
                               fix="use parallelism.precision: fp16 (with loss scaling) or fp32")
         self.layout, self.module = layout, module
-        cfg = deepspeed_config(recipe, plan, dp=layout.world_size, grad_accum=layout.grad_accum,
-                               offload=layout.offload, is_gpu=is_gpu)
+        cfg = ds_config(layout, recipe, plan, is_gpu, client_optimizer=optimizer is not None)
         self.config = cfg
-        # DeepSpeedCPUAdam only pays off when the model computes on a GPU and its states live on the host.
-        cpu_adam = "offload_optimizer" in cfg["zero_optimization"] and is_gpu and recipe.training.optimizer == "adamw"
+        cpu_adam = optimizer is None and uses_cpu_adam(recipe, layout.offload, is_gpu)
         opt = optimizer(module.parameters()) if optimizer else build_optimizer(module, recipe.training, cpu_adam=cpu_adam)
         scheduler = build_scheduler(opt, recipe.training, steps)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -299,6 +297,39 @@ class DeepSpeedEngine(Engine):
     @property
     def lr(self) -> float:
         return float(self.model.get_lr()[0])
+
+
+def ds_config(layout: RuntimeLayout, recipe, plan, is_gpu: bool, client_optimizer: bool = False) -> dict:
+    """The DeepSpeed config of this layout at the world size the job really has (the rendered one's, rescaled)."""
+    from ..deepspeed_config import deepspeed_config
+
+    return deepspeed_config(recipe, plan, dp=layout.world_size, grad_accum=layout.grad_accum, offload=layout.offload,
+                            is_gpu=is_gpu, client_optimizer=client_optimizer)
+
+
+def builds_partitioned(layout: RuntimeLayout, model_spec) -> bool:
+    """ZeRO-3 of dtlaunch's Llama: built under deepspeed.zero.Init (`build_partitioned`)."""
+    return layout.spec.zero_stage == 3 and model_spec.hf_config is None
+
+
+def build_partitioned(recipe, plan, layout: RuntimeLayout, rank: int, device: torch.device, is_gpu: bool) -> nn.Module:
+    """ZeRO-3: the model built under `deepspeed.zero.Init` with the job's own config, so that each module's
+    parameters are partitioned across the ranks as soon as it is built. Built whole, every rank of a node would
+    hold the full fp32 model on the host (~2.2 TB per node of 8 for 70B) and deepspeed.initialize would then
+    move it whole to each GPU: any model above ~35B runs out of memory. Each rank then fills only its own
+    partitions, with the weights every other layout starts from (`Llama.init_partitions`)."""
+    try:
+        import deepspeed
+    except ImportError:
+        raise ConfigError(f"strategy {layout.strategy} needs DeepSpeed, which is not installed",
+                          fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)") from None
+    from .models.llama import Llama
+
+    with deepspeed.zero.Init(config_dict_or_path=ds_config(layout, recipe, plan, is_gpu)):
+        model = Llama(recipe.model.shape(), layout.activation_checkpointing)
+    model.init_seed = recipe.training.seed
+    model.init_partitions(rank, device)
+    return model
 
 
 def wrap_model(module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: int, device: torch.device,

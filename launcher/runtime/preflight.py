@@ -35,15 +35,15 @@ def bus_bandwidth_gbps(nbytes: int, seconds: float, world: int) -> float:
     return nbytes / seconds * 2 * (world - 1) / world / 1e9
 
 
-def measure_allreduce(device: torch.device, nbytes: int, iters: int = 5) -> float:
-    """Seconds per all-reduce of `nbytes` (after a warm-up), the max over ranks."""
+def measure_allreduce(device: torch.device, nbytes: int, iters: int = 5, group=None) -> float:
+    """Seconds per all-reduce of `nbytes` over `group` (after a warm-up), the max over the world's ranks."""
     t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
@@ -68,19 +68,57 @@ def check_rendezvous(world, rep: Report) -> None:
     rep.figures["hosts"] = len(hosts)
 
 
+def allreduce_bytes(is_gpu: bool, world_size: int) -> int:
+    """The all-reduce's size: large enough to reach the fabric's bus bandwidth (NCCL-tests plateau at >= 1 GB
+    beyond a node: 256 MB under-reports multi-node rings and could fail a good fabric), small on CPU."""
+    if not is_gpu:
+        return 16 << 20
+    return (1 << 30) if world_size > 8 else (256 << 20)
+
+
+def node_groups(world_size: int, per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(the ranks of each node, the ranks of each local rank across nodes), ranks placed node by node as torchrun
+    and srun place them."""
+    nodes = world_size // per_node
+    intra = [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]
+    inter = [[n * per_node + local for n in range(nodes)] for local in range(per_node)]
+    return intra, inter
+
+
 def check_bandwidth(world, network, min_fraction: float, rep: Report) -> None:
-    """All-reduce bus bandwidth against the network profile (a fraction below the minimum fails)."""
+    """All-reduce bus bandwidth. Inside one node it runs over NVLink/PCIe (or loopback), which says nothing of the
+    network: measured and reported on its own. Across nodes, the world's all-reduce is held against the network
+    profile (a fraction below the minimum fails)."""
     n = world.world_size
     if not world.distributed or n < 2:
         return
-    nbytes = (256 << 20) if world.is_gpu else (16 << 20)
+    per_node = max(1, world.proc.local_world_size)
+    nodes = n // per_node if n % per_node == 0 else 1
+    nbytes = allreduce_bytes(world.is_gpu, n)
+    if nodes > 1 and per_node > 1:
+        intra, _ = node_groups(n, per_node)
+        mine, groups = dist.new_subgroups_by_enumeration(intra)
+        try:
+            secs = measure_allreduce(world.device, nbytes, group=mine)
+        finally:
+            for g in groups:
+                dist.destroy_process_group(g)
+        bw = bus_bandwidth_gbps(nbytes, secs, per_node)
+        rep.figures.update(intra_node_gbps=round(bw, 3))
+        rep.lines.append(f"all-reduce {nbytes >> 20} MB inside each node ({per_node} ranks): {secs * 1e3:.1f} ms, "
+                         f"bus bandwidth {bw:.2f} GB/s (the slowest node)")
     secs = measure_allreduce(world.device, nbytes)
     bw = bus_bandwidth_gbps(nbytes, secs, n)
+    if nodes == 1:
+        rep.figures.update(intra_node_gbps=round(bw, 3))
+        rep.lines.append(f"all-reduce {nbytes >> 20} MB on one node ({n} ranks): {secs * 1e3:.1f} ms, bus bandwidth "
+                         f"{bw:.2f} GB/s (inside a node; the network profile '{network.name}' applies across nodes)")
+        return
     expected = network.node_gbps
     frac = bw / expected if expected else 0.0
     rep.figures.update(allreduce_gbps=round(bw, 3), expected_gbps=expected, allreduce_fraction=round(frac, 3))
-    msg = (f"all-reduce {nbytes >> 20} MB: {secs * 1e3:.1f} ms, bus bandwidth {bw:.2f} GB/s = {frac:.0%} of the "
-           f"'{network.name}' profile's {expected:g} GB/s")
+    msg = (f"all-reduce {nbytes >> 20} MB across {nodes} nodes ({n} ranks): {secs * 1e3:.1f} ms, bus bandwidth "
+           f"{bw:.2f} GB/s = {frac:.0%} of the '{network.name}' profile's {expected:g} GB/s")
     if min_fraction > 0 and frac < min_fraction:
         rep.failures.append(msg + f", below the required {min_fraction:.0%} (training.min_allreduce_fraction); "
                                   "check the fabric / NCCL settings")

@@ -53,13 +53,42 @@ def write_status(run_dir: Path, rank: int, code: int, message: str, step: int | 
         pass  # the exit code still tells the story
 
 
-def classify(exc: BaseException, step: int | None, timeout_s: float | None) -> tuple[int, str]:
-    """(exit code, message) for an exception that escaped the training loop."""
+# A GPU's hardware failing under the job: the node must be excluded, so these are PREFLIGHT (a node fault), not an
+# ordinary retry on the same node. Xid is the driver's error report; the others are how CUDA surfaces it.
+NODE_FAULT_MARKERS = ("uncorrectable ECC error", "ECC error encountered", "unspecified launch failure",
+                      "GPU has fallen off the bus", "GPU is lost", "Xid")
+# How NCCL's communicators look after the watchdog aborted them (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) because a
+# collective timed out: the next NCCL call on this rank raises this, without the timeout's own text.
+ABORTED_MARKERS = ("communicator was aborted", "NCCL communicator was aborted", "Communicator was aborted")
+
+
+def is_oom(exc: BaseException) -> bool:
+    return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
+
+
+def classify(exc: BaseException, step: int | None, timeout_s: float | None,
+             memory_note: str | None = None) -> tuple[int, str]:
+    """(exit code, message) for an exception that escaped the training loop. `memory_note`: this rank's memory
+    at the time and the plan's figure, for a CUDA out-of-memory error (computed by the caller, which has torch)."""
     from .failures import is_comm_error, is_timeout
 
     where = f"during step {step}" if step else "before the first step"
     if isinstance(exc, DtlaunchError):
         return exc.exit_code, str(exc)
+    text = str(exc)
+    first = text.splitlines()[0][:300] if text else type(exc).__name__
+    if is_oom(exc):
+        # The same step needs the same memory: retrying on the same layout fails again, every time.
+        return ExitCode.CONFIG, (f"CUDA out of memory {where}: {first}" + (f"\n{memory_note}" if memory_note else "")
+                                 + "\nfix: lower training.micro_batch, raise parallelism.activation_checkpointing "
+                                   "(selective, full), shard more (fsdp, zero3) or offload; `dtlaunch plan` shows "
+                                   "what fits")
+    if any(m in text for m in NODE_FAULT_MARKERS):
+        return ExitCode.PREFLIGHT, (f"the GPU failed {where} (a hardware fault of this node, not the job): {first}"
+                                    "\nfix: exclude this node (targets.slurm.exclude) and resubmit")
+    if any(m in text for m in ABORTED_MARKERS):
+        return ExitCode.HANG, (f"NCCL's watchdog aborted the communicators {where} after a collective timed out "
+                               f"(training.timeout_seconds={timeout_s}): {first}")
     if is_timeout(exc):
         return ExitCode.HANG, (f"a collective timed out {where} (training.timeout_seconds={timeout_s}): another rank "
                                 f"stopped responding or diverged. Underlying error: {str(exc).splitlines()[0][:300]}")

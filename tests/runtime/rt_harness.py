@@ -119,10 +119,10 @@ class RunResult:
         return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in sorted(d.glob("rank-*.json"))} if d.is_dir() else {}
 
 
-def torchrun_cmd(plan: Path, run_dir: Path, nproc: int, port: int, max_restarts: int) -> list[str]:
-    return [TORCHRUN, f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id=t{port}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
-            "-m", "launcher.train", "--plan", str(plan), "--run-dir", str(run_dir)]
+def torchrun_cmd(plan: Path, run_dir: Path, nproc: int, port: int, max_restarts: int, nnodes: int = 1) -> list[str]:
+    return [TORCHRUN, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=t{port}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.2", "-m", "launcher.train", "--plan", str(plan), "--run-dir", str(run_dir)]
 
 
 def torchrun_env(extra: dict | None = None) -> dict:
@@ -140,21 +140,29 @@ def parse_worker_codes(stderr: str) -> list[int]:
 
 
 def run_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, env: dict | None = None,
-                 timeout: float = 180) -> RunResult:
-    """Run `python -m launcher.train` under a real torchrun; never hangs the suite (timeout kills it)."""
-    cmd = torchrun_cmd(plan, run_dir, nproc, free_port(), max_restarts)
+                 timeout: float = 180, nnodes: int = 1) -> RunResult:
+    """Run `python -m launcher.train` under a real torchrun; never hangs the suite (timeout kills it). `nnodes` > 1:
+    that many torchrun agents on this machine, one per simulated node (each starts `nproc` ranks, its LOCAL_* as
+    on a node of its own); their outputs are joined, the first agent's exit code is returned."""
+    port = free_port()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=torchrun_env(env),
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        err += f"\n[test harness] torchrun killed after {timeout}s"
+    procs = [subprocess.Popen(torchrun_cmd(plan, run_dir, nproc, port, max_restarts, nnodes), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=torchrun_env(env), start_new_session=True)
+             for _ in range(nnodes)]
+    outs, errs = [], []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            out, err = proc.communicate()
+            err += f"\n[test harness] torchrun killed after {timeout}s"
+        outs.append(out)
+        errs.append(err)
+    out, err = "".join(outs), "".join(errs)
     secs = time.monotonic() - t0
     (run_dir / f"torchrun-{int(t0 * 1000)}.log").write_text(out + "\n----- stderr -----\n" + err)
-    return RunResult(proc.returncode, out, err, secs, run_dir, parse_worker_codes(err))
+    return RunResult(procs[0].returncode, out, err, secs, run_dir, parse_worker_codes(err))
 
 
 def start_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0,

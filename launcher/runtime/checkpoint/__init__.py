@@ -133,9 +133,12 @@ class Checkpointer:
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                        use_shared_memory=False, use_async_staging=False,
-                                                        use_non_blocking_copy=False))
+            gpu = torch.cuda.is_available()
+            # On a GPU: pinned host memory and non-blocking copies with one synchronize at the end (blocking copies
+            # tensor by tensor waited for each). Staging stays synchronous: save() returns once the copy is taken,
+            # and the next optimizer step may then change the weights.
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=gpu))
         return self._stager
 
     # ------------------------------------------------------------------ save

@@ -43,6 +43,19 @@ def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tupl
     return param, tuple(param.shape), (0,) * param.dim()
 
 
+def _rows(shape: tuple[int, ...], r0: int, r1: int, std: float, seed: int, name: str):
+    """(first row, values) of each drawn block overlapping rows [r0, r1) of the parameter, clipped to them."""
+    row_elems = math.prod(shape[1:])
+    rows_per_block = max(1, BLOCK_ELEMS // max(1, row_elems))
+    for b in range(r0 // rows_per_block, (r1 - 1) // rows_per_block + 1):
+        lo, hi = b * rows_per_block, min((b + 1) * rows_per_block, shape[0])
+        gen = torch.Generator().manual_seed(_block_seed(seed, name, b))
+        block = torch.empty((hi - lo, *shape[1:]), dtype=torch.float32, device="cpu")
+        block.normal_(0.0, std, generator=gen)
+        a, z = max(lo, r0), min(hi, r1)
+        yield a, block[a - lo:z - lo]
+
+
 @torch.no_grad()
 def normal_(param: torch.Tensor, std: float, *, seed: int, name: str) -> None:
     """Fill `param` (whole, or this rank's shard of it) with N(0, std) values that depend only on
@@ -50,19 +63,28 @@ def normal_(param: torch.Tensor, std: float, *, seed: int, name: str) -> None:
     local, shape, offset = local_part(param)
     if local.numel() == 0:
         return
-    row_elems = math.prod(shape[1:])
-    rows_per_block = max(1, BLOCK_ELEMS // max(1, row_elems))
-    r0, r1 = offset[0], offset[0] + local.shape[0]
-    for b in range(r0 // rows_per_block, (r1 - 1) // rows_per_block + 1):
-        lo, hi = b * rows_per_block, min((b + 1) * rows_per_block, shape[0])
-        gen = torch.Generator().manual_seed(_block_seed(seed, name, b))
-        block = torch.empty((hi - lo, *shape[1:]), dtype=torch.float32, device="cpu")
-        block.normal_(0.0, std, generator=gen)
-        a, z = max(lo, r0), min(hi, r1)
-        piece = block[a - lo:z - lo]
+    r0 = offset[0]
+    for a, piece in _rows(shape, r0, r0 + local.shape[0], std, seed, name):
         for d in range(1, len(shape)):
             piece = piece.narrow(d, offset[d], local.shape[d])
-        local[a - r0:z - r0].copy_(piece)
+        local[a - r0:a - r0 + piece.shape[0]].copy_(piece)
 
 
-__all__ = ["BLOCK_ELEMS", "local_part", "normal_"]
+@torch.no_grad()
+def normal_flat_(dst: torch.Tensor, start: int, shape: tuple[int, ...], std: float, *, seed: int, name: str) -> None:
+    """Fill the 1-D `dst` with elements [start, start + dst.numel()) of the flattened parameter that `normal_`
+    would draw for the whole (DeepSpeed ZeRO-3 keeps each rank's partition so: a flat slice)."""
+    n = dst.numel()
+    if n == 0:
+        return
+    row = max(1, math.prod(shape[1:]))
+    r0, r1 = start // row, -(-(start + n) // row)
+    for a, piece in _rows(shape, r0, r1, std, seed, name):
+        flat = piece.reshape(-1)
+        lo = a * row  # flat index of the piece's first element
+        i, j = max(lo, start), min(lo + flat.numel(), start + n)
+        if i < j:
+            dst[i - start:j - start].copy_(flat[i - lo:j - lo])
+
+
+__all__ = ["BLOCK_ELEMS", "local_part", "normal_", "normal_flat_"]

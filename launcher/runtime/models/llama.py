@@ -94,9 +94,17 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        # GQA inside the kernel (each kv head serves heads/kv_heads query heads): autograd keeps k and v at
-        # kv_heads, where expanding them first (repeat_interleave) would save heads-sized copies.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        gqa = self.kv_heads != self.heads
+        if gqa and q.dtype == torch.float32:
+            # fp32 has no flash kernel, and the memory-efficient kernel is built without GQA: SDPA would fall back
+            # to the math kernel, which keeps every b x heads x t x t score (8.6 GB per layer at 8K). Expanded to
+            # the query heads, k and v run through the memory-efficient kernel (the planner counts them at that
+            # width in fp32: launcher.plan.activations).
+            k, v = (z.repeat_interleave(self.heads // self.kv_heads, dim=1) for z in (k, v))
+            gqa = False
+        # Otherwise GQA inside the kernel (each kv head serves heads/kv_heads query heads): autograd keeps k and v
+        # at kv_heads, where expanding them first would save heads-sized copies.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -181,17 +189,35 @@ class Llama(nn.Module):
         `buffer_device`: where the rotary tables go; with FSDP2's CPU offload the parameters are materialised
         on the host but forward runs on the GPU, so the tables must be made there (torchtitan's buffer_device).
         """
-        device = torch.device(buffer_device) if buffer_device is not None else self.rope_cos.device
-        cos, sin = rope_tables(self.shape.hidden // self.shape.heads, self.shape.seq_len, self.shape.rope_theta,
-                               device=device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self._make_rope(buffer_device if buffer_device is not None else self.rope_cos.device)
         for name, p in self.named_parameters():
             std = init_std(name, self.shape.layers)
             if std is None:
                 nn.init.ones_(p)
             else:
                 init.normal_(p, std, seed=self.init_seed, name=name)
+
+    @torch.no_grad()
+    def init_partitions(self, rank: int, buffer_device: str | torch.device) -> None:
+        """`init_weights` for a model built under DeepSpeed's zero.Init (ZeRO-3): each rank fills only its own
+        partition of each parameter (`ds_tensor`, a flat slice of ds_numel / world elements), with exactly the
+        values `init_weights` gives the whole parameter; nothing is gathered."""
+        self._make_rope(buffer_device)
+        for name, p in self.named_parameters():
+            part = p.ds_tensor.view(-1)
+            start = rank * part.numel()
+            count = max(0, min(part.numel(), p.ds_numel - start))
+            std = init_std(name, self.shape.layers)
+            if std is None:
+                part[:count].fill_(1.0)
+            else:
+                init.normal_flat_(part[:count], start, tuple(p.ds_shape), std, seed=self.init_seed, name=name)
+
+    def _make_rope(self, device: str | torch.device) -> None:
+        cos, sin = rope_tables(self.shape.hidden // self.shape.heads, self.shape.seq_len, self.shape.rope_theta,
+                               device=torch.device(device))
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks in order: a ModuleList, or a pipeline stage's ModuleDict keyed by each block's
