@@ -127,9 +127,9 @@ def _check(recipe, plan, run_dir: Path) -> int:
         from .runtime.check import check
 
         summary = check(recipe, plan, run_dir)
-    except DtlaunchError as e:
+    except DtlaunchError as e:  # CONFIG (the plan or the environment) or PREFLIGHT (this node's hardware)
         print(f"dtlaunch: this node cannot run the plan: {e}", file=sys.stderr, flush=True)
-        return ExitCode.CONFIG
+        return e.exit_code if e.exit_code == ExitCode.PREFLIGHT else ExitCode.CONFIG
     except ImportError as e:
         print(f"dtlaunch: this node cannot run the plan: {e} (install dtlaunch[train] in the job's environment)",
               file=sys.stderr, flush=True)

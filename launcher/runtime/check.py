@@ -54,6 +54,26 @@ def check_hf(recipe) -> str:
     return f", transformers {transformers.__version__}"
 
 
+def check_node(recipe, plan) -> str:
+    """This node against the plan: a GPU plan needs CUDA and a GPU per local rank (PreflightError: the node is
+    wrong, exit 44, so it can be excluded). Builds DeepSpeed's CPU Adam when the plan steps the optimizer on the
+    host with it: a JIT compile of a minute or two, here once per node instead of inside every rank's start-up."""
+    from ..deepspeed_config import uses_cpu_adam
+    from .dist import check_gpu_node
+
+    found = check_gpu_node(recipe.resources.device().is_gpu, plan.gpus_per_node)
+    lay = plan.layout
+    if lay.spec.family is Family.DEEPSPEED and uses_cpu_adam(recipe, lay.offload, recipe.resources.device().is_gpu):
+        import time
+
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        t0 = time.monotonic()
+        CPUAdamBuilder().load()
+        found += f", DeepSpeed CPU Adam ready in {time.monotonic() - t0:.1f}s"
+    return found
+
+
 def check_libraries(plan) -> str:
     import torch
 
@@ -126,6 +146,7 @@ def check(recipe, plan, run_dir: Path) -> str:
     from .layout import resolve_layout
 
     found = check_libraries(plan)
+    found += f", {check_node(recipe, plan)}"
     resolve_layout(plan, plan.world_size)  # the world torchrun will start: a layout it cannot hold fails here, once
     if recipe.entrypoint is not None:  # the user's code brings its own model, data and training length
         what = check_entrypoint(recipe.entrypoint)

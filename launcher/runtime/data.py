@@ -29,14 +29,14 @@ class SyntheticTokens:
     so the loss visibly falls from ln(vocab) within a few dozen steps; identical on every rank and run.
     """
 
-    STEPS = torch.tensor([1, 2, 3])
-    PROBS = torch.tensor([0.6, 0.3, 0.1])
+    STEPS = torch.tensor([1, 2, 3], device="cpu")
+    PROBS = torch.tensor([0.6, 0.3, 0.1], device="cpu")
 
     def __init__(self, num_tokens: int, vocab: int, seed: int):
         g = torch.Generator().manual_seed(seed)
-        perm = torch.randperm(vocab, generator=g)
+        perm = torch.randperm(vocab, generator=g, device="cpu")
         moves = self.STEPS[torch.multinomial(self.PROBS, num_tokens, replacement=True, generator=g)]
-        start = torch.randint(0, vocab, (1,), generator=g)
+        start = torch.randint(0, vocab, (1,), generator=g, device="cpu")
         walk = (start + torch.cumsum(moves, 0)) % vocab
         self.tokens = perm[walk].to(torch.int32)
         self.vocab = vocab
@@ -148,7 +148,7 @@ class GlobalOrderSampler(DistributedSampler):
     def order(self, epoch: int) -> torch.Tensor:
         """The epoch's permutation of all sample indices; a function of (seed, epoch) only."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.dataset), generator=g)
+        return torch.randperm(len(self.dataset), generator=g, device="cpu")
 
     def __iter__(self) -> Iterator[int]:
         used = self.order(self.epoch)[: self.steps_per_epoch * self.global_batch]
@@ -230,12 +230,17 @@ class Batches:
 
 def build_dataloader(data_spec, *, vocab: int, seq_len: int, micro_batch: int, grad_accum: int, rank: int,
                      world_size: int, seed: int, device: torch.device, is_gpu: bool) -> Batches:
-    """The training data for this rank. Workers and pinned memory only on GPU (they only cost on CPU)."""
+    """The training data for this rank. Workers and pinned memory only on GPU (they only cost on CPU).
+
+    Workers are started once and kept (persistent) across epochs and seeks: re-forking them each time stalled the
+    step, from a process that by then holds CUDA and NCCL threads; and they are started by a fork server, whose
+    clean process holds neither (a fork of a threaded process copies its locks in whatever state they are)."""
     source = token_source(data_spec, vocab, seed)
     dataset = TokenDataset(source, seq_len, vocab)
     global_batch = micro_batch * grad_accum * world_size
     sampler = GlobalOrderSampler(dataset, world_size, rank, global_batch, seed)
     workers = data_spec.workers if is_gpu else 0
-    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, num_workers=workers, pin_memory=is_gpu,
-                        drop_last=True, persistent_workers=False)
+    extra = {"persistent_workers": True, "multiprocessing_context": "forkserver"} if workers else {}
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, num_workers=workers,
+                        pin_memory=is_gpu and torch.cuda.is_available(), drop_last=True, **extra)
     return Batches(dataset, sampler, loader, grad_accum, device)

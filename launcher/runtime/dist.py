@@ -8,6 +8,7 @@ training one, so that a rank that stops answering turns into an error (exit code
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
 from collections.abc import Mapping, MutableMapping
@@ -340,7 +341,7 @@ def set_collective_timeout(world: World, seconds: float | None) -> None:
 
 
 def group_timeouts() -> dict[str, float]:
-    """Every process group's timeout in seconds, by group name and backend (what set_collective_timeout set)."""
+    """Every process group's timeout in seconds, by group name (the shortest of its backends')."""
     import torch
     from torch.distributed.distributed_c10d import _world
 
@@ -349,7 +350,7 @@ def group_timeouts() -> dict[str, float]:
         for dev in pg._device_types:
             opts = getattr(pg._get_backend(torch.device(dev)), "options", None)
             if opts is not None:
-                out[f"{pg.group_name}/{dev}"] = opts._timeout.total_seconds()
+                out[pg.group_name] = min(out.get(pg.group_name, math.inf), opts._timeout.total_seconds())
     return out
 
 

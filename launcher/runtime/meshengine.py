@@ -98,7 +98,7 @@ class MeshEngine(Engine):
             materialise_split(split, device, offload=layout.offload != "none")
         self.module = self.model = local  # every parameter of this rank under its whole-model name
         self.split = split
-        self.optimizer = build_optimizer(local, training)
+        self.optimizer = build_optimizer(local, training, fused=is_gpu)
         self.scheduler = build_scheduler(self.optimizer, training, steps)
         self.scaler = _make_scaler(device, fsdp=True) if layout.precision == "fp16" and loss_scaling == "dynamic" \
             else None

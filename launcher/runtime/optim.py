@@ -35,7 +35,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, training, *, cpu_adam: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, training, *, cpu_adam: bool = False,
+                    fused: bool = False) -> torch.optim.Optimizer:
+    """`fused`: AdamW in one kernel over all parameters (torchtitan's default on GPUs; on the host too, for
+    offloaded states, where the default loops over the tensors one by one). GPU jobs set it; CPU-only jobs keep
+    torch's default."""
     groups = param_groups(model, training.weight_decay)
     if training.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=training.lr, momentum=0.9)
@@ -43,7 +47,7 @@ def build_optimizer(model: torch.nn.Module, training, *, cpu_adam: bool = False)
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=training.lr, betas=tuple(training.betas), adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=training.lr, betas=tuple(training.betas), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=training.lr, betas=tuple(training.betas), eps=1e-8, fused=fused or None)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, training, steps: int) -> torch.optim.lr_scheduler.LambdaLR:

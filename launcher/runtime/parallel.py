@@ -100,7 +100,7 @@ class TorchEngine(Engine):
                 self.autocast_dtype = DTYPES[layout.precision]
         else:
             self.model = shard_fsdp2(module, layout, device, is_gpu, blocks=blocks)
-        self.optimizer = optimizer(module.parameters()) if optimizer else build_optimizer(module, training)
+        self.optimizer = optimizer(module.parameters()) if optimizer else build_optimizer(module, training, fused=is_gpu)
         self.scheduler = build_scheduler(self.optimizer, training, steps)
         self.scaler = None
         if layout.precision == "fp16" and loss_scaling == "dynamic":

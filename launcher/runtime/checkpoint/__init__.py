@@ -34,6 +34,16 @@ from .state import rank_file, rng_state, save_torch, set_rng_state
 FORMAT = 2  # 2: written in place with per-rank manifests (1: renamed from step-N.tmp, no checksums)
 
 
+def staging_options(gpu: bool):
+    """How an async save copies the state to the host. On a GPU: into pinned memory, without blocking, with one
+    synchronize at the end (blocking copies waited for each tensor in turn). Staging stays synchronous: save()
+    returns once the copy is taken, and the next optimizer step may then change the weights."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    return StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+                          use_non_blocking_copy=gpu)
+
+
 class CheckpointInvalid(Exception):
     """A committed checkpoint whose files do not check out, or that cannot be loaded."""
 
@@ -131,14 +141,9 @@ class Checkpointer:
         kept between saves. Pinned when there is a GPU (faster copies from it). Safe to refill because at most
         one save is in flight: save() waits for the previous upload first."""
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import DefaultStager
 
-            gpu = torch.cuda.is_available()
-            # On a GPU: pinned host memory and non-blocking copies with one synchronize at the end (blocking copies
-            # tensor by tensor waited for each). Staging stays synchronous: save() returns once the copy is taken,
-            # and the next optimizer step may then change the weights.
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=gpu))
+            self._stager = DefaultStager(staging_options(torch.cuda.is_available()))
         return self._stager
 
     # ------------------------------------------------------------------ save
@@ -358,4 +363,4 @@ class Checkpointer:
             self.engine.scaler.load_state_dict(trainer["scaler"])
 
 
-__all__ = ["Checkpointer", "CheckpointInvalid", "export_model", "FORMAT"]
+__all__ = ["Checkpointer", "CheckpointInvalid", "export_model", "FORMAT", "staging_options"]

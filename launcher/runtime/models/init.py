@@ -31,11 +31,13 @@ def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tupl
     """(this rank's tensor, the global shape, the global offset of its first element) of a parameter that may be
     a DTensor (FSDP2 or tensor parallel shards; DCP uses the same offsets to reshard checkpoints)."""
     if hasattr(param, "device_mesh"):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local = param.to_local()
         shape = tuple(param.shape)
-        local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
+        with unset_fake_temporarily():  # offsets are plain numbers, also when tracing on fake tensors
+            local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
         if tuple(local_shape) != tuple(local.shape):  # pragma: no cover - a placement DCP could not reshard either
             raise RuntimeError(f"cannot place a shard of shape {tuple(local.shape)} in a {shape} parameter "
                                f"(expected {tuple(local_shape)})")
@@ -53,7 +55,7 @@ def _rows(shape: tuple[int, ...], r0: int, r1: int, std: float, seed: int, name:
         block = torch.empty((hi - lo, *shape[1:]), dtype=torch.float32, device="cpu")
         block.normal_(0.0, std, generator=gen)
         a, z = max(lo, r0), min(hi, r1)
-        yield a, block[a - lo:z - lo]
+        yield a, block.narrow(0, a - lo, z - a)
 
 
 @torch.no_grad()
@@ -67,7 +69,7 @@ def normal_(param: torch.Tensor, std: float, *, seed: int, name: str) -> None:
     for a, piece in _rows(shape, r0, r0 + local.shape[0], std, seed, name):
         for d in range(1, len(shape)):
             piece = piece.narrow(d, offset[d], local.shape[d])
-        local[a - r0:a - r0 + piece.shape[0]].copy_(piece)
+        local.narrow(0, a - r0, piece.shape[0]).copy_(piece)
 
 
 @torch.no_grad()
@@ -84,7 +86,7 @@ def normal_flat_(dst: torch.Tensor, start: int, shape: tuple[int, ...], std: flo
         lo = a * row  # flat index of the piece's first element
         i, j = max(lo, start), min(lo + flat.numel(), start + n)
         if i < j:
-            dst[i - start:j - start].copy_(flat[i - lo:j - lo])
+            dst.narrow(0, i - start, j - i).copy_(flat.narrow(0, i - lo, j - i))
 
 
 __all__ = ["BLOCK_ELEMS", "local_part", "normal_", "normal_flat_"]

@@ -67,9 +67,9 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) as Meta's reference does; x is (batch, seq, heads, head_dim)."""
     xf = x.float().unflatten(-1, (-1, 2))
-    a, b = xf[..., 0], xf[..., 1]
-    c = cos[: x.shape[1]].view(1, x.shape[1], 1, -1)
-    s = sin[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    a, b = xf.unbind(-1)
+    c = cos.narrow(0, 0, x.shape[1]).view(1, x.shape[1], 1, -1)
+    s = sin.narrow(0, 0, x.shape[1]).view(1, x.shape[1], 1, -1)
     out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
     return out.type_as(x)
 
