@@ -48,7 +48,9 @@ def t_outcome_sh(c, w):
 def t_python_sh(c, w):
     w("# The interpreter of this machine's environment, resolved here (after any setup lines) and never taken\n# from the machine that rendered a cluster job; then one quick check that it can run this plan, so a\n# broken environment fails once with exit ")
     w(str(attr(need(c, 'code', '_python.sh.j2'), 'CONFIG')))
-    w(' instead of crashing every rank and every restart.\n')
+    w(' instead of crashing every rank and every restart, and\n# a node whose GPUs are missing or broken with ')
+    w(str(attr(need(c, 'code', '_python.sh.j2'), 'PREFLIGHT')))
+    w(' (the node, not the plan: exclude it).\n')
     if need(c, 'default_python', '_python.sh.j2'):
         w('DEFAULT_PYTHON=')
         w(str(f_q(need(c, 'default_python', '_python.sh.j2'))))
@@ -61,7 +63,11 @@ def t_python_sh(c, w):
     w(str(f_q(need(c, 'setup_hint', '_python.sh.j2'))))
     w('\nfi\nexport PYTHON\n')
     if ((not ('plan_check' in c)) or need(c, 'plan_check', '_python.sh.j2')):
-        w('if ! "$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check; then\n  fail ')
+        w('CHECK_RC=0\n"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?\nif [ "$CHECK_RC" -eq ')
+        w(str(attr(need(c, 'code', '_python.sh.j2'), 'PREFLIGHT')))
+        w(' ]; then\n  fail ')
+        w(str(attr(need(c, 'code', '_python.sh.j2'), 'PREFLIGHT')))
+        w(' "this node cannot run the plan (see above): exclude it and resubmit"\nelif [ "$CHECK_RC" -ne 0 ]; then\n  fail ')
         w(str(attr(need(c, 'code', '_python.sh.j2'), 'CONFIG')))
         w(' "$PYTHON cannot run this plan (see above);" ')
         w(str(f_q(need(c, 'setup_hint', '_python.sh.j2'))))
@@ -140,9 +146,13 @@ def t_slurm_batch_sh(c, w):
         if need(c, 'host_python', '_slurm_batch.sh.j2'):
             l7_plan_check = False
             t_python_sh({**c, 'plan_check': l7_plan_check}, w)
-        w("# The interpreter is the image's: checked inside the container, before any rank starts.\nif ! ")
+        w("# The interpreter is the image's: checked inside the container, before any rank starts.\nCHECK_RC=0\n")
         w(str(f_cmd(need(c, 'container_check', '_slurm_batch.sh.j2'))))
-        w('; then\n  fail ')
+        w(' || CHECK_RC=$?\nif [ "$CHECK_RC" -eq ')
+        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
+        w(' ]; then\n  fail ')
+        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
+        w(' "this node cannot run the plan (see above): exclude it and resubmit"\nelif [ "$CHECK_RC" -ne 0 ]; then\n  fail ')
         w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'CONFIG')))
         w(' "the container image cannot run this plan (see above);" ')
         w(str(f_q(need(c, 'image_hint', '_slurm_batch.sh.j2'))))

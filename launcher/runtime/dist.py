@@ -265,6 +265,12 @@ def init_distributed(recipe=None, plan=None, *, init_timeout_s: float | None = N
             "MASTER_PORT": str(proc.master_port)}.items() if k not in env})
     env.update(env_set)
     _apply_threads()
+    if is_gpu and plan is not None and plan.layout.offload != "none":
+        # The optimizer steps the offloaded states on the host: torchrun's OMP_NUM_THREADS=1 would leave it one
+        # core per rank (seconds per step), where the node's cores shared by its ranks are what it needs.
+        import torch
+
+        torch.set_num_threads(max(1, cpu_cores() // max(1, proc.local_world_size)))
     if recipe is not None:
         init_timeout_s = init_timeout_s or recipe.training.init_timeout_seconds
         timeout_s = timeout_s or recipe.training.timeout_seconds

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from launcher import planfile
 from launcher.runtime import Trainer, init_distributed
+from launcher.runtime.dist import group_timeouts
 
 
 def local_bytes(t) -> int:
@@ -31,7 +32,8 @@ def holdings(trainer: Trainer, rank: int) -> dict:
     optim = sum(local_bytes(v) for st in eng.optimizer.state.values() for k, v in st.items()
                 if k in ("exp_avg", "exp_avg_sq", "momentum_buffer"))
     return {"rank": rank, "coords": list(trainer.layout.coords(rank)), "params": params, "optim": optim,
-            "engine": type(eng).__name__}
+            "engine": type(eng).__name__, "timeouts": group_timeouts(),
+            "checkpoint_group": trainer.world.checkpoint_group.group_name}
 
 
 def main() -> None:

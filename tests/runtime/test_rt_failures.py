@@ -148,3 +148,38 @@ def test_a_rank_aborted_after_a_collective_timeout_counts_as_a_hang(tmp_path):
     (status,) = (out / "status").glob("manual-*")
     assert (status / "nccl_trace_rank_1").is_file() and not (status / "rank-00001.code").exists()
     assert BASE_RECIPE["training"]["steps"] > 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,code,says", [
+    ("oom", ExitCode.CONFIG, "the plan expected"),
+    ("gpu_fault", ExitCode.PREFLIGHT, "exclude this node"),
+])
+def test_gpu_errors_end_with_the_code_that_says_what_to_do(run_dir, fault, code, says):
+    """A CUDA out-of-memory error is deterministic (the same step needs the same memory): CONFIG, never retried,
+    with the plan's figure beside it. A GPU's hardware failing (an ECC error, an unspecified launch failure):
+    PREFLIGHT, so the node can be excluded. Both used to exit FAILED and be retried as they were. No GPU here: the
+    fault raises the error torch raises."""
+    rec = recipe_dict(training={"steps": 10, "timeout_seconds": TIMEOUT_S}, checkpoint={"every": 100})
+    res = run_torchrun(write_plan(run_dir, rec), run_dir, env={"DTLAUNCH_FAULT": f"{fault}:rank=1:step=3"})
+    assert code in res.worker_codes, res.output[-3000:]
+    status = res.statuses()[1]
+    assert status["code"] == code and says in status["message"] and status["step"] == 3
+
+
+@pytest.mark.slow
+def test_an_aborted_communicator_is_a_hang_and_its_dump_is_kept(tmp_path, run_dir):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (what the job sets): after a collective times out, NCCL's watchdog aborts
+    the communicators, the rank's next NCCL call raises "NCCL communicator was aborted" (no timeout in the text),
+    and the flight recorder's dump may still be on its way. The rank exits HANG (it exited FAILED), and only once
+    its dump is on disk (an immediate exit lost it). No GPU here: the fault raises the error and writes the dump
+    2 s later from another thread, as the watchdog would."""
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    rec = recipe_dict(training={"steps": 10, "timeout_seconds": TIMEOUT_S}, checkpoint={"every": 100})
+    res = run_torchrun(write_plan(run_dir, rec), run_dir, env={
+        "DTLAUNCH_FAULT": "comm_abort:rank=1:step=3:delay=2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dumps / "nccl_trace_rank_")}, timeout=120)
+    status = res.statuses()[1]
+    assert status["code"] == ExitCode.HANG and "watchdog aborted" in status["message"], res.output[-3000:]
+    assert (dumps / "nccl_trace_rank_1").read_bytes().startswith(b"flight recorder dump")

@@ -54,14 +54,16 @@ GRAD_RTOL = 1e-4  # gradient norms in the first steps, relative (~1e-5 seen: ~80
 GRAD_RTOL_LATER = 1e-3
 FIRST = 4  # steps compared for a fresh layout
 STEPS = 12  # the resume chain and the reference
-HF_MODEL = "llama-tiny-biases"  # q/k/v and MLP biases: column-wise biases split, row-wise ones whole
+HF_MODEL = "llama-tiny-biases"
+TIMEOUT_S = 45  # training.timeout_seconds of every case (init_timeout_seconds: 60)  # q/k/v and MLP biases: column-wise biases split, row-wise ones whole
 
 
 def base(accelerator: str, strategy: str, tp: int = 1, pp: int = 1, steps: int = FIRST, **parallelism) -> dict:
     return recipe_dict(
         parallelism={"strategy": strategy, "tensor": tp, "pipeline": pp, **parallelism},
         resources={"accelerator": accelerator},
-        training={"deterministic": True, "steps": steps, "grad_clip": 1.0, "preflight": False},
+        training={"deterministic": True, "steps": steps, "grad_clip": 1.0, "preflight": False,
+                  "timeout_seconds": TIMEOUT_S, "init_timeout_seconds": 60},
         checkpoint={"every": 100, "export": "none"},
     )
 
@@ -273,6 +275,22 @@ def test_every_ranks_states_are_the_planners(runs, name):
         assert held["params"] == pytest.approx(params, rel=1e-12), (name, held)
         assert held["optim"] == pytest.approx(optim, rel=1e-12), (name, held)
     print(f"\n{name}: " + "; ".join(f"rank {r} {tuple(c)}: params {p} B, optimizer {o} B" for r, c, p, _, o, _ in rows))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp2xpp2xdp2", "tp2xhsdp", "pp2xdp2", "tp2xdp2"])
+def test_every_training_group_gets_the_training_timeout(runs, name):
+    """Once the first step is done, every process group of every rank (the world, each mesh dimension's, FSDP2's,
+    the step agreement's) times out after training.timeout_seconds; only the checkpoint group keeps the long
+    start-up timeout (a big save may take minutes). Sub-groups kept the backend's default (gloo 30 min, NCCL
+    10 min) before: a stuck rank in a tensor- or pipeline-parallel collective went unnoticed for that long."""
+    d, _ = result(runs, name)
+    for f in sorted(d.glob("rank-*.json")):
+        held = json.loads(f.read_text())
+        timeouts = dict(held["timeouts"])
+        assert timeouts.pop(held["checkpoint_group"]) == 60
+        assert len(timeouts) >= 3, timeouts  # the world, the agreement's group, the mesh's
+        assert set(timeouts.values()) == {TIMEOUT_S}, (name, held["rank"], timeouts)
 
 
 @pytest.mark.slow

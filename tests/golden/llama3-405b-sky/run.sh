@@ -28,13 +28,18 @@ PORT="${DTLAUNCH_PORT:-29500}"
 
 # The interpreter of this machine's environment, resolved here (after any setup lines) and never taken
 # from the machine that rendered a cluster job; then one quick check that it can run this plan, so a
-# broken environment fails once with exit 2 instead of crashing every rank and every restart.
+# broken environment fails once with exit 2 instead of crashing every rank and every restart, and
+# a node whose GPUs are missing or broken with 44 (the node, not the plan: exclude it).
 PYTHON="${DTLAUNCH_PYTHON:-$(command -v python3 || command -v python || true)}"
 if [ -z "$PYTHON" ]; then
   fail 2 "no python3 on PATH;" 'the task'"'"'s setup installs dtlaunch from the wheel next to task.yaml; check the setup log (sky logs)'
 fi
 export PYTHON
-if ! "$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check; then
+CHECK_RC=0
+"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?
+if [ "$CHECK_RC" -eq 44 ]; then
+  fail 44 "this node cannot run the plan (see above): exclude it and resubmit"
+elif [ "$CHECK_RC" -ne 0 ]; then
   fail 2 "$PYTHON cannot run this plan (see above);" 'the task'"'"'s setup installs dtlaunch from the wheel next to task.yaml; check the setup log (sky logs)'
 fi
 

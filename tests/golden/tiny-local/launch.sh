@@ -8,6 +8,7 @@ fail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; exit "$rc"; }
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=2
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
+export TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=60000
 export TORCH_FR_BUFFER_SIZE=2000
 export NCCL_DEBUG=WARN
 export PYTHONUNBUFFERED=1
@@ -27,7 +28,8 @@ export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
 
 # The interpreter of this machine's environment, resolved here (after any setup lines) and never taken
 # from the machine that rendered a cluster job; then one quick check that it can run this plan, so a
-# broken environment fails once with exit 2 instead of crashing every rank and every restart.
+# broken environment fails once with exit 2 instead of crashing every rank and every restart, and
+# a node whose GPUs are missing or broken with 44 (the node, not the plan: exclude it).
 DEFAULT_PYTHON=<python that rendered>
 PYTHON="${DTLAUNCH_PYTHON:-$DEFAULT_PYTHON}"
 if [ ! -x "$PYTHON" ]; then PYTHON="$(command -v python3 || command -v python || true)"; fi
@@ -35,7 +37,11 @@ if [ -z "$PYTHON" ]; then
   fail 2 "no python3 on PATH;" 'set DTLAUNCH_PYTHON to the python of an environment that has dtlaunch[train] (or activate it)'
 fi
 export PYTHON
-if ! "$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check; then
+CHECK_RC=0
+"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?
+if [ "$CHECK_RC" -eq 44 ]; then
+  fail 44 "this node cannot run the plan (see above): exclude it and resubmit"
+elif [ "$CHECK_RC" -ne 0 ]; then
   fail 2 "$PYTHON cannot run this plan (see above);" 'set DTLAUNCH_PYTHON to the python of an environment that has dtlaunch[train] (or activate it)'
 fi
 
