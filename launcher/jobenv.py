@@ -146,6 +146,28 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return out
 
 
+def last_logged_step(path: str | os.PathLike, tail_bytes: int = 1 << 16) -> dict | None:
+    """The newest logged step's record of a metrics.jsonl (a run dir or the file), read from the file's end only
+    (a long run's file grows by a line per logged step; `status` must not read it all); None if there is none."""
+    p = metrics_path(path)
+    try:
+        with open(p, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "step" in rec and "loss" in rec:
+            return rec
+    return None
+
+
 # ----------------------------------------------------------------------------- formatting
 
 GB = 1e9  # vendors quote GPU memory in GB of 1e9 bytes; so does every figure dtlaunch prints

@@ -47,6 +47,9 @@ CASES = [
     (["resources.nodes=2", "checkpoint.dir=/tmp/ckpt/{run_id}", "training.global_batch=16"], "checkpoint-dir-multinode",
      "slurm"),
     (["parallelism.precision=fp32"], "fp32-on-bf16-gpu", None),
+    (["parallelism.precision=fp32"], "fp32-gqa-gpu", None),  # the tiny preset: 4 heads, 2 kv heads
+    (["parallelism.strategy=zero2", "parallelism.offload=optimizer", "training.optimizer=sgd"],
+     "offload-torch-optimizer", None),
     (["checkpoint.async=true", "checkpoint.keep=1"], "async-keep", None),
     (["resources.accelerator=V100:8"], "bf16-unsupported", None),
     (["secrets=[WANDB_API_KEY]", "env={WANDB_API_KEY: abc}"], "secret-in-env", None),

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..errors import DtlaunchError
+from ..jobenv import last_logged_step
 
 
 @click.command("status")
@@ -25,7 +26,8 @@ def status_cmd(job, as_json):
             st = backend(r.target).status(r)
         except DtlaunchError as e:
             st = JobStatus("UNKNOWN", detail=str(e))
-        rows.append({"name": r.name, "target": r.target, "job_id": r.job_id, "run_dir": r.run_dir, **st.to_dict()})
+        rows.append({"name": r.name, "target": r.target, "job_id": r.job_id, "run_dir": r.run_dir, **st.to_dict(),
+                     "last_step": last_logged_step(r.run_dir) if r.run_dir and Path(r.run_dir).is_dir() else None})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -34,7 +36,29 @@ def status_cmd(job, as_json):
     for row in rows:
         extra = f" exit={row['exit_code']}" if row.get("exit_code") is not None else ""
         detail = f" ({row['detail']})" if row.get("detail") else ""
-        click.echo(f"{row['name']}\t{row['target']}:{row['job_id']}\t{row['state']}{extra}{detail}\t{row['run_dir']}")
+        progress = f"\t{describe_step(row['last_step'])}" if row.get("last_step") else ""
+        click.echo(f"{row['name']}\t{row['target']}:{row['job_id']}\t{row['state']}{extra}{detail}\t{row['run_dir']}"
+                   f"{progress}")
+
+
+def describe_step(rec: dict) -> str:
+    """The newest logged step as `status` shows it: step, loss, throughput, MFU, memory (the maximum over ranks)."""
+    parts = [f"step {rec['step']}", f"loss {rec['loss']:.4f}" if isinstance(rec.get("loss"), (int, float)) else ""]
+    if rec.get("tokens_per_s"):
+        tps = rec["tokens_per_s"]
+        parts.append(f"{tps / 1e3:.1f}k tok/s" if tps >= 1e3 else f"{tps:.0f} tok/s")
+    if rec.get("mfu") is not None:
+        parts.append(f"mfu {rec['mfu']:.1%}")
+    where = f" (rank {rec['peak_rank']})" if rec.get("peak_rank") is not None else ""
+    if rec.get("reserved_peak_mb") is not None:
+        parts.append(f"mem {rec['active_peak_mb'] / 1024:.1f}/{rec['reserved_peak_mb'] / 1024:.1f} GiB{where}")
+        if rec.get("alloc_retries"):
+            parts.append(f"alloc retries {rec['alloc_retries']:.0f}")
+        if rec.get("ooms"):
+            parts.append(f"OOMs {rec['ooms']:.0f}")
+    elif rec.get("host_rss_mb") is not None:
+        parts.append(f"rss {rec['host_rss_mb']:.0f} MB{where}")
+    return " | ".join(p for p in parts if p)
 
 
 @click.command("logs")

@@ -237,6 +237,26 @@ def _apply_threads() -> None:
         torch.set_num_threads(n)
 
 
+def _device(proc: ProcEnv, is_gpu: bool, plan, env: MutableMapping[str, str]):
+    """This rank's device, with the process settings that go with it."""
+    import torch
+
+    if not is_gpu:
+        return torch.device("cpu")
+    index = gpu_index(proc.local_rank, proc.local_world_size, torch.cuda.device_count(), env.get("CUDA_VISIBLE_DEVICES"))
+    torch.cuda.set_device(index)
+    gpu_settings()
+    if index != proc.local_rank:
+        # DeepSpeed (and other libraries) pick their GPU by LOCAL_RANK: under srun with one GPU per task that is
+        # "invalid device ordinal". Tell them the index really used.
+        env["LOCAL_RANK"] = str(index)
+    if plan is not None and plan.layout.offload != "none":
+        # The optimizer steps the offloaded states on the host: torchrun's OMP_NUM_THREADS=1 would leave it one
+        # core per rank (seconds per step), where the node's cores shared by its ranks are what it needs.
+        torch.set_num_threads(max(1, cpu_cores() // max(1, proc.local_world_size)))
+    return torch.device("cuda", index)
+
+
 def init_distributed(recipe=None, plan=None, *, init_timeout_s: float | None = None, timeout_s: float | None = None,
                      env: MutableMapping[str, str] = os.environ, verbose: bool = True) -> World:
     """Create the process group (NCCL on GPU, gloo on CPU) and return the World.
@@ -265,27 +285,10 @@ def init_distributed(recipe=None, plan=None, *, init_timeout_s: float | None = N
             "MASTER_PORT": str(proc.master_port)}.items() if k not in env})
     env.update(env_set)
     _apply_threads()
-    if is_gpu and plan is not None and plan.layout.offload != "none":
-        # The optimizer steps the offloaded states on the host: torchrun's OMP_NUM_THREADS=1 would leave it one
-        # core per rank (seconds per step), where the node's cores shared by its ranks are what it needs.
-        import torch
-
-        torch.set_num_threads(max(1, cpu_cores() // max(1, proc.local_world_size)))
     if recipe is not None:
         init_timeout_s = init_timeout_s or recipe.training.init_timeout_seconds
         timeout_s = timeout_s or recipe.training.timeout_seconds
-    if is_gpu:
-        index = gpu_index(proc.local_rank, proc.local_world_size, torch.cuda.device_count(),
-                          env.get("CUDA_VISIBLE_DEVICES"))
-        torch.cuda.set_device(index)
-        device = torch.device("cuda", index)
-        gpu_settings()
-        if index != proc.local_rank:
-            # DeepSpeed (and other libraries) pick their GPU by LOCAL_RANK: under srun with one GPU per task that
-            # is "invalid device ordinal". Tell them the index really used.
-            env["LOCAL_RANK"] = str(index)
-    else:
-        device = torch.device("cpu")
+    device = _device(proc, is_gpu, plan, env)
     backend = backend_for(is_gpu, host_collectives(plan))
     world = World(proc, backend, device, is_gpu, env_set=env_set)
     if not dist.is_initialized():

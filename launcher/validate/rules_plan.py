@@ -40,6 +40,29 @@ def _fp32(r: Recipe, p: Plan):
                 "use precision: bf16")
 
 
+@rule("fp32-gqa-gpu", "warning", "parallelism.precision", "fp32 attention with grouped-query heads on a GPU")
+def _fp32_gqa(r: Recipe, p: Plan):
+    s, dev = r.model.shape(), r.resources.device()
+    if s is None or not dev.is_gpu or p.layout.precision != "fp32" or s.kv_heads >= s.heads:
+        return None
+    extra = 2 * 4 * p.seq_len * p.layout.micro_batch * (s.hidden - s.hidden * s.kv_heads // s.heads) * s.layers
+    extra /= max(1, p.layout.tp * p.layout.pp)
+    return (f"fp32 attention has no flash kernel, and the memory-efficient kernel has no grouped-query attention: "
+            f"the runtime expands k and v from {s.kv_heads} to {s.heads} heads (about {extra / 1e9:.1f} GB more "
+            "activations per GPU, counted in the plan) rather than fall back to the math kernel, which would keep "
+            "every attention score", "use parallelism.precision: bf16 (flash attention, grouped heads kept)")
+
+
+@rule("offload-torch-optimizer", "warning", "training.optimizer", "ZeRO-Offload stepping SGD on the host")
+def _offload_sgd(r: Recipe, p: Plan):
+    lay = p.layout
+    if lay.spec.family.value == "deepspeed" and lay.offload != "none" and r.resources.device().is_gpu \
+            and r.training.optimizer != "adamw":
+        return (f"with offload: {lay.offload}, DeepSpeed steps the optimizer on the host; its fast CPU optimizer is "
+                f"Adam only, so {r.training.optimizer} runs as torch's, tensor by tensor on the CPU, every step",
+                "use training.optimizer: adamw (DeepSpeed's CPU Adam), or parallelism.offload: none")
+
+
 @rule("does-not-fit", "error", "parallelism.strategy", "the chosen layout does not fit in GPU memory")
 def _fit(r: Recipe, p: Plan):
     m = p.memory
