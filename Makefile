@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install system test lint templates demo bench bench-smoke clean
+.PHONY: install system test test-gpu lint templates demo bench bench-smoke clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,11 @@ templates: install
 PYTEST_WORKERS ?= 0
 test: install system lint
 	$(PY) -m pytest -q -ra --durations=15 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The GPU suite (tests/gpu): run it on a machine with CUDA GPUs, and record what ran in docs/gpu.md. Without CUDA
+# every test is skipped with the reason (so is every 8-GPU test on a smaller machine).
+test-gpu: install
+	$(PY) -m pytest -q -ra -m gpu tests/gpu $(PYTEST_ARGS)
 
 demo: install
 	@echo "== plan: Llama 3 70B on 8 nodes x 8 H100"
