@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch
-
 from gpu_harness import gpu_recipe, result, run_cases, steps
+
 from launcher.jobenv import ExitCode
 from rt_harness import deep_merge, load_safetensors, run_torchrun, write_plan
 

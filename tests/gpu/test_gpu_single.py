@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_harness import accelerator, gpu_recipe, result, run_cases, steps
+
 from launcher.jobenv import ExitCode
 from rt_harness import deep_merge, load_safetensors, run_torchrun, write_plan
 
@@ -127,11 +127,11 @@ def test_16_sdpa_runs_a_fused_kernel_or_says_why():
 
 
 def _single_world_trainer(tmp_path, monkeypatch, recipe: dict):
+    import yaml
+
     from launcher.plan import make_plan
     from launcher.recipe import load_text
     from launcher.runtime.loop import Trainer
-
-    import yaml
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SKYPILOT_NODE_RANK"):
         monkeypatch.delenv(k, raising=False)
@@ -200,10 +200,10 @@ def test_9_resume_with_fewer_visible_gpus(tmp_path):
 
 
 def test_22_data_workers_pin_and_read_the_same_tokens(tmp_path):
+    import yaml
+
     from launcher.recipe import load_text
     from launcher.runtime.data import build_dataloader
-
-    import yaml
 
     rec = load_text(yaml.safe_dump(gpu_recipe(training={"data": {"source": "synthetic", "num_tokens": 20000,
                                                                    "workers": 2}})), "<gpu test>")
