@@ -8,7 +8,6 @@ training one, so that a rank that stops answering turns into an error (exit code
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import re
 from collections.abc import Mapping, MutableMapping
@@ -349,20 +348,6 @@ def set_collective_timeout(world: World, seconds: float | None) -> None:
     world.timeout_s = seconds
 
 
-def group_timeouts() -> dict[str, float]:
-    """Every process group's timeout in seconds, by group name (the shortest of its backends')."""
-    import torch
-    from torch.distributed.distributed_c10d import _world
-
-    out = {}
-    for pg in _world.pg_map:
-        for dev in pg._device_types:
-            opts = getattr(pg._get_backend(torch.device(dev)), "options", None)
-            if opts is not None:
-                out[pg.group_name] = min(out.get(pg.group_name, math.inf), opts._timeout.total_seconds())
-    return out
-
-
 def shutdown(world: World | None = None) -> None:
     """Barrier, then destroy: destroying while a peer still sends aborted ~15% of runs here."""
     import torch.distributed as dist
@@ -375,5 +360,5 @@ def shutdown(world: World | None = None) -> None:
 
 
 __all__ = ["ProcEnv", "World", "backend_for", "check_gpu_node", "cpu_cores", "detect", "first_slurm_host", "gpu_index",
-           "group_timeouts", "host_collectives", "init_distributed", "job_environment", "set_collective_timeout",
+           "host_collectives", "init_distributed", "job_environment", "set_collective_timeout",
            "shutdown"]

@@ -18,12 +18,25 @@ from pathlib import Path
 
 from launcher import planfile
 from launcher.runtime import Trainer, init_distributed
-from launcher.runtime.dist import group_timeouts
 
 
 def local_bytes(t) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
     return t.numel() * t.element_size()
+
+
+def group_timeouts() -> dict[str, float]:
+    """Every process group's timeout in seconds, read off its backends (the shortest of them)."""
+    import torch
+    from torch.distributed.distributed_c10d import _world
+
+    out: dict[str, float] = {}
+    for pg in _world.pg_map:
+        for dev in pg._device_types:
+            opts = getattr(pg._get_backend(torch.device(dev)), "options", None)
+            if opts is not None:
+                out[pg.group_name] = min(out.get(pg.group_name, float("inf")), opts._timeout.total_seconds())
+    return out
 
 
 def holdings(trainer: Trainer, rank: int) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import datetime
 import math
 import subprocess
 import sys
@@ -553,22 +552,114 @@ def test_22_data_workers_with_pinned_memory_read_what_the_main_process_reads(tmp
     assert [w.pid for w in gpu.loader._iterator._workers] == workers  # the same processes, not re-forked
 
 
-# ----------------------------------------------------------------------------- 10: timeouts (helpers)
-
-
-def test_10_group_timeouts_are_read_from_every_group():
-    from launcher.runtime.dist import group_timeouts
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=77))
-    try:
-        dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=33))
-        assert sorted(group_timeouts().values()) == [33.0, 77.0]
-    finally:
-        dist.destroy_process_group()
-
-
 def test_host_values_is_a_plain_read():
     from launcher.runtime.agreement import host_values
 
     assert host_values(torch.tensor([1.5, 2.0])) == [1.5, 2.0] and not math.isnan(host_values(torch.ones(1))[0])
+
+
+# ----------------------------------------------------------------------------- the shipped recipes at full size
+
+
+@pytest.mark.parametrize("recipe,ranks", [("llama70b.yaml", (0, 1, 31, 63)), ("llama3-405b.yaml", (0, 7, 8, 77, 127)),
+                                          ("llama3-8b.yaml", (0, 3))])
+def test_the_mesh_at_full_size_puts_each_rank_where_its_data_says(recipe, ranks):
+    """At the shipped recipes' real world sizes (64, 128 ranks: a fake process group, this process being each rank
+    in turn), the DeviceMesh torch builds puts every rank at the coordinates the runtime reads its data by
+    (`RuntimeLayout.coords`): a rank that torch places in another tensor-parallel group than the data loader
+    assumes would train on another group's batch."""
+    from launcher.recipe import load
+    from launcher.runtime.layout import resolve_layout
+    from launcher.runtime.meshengine import build_mesh, dp_dims
+    from testpaths import RECIPES
+
+    rec = load(RECIPES / recipe)
+    plan = make_plan(rec)
+    layout, _ = resolve_layout(plan, plan.world_size)
+    _, shard = dp_dims(layout)
+    for r in ranks:
+        with fake_world(plan.world_size, "fake", rank=r):
+            mesh = build_mesh(layout, torch.device("cpu"))
+            pp, rep, sh, tp = mesh.get_coordinate()
+        assert (pp, rep * shard + sh, tp) == layout.coords(r), (recipe, r)
+
+
+def test_collectives_per_step_of_the_70b_recipe_at_64_ranks():
+    """The 70B recipe's step traced at its 64 ranks (fake tensors and process group, `dtlaunch plan --trace`'s
+    machinery) at 2 and at 3 layers: one more FSDP2 unit adds, per micro-step, one all-gather in forward, one in
+    backward (its weights were freed after forward: reshard_after_forward) and one reduce-scatter of its
+    gradients (on every micro-step, or only on the step's last when the plan reduces once per step); the
+    clipping's all-reduce does not grow with depth."""
+    import collections
+
+    from launcher.recipe import load
+    from launcher.trace.fake import fake_world as trace_world
+    from launcher.trace.fake import trace_step
+    from testpaths import RECIPES
+
+    rec = load(RECIPES / "llama70b.yaml")
+    plan = make_plan(rec)
+    lay = plan.layout
+    assert lay.strategy == "fsdp" and plan.world_size == 64 and lay.grad_accum >= 2
+    counts: collections.Counter = collections.Counter()
+    names = {"all_gather_single": "all-gather", "all_gather_into_tensor": "all-gather",
+             "reduce_scatter_single": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
+             "all_reduce": "all-reduce"}
+    real = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def counting(name, f):
+        def call(*a, **k):
+            counts[names[name]] += 1
+            return f(*a, **k)
+        return call
+
+    by_depth = {}
+    try:
+        for n, f in real.items():
+            setattr(dist, n, counting(n, f))
+        for layers in (2, 3):
+            counts.clear()
+            with trace_world(plan.world_size):
+                trace_step(rec, plan, layers=layers)
+            by_depth[layers] = dict(counts)
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+    iterations, micro = 2, 2  # trace_step: two iterations of min(grad_accum, 2) micro-steps
+    grow = {k: by_depth[3].get(k, 0) - by_depth[2].get(k, 0) for k in ("all-gather", "reduce-scatter", "all-reduce")}
+    reduces = micro if lay.grad_reduce == "every_micro_batch" else 1
+    assert grow == {"all-gather": iterations * micro * 2, "reduce-scatter": iterations * reduces, "all-reduce": 0}, \
+        by_depth
+
+
+# ----------------------------------------------------------------------------- 5, 6: the streamed export
+
+
+def test_5_6_the_export_is_written_in_place_one_tensor_at_a_time(tmp_path):
+    """safetensors' own reader takes a file written tensor by tensor, in any order, from a header computed before
+    any tensor exists (so no rank ever holds the whole model, a clone of it and its bytes at once); the file
+    appears only when complete, and an interrupted export leaves nothing."""
+    from safetensors import safe_open
+
+    from launcher.runtime.checkpoint.export import SafetensorsWriter
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b.weight": torch.randn(3, 5, generator=g), "a.weight": torch.randn(7, generator=g),
+               "c.bias": torch.randn(2, 2, 2, generator=g), "empty": torch.empty(0, 4)}
+    path = tmp_path / "model.safetensors"
+    w = SafetensorsWriter(path, {k: tuple(v.shape) for k, v in tensors.items()}, {"format": "pt"})
+    for name in ("c.bias", "empty", "a.weight"):  # not the file's order
+        w.write(name, tensors[name].to(torch.bfloat16).float())  # any dtype in, fp32 out
+        assert not path.exists()
+    w.write("b.weight", tensors["b.weight"])
+    assert w.close() == path and not list(tmp_path.glob("*.partial"))
+    with safe_open(str(path), "pt") as f:
+        assert sorted(f.keys()) == sorted(tensors) and f.metadata() == {"format": "pt"}
+        for k, v in tensors.items():
+            want = v if k == "b.weight" else v.to(torch.bfloat16).float()
+            assert torch.equal(f.get_tensor(k), want), k
+    w = SafetensorsWriter(tmp_path / "x.safetensors", {"a": (2,)}, {})
+    with pytest.raises(RuntimeError, match="never written"):
+        w.close()
+    w.abort()
+    assert not list(tmp_path.glob("x.safetensors*"))
