@@ -27,8 +27,7 @@ from launcher import catalog, jobenv
 from launcher.plan import make_plan
 from launcher.recipe import load_text
 from launcher.runtime.failures import PreflightError
-from launcher.runtime.models import materialise
-from launcher.runtime.models.llama import apply_rope, build_model, init_std
+from launcher.runtime.models.llama import apply_rope, build_model
 from rt_harness import recipe_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,6 +101,8 @@ def test_2_offload_materialises_parameters_on_the_host_and_the_rotary_tables_on_
     made on the GPU, or the first forward mixes devices. Fake CUDA tensors: the real materialisation."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from launcher.runtime.models import materialise
+
     model = build_model(catalog.PRESETS["micro"], device="meta")
     with FakeTensorMode(allow_non_fake_inputs=True):
         materialise(model, torch.device("cuda"), offload=True)
@@ -135,6 +136,8 @@ def test_3_an_interleaved_split_built_on_meta_materialises_every_chunk():
 def test_12_initial_weights_are_a_function_of_seed_name_and_shape():
     """No two layers (so no two pipeline stages) draw the same numbers, the statistics are the intended ones,
     and the seed, not the global generator, decides them."""
+    from launcher.runtime.models.llama import init_std
+
     shape = catalog.PRESETS["small-50m"]
     torch.manual_seed(123)
     a = dict(build_model(shape, seed=0).named_parameters())
