@@ -130,9 +130,9 @@ def test_strategy_trains(matrix, strategy, precision, ac, offload):
     weights = load_safetensors(d / "model.safetensors")
     assert sum(t.numel() for t in weights.values()) == count_params(catalog.PRESETS["tiny"])
     assert all(str(t.dtype) == "torch.float32" for t in weights.values())
-    last = rows[-1]  # what a GPU user watches, here on CPU: the host's figures, the GPU's null (never invented)
-    assert last["host_rss_mb"] > 50 and last["peak_rank"] in (0, 1) and last["tokens_per_s"] > 0
-    assert last["mfu"] is None and last["active_peak_mb"] is None and last["reserved_peak_mb"] is None
+    record = rows[-1]  # what a GPU user watches, here on CPU: the host's figures, the GPU's null (never invented)
+    assert record["host_rss_mb"] > 50 and record["peak_rank"] in (0, 1) and record["tokens_per_s"] > 0
+    assert record["mfu"] is None and record["active_peak_mb"] is None and record["reserved_peak_mb"] is None
     start = [m for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if m.get("event") == "start"]
     # ZeRO-3 builds under deepspeed.zero.Init (no rank ever holds the whole model); sharded torch strategies on meta
     assert start[0]["init"] == {"ddp": "eager", "zero1": "eager", "zero2": "eager",
