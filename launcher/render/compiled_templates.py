@@ -224,7 +224,7 @@ def t_local_launch_sh(c, w):
 
 
 def t_sky_run_sh(c, w):
-    w('set -uo pipefail\nfail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; exit "$rc"; }\nJOB_DIR=')
+    w('# One subshell around the whole run: SkyPilot appends its own lines after this script (with MOUNT_CACHED\n# storage, the wait until rclone has uploaded every checkpoint file), and an `exit` at the top level would end\n# the shell before them. Inside the subshell every `exit` ends only it; its code is what SkyPilot reads next.\n(\nset -uo pipefail\nfail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; exit "$rc"; }\nJOB_DIR=')
     w(str(f_q(need(c, 'job_dir', 'sky_run.sh.j2'))))
     w('\n# ---- rendezvous: the head node\'s address, derived explicitly (no silent localhost fallback)\nMASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"\nif [ -z "$MASTER_ADDR" ]; then\n  echo "dtlaunch: SKYPILOT_NODE_IPS is empty: no head-node address for the rendezvous" >&2\n  exit ')
     w(str(attr(need(c, 'code', 'sky_run.sh.j2'), 'PREFLIGHT')))
@@ -270,7 +270,7 @@ def t_sky_run_sh(c, w):
         w(' &\n')
     w('LAUNCHER=$!\nrc=0\nwhile :; do\n  wait "$LAUNCHER"; rc=$?\n  kill -0 "$LAUNCHER" 2>/dev/null || break  # wait returns early when a trapped signal arrives\ndone\n')
     t_outcome_sh(c, w)
-    w('exit "$(dtl_outcome "$rc")"\n')
+    w('exit "$(dtl_outcome "$rc")"\n)\n')
 
 
 def t_sky_setup_sh(c, w):

@@ -154,3 +154,37 @@ def test_head_only_deepspeed_launch_never_leaks_or_runs_recipe_values(tmp_path, 
         r = load(TINY, ov + extra)
         assert rule in {f.rule for f in validate(r, make_plan(r), "sky") if f.severity == "error"}, rule
     assert shlex.split(" ".join(head))  # the recorded launch is plain words
+
+
+@pytest.mark.parametrize("ips,launch_rc,want", [(("10.0.0.5",), 42, 42), (("",), 0, 44)],
+                         ids=["preempted", "fail-before-launch"])
+def test_the_run_inside_skypilots_wrapper_waits_for_the_upload_and_keeps_its_code(tmp_path, ips, launch_rc, want):
+    """SkyPilot runs `run` as a script of its own making: sky.backends.task_codegen's build_task_bash_script
+    appends, after it, the wait until rclone has uploaded everything written to MOUNT_CACHED storage (the
+    checkpoints), then exits with the run's code. The rendered run, wrapped by that very function, with an
+    rclone log that reports the cache uploaded and a `findmnt` that shows an rclone mount (the bucket): the wait
+    runs, after a preemption's checkpoint as after an early failure, and the run's code survives it. A
+    top-level `exit` in the run skipped the wait, and a recovered job lost its last checkpoint."""
+    from sky.backends.task_codegen import TaskCodeGen
+
+    _, _, out = render_to(tmp_path, TINY, [BUCKET])
+    task = yaml.safe_load((out / "task.yaml").read_text())
+    script = TaskCodeGen.build_task_bash_script(task["run"])
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in (("findmnt", "echo '/ckpt b: fuse.rclone rw'"), ("sleep", "exit 0"),
+                       ("py", f'if [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+                              f'case " $* " in *" --check "*) exit 0 ;; esac\nexit {launch_rc}')):
+        (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
+        (stubs / name).chmod(0o755)
+    home = tmp_path / "home"
+    (home / ".sky" / "rclone_log").mkdir(parents=True)
+    (home / ".sky" / "rclone_log" / "ckpt.log").write_text(
+        "2026/11/25 10:00:00 INFO  : vfs cache: cleaned: objects 3 (was 3) in use 0, to upload 0, uploading 0\n")
+    env = {"PATH": f"{stubs}:{os.environ['PATH']}", "HOME": str(home), "DTLAUNCH_PYTHON": str(stubs / "py"),
+           **{k: str(v) for k, v in task["envs"].items()}, "SKYPILOT_NODE_RANK": "0",
+           "SKYPILOT_NODE_IPS": "\n".join(ips), "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+           "SKYPILOT_TASK_ID": TASK_ID}
+    p = subprocess.run(["bash", "-c", script], cwd=out, env=env, capture_output=True, text=True, timeout=60)
+    assert "skypilot: cached mount upload complete" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == want, p.stdout + p.stderr

@@ -1,3 +1,7 @@
+# One subshell around the whole run: SkyPilot appends its own lines after this script (with MOUNT_CACHED
+# storage, the wait until rclone has uploaded every checkpoint file), and an `exit` at the top level would end
+# the shell before them. Inside the subshell every `exit` ends only it; its code is what SkyPilot reads next.
+(
 set -uo pipefail
 fail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; exit "$rc"; }
 JOB_DIR="$PWD"
@@ -80,3 +84,4 @@ dtl_outcome() {
   echo "${worst:-$rc}"
 }
 exit "$(dtl_outcome "$rc")"
+)
