@@ -141,3 +141,51 @@ def test_grad_reduce_survives_the_plan_file():
     p = _accumulating("fsdp", "H100:8")
     assert Plan.from_dict(p.to_dict()).layout == p.layout
     assert p.to_dict()["grad_reduce"] == "once_per_step"
+
+
+def _405b(*sets: str):
+    from launcher.recipe import load
+    from testpaths import RECIPES
+
+    return load(str(RECIPES / "llama3-405b.yaml"), ["resources.nodes=32", *sets])
+
+
+@pytest.mark.parametrize("sets, problem", [
+    # global_batch 16 of micro-batches of 2 over tp8 pp8 (dp 4) is 2 micro-batches per step, and 1F1B needs 8
+    (("training.global_batch=16", "training.micro_batch=2"), "1F1B needs at least as many micro-batches"),
+    # the runtime refuses fp16 under a pipeline (the loss, which the scaler scales, is on the last stage only)
+    (("training.global_batch=64", "training.micro_batch=2", "parallelism.precision=fp16"),
+     "fp16 loss scaling is not supported with pipeline parallelism"),
+])
+def test_auto_does_not_pick_a_pipeline_the_job_could_not_run(sets, problem):
+    """The search skips a tensor/pipeline degree validate would refuse, with the rule's own words; what it picks
+    then passes validate's pipeline rules (here: no pipeline at all, since none runs)."""
+    from launcher.plan.pipeline import schedule_problem
+    from launcher.validate import validate
+
+    r = _405b("parallelism.sequence_parallel=false", *sets)
+    p = make_plan(r)
+    lay = p.layout
+    assert schedule_problem(lay.pp_schedule, lay.pp, lay.grad_accum, 126) is None
+    assert not {"pipeline-schedule", "fp16-pipeline"} & {f.rule for f in validate(r, p)}
+    assert any("pp=8 not tried: " + problem in reason for reason in p.reasons)
+
+
+def test_auto_turns_on_sequence_parallelism_with_tensor_parallelism():
+    """Llama 3 70B at 8192 tokens, micro-batch 1, no activation checkpointing, on 8 x 8 H100: without sequence
+    parallelism only parameter offload fits at tensor 8; with it (the norms and the residual stream split over the
+    sequence too) plain FSDP does. A recipe that writes sequence_parallel keeps its choice."""
+    recipe = """
+name: t
+model: {preset: llama3-70b, seq_len: 8192}
+parallelism: {strategy: auto, activation_checkpointing: none%s}
+resources: {accelerator: "H100:8", nodes: 8}
+training: {micro_batch: 1, global_batch: 512, steps: 10}
+"""
+    p = make_plan(load_text(recipe % ""))
+    assert p.memory.fits and p.layout.tp == 8 and p.layout.sequence_parallel and p.layout.offload == "none"
+    assert p.to_dict()["sequence_parallel"] is True
+    assert any(r.startswith("sequence parallelism with tensor 8") for r in p.reasons)
+    off = make_plan(load_text(recipe % ", sequence_parallel: false"))
+    assert not off.layout.sequence_parallel and off.memory.total > p.memory.total
+    assert not any(r.startswith("sequence parallelism") for r in off.reasons)

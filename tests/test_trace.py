@@ -20,7 +20,7 @@ from launcher.plan import make_plan
 from launcher.plan.moments import timeline
 from launcher.plan.params import count_params
 from launcher.recipe import load
-from launcher.trace import TraceError, check_torch, trace
+from launcher.trace import TraceError, check_plan, check_torch, trace
 from launcher.trace.report import WARN_RATIO, compare
 from testpaths import RECIPES
 
@@ -123,8 +123,10 @@ def test_small_vocabulary_shape_peaks_at_the_second_layers_backward():
     # tied embeddings (one weight in the root): the head's gradient waits in autograd for the embedding's
     ("model.tied_embeddings=true",),
     ("model.tied_embeddings=true", "parallelism.precision=bf16", "parallelism.grad_reduce=every_micro_batch"),
+    # fp16 with dynamic loss scaling (the default): the scaler's overflow check reads a value fake tensors lack
+    ("parallelism.precision=fp16",),
 ], ids=["bf16-selective-one-micro-step", "bf16-full-grad_op", "bf16-hybrid-once", "bf16-hybrid-every-micro",
-        "fp32-every-micro", "bf16-once", "tied-fp32-once", "tied-bf16-every-micro"])
+        "fp32-every-micro", "bf16-once", "tied-fp32-once", "tied-bf16-every-micro", "fp16-dynamic-loss-scaling"])
 def test_tiny_variants_match_the_planner(sets):
     recipe, plan = _plan("tiny.yaml", *sets)
     _assert_matches(_planned(recipe, plan), trace(recipe, plan), exact_split=False)
@@ -157,6 +159,34 @@ def test_deepspeed_cannot_be_traced_and_says_what_to_do():
                              standalone_mode=False)
     assert isinstance(res.exception, TraceError)
     assert "cannot be traced" in str(res.exception) and "parallelism.strategy=fsdp" in str(res.exception)
+
+
+def test_a_refused_trace_still_prints_the_plan_as_json():
+    """`--trace --json` on a plan that cannot be traced: the plan on stdout with the refusal in "trace", then the
+    error and its exit code, as text mode prints the plan and then the error."""
+    res = CliRunner().invoke(cli, ["plan", str(RECIPES / "llama2-13b-zero3.yaml"), "--trace", "--json"],
+                             standalone_mode=False)
+    assert isinstance(res.exception, TraceError) and res.exception.exit_code == 2
+    d = json.loads(res.stdout)
+    assert d["strategy"] == "zero3" and d["memory"]["total"] > 0
+    assert d["trace"] == {"refused": res.exception.message, "fix": res.exception.fix}
+    assert "cannot be traced" in d["trace"]["refused"]
+
+
+@pytest.mark.parametrize("sets, says, fix", [
+    # the runtime builds Llama blocks only: a GPT plan traced as a Llama would compare two different models
+    (("model.architecture=gpt",), "architecture 'gpt' cannot be traced", "model.architecture=llama"),
+    # FSDP2 offloads the optimizer only with the parameters: the refusal says why it names params
+    (("parallelism.offload=optimizer", "resources.accelerator=H100:2"),
+     "the recipe asks for optimizer offload, which fsdp does as params offload", "parallelism.offload=none"),
+    # there is no model.shape field: name the fields there are
+    (("model.preset=null", "model.params=1000000"), "given by `params` only", "model.layers/hidden"),
+])
+def test_untraceable_plans_are_refused_with_the_reason(sets, says, fix):
+    recipe, plan = _plan("tiny.yaml", *sets)
+    with pytest.raises(TraceError) as e:
+        check_plan(recipe, plan)
+    assert says in e.value.message and fix in e.value.fix
 
 
 def test_trace_outside_the_supported_torch_range_is_an_error_with_a_fix(monkeypatch):

@@ -56,8 +56,14 @@ def _print_plan(recipe, p) -> None:
         (" grad_reduce=once_per_step" if lay.reduces_once_per_step else "")
     echo(f"layout: strategy={lay.strategy} dp={lay.dp} tp={lay.tp} pp={lay.pp}{extra} precision={lay.precision} "
          f"activation_checkpointing={lay.activation_checkpointing} offload={lay.offload}")
-    echo(f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = global {p.global_batch} "
-         f"sequences ({p.tokens_per_step:,} tokens/step)")
+    per_step = lay.micro_batch * lay.dp * p.grad_accum
+    if per_step == p.global_batch:
+        echo(f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = global {p.global_batch} "
+             f"sequences ({p.tokens_per_step:,} tokens/step)")
+    else:  # the recipe's batch does not split: the product is not the global batch (the notes say why)
+        echo(f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = {per_step} sequences per "
+             f"step, " + click.style(f"not the recipe's global_batch {p.global_batch}", fg="red")
+             + " (see the note below; validate refuses it)")
     echo(click.style("why:", bold=True))
     for r in p.reasons:
         echo(f"  - {r}")
@@ -122,15 +128,22 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps, trace, compare):
             from .choices import choices_json
 
             d["sky_accelerators"] = choices_json(recipe, p)
+        refused = None
         if trace:
+            from ..trace import TraceError
             from . import tracing
 
-            d["trace"] = tracing.run(recipe, p).to_dict()
-        if compare:
+            try:
+                d["trace"] = tracing.run(recipe, p).to_dict()
+            except TraceError as e:  # the plan still goes to stdout, as in text mode; the error and exit code follow
+                d["trace"], refused = {"refused": e.message, "fix": e.fix}, e
+        if compare and refused is None:
             from . import compare as cmp  # imports deepspeed (and torch): only for this flag
 
             d["compare"] = {"deepspeed": cmp.compare(recipe, p).to_dict()}
         click.echo(json.dumps(d, indent=2))
+        if refused is not None:
+            raise refused
         return
     _print_plan(recipe, p)
     if recipe.targets.sky.accelerators:

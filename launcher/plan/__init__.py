@@ -14,10 +14,11 @@ from msgspec.structs import replace
 from ..recipe import Recipe
 from ..strategies import STRATEGIES, offload_for
 from . import cost
+from .batch import batch_problem, grad_accum_for
 from .layout import Layout
 from .memory import NOT_MODELLED, UNITS, Memory
 from .params import count_params
-from .strategy import Context, Request, choose, grad_accum_for, prefer_once_per_step
+from .strategy import Context, Request, choose, prefer_once_per_step
 
 
 class Plan(msgspec.Struct):
@@ -136,7 +137,7 @@ def make_plan(recipe: Recipe) -> Plan:
         notes.append("model given by `params` only: activations are not estimated (give a preset or shape for them)")
     tp, pp = par.tensor, par.pipeline
     dp = par.data if isinstance(par.data, int) else max(world // (tp * pp), 1)
-    grad_accum, global_batch = grad_accum_for(tr.global_batch, tr.micro_batch, dp, par.grad_accum)
+    grad_accum, _ = grad_accum_for(tr.global_batch, tr.micro_batch, dp, par.grad_accum)
     base = Layout(
         strategy="ddp", dp=dp, tp=tp, pp=pp, precision=par.precision, micro_batch=tr.micro_batch,
         grad_accum=grad_accum, sequence_parallel=par.sequence_parallel, optimizer=tr.optimizer,
@@ -145,12 +146,20 @@ def make_plan(recipe: Recipe) -> Plan:
     )
     ctx = Context(shape, arch, n, seq, dev.memory_gb * 1e9, dev.is_gpu, res.per_node, res.nodes)
     fields_set = par.fields_set
+    hf = model.hf_config is not None
+    # `auto` decides sequence parallelism unless the recipe says (the schema's default is off)
+    searched_sp = par.strategy == "auto" and "sequence_parallel" not in fields_set and not hf
     req = Request(par.strategy, par.backend, par.activation_checkpointing, par.offload,
-                  tp_fixed="tensor" in fields_set, pp_fixed="pipeline" in fields_set)
-    lay, reasons = choose(ctx, base, req)
-    if lay.dp != dp:  # the search changed tp/pp: re-derive the batch split
-        grad_accum, global_batch = grad_accum_for(tr.global_batch, tr.micro_batch, lay.dp, par.grad_accum)
-        lay = replace(lay, grad_accum=grad_accum)
+                  tp_fixed="tensor" in fields_set, pp_fixed="pipeline" in fields_set,
+                  global_batch=tr.global_batch, grad_accum=par.grad_accum,
+                  sequence_parallel=None if searched_sp else par.sequence_parallel, hf=hf)
+    lay, reasons = choose(ctx, base, req)  # sized at the grad_accum of the degrees it chose
+    _, global_batch = grad_accum_for(tr.global_batch, tr.micro_batch, lay.dp, par.grad_accum)
+    problem = batch_problem(tr.global_batch, tr.micro_batch, lay.dp, par.grad_accum)
+    if problem:  # said here as validate says it, so that `plan` never prints a product that is not the batch
+        notes.append(f"{problem[0]}: each step would run micro_batch x dp x grad_accum = "
+                     f"{lay.micro_batch * lay.dp * lay.grad_accum} sequences, not global_batch {global_batch} "
+                     f"(fix: {problem[1]})")
     if par.grad_reduce == "auto":
         lay, why = prefer_once_per_step(ctx, lay)
         reasons += why

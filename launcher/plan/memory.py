@@ -84,6 +84,11 @@ class Memory(msgspec.Struct, frozen=True):
     peak_at: str = ""
     terms: dict[str, float] = msgspec.field(default_factory=dict)
     moments: dict[str, float] = msgspec.field(default_factory=dict)
+    # The model states the strategy keeps on this GPU for the whole step (`states.model_states`: params, grads,
+    # optimizer, total), whatever the moment: the figure of [ZeRO] and DeepSpeed's estimators. The peak's
+    # params/grads/optimizer above are what is alive at the peak (unsharded gradients kept between
+    # micro-batches, say), which can differ.
+    model_states: dict[str, float] = msgspec.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = {k: int(round(getattr(self, k))) for k in ("params", "grads", "optimizer", "activations", "buffers",
@@ -92,13 +97,15 @@ class Memory(msgspec.Struct, frozen=True):
         d["peak_at"] = self.peak_at
         d["terms"] = {k: int(round(v)) for k, v in self.terms.items()}
         d["moments"] = {k: int(round(v)) for k, v in self.moments.items()}
+        d["model_states"] = {k: int(round(v)) for k, v in self.model_states.items()}
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Memory:
         return cls(*(float(d[k]) for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu")),
                    bool(d["fits"]), d.get("peak_at", ""), {k: float(v) for k, v in d.get("terms", {}).items()},
-                   {k: float(v) for k, v in d.get("moments", {}).items()})
+                   {k: float(v) for k, v in d.get("moments", {}).items()},
+                   {k: float(v) for k, v in d.get("model_states", {}).items()})
 
 
 def activations(shape: ModelShape, arch: str, seq: int, lay: Layout) -> float:
@@ -123,8 +130,9 @@ def breakdown(shape: ModelShape | None, arch: str, n_params: int, seq: int, lay:
         totals = {m: sum(t.values()) for m, t in moments.items()}
         at = max(totals, key=totals.__getitem__)
         if best is None or totals[at] > best[1][best[2]]:
-            best = (moments, totals, at, part)
-    moments, totals, peak_at, part = best
+            best = (moments, totals, at, part, n)
+    moments, totals, peak_at, part, n = best
+    p, g, o = model_states(n, lay)  # of the rank the figure describes
     t = dict(moments[peak_at])
     t["context"] = GPU_CONTEXT_BYTES if is_gpu else CPU_CONTEXT_BYTES
     t["fragmentation"] = FRAGMENTATION * totals[peak_at]
@@ -133,4 +141,4 @@ def breakdown(shape: ModelShape | None, arch: str, n_params: int, seq: int, lay:
     bufs = t["buffers"] + t["context"] + t["fragmentation"]
     where = f"{peak_at} on pipeline rank {part.rank}" if lay.pp > 1 else peak_at
     return Memory(t["params"], t["grads"], t["optimizer"], acts, bufs, total, gpu_bytes, total <= gpu_bytes,
-                  where, t, totals)
+                  where, t, totals, {"params": p, "grads": g, "optimizer": o, "total": p + g + o})

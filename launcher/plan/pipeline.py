@@ -66,6 +66,14 @@ def schedule_problem(schedule: str, pp: int, micro_batches: int, layers: int | N
     return None
 
 
+def precision_problem(pp: int, precision: str) -> str | None:
+    """Why the runtime would refuse a pipeline in this precision (None: it runs): fp16 needs loss scaling, and the
+    loss exists on the last stage only (`runtime.meshengine` refuses it at start-up)."""
+    if pp > 1 and precision == "fp16":
+        return "fp16 loss scaling is not supported with pipeline parallelism: the loss exists on the last stage only"
+    return None
+
+
 def _interleaved_ops(rank: int, pp: int, v: int, m: int) -> list[tuple[str, int]]:
     """torch's ScheduleInterleaved1F1B order of (F|B, stage) for one rank, without its idle slots."""
     rounds = max(1, m // pp)

@@ -7,10 +7,11 @@ planner's moments. Needs torch (the `train` extra); nothing here imports it unti
 stays light. The tracker and the fake process group are private torch APIs: `check_torch` pins the range they
 were checked on.
 
-Cannot be traced: DeepSpeed ZeRO (it allocates its flat buffers and launches its own kernels outside what fake
-tensors can follow), FSDP2 CPU offload (it pins host memory), tensor/pipeline parallel layouts (the runtime
-does not train them), and DDP (moving the model and building its C++ reducer need real storage; its formulas
-are checked on the tiny model's real tensors by tests/test_trace.py instead).
+Cannot be traced: a GPT architecture (the runtime builds Llama blocks only), DeepSpeed ZeRO (it allocates its
+flat buffers and launches its own kernels outside what fake tensors can follow), FSDP2 CPU offload (it pins
+host memory), tensor/pipeline parallel layouts (the runtime does not train them), and DDP (moving the model and
+building its C++ reducer need real storage; its formulas are checked on the tiny model's real tensors by
+tests/test_trace.py instead).
 """
 from __future__ import annotations
 
@@ -54,7 +55,12 @@ def check_plan(recipe, plan) -> None:
     lay = plan.layout
     if recipe.model.shape() is None:
         raise TraceError("the model is given by `params` only: there is no model to trace",
-                         fix="give model.preset or model.shape")
+                         fix="give model.preset, or model.layers/hidden/ffn_hidden/heads/vocab")
+    if recipe.model.architecture != "llama":
+        # the runtime builds Llama blocks only: a trace would size a SwiGLU model against the plan's GPT figures
+        raise TraceError(f"architecture {recipe.model.architecture!r} cannot be traced: the runtime builds Llama "
+                         "decoders only, so the trace would run another model than the one planned",
+                         fix="trace the same shape as a Llama with --set model.architecture=llama")
     if recipe.model.hf_config is not None or recipe.entrypoint is not None:
         raise TraceError("--trace follows dtlaunch's own Llama training step; a Hugging Face model or your own "
                          "entrypoint runs other code, which the planner estimates with the same formulas",
@@ -72,8 +78,16 @@ def check_plan(recipe, plan) -> None:
                          fix="trace the same model with --set parallelism.tensor=1 --set parallelism.pipeline=1 for "
                              "the data-parallel terms")
     if lay.offload != "none":
+        asked = recipe.parallelism.offload
+        if asked == "auto":
+            how = " (the planner's choice for offload: auto)"
+        elif asked != lay.offload:  # say why the plan's mode is not the one the recipe wrote
+            how = (f" (the recipe asks for {asked} offload, which {lay.strategy} does as {lay.offload} offload: "
+                   "FSDP2's policy moves parameters, gradients and optimizer state together)")
+        else:
+            how = ""
         raise TraceError(f"offload {lay.offload} cannot be traced: FSDP2's CPUOffloadPolicy pins host memory, which "
-                         "fake tensors on a CPU cannot do", fix="--set parallelism.offload=none to trace the rest")
+                         f"fake tensors on a CPU cannot do{how}", fix="--set parallelism.offload=none to trace the rest")
     if not lay.spec.sharded:
         raise TraceError("ddp cannot be traced on fake tensors: moving the model and building DDP's C++ reducer "
                          "need real storage (its formulas are checked on a small model's real tensors in the test "

@@ -3,12 +3,14 @@
 What runs is what `launcher.train` runs: `resolve_layout` -> `build_model(shape, ac, "meta")` -> `wrap_model`
 (FSDP2 units, MixedPrecisionPolicy, AdamW, LambdaLR) -> `engine.micro_step` x grad_accum -> `engine.step`,
 under `FakeTensorMode` (no memory is allocated, shapes and dtypes are exact) with PyTorch's memory tracker
-counting every live tensor by category. Three deliberate differences from a GPU job, each because fake tensors
+counting every live tensor by category. Four deliberate differences from a GPU job, each because fake tensors
 or a CPU-only torch cannot do otherwise, none of which moves a byte the planner counts:
 
 - the DeviceMesh is built outside fake mode (it holds real rank tensors);
 - gradient clipping (the runtime's own `clip_grad_norm`) runs here, before `engine.step()` with the engine's
   clipping off: the engine turns the norm into a Python float, which a fake tensor cannot give;
+- fp16's loss scaler is told that no gradient overflowed (`_steady_loss_scale`): it would read that off a
+  tensor's value;
 - the device is `cpu` (FSDP2 creates CUDA streams on a cuda device), so AdamW is set to `foreach`, as it
   defaults on CUDA (it falls back to a per-tensor loop on CPU), and SDPA runs the CPU flash kernel, which
   saves what the CUDA one saves (q, k, v, the output and an fp32 log-sum-exp).
@@ -278,6 +280,22 @@ class StepTracker(FSDPMemTracker):
         self.moments = {}
 
 
+def _steady_loss_scale(scaler) -> None:
+    """fp16's dynamic loss scaling decides from tensor values (did a gradient overflow? has the scale gone long
+    enough without one to grow?), which fake tensors do not have. Under the trace no gradient overflows and the
+    scale stays at its initial value, as in a healthy run's steady state: the optimizer steps every time. The
+    scaling, the unscaling and the optimizer step still run on the fake tensors; only the two decisions are
+    given their answer (GradScaler's private `_maybe_opt_step` and `_init_scale`: torch range in `check_torch`)."""
+    update = scaler.update
+
+    def step_anyway(optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+    scaler._maybe_opt_step = step_anyway
+    # a given scale is filled in without reading found_inf; update also readies the scaler for the next step
+    scaler.update = lambda new_scale=None: update(float(scaler._init_scale))
+
+
 def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
     """The peak of the second training step of `recipe`/`plan` with the preset cut to `layers` layers.
 
@@ -300,6 +318,8 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
     with _mesh_outside_fake_mode(), FakeTensorMode():
         module = build_model(shape, layout.activation_checkpointing, device="meta")
         engine = wrap_model(module, layout, no_clip, plan, plan.steps or 1000, torch.device("cpu"), is_gpu=False)
+        if getattr(engine, "scaler", None) is not None:
+            _steady_loss_scale(engine.scaler)
         for group in engine.optimizer.param_groups:
             group["foreach"] = True  # what AdamW picks on CUDA
         names = {m: n for n, m in module.named_modules()}

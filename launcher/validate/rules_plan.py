@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from ..jobenv import gb as _gb
 from ..plan import Plan
+from ..plan.batch import batch_too_small, indivisible_batch
+from ..plan.strategy import describe
 from ..recipe import Recipe
 from ..strategies import Family, names_in
 from .core import rule
@@ -65,13 +67,42 @@ def _offload_sgd(r: Recipe, p: Plan):
 
 @rule("does-not-fit", "error", "parallelism.strategy", "the chosen layout does not fit in GPU memory")
 def _fit(r: Recipe, p: Plan):
-    m = p.memory
-    if not m.fits:
-        what = "DDP keeps a full copy of weights, grads and optimizer on every GPU; " if p.strategy == "ddp" else ""
-        return (f"{p.strategy} needs {_gb(m.total)} per GPU but the {p.accelerator} has {_gb(m.gpu)} ({what}"
-                f"states {_gb(m.params + m.grads + m.optimizer)}, activations {_gb(m.activations)})",
-                "use strategy: auto, or shard more (fsdp/zero3), enable activation_checkpointing, offload, "
-                "add GPUs, or lower micro_batch/seq_len")
+    m, lay, par = p.memory, p.layout, r.parallelism
+    if m.fits:
+        return None
+    # name what takes the most at the peak, not a guess from the strategy's name
+    parts = {"the model states": m.params + m.grads + m.optimizer, "the activations": m.activations,
+             "the buffers": m.buffers}
+    top = max(parts, key=parts.__getitem__)
+    if top == "the model states":
+        what = ("DDP keeps a full copy of the weights, gradients and optimizer state on every GPU"
+                if not lay.spec.sharded else f"{lay.strategy} shards them over {lay.shard_group} GPUs")
+    elif top == "the activations":
+        what = (f"micro_batch {lay.micro_batch} x seq_len {p.seq_len}, activation checkpointing "
+                f"{lay.activation_checkpointing}")
+    else:
+        what = "gathered weights and communication buffers" + (
+            f", and the pipeline's buffers for the {lay.grad_accum} micro-batches of a step" if lay.pp > 1 else "")
+    msg = (f"{describe(lay)} needs {_gb(m.total)} per GPU but the {p.accelerator} has {_gb(m.gpu)}: at its peak, "
+           f"the {m.peak_at}, {top} take the most ({what}); states {_gb(parts['the model states'])}, activations "
+           f"{_gb(m.activations)}, buffers {_gb(m.buffers)}")
+    if par.strategy == "auto":  # the search has tried what it may: say what the recipe kept from it
+        pinned = [f"{k}: auto (it is {v})" for k, v in (("activation_checkpointing", par.activation_checkpointing),
+                                                        ("offload", par.offload)) if v != "auto"]
+        pinned += [f"leave {k} unset (it is {getattr(par, k)})" for k in ("tensor", "pipeline")
+                   if k in par.fields_set]
+        if lay.tp > 1 and not lay.sequence_parallel and "sequence_parallel" in par.fields_set:
+            pinned.append("sequence_parallel: true")
+        fix = ("no layout that strategy: auto may choose fits (`dtlaunch plan` lists what it tried): "
+               + (f"let it choose more ({', '.join(pinned)}), or " if pinned else "")
+               + "add GPUs or nodes, or lower micro_batch or seq_len")
+    else:
+        fix = ("use strategy: auto (it searches sharding, checkpointing, offload and tensor/pipeline degrees), or "
+               + {"the model states": "shard more (fsdp/zero3) or offload",
+                  "the activations": "enable activation_checkpointing (selective or full)",
+                  "the buffers": "shard less or use fewer micro-batches per step"}[top]
+               + ", add GPUs, or lower micro_batch/seq_len")
+    return msg, fix
 
 
 @rule("layout-world-size", "error", "parallelism", "tensor x pipeline x data must equal the GPU count")
@@ -85,22 +116,12 @@ def _world(r: Recipe, p: Plan):
 
 @rule("batch-divisible", "error", "training.global_batch", "global batch divisible by micro_batch x dp")
 def _batch(r: Recipe, p: Plan):
-    mb, dp = p.layout.micro_batch, p.layout.dp
-    if r.training.global_batch is not None and r.training.global_batch % (mb * dp):
-        return (f"global_batch {r.training.global_batch} is not a multiple of micro_batch {mb} x data-parallel {dp} = {mb * dp}",
-                f"use a global_batch such as {max(1, r.training.global_batch // (mb * dp)) * mb * dp} or change micro_batch")
-    if (r.training.global_batch is not None and isinstance(r.parallelism.grad_accum, int)
-            and r.training.global_batch != mb * dp * r.parallelism.grad_accum):
-        return (f"global_batch {r.training.global_batch} != micro_batch {mb} x dp {dp} x grad_accum {r.parallelism.grad_accum}",
-                "set grad_accum: auto, or make the three agree")
+    return indivisible_batch(r.training.global_batch, p.layout.micro_batch, p.layout.dp, r.parallelism.grad_accum)
 
 
 @rule("batch-too-small", "error", "training.global_batch", "global batch smaller than one micro-batch per rank")
 def _small(r: Recipe, p: Plan):
-    mb, dp = p.layout.micro_batch, p.layout.dp
-    if r.training.global_batch is not None and r.training.global_batch < mb * dp:
-        return (f"global_batch {r.training.global_batch} < micro_batch x dp = {mb * dp}: some ranks would get no data",
-                f"raise global_batch to at least {mb * dp}")
+    return batch_too_small(r.training.global_batch, p.layout.micro_batch, p.layout.dp)
 
 
 @rule("heads-tp", "error", "parallelism.tensor", "attention heads divisible by tensor parallel degree")
