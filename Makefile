@@ -17,7 +17,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[all,dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# The oldest SkyPilot the [sky] extra allows, in a venv of its own: the tests parse every rendered task with it too.
+SKY_OLDEST := $(shell sed -n 's/^sky = \["skypilot>=\([0-9.]*\)"\]/\1/p' pyproject.toml)
+SKY_OLDEST_STAMP := .venv-sky-oldest/.installed
+$(SKY_OLDEST_STAMP): pyproject.toml
+	test -n "$(SKY_OLDEST)"
+	test -x .venv-sky-oldest/bin/python || python3 -m venv .venv-sky-oldest
+	# greenlet: its sqlalchemy's asyncio needs it, and that SkyPilot does not ask for it
+	.venv-sky-oldest/bin/python -m pip install -q "skypilot==$(SKY_OLDEST)" greenlet
+	touch $(SKY_OLDEST_STAMP)
+
+install: $(STAMP) $(SKY_OLDEST_STAMP)
 
 # The system packages the suite needs (SLURM, munge, MariaDB, sshd, shellcheck, ...): apt, as root,
 # skipped in a second when they are all there already.

@@ -23,34 +23,6 @@ if TYPE_CHECKING:
 SUBMITIT = "targets.slurm.submit=submitit"
 
 
-def _load(recipe: Recipe | str | os.PathLike, overrides: Sequence[str]) -> Recipe:
-    """A recipe file, or a loaded Recipe (re-validated with the overrides applied)."""
-    from .recipe import Recipe, load, load_text
-
-    forced = [*overrides, SUBMITIT]  # this API returns a submitit Job, whatever the recipe's default
-    if isinstance(recipe, Recipe):
-        import yaml
-
-        return load_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False), f"<recipe {recipe.name}>", forced)
-    return load(recipe, forced)
-
-
-def _findings(recipe: Recipe, plan, source: str) -> None:
-    """Print every finding for the SLURM target; refuse on errors, as `up` does (a job must be runnable)."""
-    from .validate import has_errors, validate
-
-    findings = validate(recipe, plan, "slurm")
-    lines = []
-    for f in findings:
-        where = (f.file or source) + (f":{f.line}" if f.line else "")
-        lines.append(f"{where}: {f.severity} [{f.rule}] {f.field}: {f.message}" + (f"\n    fix: {f.fix}" if f.fix else ""))
-    if has_errors(findings):
-        raise DtlaunchError(f"{source}: validation found errors for the slurm target; nothing was submitted:\n"
-                            + "\n".join(lines), fix="fix the errors above")
-    for line in lines:
-        print(line, file=sys.stderr)
-
-
 def submit(recipe: Recipe | str | os.PathLike, *, target_dir: str | os.PathLike | None = None,
            overrides: Sequence[str] = ()) -> submitit.Job:
     """Validate, render into `target_dir` (default: <targets.local.run_dir>/<job name>-slurm, as `up`),
@@ -58,16 +30,15 @@ def submit(recipe: Recipe | str | os.PathLike, *, target_dir: str | os.PathLike 
 
     recipe: a recipe file or a loaded `launcher.recipe.Recipe`; overrides: "KEY=VALUE" items, as `--set`.
     """
-    from .plan import make_plan
-    from .render import render
+    from .prepare import check, prepare
     from .targets.registry import Registry
     from .targets.submitit_job import record
     from .targets.submitit_job import submit as submit_request
 
-    r = _load(recipe, overrides)
-    plan = make_plan(r)
-    art = render(r, plan, "slurm")
-    _findings(r, plan, str(recipe) if not hasattr(recipe, "to_dict") else f"<recipe {r.name}>")
+    # what `dtlaunch up -t slurm` does, with submitit forced: this API returns a submitit Job
+    prep = prepare(recipe, [*overrides, SUBMITIT], "slurm")
+    check(prep, False, "submitted")
+    r, art = prep.recipe, prep.artifacts
     out = Path(target_dir) if target_dir is not None else Path(r.targets.local.run_dir) / f"{art.job_name}-slurm"
     registry = Registry()
     registry.check_writable()  # before submitting: a job nobody can follow is worse than no job

@@ -5,12 +5,18 @@ SignalException escape as a traceback in every node's log, although stopping is 
 Here that ends in one line and the conventional 128+signal exit status; the workers' own exit codes
 (which the job scripts read from the status files) say whether they checkpointed.
 
+Node ranks follow the scheduler (`DTLAUNCH_NODE_RANK`, which the job scripts set from SLURM_NODEID or
+SKYPILOT_NODE_RANK): torch's c10d rendezvous numbers nodes in the sort order of their addresses, where `gpu10`
+comes before `gpu2` and `10.0.0.12` before `10.0.0.9`, so global rank 0 could land off the node that hosts the
+store and pipeline stages would ignore the scheduler's topology-aware order (see `_ranks_follow_scheduler`).
+
 When a worker fails, torchrun knows its exit code even if the worker died before writing its status (an
 `os._exit`, a crash in native code): that code is kept in the run's record for people, so the failure a
 scheduler or submitit reports names it (see `_record_unreported`).
 """
 from __future__ import annotations
 
+import builtins
 import os
 import sys
 from pathlib import Path
@@ -33,6 +39,25 @@ def _record_unreported(failures: dict) -> None:
                      "(torchrun's report)", None, code_file=False)
 
 
+def _ranks_follow_scheduler(node_rank: int) -> None:
+    """Make the c10d rendezvous assign node ranks in the scheduler's order. A node's descriptor is (address,
+    pid, local id), and the rendezvous ranks participants by sorting descriptors. The local id only keeps two
+    handlers of one process apart (each agent makes one): here it carries the scheduler's node rank, and the
+    sort goes by it first. Every node of a job runs this same module, so every descriptor carries one."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    def generate(self, local_addr: str | None = None):
+        import socket
+
+        return dr._NodeDesc(local_addr or socket.getfqdn(), os.getpid(), node_rank)
+
+    def by_node_rank(participants):
+        return builtins.sorted(participants, key=lambda n: (n.local_id, n.addr, n.pid))
+
+    dr._NodeDescGenerator.generate = generate
+    dr.sorted = by_node_rank  # the module's one use of sorted(): `enumerate(sorted(state.participants))`
+
+
 def main(argv: list[str] | None = None) -> int:
     from .runtime.signals import die_with_parent
 
@@ -40,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
+
+    from .jobenv import NODE_RANK
+
+    rank = os.environ.get(NODE_RANK, "")
+    if rank.isdigit():
+        _ranks_follow_scheduler(int(rank))
 
     try:
         torchrun(argv)

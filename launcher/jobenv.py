@@ -12,11 +12,7 @@ from pathlib import Path
 
 
 class ExitCode(IntEnum):
-    """How a job (or one rank) ended; wrappers act on it.
-
-    SLURM scripts requeue on PREEMPTED, SkyPilot managed jobs recover on PREEMPTED, and a crash
-    (FAILED, HANG) is retried a bounded number of times; CONFIG is never retried.
-    """
+    """How a job (or one rank) ended; what the wrappers do about each is OUTCOMES, below."""
 
     OK = 0
     FAILED = 1
@@ -37,6 +33,54 @@ class ExitCode(IntEnum):
             return str(code)
 
 
+# ----------------------------------------------------------------------------- what happens after an exit code
+
+# The one outcome policy, which every submit path follows: the sbatch job script (its decision function is
+# rendered from this table), the submitit job (targets/slurm_decisions.py) and the SkyPilot task (its
+# recover_on_exit_codes and its terminal marker), and the README's exit-code table (a test compares them).
+#   resume: a checkpoint was written; the job goes on from it (SLURM requeues up to max_requeues, SkyPilot
+#           recovers), and a time limit with progress continues it in a new allocation without counting;
+#   retry:  counted as a failure, retried from the last checkpoint up to max_failures (torchrun first restarts
+#           the ranks up to the target's max_restarts);
+#   final:  never retried on any path: the same recipe, data or loss would end the same way again.
+# A code not in the table (a signal's 128+N, torchrun's own 1) is a failure: "retry".
+OUTCOMES: dict[ExitCode, str] = {
+    ExitCode.OK: "done",
+    ExitCode.FAILED: "retry",
+    ExitCode.CONFIG: "final",
+    ExitCode.PREEMPTED: "resume",
+    ExitCode.HANG: "retry",
+    ExitCode.PREFLIGHT: "retry",
+    ExitCode.DIVERGED: "final",
+}
+
+
+def outcome(code: int) -> str:
+    """What happens after exit code `code`: done, resume, retry or final (OUTCOMES)."""
+    try:
+        return OUTCOMES[ExitCode(code)]
+    except ValueError:
+        return "retry"
+
+
+FINAL_CODES = tuple(int(c) for c, o in OUTCOMES.items() if o == "final")
+RESUME_CODES = tuple(int(c) for c, o in OUTCOMES.items() if o == "resume")
+# slurmctld sends the time-limit signal on its 30 s tick, up to 30 s early: a USR2 that comes within
+# signal_seconds + this many seconds of the limit is the time limit, not a preemption.
+TIME_LIMIT_SLACK_S = 90
+# A SkyPilot managed job recovers on any code outside recover_on_exit_codes while max_restarts_on_errors lasts
+# (there is no "never retry" for a code): a final code is written here, in checkpoint storage, with the task id,
+# and the next launch of the same task reads it before anything else and ends at once with it.
+FINAL_MARKER = ".dtlaunch-final"
+
+
+def watchdog_seconds(timeout_seconds: float) -> float:
+    """How long the runtime's watchdog lets a rank go without finishing a step before it ends it with HANG (a
+    rank stuck outside any collective, which no collective timeout sees): twice the collective timeout and a
+    minute. A step that legitimately takes longer would end every time: validate refuses such plans."""
+    return 2 * timeout_seconds + 60
+
+
 # The environment contract of a job's processes (ours, or the user's own entrypoint).
 PLAN = "DTLAUNCH_PLAN"  # path of the resolved plan file (plan.json)
 RUN_ID = "DTLAUNCH_RUN_ID"  # the logical run: stable across requeues, recoveries and resubmissions
@@ -46,6 +90,7 @@ ATTEMPT = "DTLAUNCH_ATTEMPT"  # one launch of the workers (a requeue, a recovery
 STATUS = "DTLAUNCH_STATUS"  # this attempt's status directory: each rank's exit code, flight-recorder dumps
 CODE_DIR = "DTLAUNCH_CODE_DIR"  # the user's entrypoint code as shipped with the job (the ranks' working directory)
 NODE_ADDR = "DTLAUNCH_NODE_ADDR"  # this node's address as the others reach it (its hostname may not say)
+NODE_RANK = "DTLAUNCH_NODE_RANK"  # this node's rank as the scheduler numbers it (SLURM_NODEID, SKYPILOT_NODE_RANK)
 TARGET = "DTLAUNCH_TARGET"
 PORT = "DTLAUNCH_PORT"
 FAULT = "DTLAUNCH_FAULT"  # test-only fault injection (launcher.runtime.faults)

@@ -150,6 +150,23 @@ def test_sweep_renders_one_plan_per_array_task(run_cli, tmp_path):
     assert code == 2 and "--target slurm" in err
 
 
+def test_every_sweep_task_is_validated_and_none_shares_a_checkpoint_directory(run_cli, tmp_path):
+    """Each array task is its own recipe: validate runs on every one (it ran on the base recipe only, so DDP with
+    optimizer offload was written as a task); a fixed checkpoint.dir would be shared by every task (concurrent
+    tasks refuse each other's lock, a later one resumes an earlier one's final checkpoint)."""
+    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "--set", "parallelism.strategy=ddp",
+                             "--sweep", "parallelism.offload=none,optimizer", "-o", tmp_path / "a")
+    assert code != 0 and not (tmp_path / "a").exists(), out + err
+    assert "sweep task 1 (parallelism.offload=optimizer):" in err and "[offload-ddp]" in err
+    assert "sweep task 0" not in err
+    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "--set", "checkpoint.dir=/shared/ckpt",
+                             "--sweep", "training.seed=1,2", "-o", tmp_path / "b")
+    assert code != 0 and "has no {run_id}" in err and "checkpoint.dir=/shared/ckpt/{run_id}" in err, out + err
+    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "--set",
+                             "checkpoint.dir=/shared/ckpt/{run_id}", "--sweep", "training.seed=1,2", "-o", tmp_path / "c")
+    assert code == 0, out + err
+
+
 def test_plan_sweep_lists_every_combination(run_cli):
     code, out, _ = run_cli("plan", RECIPES / "llama3-8b.yaml", "--sweep", "resources.nodes=1,2",
                            "--sweep", "parallelism.strategy=ddp,fsdp", "--json")
@@ -254,3 +271,23 @@ def test_a_bad_plan_ends_a_local_launch_once_with_2_before_torchrun(run_cli, tmp
     p = subprocess.run(["bash", str(tmp_path / "r" / "launch.sh")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert "ChildFailedError" not in p.stderr and "cannot run this plan" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_loaded_recipe_plans_submits_and_validates_as_its_file_does(tmp_path):
+    """`launcher.submit(Recipe)` and `dtlaunch up FILE` go through one function (launcher.prepare). A Recipe read
+    back through YAML marked every field as written: without its `tensor:` line, the 405B recipe planned from the
+    file chooses tensor 8 (fits), the same recipe as an object kept tensor 1 (does not fit)."""
+    from launcher.prepare import prepare
+    from launcher.recipe import load
+
+    text = "\n".join(line for line in (RECIPES / "llama3-405b.yaml").read_text().splitlines()
+                     if not line.strip().startswith("tensor:"))
+    f = tmp_path / "r.yaml"
+    f.write_text(text)
+    by_path = prepare(f, (), "slurm")
+    by_object = prepare(load(f), (), "slurm")
+    assert by_path.plan.layout.tp == 8 and by_path.plan.memory.fits
+    assert by_object.plan.layout == by_path.plan.layout
+    assert by_object.artifacts.files["plan.json"] == by_path.artifacts.files["plan.json"]
+    # overrides apply to the object as to the file
+    assert prepare(load(f), ["parallelism.tensor=4"], "slurm").plan.layout.tp == 4

@@ -235,8 +235,15 @@ def test_pyxis_flags_on_srun_and_the_check_inside_the_image(tmp_path):
     flags = ("'--container-image=nvcr.io#nvidia/pytorch:24.05-py3' \"--container-mounts=$CONTAINER_MOUNTS\" "
              "\"--container-workdir=$SUBMIT_DIR\" \"--container-name=dtlaunch-$SLURM_JOB_ID\"")
     assert f'{flags} bash "$SUBMIT_DIR/step.sh" > >(tee' in job  # the training step
-    check = f'srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 {flags} bash "$SUBMIT_DIR/step.sh" --check'
+    # the check on every node, before the training step (each node imports the image outside the join window)
+    check = f'srun "--nodes=$SLURM_NNODES" "--ntasks=$SLURM_NNODES" --ntasks-per-node=1 {flags} bash "$SUBMIT_DIR/step.sh" --check'
     assert check in job and job.index(check) < job.index("srun --kill-on-bad-exit=1 --wait=60")
+    # the job's environment for inside the container, written before the check; step.sh sources it there
+    assert job.index('export DTLAUNCH_JOB_ENV="$JOB_DIR/env-$ATTEMPT.sh"') < job.index(check)
+    assert '. "$DTLAUNCH_JOB_ENV"' in step
+    # the named container removed on every node when the job ends for good
+    assert ('srun "--nodes=$SLURM_NNODES" "--ntasks=$SLURM_NNODES" --ntasks-per-node=1 enroot remove --force '
+            '"pyxis_dtlaunch-$SLURM_JOB_ID"') in job
     assert ('CONTAINER_MOUNTS="$SUBMIT_DIR:$SUBMIT_DIR",/shared/ckpt:/shared/ckpt,/datasets:/data:ro,/scratch:/scratch'
             in job)
     assert "mkdir -p /shared/ckpt ||" in job
@@ -250,12 +257,16 @@ def test_pyxis_flags_on_srun_and_the_check_inside_the_image(tmp_path):
 def test_apptainer_wraps_torchrun_and_the_check(runtime, recipe, nv):
     _, art = rendered(recipe, "slurm", f"resources.image={IMAGE}", f"targets.slurm.container={{runtime: {runtime}}}")
     job, step = art.files["job.sbatch"], art.files["step.sh"]
-    prefix = f'{runtime} exec {"--nv " if nv else ""}--bind "$CONTAINER_MOUNTS" --pwd "$PWD" docker://{IMAGE}'
+    sif = re.search(r'SIF="\$SUBMIT_DIR/"(image-[0-9a-f]{12}\.sif)', job).group(1)
+    assert f"{runtime} pull \"$SIF.part-$SLURM_JOB_ID\" docker://{IMAGE}" in job  # once, into the submit directory
+    prefix = (f'{runtime} exec {"--nv " if nv else ""}--bind "$CONTAINER_MOUNTS" --env-file "$DTLAUNCH_JOB_ENV" '
+              f'--pwd "$PWD" "$SUBMIT_DIR/{sif}"')
     assert f'{prefix} "$PYTHON" -m launcher.elastic' in step
     assert f'{prefix} "$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check' in step
     assert 'PYTHON="${DTLAUNCH_PYTHON:-python3}"' in step  # looked up on the image's PATH
-    assert 'bash "$SUBMIT_DIR/step.sh" --check || CHECK_RC=$?' in job  # on the first node, no srun needed
-    assert "--container-" not in job and ("--nv" in step) == nv
+    assert ('srun "--nodes=$SLURM_NNODES" "--ntasks=$SLURM_NNODES" --ntasks-per-node=1 bash "$SUBMIT_DIR/step.sh" '
+            '--check || CHECK_RC=$?') in job  # on every node
+    assert "--container-" not in job and ("--nv" in step) == nv and "enroot" not in job
 
 
 def test_site_image_and_workdir_are_used_as_written():
@@ -304,11 +315,22 @@ def test_container_rules():
     assert "slurm-container-no-image" in rules("tiny", "slurm", "targets.slurm.container={runtime: pyxis}")
     found = rules("tiny", "slurm", f"resources.image={IMAGE}", "targets.slurm.container={runtime: pyxis}",
                   "training.data.source=file", "training.data.path=/datasets/t.bin")
-    assert "/datasets:/datasets:ro" in found["slurm-container-data-unmounted"].fix
+    assert "/datasets:/datasets:ro" in found["slurm-container-input-unmounted"].fix
+    assert found["slurm-container-input-unmounted"].severity == "error"
     found = rules("tiny", "slurm", f"resources.image={IMAGE}",
                   "targets.slurm.container={runtime: pyxis, mounts: ['/datasets:/datasets:ro']}",
                   "training.data.source=file", "training.data.path=/datasets/t.bin")
-    assert "slurm-container-data-unmounted" not in found
+    assert "slurm-container-input-unmounted" not in found
+
+
+def test_inputs_must_lie_under_a_mount_on_the_cloud():
+    """A render-host path for data or weights fails on every cloud node; under a data mount it is fine."""
+    data = ("training.data.source=file", "training.data.path=/inputs/t.bin")
+    assert "sky-input-unmounted" in rules("tiny", "sky", *data)
+    assert "sky-input-unmounted" not in rules(
+        "tiny", "sky", *data, "targets.sky.data_mounts=[{path: /inputs, source: s3://b/tok, mode: MOUNT}]")
+    assert "sky-input-unmounted" not in rules(
+        "tiny", "sky", *data, "targets.sky.data_mounts=[{path: /inputs, source: /home/me/tok, mode: COPY}]")
 
 
 # ----------------------------------------------------------------------------- SkyPilot

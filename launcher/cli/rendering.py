@@ -7,37 +7,8 @@ from pathlib import Path
 import click
 
 from ..errors import DtlaunchError
-from .common import OVERRIDE, SWEEP, TARGET, load, print_finding
-
-
-def _render(recipe_path, overrides, target, sweeps=()):
-    from ..render import render as do_render
-
-    recipe, p = load(recipe_path, overrides)
-    target = target or recipe.targets.default
-    if not sweeps:
-        return recipe, p, do_render(recipe, p, target)
-    if target != "slurm":
-        raise DtlaunchError("--sweep renders a SLURM array job", fix="use --target slurm (or run one `up` per setting)")
-    from ..render.slurm import render_slurm_array
-    from ..sweep import expand
-
-    items = [load(recipe_path, list(overrides) + combo) for combo in expand(sweeps)]
-    return recipe, p, render_slurm_array(items)
-
-
-def _checked(recipe_path, recipe, p, art, force: bool, action: str) -> None:
-    """Print every finding for this target; refuse on errors unless --force (a rendered job must be runnable)."""
-    from ..validate import has_errors, validate
-
-    findings = validate(recipe, p, art.target)
-    for f in findings:
-        print_finding(f, recipe_path, err=True)
-    if has_errors(findings):
-        if not force:
-            raise DtlaunchError(f"{recipe_path}: validation found errors for the {art.target} target; nothing was "
-                                f"{action}", fix="fix the errors above, or pass --force to go ahead anyway")
-        click.secho(f"warning: {action} despite validation errors (--force)", fg="yellow", err=True)
+from ..prepare import check, prepare
+from .common import OVERRIDE, SWEEP, TARGET
 
 
 def _notes(art) -> None:
@@ -56,8 +27,9 @@ def _notes(art) -> None:
 @click.option("--force", is_flag=True, help="Render even if validate finds errors.")
 def render_cmd(recipe_path, target, out_dir, overrides, sweeps, show, quiet, force):
     """Write the artifacts a user can run by hand (never submits)."""
-    recipe, p, art = _render(recipe_path, overrides, target, sweeps)
-    _checked(recipe_path, recipe, p, art, force, "rendered")
+    prep = prepare(recipe_path, overrides, target, sweeps)
+    check(prep, force, "rendered")
+    art = prep.artifacts
     out = art.write(out_dir or Path("rendered") / f"{art.job_name}-{art.target}", origin="render")
     if show:
         for rel in art.files:
@@ -140,8 +112,9 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, swee
 
     if after:
         overrides = (*overrides, _after(recipe_path, overrides, target, after))
-    recipe, p, art = _render(recipe_path, overrides, target, sweeps)
-    _checked(recipe_path, recipe, p, art, force, "submitted")
+    prep = prepare(recipe_path, overrides, target, sweeps)
+    check(prep, force, "submitted")
+    recipe, art = prep.recipe, prep.artifacts
     out = _out_dir(recipe, art, out_dir)
     _, origin = read_manifest(out)
     if origin == "render":

@@ -124,3 +124,11 @@ def plan_choices(recipe: Recipe, primary: Plan | None = None, order: str | None 
         if c.dropped:
             notes.append(f"{c.accelerator} dropped: {c.dropped}")
     return Choices(choices, kept_choices, shipped, basis, notes)
+
+
+def for_target(recipe: Recipe, primary: Plan, target: str | None) -> Choices | None:
+    """The accelerator choices a render for `target` ships (SkyPilot with fallbacks), else None. Made once per
+    render: `prepare` passes them to validate and render alike."""
+    if (target or recipe.targets.default) != "sky" or not recipe.targets.sky.accelerators:
+        return None
+    return plan_choices(recipe, primary)

@@ -205,6 +205,14 @@ def load_text(text: str, source: str = "<recipe>", overrides: list[str] | None =
         _fail(source, f"the recipe must be a mapping of sections (name, model, ...), got a {type(data).__name__}", 1,
               "start from recipes/tiny.yaml")
     lines = _line_map(node, source) if node is not None else {}
+    return load_data(data, source, overrides, base_dir, lines)
+
+
+def load_data(data: dict, source: str = "<recipe>", overrides: list[str] | None = None, base_dir: str | None = None,
+              lines: dict | None = None) -> Recipe:
+    """A recipe from plain data (what the YAML held), with `--set` overrides applied: load_text's second half, and
+    the way in for a recipe that is already data (launcher.submit of a Recipe: no YAML round trip)."""
+    lines = lines or {}
     for k in data:
         if not isinstance(k, str):
             _fail(source, f"keys must be text, got {k!r}", lines.get((str(k),)), field=str(k))

@@ -293,6 +293,14 @@ class Recipe(Spec, kw_only=True, dict=True):
         compares equal to it."""
         return msgspec.json.decode(msgspec.json.encode(self))
 
+    def given_data(self) -> dict[str, Any]:
+        """The recipe as data that loads back into this recipe, with the record of which parallelism fields the
+        user wrote (the planner keeps a written degree and chooses an unwritten one): to_dict() writes every field,
+        which would read back as all of them written."""
+        d = self.to_dict()
+        d["parallelism"] = {k: v for k, v in d["parallelism"].items() if k in self.parallelism.fields_set}
+        return d
+
     def digest(self) -> str:
         """A recipe's identity: unchanged by a newer dtlaunch that only added optional fields it leaves unset."""
         d = self.to_dict()

@@ -163,6 +163,23 @@ class SkyStorage(Spec, kw_only=True):
             raise ValueError("give exactly one of `bucket` and `volume`")
 
 
+class SkyDataMount(Spec, kw_only=True):
+    """Weights or data every node reads: a bucket mounted (or copied) at `path`, or a local directory copied."""
+
+    path: Text(1024, "where the nodes see it, e.g. /data")
+    source: Text(1024, "a bucket URI (s3://..., gs://...) or a directory on the machine that launches")
+    mode: Doc("MOUNT streams from the bucket; COPY copies it onto each node's disk before setup (a local source "
+              "is always copied)", Literal["MOUNT", "COPY"]) = "MOUNT"
+
+    def __post_init__(self) -> None:
+        if not self.path.startswith("/") or "{" in self.path or ".." in self.path.split("/"):
+            raise Invalid("path", f"{self.path!r}: the mount point must be an absolute path")
+        self.path = self.path.rstrip("/") or "/"
+        if self.mode == "MOUNT" and not BUCKET.match(self.source):
+            raise Invalid("mode", f"{self.source!r} is not a bucket: a local directory can only be copied",
+                          "set mode: COPY")
+
+
 class SkyTarget(Spec, kw_only=True):
     infra: Text(256, "e.g. aws, gcp/us-central1, k8s") | None = None
     cloud: Text(64) | None = None
@@ -170,13 +187,17 @@ class SkyTarget(Spec, kw_only=True):
     zone: Text(128) | None = None
     spot: bool = False
     managed: bool = False
-    disk_size: Int(1, 65536) = 512
+    disk_size: Int(1, 65536, "GB of disk per node (default: the cloud's, 256 on most); with MOUNT_CACHED checkpoint "
+                  "storage the checkpoints are cached there before they upload") | None = None
     max_restarts_on_errors: Int(0, 1000) = 3
     max_restarts: Int(0, 1000, "torchrun restarts inside one launch") = 2
     setup: Annotated[list[Str], Meta(max_length=1000)] = []
     workdir: Str | None = None
     checkpoint_storage: Doc("shared checkpoint storage; required for multi-node, managed and spot jobs",
                             SkyStorage | None) = None
+    data_mounts: Annotated[list[SkyDataMount], Meta(
+        max_length=32, description="weights and data files the nodes read (model.hf_weights, training.data.path "
+                                   "must lie under one)")] = []
     autostop_minutes: Int(1, 100000, "`sky launch` clusters: stop after this many idle minutes (null: never)") \
         | None = 10
     autodown: Doc("with autostop: tear the cluster down instead of stopping it", bool) = True

@@ -32,13 +32,17 @@ def common_files(recipe: Recipe, plan: Plan) -> dict[str, str | bytes]:
     return files
 
 
-def render(recipe: Recipe, plan: Plan, target: str) -> Artifacts:
+def render(recipe: Recipe, plan: Plan, target: str, choices=None) -> Artifacts:
+    """`plan`: the recipe's own; `choices`: the SkyPilot accelerator choices, if already made
+    (plan.choices.for_target: made here otherwise)."""
     if target not in TARGET_NAMES:
         raise DtlaunchError(f"unknown target {target!r}", fix=f"use one of {', '.join(TARGET_NAMES)}")
-    if target == "sky" and recipe.targets.sky.accelerators:
-        from ..plan.choices import plan_choices
+    from ..plan.choices import for_target
 
-        # The task may land on any of several accelerators: ship the plan valid on all of them.
-        plan = plan_choices(recipe, plan).shipped
+    choices = choices or for_target(recipe, plan, target)
     renderer = load_attr(TARGETS[TargetName(target)].renderer)
+    if choices is not None:
+        # The task may land on any of several accelerators: ship the plan valid on all of them.
+        plan = choices.shipped
+        return renderer(recipe, plan, common_files(recipe, plan), choices=choices)
     return renderer(recipe, plan, common_files(recipe, plan))

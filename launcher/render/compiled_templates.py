@@ -19,6 +19,29 @@ def t_code_dir_sh(c, w):
         w('\n')
 
 
+def t_decide_sh(c, w):
+    w('# >>> dtl_decide: what this job does after its training step ended, from the outcome policy in\n# launcher/jobenv.py (OUTCOMES); the submitit path decides the same in launcher/targets/slurm_decisions.py,\n# and a test runs both over every code, signal and count. No side effects: it prints\n# "ACTION STATE LEDGER REASON", ACTION one of done, stop, requeue, fail; LEDGER the file the attempt counts in\n# (- for none).\ndtl_decide() {\n  local rc=$1 sig=$2 time_limit=$3 progressed=$4 requeues=$5 failures=$6 n\n  if [ "$rc" = 0 ]; then echo "done COMPLETED - finished"; return; fi\n  if [ "$sig" = TERM ]; then\n    echo "stop STOPPED - SLURM is ending this job (scancel, its own requeue or a preemption): the training processes checkpointed on SIGTERM; no requeue follows"\n    return\n  fi\n  case "$rc" in ')
+    for l1_c in need(c, 'resume_codes', '_decide.sh.j2'):
+        w(str(f_int(l1_c)))
+        w(') sig=USR2 ;; ')
+    w('esac\n  if [ "$sig" = USR2 ]; then\n    if [ "$time_limit" = 1 ]; then\n      # A long run spans several allocations: continuing after a time limit is not a failure, as long as\n      # each allocation moves the run forward.\n      if [ "$progressed" = 1 ]; then echo "requeue REQUEUED continuations time limit reached with a checkpoint"\n      else echo "fail FAILED - time limit reached without progress (no step completed in this allocation); raise targets.slurm.time"; fi\n      return\n    fi\n    if [ "$requeues" -lt ')
+    w(str(f_int(need(c, 'max_requeues', '_decide.sh.j2'))))
+    w(' ]; then echo "requeue REQUEUED requeues preempted, checkpoint written"\n    else echo "fail PREEMPTED - preempted, but max_requeues=')
+    w(str(f_int(need(c, 'max_requeues', '_decide.sh.j2'))))
+    w(' is used up"; fi\n    return\n  fi\n  n=$((failures + 1))\n  case "$rc" in\n')
+    for l2_c in need(c, 'final_codes', '_decide.sh.j2'):
+        w('    ')
+        w(str(f_int(l2_c)))
+        w(') echo "fail FAILED failures exit code $rc is never retried (the same recipe, data or loss would end the same way)"; return ;;\n')
+    w('  esac\n  if [ "$n" -lt ')
+    w(str(f_int(need(c, 'max_failures', '_decide.sh.j2'))))
+    w(' ]; then echo "requeue REQUEUED failures failure $n of at most ')
+    w(str(f_int(need(c, 'max_failures', '_decide.sh.j2'))))
+    w('"\n  else echo "fail FAILED failures training failed with exit code $rc (failures: $n, max_failures=')
+    w(str(f_int(need(c, 'max_failures', '_decide.sh.j2'))))
+    w(')"; fi\n}\n# <<< dtl_decide\n')
+
+
 def t_outcome_sh(c, w):
     w('# The exit code of this node\'s share of the job: the workers\' own codes for this attempt, not torchrun\'s\n# generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends.\n# A rank killed after a collective timed out (NCCL\'s watchdog aborts it) writes no code, but leaves the\n# flight recorder\'s dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)\n# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44) and a\n# diverged loss (45) come first: restarting would not help.\ndtl_outcome() {\n  local rc=$1 f code worst=""\n  if [ "$rc" = 0 ]; then echo 0; return; fi\n  for f in "$DTLAUNCH_STATUS"/rank-*.code; do\n    [ -f "$f" ] || continue\n    read -r code _ < "$f" || continue\n    case "$code" in\n      ')
     w(str(attr(need(c, 'code', '_outcome.sh.j2'), 'CONFIG')))
@@ -119,7 +142,13 @@ def t_slurm_batch_sh(c, w):
     for l4_line in need(c, 'setup', '_slurm_batch.sh.j2'):
         w(str(f_verbatim(l4_line)))
         w('\n')
-    w('\n')
+    w('\n# ---- rendezvous: the first node of the allocation (no loopback fallback: each node would form its own world)\nMASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"\n[ -n "$MASTER_ADDR" ] || fail ')
+    w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
+    w(' "could not derive MASTER_ADDR from SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"\nMASTER_PORT=$(( ')
+    w(str(f_int(need(c, 'port_base', '_slurm_batch.sh.j2'))))
+    w(' + SLURM_JOB_ID % ')
+    w(str(f_int(need(c, 'port_span', '_slurm_batch.sh.j2'))))
+    w(' ))\nexport MASTER_ADDR MASTER_PORT\necho "dtlaunch: job $SLURM_JOB_ID attempt $ATTEMPT of run $DTLAUNCH_RUN_ID on $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT"\n\n')
     if need(c, 'container', '_slurm_batch.sh.j2'):
         w('# ---- container (')
         w(str(f_q(attr(need(c, 'container', '_slurm_batch.sh.j2'), 'runtime'))))
@@ -142,13 +171,59 @@ def t_slurm_batch_sh(c, w):
         w(str(f_envname(need(c, 'mounts_var', '_slurm_batch.sh.j2'))))
         w('\n# dtlaunch as it planned this job, importable from its wheel (a zip on sys.path) inside the image.\nWHEEL=')
         w(str(f_q(need(c, 'wheel', '_slurm_batch.sh.j2'))))
-        w('\nexport PYTHONPATH="$SUBMIT_DIR/$WHEEL${PYTHONPATH:+:$PYTHONPATH}"\n')
+        w('\nexport PYTHONPATH="$SUBMIT_DIR/$WHEEL${PYTHONPATH:+:$PYTHONPATH}"\n# The image\'s root filesystem is read-only and HOME is not mounted: caches go under the submit directory.\n')
+        for l7_name, l8_rel in attr(need(c, 'container', '_slurm_batch.sh.j2'), 'caches'):
+            w('export ')
+            w(str(f_envname(l7_name)))
+            w('="$SUBMIT_DIR/"')
+            w(str(f_q(l8_rel)))
+            w('\n')
+        if attr(need(c, 'container', '_slurm_batch.sh.j2'), 'caches'):
+            w('mkdir -p')
+            for l9_name, l10_rel in attr(need(c, 'container', '_slurm_batch.sh.j2'), 'caches'):
+                w(' "$SUBMIT_DIR/"')
+                w(str(f_q(l10_rel)))
+            w(' || fail ')
+            w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'FAILED')))
+            w(' "cannot create the cache directories under $SUBMIT_DIR"\n')
+        if attr(need(c, 'container', '_slurm_batch.sh.j2'), 'sif'):
+            w('# Apptainer converts a registry image once, into a SIF here that every node and every requeue shares.\nSIF="$SUBMIT_DIR/"')
+            w(str(f_q(attr(need(c, 'container', '_slurm_batch.sh.j2'), 'sif'))))
+            w('\nexport SUBMIT_DIR  # step.sh runs the SIF from here\nif [ ! -s "$SIF" ]; then\n  echo "dtlaunch: pulling" ')
+            w(str(f_q(attr(need(c, 'container', '_slurm_batch.sh.j2'), 'image'))))
+            w(' "into $SIF"\n  ')
+            w(str(f_q(attr(need(c, 'container', '_slurm_batch.sh.j2'), 'runtime'))))
+            w(' pull "$SIF.part-$SLURM_JOB_ID" ')
+            w(str(f_q(attr(need(c, 'container', '_slurm_batch.sh.j2'), 'image'))))
+            w(' && mv -f "$SIF.part-$SLURM_JOB_ID" "$SIF" \\\n    || fail ')
+            w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'FAILED')))
+            w(' "cannot pull" ')
+            w(str(f_q(attr(need(c, 'container', '_slurm_batch.sh.j2'), 'image'))))
+            w(' "into $SIF (see above)"\nfi\n')
+        w("# The job's environment, for inside the container: the image's own value of a variable wins over the host's\n# there (pyxis, Apptainer), so step.sh sources this file in the container and `apptainer exec --env-file` reads it.\nexport ")
+        w(str(f_envname(need(c, 'job_env_var', '_slurm_batch.sh.j2'))))
+        w('="$JOB_DIR/env-$ATTEMPT.sh"\nfor name in')
+        for l11_name in need(c, 'job_vars', '_slurm_batch.sh.j2'):
+            w(' ')
+            w(str(f_envname(l11_name)))
+        w('; do\n  if [ -n "${!name+x}" ]; then printf \'%s=%q\\n\' "$name" "${!name}"; fi\ndone > "$')
+        w(str(f_envname(need(c, 'job_env_var', '_slurm_batch.sh.j2'))))
+        w('" || fail ')
+        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'FAILED')))
+        w(' "cannot write $')
+        w(str(f_envname(need(c, 'job_env_var', '_slurm_batch.sh.j2'))))
+        w('"\n')
         if need(c, 'host_python', '_slurm_batch.sh.j2'):
-            l7_plan_check = False
-            t_python_sh({**c, 'plan_check': l7_plan_check}, w)
-        w("# The interpreter is the image's: checked inside the container, before any rank starts.\nCHECK_RC=0\n")
+            l12_plan_check = False
+            t_python_sh({**c, 'plan_check': l12_plan_check}, w)
+        w("# The interpreter is the image's: checked inside the container on every node, before any rank starts.\nCHECK_RC=0\n")
         w(str(f_cmd(need(c, 'container_check', '_slurm_batch.sh.j2'))))
-        w(' || CHECK_RC=$?\nif [ "$CHECK_RC" -eq ')
+        w(' || CHECK_RC=$?\n')
+        if need(c, 'container_cleanup', '_slurm_batch.sh.j2'):
+            w('if [ "$CHECK_RC" -ne 0 ]; then  # the job ends here: the container the check imported goes too\n  ')
+            w(str(f_cmd(need(c, 'container_cleanup', '_slurm_batch.sh.j2'))))
+            w(' || echo "dtlaunch: could not remove the job\'s container on every node" >&2\nfi\n')
+        w('if [ "$CHECK_RC" -eq ')
         w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
         w(' ]; then\n  fail ')
         w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
@@ -159,13 +234,7 @@ def t_slurm_batch_sh(c, w):
         w('\nfi\n')
     else:
         t_python_sh(c, w)
-    w('echo RUNNING > "$JOB_DIR/state"\n\n# ---- rendezvous: the first node of the allocation (no loopback fallback: each node would form its own world)\nMASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"\n[ -n "$MASTER_ADDR" ] || fail ')
-    w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
-    w(' "could not derive MASTER_ADDR from SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"\nMASTER_PORT=$(( ')
-    w(str(f_int(need(c, 'port_base', '_slurm_batch.sh.j2'))))
-    w(' + SLURM_JOB_ID % ')
-    w(str(f_int(need(c, 'port_span', '_slurm_batch.sh.j2'))))
-    w(' ))\nexport MASTER_ADDR MASTER_PORT\necho "dtlaunch: job $SLURM_JOB_ID attempt $ATTEMPT of run $DTLAUNCH_RUN_ID on $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT"\n\n')
+    w('echo RUNNING > "$JOB_DIR/state"\n\n')
 
 
 def t_slurm_fail_sh(c, w):
@@ -224,11 +293,14 @@ def t_local_launch_sh(c, w):
 
 
 def t_sky_run_sh(c, w):
-    w('# One subshell around the whole run: SkyPilot appends its own lines after this script (with MOUNT_CACHED\n# storage, the wait until rclone has uploaded every checkpoint file), and an `exit` at the top level would end\n# the shell before them. Inside the subshell every `exit` ends only it; its code is what SkyPilot reads next.\n(\nset -uo pipefail\nfail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; exit "$rc"; }\nJOB_DIR=')
+    w('# One subshell around the whole run: SkyPilot appends its own lines after this script (with MOUNT_CACHED\n# storage, the wait until rclone has uploaded every checkpoint file), and an `exit` at the top level would end\n# the shell before them. Inside the subshell every `exit` ends only it; its code is what SkyPilot reads next.\n(\nset -uo pipefail\n# A final exit code (launcher/jobenv.py\'s outcome policy: a bad recipe, a diverged loss) would only repeat itself,\n# but a managed job recovers on every code it does not know: it is written, with this task\'s id, to checkpoint\n# storage, where the next launch of the task reads it before anything else and ends at once with it.\nFINAL_MARKER=""\nmark_final() {\n  case "$1" in\n')
+    for l1_c in need(c, 'final_codes', 'sky_run.sh.j2'):
+        w('    ')
+        w(str(f_int(l1_c)))
+        w(') if [ -n "$FINAL_MARKER" ] && mkdir -p "${FINAL_MARKER%/*}"; then echo "$1 ${SKYPILOT_TASK_ID:-}" > "$FINAL_MARKER"; fi ;;\n')
+    w('  esac\n}\nfail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; mark_final "$rc"; exit "$rc"; }\nJOB_DIR=')
     w(str(f_q(need(c, 'job_dir', 'sky_run.sh.j2'))))
-    w('\n# ---- rendezvous: the head node\'s address, derived explicitly (no silent localhost fallback)\nMASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"\nif [ -z "$MASTER_ADDR" ]; then\n  echo "dtlaunch: SKYPILOT_NODE_IPS is empty: no head-node address for the rendezvous" >&2\n  exit ')
-    w(str(attr(need(c, 'code', 'sky_run.sh.j2'), 'PREFLIGHT')))
-    w('\nfi\nexport MASTER_ADDR\n# This node\'s own address, as the other nodes reach it (its hostname may resolve to 127.0.1.1).\nNODE_ADDR="$(echo "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"\nexport DTLAUNCH_NODE_ADDR="$NODE_ADDR"\n# ---- identity: SKYPILOT_TASK_ID is stable across managed-job recoveries, so a recovered job resumes its\n# own checkpoints; export DTLAUNCH_RUN_ID (or set run_id in the recipe) to resume an earlier run.\nDEFAULT_RUN_ID=')
+    w('\n# ---- identity: SKYPILOT_TASK_ID is stable across managed-job recoveries, so a recovered job resumes its\n# own checkpoints; export DTLAUNCH_RUN_ID (or set run_id in the recipe) to resume an earlier run.\nDEFAULT_RUN_ID=')
     w(str(f_q(need(c, 'default_run_id', 'sky_run.sh.j2'))))
     w('\nexport DTLAUNCH_RUN_ID="${DTLAUNCH_RUN_ID:-$DEFAULT_RUN_ID}"\nexport DTLAUNCH_RUN_DIR="${DTLAUNCH_RUN_DIR:-$JOB_DIR/runs/$DTLAUNCH_RUN_ID}"\nexport DTLAUNCH_PLAN="$JOB_DIR/plan.json"\nDTLAUNCH_ATTEMPT="sky-$(date +%s)-$$"\nexport DTLAUNCH_ATTEMPT\nexport DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"\n')
     if need(c, 'checkpoint_template', 'sky_run.sh.j2'):
@@ -237,7 +309,11 @@ def t_sky_run_sh(c, w):
         w('\nexport DTLAUNCH_CHECKPOINT_DIR="${CHECKPOINT_TEMPLATE//\\{run_id\\}/$DTLAUNCH_RUN_ID}"\n')
     else:
         w('export DTLAUNCH_CHECKPOINT_DIR="$DTLAUNCH_RUN_DIR/checkpoints"\n')
-    w('export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"\n')
+    w('FINAL_MARKER="$DTLAUNCH_CHECKPOINT_DIR"/')
+    w(str(f_q(need(c, 'final_marker', 'sky_run.sh.j2'))))
+    w('\nif [ -f "$FINAL_MARKER" ]; then\n  read -r FINAL_CODE FINAL_TASK < "$FINAL_MARKER" || true\n  if [ -n "${FINAL_CODE:-}" ] && [ "${FINAL_TASK:-}" = "${SKYPILOT_TASK_ID:-}" ]; then\n    echo "dtlaunch: this task already ended with exit code $FINAL_CODE, which is never retried ($FINAL_MARKER): not training again" >&2\n    exit "$FINAL_CODE"\n  fi\n  rm -f "$FINAL_MARKER"  # another task\'s: a new submission of the run starts afresh\nfi\n# ---- rendezvous: the head node\'s address, derived explicitly (no silent localhost fallback)\nMASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"\nif [ -z "$MASTER_ADDR" ]; then\n  echo "dtlaunch: SKYPILOT_NODE_IPS is empty: no head-node address for the rendezvous" >&2\n  exit ')
+    w(str(attr(need(c, 'code', 'sky_run.sh.j2'), 'PREFLIGHT')))
+    w('\nfi\nexport MASTER_ADDR\n# This node\'s own address, as the other nodes reach it (its hostname may resolve to 127.0.1.1).\nNODE_ADDR="$(echo "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"\nexport DTLAUNCH_NODE_ADDR="$NODE_ADDR"\nexport TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"\n')
     t_code_dir_sh(c, w)
     w('mkdir -p "$DTLAUNCH_STATUS"\nPORT="${DTLAUNCH_PORT:-')
     w(str(f_int(need(c, 'port', 'sky_run.sh.j2'))))
@@ -254,8 +330,8 @@ def t_sky_run_sh(c, w):
         w('\nHOSTFILE="$DTLAUNCH_STATUS/hostfile"\necho "$SKYPILOT_NODE_IPS" | awk -v n="$NPROC" \'NF {print $1 " slots=" n}\' > "$HOSTFILE"\n')
         if need(c, 'deepspeed_ssh', 'sky_run.sh.j2'):
             w('# Head-only launch: the head starts every node\'s workers over ssh (pdsh). .deepspeed_env carries the plain\n# environment to them; DeepSpeed writes each value into a remote shell inside double quotes, so validate\n# allowed only values without $, `, ", \\ or a line break here, and secrets are never written (refused).\nprintf \'%s\\n\' ')
-            for l1_name, l2_value in attr(need(c, 'ds_env', 'sky_run.sh.j2'), 'items')():
-                w(str(f_q((str(l1_name) + str('=') + str(l2_value)))))
+            for l2_name, l3_value in attr(need(c, 'ds_env', 'sky_run.sh.j2'), 'items')():
+                w(str(f_q((str(l2_name) + str('=') + str(l3_value)))))
                 w(' ')
             w('"DTLAUNCH_RUN_ID=$DTLAUNCH_RUN_ID" "DTLAUNCH_RUN_DIR=$DTLAUNCH_RUN_DIR" "DTLAUNCH_CHECKPOINT_DIR=$DTLAUNCH_CHECKPOINT_DIR" "DTLAUNCH_ATTEMPT=$DTLAUNCH_ATTEMPT" "DTLAUNCH_STATUS=$DTLAUNCH_STATUS" "MASTER_ADDR=$MASTER_ADDR" > .deepspeed_env\nif [ "$SKYPILOT_NODE_RANK" != 0 ]; then\n  echo "dtlaunch: node $SKYPILOT_NODE_RANK: the head node starts this node\'s workers over ssh"\n  exit 0\nfi\n')
             w(str(f_cmd(need(c, 'deepspeed_head', 'sky_run.sh.j2'))))
@@ -265,18 +341,25 @@ def t_sky_run_sh(c, w):
             w(str(f_cmd(need(c, 'deepspeed_node', 'sky_run.sh.j2'))))
             w(' &\n')
     else:
-        w('IS_HOST=0\nif [ "$SKYPILOT_NODE_RANK" = 0 ]; then IS_HOST=1; fi  # the head hosts the rendezvous store, whatever its hostname says\n')
+        w('IS_HOST=0\nif [ "$SKYPILOT_NODE_RANK" = 0 ]; then IS_HOST=1; fi  # the head hosts the rendezvous store, whatever its hostname says\nexport DTLAUNCH_NODE_RANK="$SKYPILOT_NODE_RANK"  # node ranks in SkyPilot\'s order, not by address\n')
         w(str(f_cmd(need(c, 'torchrun', 'sky_run.sh.j2'))))
         w(' &\n')
     w('LAUNCHER=$!\nrc=0\nwhile :; do\n  wait "$LAUNCHER"; rc=$?\n  kill -0 "$LAUNCHER" 2>/dev/null || break  # wait returns early when a trapped signal arrives\ndone\n')
     t_outcome_sh(c, w)
-    w('exit "$(dtl_outcome "$rc")"\n)\n')
+    w('CODE="$(dtl_outcome "$rc")"\nmark_final "$CODE"\nexit "$CODE"\n)\n')
 
 
 def t_sky_setup_sh(c, w):
     w('set -euo pipefail\n# dtlaunch comes with the job: the wheel next to task.yaml was built from the installation that rendered\n# it, so the node runs exactly the code that planned the job, and no package index is asked for dtlaunch.\n')
-    w(str(f_cmd(['pip', 'install', need(c, 'wheel_requirement', 'sky_setup.sh.j2')])))
-    w('\n')
+    if (not (need(c, 'image_deps', 'sky_setup.sh.j2') is None)):
+        w("# The image brings torch: pip must not replace it (nor what was built against it) with the index's build.\n")
+        w(str(f_cmd(['pip', 'install', '--no-deps', need(c, 'wheel_requirement', 'sky_setup.sh.j2')])))
+        w('\n')
+        w(str(f_cmd((['pip', 'install'] + need(c, 'image_deps', 'sky_setup.sh.j2')))))
+        w('\n')
+    else:
+        w(str(f_cmd(['pip', 'install', need(c, 'wheel_requirement', 'sky_setup.sh.j2')])))
+        w('\n')
     for l1_requirement in need(c, 'extra_requirements', 'sky_setup.sh.j2'):
         w(str(f_cmd(['pip', 'install', l1_requirement])))
         w('\n')
@@ -304,27 +387,26 @@ def t_slurm_job_sh(c, w):
     w(str(f_int(need(c, 'signal_seconds', 'slurm_job.sh.j2'))))
     w('` (the time limit) or a preemption\n# that signals the job: it is forwarded to the training steps, which checkpoint and exit ')
     w(str(attr(need(c, 'code', 'slurm_job.sh.j2'), 'PREEMPTED')))
-    w('; this\n# script then requeues the job. TERM means SLURM itself is ending the job (scancel, a requeue or a\n# preemption by the scheduler): the steps get TERM from SLURM too and checkpoint, and this script never\n# requeues, so a user\'s cancel ends the job for good.\nSIGNALLED=""\nseconds_left() {\n  local t d=0 h=0 m=0 s=0 a b c\n  t="$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n1)"\n  case "$t" in \'\'|*[!0-9:-]*) echo -1; return ;; esac\n  if [[ $t == *-* ]]; then d=${t%%-*}; t=${t#*-}; fi\n  IFS=: read -r a b c <<< "$t"\n  if [ -n "${c:-}" ]; then h=$a; m=$b; s=$c; elif [ -n "${b:-}" ]; then m=$a; s=$b; else s=$a; fi\n  echo $(( 10#$d * 86400 + 10#$h * 3600 + 10#$m * 60 + 10#$s ))\n}\nTIME_LIMIT=0\non_usr2() {\n  SIGNALLED=USR2\n  local left; left="$(seconds_left)"\n  # slurmctld sends the time-limit signal on its 30 s tick, up to 30 s early: allow a minute of slack.\n  if [ "$left" -ge 0 ] && [ "$left" -le ')
-    w(str(f_int((need(c, 'signal_seconds', 'slurm_job.sh.j2') + 90))))
-    w(' ]; then TIME_LIMIT=1; fi\n  echo "dtlaunch: got SIGUSR2 ($( [ "$TIME_LIMIT" = 1 ] && echo "time limit, ${left}s left" || echo preemption )): asking the training processes to checkpoint" >&2\n  scancel --signal=USR2 "$SLURM_JOB_ID" 2>/dev/null || true  # every step, not this batch shell\n}\nREQUEUING=0\non_term() {\n  [ "$REQUEUING" = 1 ] && return  # our own requeue ends this attempt with TERM\n  SIGNALLED=TERM\n  echo "dtlaunch: got SIGTERM: SLURM is ending this job; the training processes checkpoint, no requeue follows" >&2\n}\ntrap on_usr2 USR2\ntrap on_term TERM\n\n# ---- train: one torchrun per node (the step script), output also kept per attempt\nLOG="$JOB_DIR/logs/attempt-$ATTEMPT.log"\n')
+    w('; this\n# script then requeues the job. TERM means SLURM itself is ending the job (scancel, a requeue or a\n# preemption by the scheduler): the steps get TERM from SLURM too and checkpoint, and this script never\n# requeues, so a user\'s cancel ends the job for good.\nSIGNALLED=""\nseconds_left() {\n  local t d=0 h=0 m=0 s=0 a b c\n  t="$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n1)"\n  case "$t" in \'\'|*[!0-9:-]*) echo -1; return ;; esac\n  if [[ $t == *-* ]]; then d=${t%%-*}; t=${t#*-}; fi\n  IFS=: read -r a b c <<< "$t"\n  if [ -n "${c:-}" ]; then h=$a; m=$b; s=$c; elif [ -n "${b:-}" ]; then m=$a; s=$b; else s=$a; fi\n  echo $(( 10#$d * 86400 + 10#$h * 3600 + 10#$m * 60 + 10#$s ))\n}\nTIME_LIMIT=0\non_usr2() {\n  SIGNALLED=USR2\n  local left; left="$(seconds_left)"\n  # slurmctld sends the time-limit signal on its 30 s tick, up to 30 s early (jobenv.TIME_LIMIT_SLACK_S).\n  if [ "$left" -ge 0 ] && [ "$left" -le ')
+    w(str(f_int((need(c, 'signal_seconds', 'slurm_job.sh.j2') + need(c, 'time_limit_slack', 'slurm_job.sh.j2')))))
+    w(' ]; then TIME_LIMIT=1; fi\n  echo "dtlaunch: got SIGUSR2 ($( [ "$TIME_LIMIT" = 1 ] && echo "time limit, ${left}s left" || echo preemption )): asking the training processes to checkpoint" >&2\n  scancel --signal=USR2 "$SLURM_JOB_ID" 2>/dev/null || true  # every step, not this batch shell\n}\nREQUEUING=0\non_term() {\n  [ "$REQUEUING" = 1 ] && return  # our own requeue ends this attempt with TERM\n  SIGNALLED=TERM\n  echo "dtlaunch: got SIGTERM: SLURM is ending this job; the training processes checkpoint, no requeue follows" >&2\n}\ntrap on_usr2 USR2\ntrap on_term TERM\n\nnewest_checkpoint() {  # the newest committed, uncorrupted checkpoint\'s step (0: none), as launcher/runtime/ckptdir.py lays them out\n  local d n best=0\n  for d in "$DTLAUNCH_CHECKPOINT_DIR"/')
+    w(str(f_q(need(c, 'ckpt_prefix', 'slurm_job.sh.j2'))))
+    w('*; do\n    [ -f "$d"/')
+    w(str(f_q(need(c, 'ckpt_marker', 'slurm_job.sh.j2'))))
+    w(' ] && [ ! -e "$d"/')
+    w(str(f_q(need(c, 'ckpt_corrupt', 'slurm_job.sh.j2'))))
+    w(' ] || continue\n    n="${d##*/}"; n="${n#')
+    w(str(f_q(need(c, 'ckpt_prefix', 'slurm_job.sh.j2'))))
+    w('}"\n    case "$n" in \'\'|*[!0-9]*) continue ;; esac\n    if [ "$((10#$n))" -gt "$best" ]; then best=$((10#$n)); fi\n  done\n  echo "$best"\n}\nCHECKPOINT_AT_START="$(newest_checkpoint)"\n\n# ---- train: one torchrun per node (the step script), output also kept per attempt\nLOG="$JOB_DIR/logs/attempt-$ATTEMPT.log"\n')
     w(str(f_cmd(need(c, 'srun', 'slurm_job.sh.j2'))))
-    w(' > >(tee -a "$LOG") 2>&1 &\nSRUN=$!\nrc=0\nwhile :; do\n  wait "$SRUN"; rc=$?\n  kill -0 "$SRUN" 2>/dev/null || break  # wait returns early when a trapped signal arrives\ndone\necho "$ATTEMPT $rc ${SIGNALLED:-none}" >> "$JOB_DIR/exit_codes"\necho "dtlaunch: training exited with $rc (signal: ${SIGNALLED:-none})"\n\nprogress() {  # did this attempt move the run forward? (the step reached vs the step it resumed from)\n  local f step start\n  for f in "$DTLAUNCH_STATUS"/rank-*.code; do\n    [ -f "$f" ] || continue\n    read -r _ step start < "$f" || continue\n    if [ "${step:-0}" -gt "${start:-0}" ] 2>/dev/null; then return 0; fi\n  done\n  return 1\n}\nrequeue() {\n  REQUEUING=1\n  echo REQUEUED > "$JOB_DIR/state"\n  echo "dtlaunch: requeueing job $SLURM_JOB_ID ($1)"\n  scontrol requeue "$SLURM_JOB_ID" || { echo FAILED > "$JOB_DIR/state"; fail "$rc" "scontrol requeue failed"; }\n  sleep 60  # the requeue ends this attempt; do not fall through\n  exit "$rc"\n}\nif [ "$rc" = 0 ]; then\n  touch "$JOB_DIR/finished"; echo COMPLETED > "$JOB_DIR/state"; exit 0\nfi\nif [ "$SIGNALLED" = TERM ]; then\n  echo STOPPED > "$JOB_DIR/state"; exit "$rc"\nfi\nif [ "$rc" = ')
-    w(str(attr(need(c, 'code', 'slurm_job.sh.j2'), 'PREEMPTED')))
-    w(' ] || [ "$SIGNALLED" = USR2 ]; then\n  if [ "$TIME_LIMIT" = 1 ]; then\n    # A long run spans several allocations: continuing after a time limit is not a failure, as long as\n    # each allocation moves the run forward.\n    if progress; then\n      echo "$ATTEMPT $(date +%s)" >> "$JOB_DIR/continuations"\n      requeue "time limit reached with a checkpoint: continuation $(count "$JOB_DIR/continuations")"\n    fi\n    echo FAILED > "$JOB_DIR/state"; fail "$rc" "time limit reached without progress (no step completed in this allocation); raise targets.slurm.time"\n  fi\n  if [ "$(count "$JOB_DIR/requeues")" -lt ')
-    w(str(f_int(need(c, 'max_requeues', 'slurm_job.sh.j2'))))
-    w(' ]; then\n    echo "$ATTEMPT $(date +%s)" >> "$JOB_DIR/requeues"; requeue "preempted, checkpoint written"\n  fi\n  echo PREEMPTED > "$JOB_DIR/state"; fail "$rc" "preempted, but max_requeues=')
-    w(str(f_int(need(c, 'max_requeues', 'slurm_job.sh.j2'))))
-    w(' is used up"\nfi\necho "$ATTEMPT $(date +%s) $rc" >> "$JOB_DIR/failures"\n# A bad recipe (2) or a diverged loss (45) would only repeat itself: no retry.\nif [ "$rc" != ')
-    w(str(attr(need(c, 'code', 'slurm_job.sh.j2'), 'CONFIG')))
-    w(' ] && [ "$rc" != ')
-    w(str(attr(need(c, 'code', 'slurm_job.sh.j2'), 'DIVERGED')))
-    w(' ] && [ "$(count "$JOB_DIR/failures")" -lt ')
-    w(str(f_int(need(c, 'max_failures', 'slurm_job.sh.j2'))))
-    w(' ]; then\n  requeue "failure $(count "$JOB_DIR/failures") of at most ')
-    w(str(f_int(need(c, 'max_failures', 'slurm_job.sh.j2'))))
-    w('"\nfi\necho FAILED > "$JOB_DIR/state"\nfail "$rc" "training failed with exit code $rc (failures: $(count "$JOB_DIR/failures"), max_failures=')
-    w(str(f_int(need(c, 'max_failures', 'slurm_job.sh.j2'))))
-    w(')"\n')
+    w(' > >(tee -a "$LOG") 2>&1 &\nSRUN=$!\nrc=0\nwhile :; do\n  wait "$SRUN"; rc=$?\n  kill -0 "$SRUN" 2>/dev/null || break  # wait returns early when a trapped signal arrives\ndone\necho "$ATTEMPT $rc ${SIGNALLED:-none}" >> "$JOB_DIR/exit_codes"\necho "dtlaunch: training exited with $rc (signal: ${SIGNALLED:-none})"\n\nprogress() {  # did this attempt move the run forward? A rank got past the step it resumed from, or a checkpoint\n  # newer than the one there was at the start was committed (ranks SIGKILLed at a time limit write no exit record)\n  local f step start\n  for f in "$DTLAUNCH_STATUS"/rank-*.code; do\n    [ -f "$f" ] || continue\n    read -r _ step start < "$f" || continue\n    if [ "${step:-0}" -gt "${start:-0}" ] 2>/dev/null; then return 0; fi\n  done\n  [ "$(newest_checkpoint)" -gt "$CHECKPOINT_AT_START" ]\n}\nrequeue() {\n  REQUEUING=1\n  echo REQUEUED > "$JOB_DIR/state"\n  echo "dtlaunch: requeueing job $SLURM_JOB_ID ($1)"\n  scontrol requeue "$SLURM_JOB_ID" || { echo FAILED > "$JOB_DIR/state"; fail "$rc" "scontrol requeue failed"; }\n  sleep 60  # the requeue ends this attempt; do not fall through\n  exit "$rc"\n}\n')
+    t_decide_sh(c, w)
+    w('PROGRESSED=0\nif progress; then PROGRESSED=1; fi\nread -r ACTION STATE LEDGER REASON <<< "$(dtl_decide "$rc" "${SIGNALLED:-none}" "$TIME_LIMIT" "$PROGRESSED" \\\n  "$(count "$JOB_DIR/requeues")" "$(count "$JOB_DIR/failures")")"\nif [ "$LEDGER" != - ]; then echo "$ATTEMPT $(date +%s) $rc" >> "$JOB_DIR/$LEDGER"; fi\n')
+    if need(c, 'container_cleanup', 'slurm_job.sh.j2'):
+        w('if [ "$ACTION" != requeue ]; then  # the job ends for good: its named container goes from every node\n  ')
+        w(str(f_cmd(need(c, 'container_cleanup', 'slurm_job.sh.j2'))))
+        w(' || echo "dtlaunch: could not remove the job\'s container on every node" >&2\nfi\n')
+    w('case "$ACTION" in\n  done) touch "$JOB_DIR/finished"; echo COMPLETED > "$JOB_DIR/state"; exit 0 ;;\n  stop) echo STOPPED > "$JOB_DIR/state"; echo "dtlaunch: $REASON" >&2; exit "$rc" ;;\n  requeue) requeue "$REASON" ;;\nesac\necho "$STATE" > "$JOB_DIR/state"\nfail "$rc" "$REASON"\n')
 
 
 def t_slurm_step_sh(c, w):
@@ -333,7 +415,15 @@ def t_slurm_step_sh(c, w):
     w("). Not meant to be run by hand.\n#\n# slurmstepd delivers a step signal (the USR2 the batch script forwards, or SLURM's TERM) to every process\n# of the step: torchrun handles it (--signals-to-handle), passes it to its workers and waits up to\n# --shutdown-timeout for them to checkpoint and exit, without restarting them. This shell only waits.\nset -uo pipefail\ntrap ':' USR2 TERM\n")
     if need(c, 'container', 'slurm_step.sh.j2'):
         if attr(need(c, 'container', 'slurm_step.sh.j2'), 'pyxis'):
-            w('# This script runs inside the container (srun --container-image): the interpreter is the image\'s, never\n# the batch shell\'s (that one runs on the host).\nPYTHON="${DTLAUNCH_PYTHON:-$(command -v python3 || command -v python || true)}"\nif [ -z "$PYTHON" ]; then\n  echo "dtlaunch: no python3 in the container image;" ')
+            w('# The job\'s environment over the image\'s (which pyxis would keep): see the batch script.\nif [ -n "${')
+            w(str(f_envname(need(c, 'job_env_var', 'slurm_step.sh.j2'))))
+            w(':-}" ]; then\n  set -a\n  # shellcheck disable=SC1090\n  . "$')
+            w(str(f_envname(need(c, 'job_env_var', 'slurm_step.sh.j2'))))
+            w('" || { echo "dtlaunch: cannot read $')
+            w(str(f_envname(need(c, 'job_env_var', 'slurm_step.sh.j2'))))
+            w('" >&2; exit ')
+            w(str(attr(need(c, 'code', 'slurm_step.sh.j2'), 'FAILED')))
+            w('; }\n  set +a\nfi\n# This script runs inside the container (srun --container-image): the interpreter is the image\'s, never\n# the batch shell\'s (that one runs on the host).\nPYTHON="${DTLAUNCH_PYTHON:-$(command -v python3 || command -v python || true)}"\nif [ -z "$PYTHON" ]; then\n  echo "dtlaunch: no python3 in the container image;" ')
             w(str(f_q(need(c, 'image_hint', 'slurm_step.sh.j2'))))
             w(' >&2\n  exit ')
             w(str(attr(need(c, 'code', 'slurm_step.sh.j2'), 'CONFIG')))
@@ -347,7 +437,7 @@ def t_slurm_step_sh(c, w):
         w(" ]; then  # the batch shell's check, before any rank starts\n  ")
         w(str(f_cmd(need(c, 'check', 'slurm_step.sh.j2'))))
         w('\n  exit\nfi\n')
-    w('IS_HOST=0\nif [ "${SLURM_NODEID:-}" = 0 ]; then IS_HOST=1; fi  # node 0 hosts the rendezvous store, whatever its hostname says\n')
+    w('IS_HOST=0\nif [ "${SLURM_NODEID:-}" = 0 ]; then IS_HOST=1; fi  # node 0 hosts the rendezvous store, whatever its hostname says\nexport DTLAUNCH_NODE_RANK="${SLURM_NODEID:-}"  # node ranks in SLURM\'s (topology-aware) order, not by hostname\n')
     if need(c, 'code_dir', 'slurm_step.sh.j2'):
         w('cd "$DTLAUNCH_CODE_DIR" || exit ')
         w(str(attr(need(c, 'code', 'slurm_step.sh.j2'), 'CONFIG')))
@@ -382,6 +472,7 @@ def t_submitit_setup_sh(c, w):
 
 TEMPLATES = {
     '_code_dir.sh.j2': t_code_dir_sh,
+    '_decide.sh.j2': t_decide_sh,
     '_outcome.sh.j2': t_outcome_sh,
     '_python.sh.j2': t_python_sh,
     '_slurm_batch.sh.j2': t_slurm_batch_sh,

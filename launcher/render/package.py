@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from pathlib import Path
 
 from .. import __version__
@@ -25,6 +26,25 @@ _SKIP_SUFFIXES = {".pyc", ".pyo"}
 
 def wheel_name() -> str:
     return f"{DIST}-{__version__}-py3-none-any.whl"
+
+
+def image_requirements(extra: str = "train", provided: tuple[str, ...] = ("torch",)) -> list[str]:
+    """What a job whose image brings torch installs beside the wheel (`pip install --no-deps`): dtlaunch's own
+    dependencies and those of `extra`, as this installation's metadata states them (pyproject.toml is their one
+    home), without what the image provides. Installing the wheel with its dependencies would let pip replace
+    the image's torch with the package index's build (gigabytes per node and per recovery, and the extensions
+    built against the image's torch would break); the runtime's check names the torch it needs instead."""
+    from importlib import metadata
+
+    out = []
+    for req in metadata.requires(DIST) or []:
+        spec, _, marker = req.partition(";")
+        name = re.split(r"[<>=!~\[( ]", spec.strip(), maxsplit=1)[0].lower()
+        marker = marker.replace("'", '"').replace(" ", "")
+        if name in provided or (marker and marker != f'extra=="{extra}"'):
+            continue
+        out.append(spec.strip())
+    return out
 
 
 def _package_files() -> list[tuple[str, bytes]]:

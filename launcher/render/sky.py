@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 import yaml
 
 from ..catalog import NETWORKS
-from ..jobenv import ExitCode
+from ..jobenv import FINAL_CODES, FINAL_MARKER, RESUME_CODES, ExitCode
 from ..plan import Plan
 from ..recipe import Recipe, images
 from ..strategies import Family
 from .artifacts import Artifacts, SkyRequest
 from .code import CODE_DIR
 from .environment import job_env
-from .package import build_wheel, installed_version, wheel_name
+from .package import build_wheel, image_requirements, installed_version, wheel_name
 from .shell import ShellExpr, Word, flag
 from .templates import render_template
 from .torchrun import entry_args, entry_module, torchrun_command
@@ -50,6 +50,15 @@ def _str(dumper: yaml.SafeDumper, s: str):
 
 
 _Dumper.add_representer(str, _str)
+
+
+# SkyPilot's disk per node when a task names none (sky/resources.py's default).
+DEFAULT_DISK_GB = 256
+
+
+def on_kubernetes(recipe: Recipe) -> bool:
+    where = (infra(recipe) or "").split("/")[0].lower()
+    return where in ("k8s", "kubernetes")
 
 
 def is_managed(recipe: Recipe) -> bool:
@@ -90,7 +99,8 @@ def resources(recipe: Recipe, choices: Choices | None = None) -> dict:
         out["infra"] = where
     if sk.spot:
         out["use_spot"] = True
-    out["disk_size"] = sk.disk_size
+    if sk.disk_size is not None:  # on Kubernetes a disk_size is an ephemeral-storage request pods must meet
+        out["disk_size"] = sk.disk_size
     # The machine's own fields, where the recipe sets them.
     out.update({k: v for k, v in (("disk_tier", sk.disk_tier), ("ports", list(sk.ports or [])))
                 if v})
@@ -128,9 +138,10 @@ def _lifecycle(recipe: Recipe) -> dict:
             # Spot capacity vanishes region-wide; on-demand failures are usually one bad node.
             "strategy": "EAGER_NEXT_REGION" if sk.spot else "FAILOVER",
             "max_restarts_on_errors": sk.max_restarts_on_errors,
-            # Only PREEMPTED recovers without limit: SkyPilot does not count these recoveries, and a
-            # reproducible hang (43) must count against max_restarts_on_errors like any error.
-            "recover_on_exit_codes": [int(ExitCode.PREEMPTED)],
+            # Only the policy's "resume" codes (PREEMPTED) recover without limit: SkyPilot does not count these
+            # recoveries, and a reproducible hang (43) must count against max_restarts_on_errors like any
+            # error. Final codes (2, 45) cannot be told apart here: the run's terminal marker ends them.
+            "recover_on_exit_codes": list(RESUME_CODES),
         }}
     if sk.autostop_minutes:
         return {"autostop": {"idle_minutes": sk.autostop_minutes, "down": sk.autodown}}
@@ -146,9 +157,10 @@ def envs(recipe: Recipe) -> dict[str, str]:
 def _job_paths(recipe: Recipe) -> tuple[Word, Word]:
     """(JOB_DIR, the wheel as a pip requirement): the rendered files are the workdir, or a mount beside the
     user's own workdir (targets.sky.workdir)."""
+    extras = "" if recipe.resources.image else "[train]"  # an image brings torch: see setup_script
     if recipe.targets.sky.workdir:
-        return ShellExpr("$HOME/dtlaunch-job"), ShellExpr(f"$HOME/dtlaunch-job/{wheel_name()}[train]")
-    return ShellExpr("$PWD"), f"./{wheel_name()}[train]"
+        return ShellExpr("$HOME/dtlaunch-job"), ShellExpr(f"$HOME/dtlaunch-job/{wheel_name()}{extras}")
+    return ShellExpr("$PWD"), f"./{wheel_name()}{extras}"
 
 
 def code_dir(recipe: Recipe, job_dir: Word) -> ShellExpr | None:
@@ -163,7 +175,10 @@ def setup_script(recipe: Recipe, plan: Plan) -> str:
     if deepspeed:  # the version that rendered (and validated) the config, not whatever is newest
         extra.append(f"deepspeed=={installed_version('deepspeed') or DEEPSPEED_TESTED}")
     head_only = deepspeed and recipe.parallelism.launcher == "deepspeed" and recipe.targets.sky.deepspeed_ssh
-    return render_template("sky_setup.sh.j2", wheel_requirement=wheel, extra_requirements=extra,
+    # With an image, its torch stays: the wheel without its dependencies, then those besides torch
+    # (package.image_requirements); the run's check says which torch the plan needs.
+    image_deps = image_requirements() if recipe.resources.image else None
+    return render_template("sky_setup.sh.j2", wheel_requirement=wheel, extra_requirements=extra, image_deps=image_deps,
                            install_pdsh=head_only and recipe.resources.nodes > 1, setup=recipe.targets.sky.setup)
 
 
@@ -193,6 +208,7 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
     ]
     return render_template(
         "sky_run.sh.j2", job_dir=job_dir, code=ExitCode, code_dir=code_dir(recipe, job_dir), default_run_id=recipe.run_id or ShellExpr("$SKYPILOT_TASK_ID"),
+        final_codes=FINAL_CODES, final_marker=FINAL_MARKER,
         checkpoint_template=checkpoint_dir(recipe), port=DEFAULT_PORT, setup_hint=SETUP_HINT, default_python=None,
         deepspeed=recipe.parallelism.launcher == "deepspeed", deepspeed_ssh=recipe.targets.sky.deepspeed_ssh,
         nproc=_nproc(recipe, plan), ds_env=envs(recipe), torchrun=torchrun,
@@ -201,19 +217,11 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
     )
 
 
-def choices_for(recipe: Recipe) -> Choices | None:
-    """The accelerator choices when the recipe lists fallbacks (plan/choices.py), else None."""
-    if not recipe.targets.sky.accelerators:
-        return None
-    from ..plan.choices import plan_choices
-
-    return plan_choices(recipe)
-
-
-def task(recipe: Recipe, plan: Plan) -> dict:
+def task(recipe: Recipe, plan: Plan, choices: Choices | None = None) -> dict:
+    """`choices`: the accelerator fallbacks as planned (plan.choices.for_target), `plan` their shipped plan."""
     sk = recipe.targets.sky
     out: dict = {"name": recipe.job_name, "num_nodes": recipe.resources.nodes,
-                 "resources": resources(recipe, choices_for(recipe))}
+                 "resources": resources(recipe, choices)}
     mounts: dict = {}
     if sk.workdir:  # the user's project is the workdir; the rendered files ride along as a mount
         out["workdir"] = os.path.expanduser(sk.workdir)
@@ -223,6 +231,8 @@ def task(recipe: Recipe, plan: Plan) -> dict:
     storage = sk.checkpoint_storage
     if storage and storage.bucket:
         mounts[storage.mount] = {"source": storage.bucket, "mode": storage.mode}
+    for m in sk.data_mounts:  # a bucket as a storage mount; a local directory copied (SkyPilot's plain form)
+        mounts[m.path] = {"source": m.source, "mode": m.mode} if "://" in m.source else os.path.expanduser(m.source)
     if mounts:
         out["file_mounts"] = mounts
     if storage and storage.volume:
@@ -239,19 +249,18 @@ def request(recipe: Recipe) -> SkyRequest:
     return SkyRequest(TASK_FILE, recipe.job_name, is_managed(recipe), tuple(recipe.secrets))
 
 
-def render_sky(recipe: Recipe, plan: Plan, files: dict[str, str]) -> Artifacts:
+def render_sky(recipe: Recipe, plan: Plan, files: dict[str, str], choices: Choices | None = None) -> Artifacts:
     req = request(recipe)
     header = ("# Rendered by dtlaunch for SkyPilot. Submit from this directory:\n#   "
               + " ".join(req.argv) + "\n")
     out: dict[str, str | bytes] = dict(files)
-    out[TASK_FILE] = header + yaml.dump(task(recipe, plan), Dumper=_Dumper, sort_keys=False, width=1000)
+    out[TASK_FILE] = header + yaml.dump(task(recipe, plan, choices), Dumper=_Dumper, sort_keys=False, width=1000)
     out[wheel_name()] = build_wheel()
-    return Artifacts("sky", recipe.job_name, out, req, set(), _notes(recipe))
+    return Artifacts("sky", recipe.job_name, out, req, set(), _notes(recipe, choices))
 
 
-def _notes(recipe: Recipe) -> list[str]:
-    ch = choices_for(recipe)
-    notes = list(ch.notes) if ch else []
+def _notes(recipe: Recipe, choices: Choices | None) -> list[str]:
+    notes = list(choices.notes) if choices else []
     sk = recipe.targets.sky
     if sk.checkpoint_storage is None and (recipe.resources.nodes > 1 or is_managed(recipe)):
         notes.append("no targets.sky.checkpoint_storage: checkpoints stay on each node's disk, so other nodes cannot "

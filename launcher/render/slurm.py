@@ -27,16 +27,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import DtlaunchError
-from ..jobenv import PORT_BASE, PORT_SPAN, ExitCode
+from ..jobenv import FINAL_CODES, PORT_BASE, PORT_SPAN, RESUME_CODES, TIME_LIMIT_SLACK_S, ExitCode
 from ..plan import Plan
 from ..recipe import Recipe
+from ..runtime import ckptdir
 from ..strategies import Family
 from .artifacts import Artifacts, SlurmRequest
 from .code import CODE_DIR
 from .environment import checkpoint_template, job_env
 from .package import build_wheel, wheel_name
 from .shell import ShellExpr, Word
-from .slurm_container import CHECK_ARG, MOUNTS_VAR, check_command, container, exec_prefix, srun_flags
+from .slurm_container import (
+    CHECK_ARG,
+    JOB_ENV,
+    MOUNTS_VAR,
+    check_command,
+    cleanup_command,
+    container,
+    exec_prefix,
+    srun_flags,
+)
 from .slurm_directives import directives
 from .templates import render_template
 from .torchrun import entry_args, torchrun_command
@@ -70,7 +80,7 @@ def step_script(recipe: Recipe, plan: Plan) -> str:
         torchrun, check = exec_prefix(c) + torchrun, exec_prefix(c) + check
     return render_template("slurm_step.sh.j2", job_script=JOB_SCRIPT, torchrun=torchrun, code=ExitCode,
                            code_dir=recipe.entrypoint is not None, container=c, check=check, check_arg=CHECK_ARG,
-                           image_hint=IMAGE_HINT)
+                           image_hint=IMAGE_HINT, job_env_var=JOB_ENV)
 
 
 def srun_words(recipe: Recipe) -> list[str | ShellExpr]:
@@ -95,13 +105,15 @@ def _batch_context(recipe: Recipe, array: bool) -> dict:
     plan_file = ShellExpr("$SUBMIT_DIR/task-$SLURM_ARRAY_TASK_ID/plan.json") if array else ShellExpr("$SUBMIT_DIR/plan.json")
     default_run_id = recipe.run_id or ShellExpr("$SLURM_ARRAY_JOB_ID" if array else "$SLURM_JOB_ID")
     c = container(recipe)
-    return dict(code=ExitCode, array=array, default_run_id=default_run_id, plan_file=plan_file, env=job_env(recipe),
+    env = job_env(recipe)
+    return dict(code=ExitCode, array=array, default_run_id=default_run_id, plan_file=plan_file, env=env,
                 checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets,
                 setup=recipe.targets.slurm.setup, setup_hint=SETUP_HINT, default_python=None, port_base=PORT_BASE,
                 port_span=PORT_SPAN, signal_seconds=recipe.targets.slurm.signal_seconds,
                 code_dir=ShellExpr(f"$SUBMIT_DIR/{CODE_DIR}") if recipe.entrypoint else None,
                 container=c, image_hint=IMAGE_HINT, mounts_var=MOUNTS_VAR, wheel=wheel_name() if c else None,
-                container_check=check_command(c, ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)) if c else None)
+                container_check=check_command(c, ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)) if c else None,
+                job_env_var=JOB_ENV, job_vars=c.job_vars(env) if c else [], container_cleanup=cleanup_command(c))
 
 
 def job_script(recipe: Recipe, plan: Plan, *, array: str | None = None) -> str:
@@ -109,7 +121,9 @@ def job_script(recipe: Recipe, plan: Plan, *, array: str | None = None) -> str:
     return render_template(
         "slurm_job.sh.j2", directives=directives(recipe, plan, array), job_script=JOB_SCRIPT,
         outside_hint=f"submit with sbatch {JOB_SCRIPT}", srun=srun_words(recipe), max_requeues=t.max_requeues,
-        max_failures=t.max_failures, host_python=False, **_batch_context(recipe, array is not None),
+        max_failures=t.max_failures, final_codes=FINAL_CODES, resume_codes=RESUME_CODES,
+        ckpt_prefix=ckptdir.STEP_PREFIX, ckpt_marker=ckptdir.MARKER, ckpt_corrupt=ckptdir.CORRUPT,
+        time_limit_slack=TIME_LIMIT_SLACK_S, host_python=False, **_batch_context(recipe, array is not None),
     )
 
 

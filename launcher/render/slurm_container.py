@@ -15,10 +15,28 @@ shell makes before any rank starts (`python -m launcher.train --check`, exit 2 o
 every node and every requeue) runs inside the container too: `step.sh --check`, through srun (pyxis) or
 directly (Apptainer, on the first node, where the batch shell runs).
 
+The image's environment: pyxis keeps an image's own value of a variable over the host's (unless named in
+--container-env), and so does Apptainer (unless passed with --env, --env-file or APPTAINERENV_). An image that
+sets PYTHONPATH (Megatron and NeMo images do) would drop the shipped wheel, and enroot's PyTorch hook writes
+its own MASTER_PORT. So the batch shell writes the job's environment into a file per attempt
+(`$DTLAUNCH_JOB_ENV`, NAME=VALUE lines in shell quoting): step.sh sources it inside the pyxis container, and
+`apptainer exec --env-file` reads it. In the container the root filesystem is read-only and HOME is not
+mounted (enroot's defaults), so the caches that JIT builds and downloads write (XDG, torch extensions,
+Hugging Face, Triton) go under the submit directory, unless the recipe's env names them.
+
+Starting the image: every node runs the check (`srun ... step.sh --check` on all nodes) before any rendezvous,
+so pyxis imports the image on every node in parallel, outside torchrun's join window. Apptainer converts a
+docker:// image once into a SIF in the submit directory (`apptainer pull`, shared by the nodes and the job's
+requeues), instead of once per node into caches that cannot be shared. pyxis names the container after the job,
+so the check's import is reused by training; the job removes it on every node when it ends for good
+(`enroot remove`), or each job would leave an unpacked image (tens of GB) on every node.
+
 Signals need nothing extra: slurmstepd signals every process of a step, and the processes in a pyxis
 container or under `apptainer exec` (no PID namespace) are processes of the step.
 """
 from __future__ import annotations
+
+import hashlib
 
 import msgspec
 
@@ -31,6 +49,14 @@ from .shell import ShellExpr, Word
 # The mount list the batch shell builds and exports (the submit directory is known only at run time).
 MOUNTS_VAR = "CONTAINER_MOUNTS"
 CHECK_ARG = "--check"  # step.sh's argument for the interpreter check only
+JOB_ENV = "DTLAUNCH_JOB_ENV"  # the file of the job's environment, read inside the container
+# Writable caches inside a container (read-only root filesystem, no HOME), relative to the submit directory.
+CACHE_DIRS = {"XDG_CACHE_HOME": "cache", "TORCH_EXTENSIONS_DIR": "cache/torch_extensions",
+              "HF_HOME": "cache/huggingface", "TRITON_CACHE_DIR": "cache/triton"}
+# What the batch shell exports for the job besides the recipe's env: the container must see the host's values.
+JOB_VARS = ("DTLAUNCH_RUN_ID", "DTLAUNCH_RUN_DIR", "DTLAUNCH_PLAN", "DTLAUNCH_ATTEMPT", "DTLAUNCH_STATUS",
+            "DTLAUNCH_CHECKPOINT_DIR", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "PYTHONPATH", "MASTER_ADDR", "MASTER_PORT")
+CONTAINER_NAME = "dtlaunch-$SLURM_JOB_ID"
 
 
 class Container(msgspec.Struct, frozen=True):
@@ -40,10 +66,23 @@ class Container(msgspec.Struct, frozen=True):
     make_dirs: tuple[str, ...]  # mount sources dtlaunch creates before mounting (the checkpoint root)
     workdir: str | None  # the recipe's; None: the submit directory (pyxis) or the step's own cwd (apptainer)
     gpu: bool
+    caches: tuple[tuple[str, str], ...] = ()  # (variable, directory under the submit directory)
 
     @property
     def pyxis(self) -> bool:
         return self.runtime == "pyxis"
+
+    @property
+    def sif(self) -> str | None:
+        """Apptainer: the SIF file (in the submit directory) a registry image is pulled into once; None for a
+        local image file, used as it is."""
+        if self.pyxis or "://" not in self.image:
+            return None
+        return "image-" + hashlib.sha256(self.image.encode()).hexdigest()[:12] + ".sif"
+
+    def job_vars(self, env_names) -> list[str]:
+        """The variables the job environment file carries into the container."""
+        return list(dict.fromkeys([*env_names, *JOB_VARS, *(name for name, _ in self.caches)]))
 
 
 def image_for(recipe: Recipe) -> str | None:
@@ -89,7 +128,9 @@ def container(recipe: Recipe) -> Container | None:
         mounts.append(f"{root}:{root}")
         make.append(root)
     mounts += [m for m in c.mounts if m not in mounts]
-    return Container(c.runtime, image, tuple(mounts), tuple(make), c.workdir, recipe.resources.device().is_gpu)
+    caches = tuple((k, v) for k, v in CACHE_DIRS.items() if k not in recipe.env)  # the recipe's own value wins
+    return Container(c.runtime, image, tuple(mounts), tuple(make), c.workdir, recipe.resources.device().is_gpu,
+                     caches)
 
 
 def srun_flags(c: Container) -> list[Word]:
@@ -97,7 +138,7 @@ def srun_flags(c: Container) -> list[Word]:
     first node, and the training step there reuses it instead of importing it again."""
     return [f"--container-image={c.image}", ShellExpr(f"--container-mounts=${MOUNTS_VAR}"),
             f"--container-workdir={c.workdir}" if c.workdir else ShellExpr("--container-workdir=$SUBMIT_DIR"),
-            ShellExpr("--container-name=dtlaunch-$SLURM_JOB_ID")]
+            ShellExpr(f"--container-name={CONTAINER_NAME}")]
 
 
 def exec_prefix(c: Container) -> list[Word]:
@@ -105,13 +146,24 @@ def exec_prefix(c: Container) -> list[Word]:
     words: list[Word] = [c.runtime, "exec"]
     if c.gpu:
         words.append("--nv")
-    words += ["--bind", ShellExpr(f"${MOUNTS_VAR}"), "--pwd", c.workdir or ShellExpr("$PWD"), c.image]
+    words += ["--bind", ShellExpr(f"${MOUNTS_VAR}"), "--env-file", ShellExpr(f"${JOB_ENV}"), "--pwd",
+              c.workdir or ShellExpr("$PWD"), ShellExpr(f"$SUBMIT_DIR/{c.sif}") if c.sif else c.image]
     return words
 
 
+def cleanup_command(c: Container | None) -> list[Word] | None:
+    """pyxis (container_scope global, its default) keeps a named container until someone removes it: every
+    node removes this job's when the job ends for good. None when there is nothing to remove."""
+    if c is None or not c.pyxis:
+        return None
+    return ["srun", ShellExpr("--nodes=$SLURM_NNODES"), ShellExpr("--ntasks=$SLURM_NNODES"), "--ntasks-per-node=1",
+            "enroot", "remove", "--force", ShellExpr(f"pyxis_{CONTAINER_NAME}")]
+
+
 def check_command(c: Container, step_script: ShellExpr) -> list[Word]:
-    """What the batch shell runs to check the image's interpreter against the plan, before training."""
+    """What the batch shell runs to check the image's interpreter and every node against the plan, before
+    training: on every node, so each starts (pyxis: imports) the image before the rendezvous. No
+    --kill-on-bad-exit: each node's own verdict counts (srun exits with the highest, 44 for a bad node)."""
     step = ["bash", step_script, CHECK_ARG]
-    if c.pyxis:
-        return ["srun", "--nodes=1", "--ntasks=1", "--kill-on-bad-exit=1", *srun_flags(c), *step]
-    return step
+    nodes = ["srun", ShellExpr("--nodes=$SLURM_NNODES"), ShellExpr("--ntasks=$SLURM_NNODES"), "--ntasks-per-node=1"]
+    return [*nodes, *srun_flags(c), *step] if c.pyxis else [*nodes, *step]

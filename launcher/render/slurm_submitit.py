@@ -18,12 +18,14 @@ import math
 from typing import Any
 
 from ..errors import DtlaunchError
+from ..jobenv import TIME_LIMIT_SLACK_S
 from ..plan import Plan
 from ..recipe import Recipe
 from ..recipe.slurmtime import parse_time
 from .artifacts import Artifacts, SlurmRequest, SubmititSpec
 from .shell import sbatch_value
 from .slurm import STEP_SCRIPT, srun_words
+from .slurm_container import cleanup_command, container
 from .slurm_directives import directives
 from .templates import render_template
 from .torchrun import grace_seconds
@@ -46,8 +48,6 @@ NAMED = {"--job-name": "job_name", "--nodes": "nodes", "--ntasks-per-node": "nta
 SUBMITIT_WRITES = ("--output", "--open-mode")
 SUBMITIT_HINT = ("the batch step runs submitit in the job's own interpreter: install dtlaunch[slurm] (submitit) in "
                  "the environment targets.slurm.setup activates")
-# The job script's own margin: slurmctld sends the time-limit signal on its 30 s tick, up to 30 s early.
-TIME_LIMIT_SLACK = 90
 
 
 def minutes(time: str) -> int:
@@ -106,12 +106,14 @@ def step_settings(recipe: Recipe, plan: Plan) -> dict[str, Any]:
     return {
         "srun": [str(w) for w in srun_words(recipe)],
         "signal_seconds": t.signal_seconds,
-        "time_limit_slack": TIME_LIMIT_SLACK,
+        "time_limit_slack": TIME_LIMIT_SLACK_S,
         # how long to wait for the steps after forwarding USR2: torchrun's grace for the workers' checkpoint,
         # plus the time step.sh and srun take to report (bounded at run time by the time left)
         "stop_seconds": grace_seconds(recipe, plan) + 30,
         "max_requeues": t.max_requeues,
         "max_failures": t.max_failures,
+        # run on every node when the job ends for good (pyxis's named container), or None
+        "cleanup": [str(w) for w in cleanup] if (cleanup := cleanup_command(container(recipe))) else None,
     }
 
 

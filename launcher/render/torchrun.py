@@ -15,14 +15,21 @@ SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 MIN_GRACE_SECONDS = 30  # torchrun's own default
 
 
+# The planned step time is an estimate at an assumed MFU: a step may take this many times longer.
+STEP_TIME_MARGIN = 2.0
+
+
 def grace_seconds(recipe: Recipe, plan: Plan) -> int:
-    """How long torchrun waits for workers to checkpoint and exit after a signal before it SIGKILLs them:
-    the recipe's value, or three checkpoint writes plus 30 s (the same margin validate asks of
-    targets.slurm.signal_seconds), never less than torchrun's default."""
+    """How long torchrun waits for workers to checkpoint and exit after a signal before it SIGKILLs them: the
+    recipe's value, or what the worst case needs (the same margin validate asks of
+    targets.slurm.signal_seconds): a signal just after a step began is acted on at the step's end, so a step
+    (with a margin on the plan's estimate), then a checkpoint write, then 30 s for the exit; never less than
+    torchrun's default. A rank SIGKILLed before it committed loses the step and writes no exit record."""
     g = recipe.checkpoint.grace_seconds
     if isinstance(g, int):
         return g
-    return max(MIN_GRACE_SECONDS, math.ceil(3 * plan.checkpoint_write_seconds) + 30)
+    need = STEP_TIME_MARGIN * plan.step_seconds + plan.checkpoint_write_seconds + 30
+    return max(MIN_GRACE_SECONDS, math.ceil(need))
 
 
 def entry_module(recipe: Recipe, plan_path: Word, run_dir: Word) -> tuple[str, list[Word]]:

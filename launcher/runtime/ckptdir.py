@@ -29,8 +29,17 @@ _MANIFEST = re.compile(r"^manifest-rank-(\d{5})\.json$")
 _CHUNK = 8 << 20
 
 
+STEP_PREFIX = "step-"  # the job scripts find committed checkpoints by it, MARKER and CORRUPT (no Python there)
+
+
 def step_name(step: int) -> str:
-    return f"step-{step:08d}"
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def newest_step(root: Path) -> int:
+    """The newest committed, uncorrupted checkpoint's step, 0 without one."""
+    steps = complete_steps(Path(root))
+    return steps[-1] if steps else 0
 
 
 def step_path(root: Path, step: int) -> Path:

@@ -287,7 +287,8 @@ class Trainer:
         flag = self.flag
         # The first step runs under the long start-up timeouts (lazy initialisation, first allocations); then every
         # training group gets training.timeout_seconds, and the watchdog the same bound.
-        self.watchdog = Watchdog(2 * tr.init_timeout_seconds + 60, max(5.0, tr.timeout_seconds), w.rank, flag)
+        self.watchdog = Watchdog(jobenv.watchdog_seconds(tr.init_timeout_seconds), max(5.0, tr.timeout_seconds),
+                                 w.rank, flag)
         sync = StepSync(w, skip=lambda step: self.faults.hit("skip_collective", step) is not None)
         watch = NonFiniteWatch(tr.max_nonfinite_steps, w.device, self.metrics.log)
         self.nonfinite = watch
@@ -313,7 +314,7 @@ class Trainer:
                     reporter.tick(info)
                     if first:
                         set_collective_timeout(w, tr.timeout_seconds)
-                        self.watchdog.limit = 2 * tr.timeout_seconds + 60
+                        self.watchdog.limit = jobenv.watchdog_seconds(tr.timeout_seconds)
                         first = False
                     last = self.step == self.total_steps
                     log = self.step % tr.log_every == 0 or last or agreed.stop

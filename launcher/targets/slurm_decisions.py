@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DtlaunchError
-from ..jobenv import ExitCode
+from ..jobenv import ExitCode, outcome
 from ..recipe.slurmtime import parse_time
 
 # ----------------------------------------------------------------------------- the decisions (pure)
@@ -38,13 +38,14 @@ class Decision:
 
 
 def decide(o: Outcome, *, requeues: int, failures: int, max_requeues: int, max_failures: int) -> Decision:
-    """job.sbatch's decisions after its srun, in its order. `requeues` and `failures` count earlier attempts."""
+    """job.sbatch's decisions after its srun (its rendered dtl_decide), from the same policy (jobenv.OUTCOMES).
+    `requeues` and `failures` count earlier attempts."""
     if o.rc == ExitCode.OK:
         return Decision("done", "COMPLETED", 0, "finished")
     if o.signal == "TERM":
         return Decision("stop", "STOPPED", o.rc, "SLURM is ending this job (scancel, its own requeue or a "
-                        "preemption); the training processes checkpointed on SIGTERM; no requeue follows")
-    if o.rc == ExitCode.PREEMPTED or o.signal == "USR2":
+                        "preemption): the training processes checkpointed on SIGTERM; no requeue follows")
+    if outcome(o.rc) == "resume" or o.signal == "USR2":
         if o.time_limit:
             # A long run spans several allocations: continuing after a time limit is not a failure, as long
             # as each allocation moves the run forward.
@@ -56,7 +57,10 @@ def decide(o: Outcome, *, requeues: int, failures: int, max_requeues: int, max_f
             return Decision("requeue", "REQUEUED", o.rc, "preempted, checkpoint written", "requeues")
         return Decision("fail", "PREEMPTED", o.rc, f"preempted, but max_requeues={max_requeues} is used up")
     n = failures + 1
-    if o.rc != ExitCode.CONFIG and n < max_failures:
+    if outcome(o.rc) == "final":
+        return Decision("fail", "FAILED", o.rc, f"exit code {o.rc} is never retried (the same recipe, data or loss "
+                        "would end the same way)", "failures")
+    if n < max_failures:
         return Decision("requeue", "REQUEUED", o.rc, f"failure {n} of at most {max_failures}", "failures")
     return Decision("fail", "FAILED", o.rc, f"training failed with exit code {o.rc} (failures: {n}, "
                     f"max_failures={max_failures})", "failures")
@@ -105,8 +109,18 @@ class JobFiles:
             out.append((code, step, start))
         return out
 
-    def progress(self) -> bool:
-        return any(step > start for _, step, start in self.codes())
+    def newest_checkpoint(self) -> int:
+        from ..runtime.ckptdir import newest_step
+
+        return newest_step(Path(self.checkpoint_dir))
+
+    def progress(self, checkpoint_at_start: int | None = None) -> bool:
+        """Did this attempt move the run forward: a rank got past the step it resumed from, or a checkpoint newer
+        than the one there was when the attempt started was committed (ranks SIGKILLed at a time limit write no
+        exit record, but their periodic checkpoints count)."""
+        if any(step > start for _, step, start in self.codes()):
+            return True
+        return checkpoint_at_start is not None and self.newest_checkpoint() > checkpoint_at_start
 
     def rank_messages(self) -> list[str]:
         """The ranks' own words for this attempt (run_dir/status/rank-N.json): failures first, the earliest

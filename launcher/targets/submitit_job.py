@@ -107,6 +107,7 @@ class StepJob(Checkpointable):
         self._rc: int | None = None
         self._term = False
         self._busy = False  # the outcome is being decided: a further USR2 must not start a second decision
+        self._checkpoint_at_start: int | None = None
 
     def __getstate__(self) -> dict:
         return {"settings": self.settings}
@@ -125,6 +126,16 @@ class StepJob(Checkpointable):
             raise _fail(ExitCode.CONFIG, f"the srun line still has unset variables after expansion: {unset}",
                         "submitit_setup.sh exports them; run it from submitit's batch script, not by hand")
         return argv
+
+    def _cleanup(self) -> None:
+        """The job ends for good: remove what it leaves on the nodes (job.sbatch runs the same words)."""
+        argv = [os.path.expandvars(w) for w in self.settings["cleanup"]]
+        try:
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+            if p.returncode:
+                _log(f"could not remove the job's container on every node: {(p.stderr or p.stdout).strip()[-500:]}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            _log(f"could not remove the job's container on every node: {e}")
 
     def _wait_srun(self) -> None:
         """The only thread that touches the Popen object: a signal handler in the main thread must not
@@ -156,6 +167,7 @@ class StepJob(Checkpointable):
     def __call__(self) -> dict:
         self._reset()
         files = JobFiles()
+        self._checkpoint_at_start = files.newest_checkpoint()
         self._hook_signals()
         argv = self._srun_argv()
         _log(f"job {files.job_id} attempt {files.restart}: {shlex.join(argv)}")
@@ -168,7 +180,8 @@ class StepJob(Checkpointable):
             while self._rc is None:
                 time.sleep(0.5)  # submitit's USR2 handler, and so checkpoint(), runs here in the main thread
             self._busy = True
-            outcome = Outcome(self._rc, "TERM" if self._term else None, progress=files.progress())
+            outcome = Outcome(self._rc, "TERM" if self._term else None,
+                              progress=files.progress(self._checkpoint_at_start))
             return self._act(files, outcome, in_handler=False)
         except _Finished as f:
             return f.summary
@@ -202,7 +215,7 @@ class StepJob(Checkpointable):
         # Still running (or never started): act as for a preemption; the next attempt resumes from the
         # newest complete checkpoint.
         rc = ExitCode.PREEMPTED if self._rc is None else self._rc
-        outcome = Outcome(rc, "TERM" if self._term else "USR2", time_limit, files.progress())
+        outcome = Outcome(rc, "TERM" if self._term else "USR2", time_limit, files.progress(self._checkpoint_at_start))
         return self._act(files, outcome, in_handler=True)
 
     # ---------------------------------------------------------------- acting on the decision
@@ -217,6 +230,8 @@ class StepJob(Checkpointable):
             files.append(d.ledger, f"{files.restart} {int(time.time())}{rc}")
         files.set_state(d.state)
         _log(f"training exited with {outcome.rc} (signal: {outcome.signal or 'none'}): {d.action}: {d.reason}")
+        if d.action != "requeue" and self.settings.get("cleanup"):
+            self._cleanup()
         if d.action == "done":
             (files.job_dir / "finished").touch()
             summary = files.summary(0)

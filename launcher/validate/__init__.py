@@ -19,14 +19,22 @@ from .core import RULES, Finding, Rule, rule
 SEVERITY_ORDER = {"error": 0, "warning": 1}
 
 
-def validate(recipe: Recipe, plan: Plan, target: str | None = None, rules: Iterable[Rule] = RULES) -> list[Finding]:
-    """Findings for `recipe` (rendered for `target`, default: the recipe's targets.default), errors first."""
+def validate(recipe: Recipe, plan: Plan, target: str | None = None, rules: Iterable[Rule] = RULES,
+             choices=None) -> list[Finding]:
+    """Findings for `recipe` (rendered for `target`, default: the recipe's targets.default), errors first.
+    The rules check the plan the job ships: for SkyPilot accelerator fallbacks that is the plan valid on every
+    choice (`choices.shipped`, from plan.choices.for_target; made here when not given)."""
+    from ..plan.choices import for_target
+
     target = target or recipe.targets.default
+    choices = choices or for_target(recipe, plan, target)
+    if choices is not None:
+        plan = choices.shipped
     out = []
     for rl in rules:
         if rl.targets and target not in rl.targets or rl.trainer_only and recipe.entrypoint is not None:
             continue
-        hit = rl.check(recipe, plan)
+        hit = rl.check(recipe, plan, choices) if rl.choices else rl.check(recipe, plan)
         if hit:
             msg, fix = hit
             file, line = recipe.locate(rl.field)

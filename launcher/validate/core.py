@@ -31,15 +31,16 @@ class Rule(msgspec.Struct, frozen=True):
     check: Callable[[Recipe, Plan], tuple[str, str] | None]  # -> (message, fix) when the rule fires
     targets: tuple[str, ...] = ()  # the targets it applies to; () = every target
     trainer_only: bool = False  # about dtlaunch's own trainer: silent when the recipe runs the user's entrypoint
+    choices: bool = False  # the check also takes the SkyPilot accelerator choices (plan.choices.Choices or None)
 
 
 RULES: list[Rule] = []
 
 
 def rule(id: str, severity: str, field: str, summary: str, targets: tuple[str, ...] = (),  # noqa: A002
-         trainer_only: bool = False):
+         trainer_only: bool = False, choices: bool = False):
     def deco(fn):
-        RULES.append(Rule(id, severity, field, summary, fn, targets, trainer_only))
+        RULES.append(Rule(id, severity, field, summary, fn, targets, trainer_only, choices))
         return fn
 
     return deco

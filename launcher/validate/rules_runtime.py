@@ -1,6 +1,7 @@
 """Rules about what dtlaunch's runtime would refuse at start-up: found here, before the queue."""
 from __future__ import annotations
 
+import math
 import os
 
 from ..plan import Plan
@@ -130,3 +131,19 @@ def _entry_missing(r: Recipe, p: Plan):
         return (f"{ep.script} is not in {wd}: the job runs a copy of entrypoint.workdir",
                 "give the script's path relative to entrypoint.workdir (default: the recipe file's directory)")
     return None
+
+
+@rule("step-longer-than-watchdog", "error", "training.timeout_seconds", "a step longer than the runtime's watchdog",
+      trainer_only=True)
+def _step_watchdog(r: Recipe, p: Plan):
+    from ..jobenv import watchdog_seconds
+    from ..render.torchrun import STEP_TIME_MARGIN
+
+    step = STEP_TIME_MARGIN * p.step_seconds
+    limit = watchdog_seconds(r.training.timeout_seconds)
+    if step > limit:
+        need = math.ceil((step - 60) / 2)
+        return (f"a step is planned at {p.step_seconds:,.0f} s ({step:,.0f} s with the margin for a slower MFU), but the "
+                f"runtime ends a rank that finishes no step for {limit:,.0f} s (2 x training.timeout_seconds + 60) "
+                "with HANG: every step would end the job",
+                f"set training.timeout_seconds to at least {need}, or make a step shorter (training.global_batch)")

@@ -122,9 +122,10 @@ def _slurm_signal(r: Recipe, p: Plan):
     t = r.targets.slurm
     need = grace_seconds(r, p)
     if t.signal_seconds < need:
-        return (f"USR2 comes {t.signal_seconds} s before the time limit, but saving may take up to {need} s "
-                f"(a checkpoint write is ~{math.ceil(p.checkpoint_write_seconds)} s)",
-                f"set targets.slurm.signal_seconds to at least {need}")
+        return (f"USR2 comes {t.signal_seconds} s before the time limit, but stopping may take up to {need} s: the "
+                f"step in progress (~{math.ceil(p.step_seconds)} s planned, with a margin), a checkpoint write "
+                f"(~{math.ceil(p.checkpoint_write_seconds)} s) and the exit; a rank still saving at the limit is "
+                "killed and the allocation's last steps are lost", f"set targets.slurm.signal_seconds to at least {need}")
 
 
 # ----------------------------------------------------------------------------- SLURM knobs
@@ -228,19 +229,70 @@ def _container_ckpt(r: Recipe, p: Plan):
                 "use a plainer checkpoint.dir, or a relative one (under the submit directory)")
 
 
-@rule("slurm-container-data-unmounted", "warning", "training.data.path",
-      "a data file the container does not see", SLURM)
-def _container_data(r: Recipe, p: Plan):
+def _inputs(r: Recipe) -> list[tuple[str, str]]:
+    """(field, absolute path) of the files every node must read: the weights and a data file."""
+    out = []
+    if r.model.hf_weights and str(r.model.hf_weights).startswith("/"):
+        out.append(("model.hf_weights", str(r.model.hf_weights)))
+    d = r.training.data
+    if d.source == "file" and d.path and d.path.startswith("/"):
+        out.append(("training.data.path", d.path))
+    return out
+
+
+def _under(path: str, dirs) -> bool:
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
+def _unmounted(r: Recipe, mounted: list[str]) -> list[tuple[str, str]]:
+    return [(f, path) for f, path in _inputs(r) if not _under(path, mounted)]
+
+
+@rule("slurm-container-input-unmounted", "error", "model.hf_weights",
+      "weights or a data file the container does not see", SLURM)
+def _container_inputs(r: Recipe, p: Plan):
     c = r.targets.slurm.container
-    path = r.training.data.path
-    if c is None or r.training.data.source != "file" or not path or not path.startswith("/"):
+    if c is None:
         return None
     root = checkpoint_root(r)
-    dests = [m.split(":")[1] for m in c.mounts] + ([root] if root else [])
-    if not any(path == d or path.startswith(d.rstrip("/") + "/") for d in dests):
-        return (f"{path} is outside every mount: the container sees only the submit directory and "
-                "targets.slurm.container.mounts", f"add {os.path.dirname(path)}:{os.path.dirname(path)}:ro to "
-                "targets.slurm.container.mounts")
+    missing = _unmounted(r, [m.split(":")[1] for m in c.mounts] + ([root] if root else []))
+    if missing:
+        f, path = missing[0]
+        src = path if f == "model.hf_weights" else os.path.dirname(path)
+        return (f"{f} {path} is outside every mount: the container sees only the submit directory and "
+                "targets.slurm.container.mounts, so every rank would fail to read it",
+                f"add {src}:{src}:ro to targets.slurm.container.mounts")
+
+
+@rule("slurm-input-node-local", "error", "model.hf_weights",
+      "weights or a data file on a node-local path in a multi-node job", SLURM)
+def _node_local_inputs(r: Recipe, p: Plan):
+    if p.nodes < 2:
+        return None
+    local = [(f, path) for f, path in _inputs(r) if _under(path, NODE_LOCAL_DIRS)]
+    if local:
+        f, path = local[0]
+        return (f"{f} {path} is on a node-local path: the other nodes of the job do not have it",
+                "put it on storage every node mounts (the submit directory's file system, a shared /data)")
+
+
+# Node-local on every cluster: what lies here on the submitting machine is not on the compute nodes.
+NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+
+
+@rule("sky-input-unmounted", "error", "model.hf_weights",
+      "weights or a data file that is a path on the machine that renders", SKY)
+def _sky_inputs(r: Recipe, p: Plan):
+    sk = r.targets.sky
+    st = sk.checkpoint_storage
+    missing = _unmounted(r, [m.path for m in sk.data_mounts] + ([st.mount] if st else []))
+    if missing:
+        f, path = missing[0]
+        return (f"{f} {path} is a path on this machine: the cloud nodes do not have it, and every node would "
+                "fail to read it (then be relaunched)",
+                f"mount it: targets.sky.data_mounts: [{{path: /inputs, source: s3://BUCKET/..., mode: COPY}}] (or "
+                f"source: {path if f == 'model.hf_weights' else os.path.dirname(path)} to copy it from here), and set "
+                f"{f} under /inputs")
 
 
 @rule("image-local", "warning", "resources.image", "resources.image on the local target", LOCAL)
@@ -254,13 +306,9 @@ def _image_local(r: Recipe, p: Plan):
 
 
 @rule("sky-fallback-dropped", "warning", "targets.sky.accelerators",
-      "accelerator fallbacks that cannot run the job", SKY)
-def _fallbacks(r: Recipe, p: Plan):
-    if not r.targets.sky.accelerators:
-        return None
-    from ..plan.choices import plan_choices
-
-    dropped = plan_choices(r, p).dropped
+      "accelerator fallbacks that cannot run the job", SKY, choices=True)
+def _fallbacks(r: Recipe, p: Plan, choices):
+    dropped = choices.dropped if choices is not None else []
     if dropped:
         return ("; ".join(f"{c.accelerator}: {c.dropped}" for c in dropped)
                 + " -- the task does not ask for " + ("it" if len(dropped) == 1 else "them"),
@@ -284,3 +332,53 @@ def _sky_cpus(r: Recipe, p: Plan):
         return (f"{r.resources.accelerator} runs {r.resources.per_node} ranks per node, but cpus: {cpus} may give "
                 "fewer cores than that",
                 f"set targets.sky.cpus to at least {r.resources.per_node}+ (or leave it unset)")
+
+
+@rule("sky-k8s-unsupported", "error", "targets.sky", "a SkyPilot feature Kubernetes does not have", SKY)
+def _sky_k8s(r: Recipe, p: Plan):
+    from ..render.sky import is_managed, on_kubernetes
+
+    sk = r.targets.sky
+    if not on_kubernetes(r):
+        return None
+    if sk.disk_tier is not None:
+        return ("Kubernetes has no disk tiers (SkyPilot refuses disk_tier there at launch)",
+                "remove targets.sky.disk_tier")
+    if not is_managed(r) and sk.autostop_minutes is not None and not sk.autodown:
+        return ("Kubernetes clusters cannot be stopped, only torn down: autostop with autodown: false fails at launch",
+                "set targets.sky.autodown: true (or autostop_minutes: null)")
+    return None
+
+
+@rule("sky-k8s-spot", "warning", "targets.sky.spot", "spot capacity on Kubernetes", SKY)
+def _sky_k8s_spot(r: Recipe, p: Plan):
+    from ..render.sky import on_kubernetes
+
+    if on_kubernetes(r) and r.targets.sky.spot:
+        return ("SkyPilot places spot jobs on Kubernetes only where the cluster labels spot nodes (GKE, some "
+                "others); elsewhere the launch finds no capacity", "check the cluster's node labels, or spot: false")
+
+
+@rule("sky-disk-checkpoint-cache", "error", "targets.sky.disk_size",
+      "a node disk too small for the MOUNT_CACHED checkpoint cache", SKY)
+def _sky_disk(r: Recipe, p: Plan):
+    from ..plan.cost import checkpoint_bytes
+    from ..render.sky import DEFAULT_DISK_GB
+
+    storage = r.targets.sky.checkpoint_storage
+    if storage is None or storage.bucket is None or storage.mode != "MOUNT_CACHED":
+        return None
+    per_node = checkpoint_bytes(p.params, p.layout.optimizer) / max(1, p.nodes) / 1e9
+    # rclone caches what it writes until uploaded and what it reads on a resume: a resume read and a save
+    # within the cache's lifetime hold two checkpoints' share of this node, beside the image and the system.
+    need = math.ceil(2 * per_node + IMAGE_AND_SYSTEM_GB)
+    disk = r.targets.sky.disk_size or DEFAULT_DISK_GB
+    if disk < need:
+        return (f"each node writes ~{per_node:.0f} GB per checkpoint into rclone's local cache before it uploads, and "
+                f"a resume reads as much: {need} GB of disk needed, the nodes get {disk} GB"
+                + ("" if r.targets.sky.disk_size else " (SkyPilot's default)"),
+                f"set targets.sky.disk_size: {need} (or more)")
+    return None
+
+
+IMAGE_AND_SYSTEM_GB = 50  # an NGC-size image (~20 GB unpacked) with the system and logs

@@ -44,7 +44,12 @@ def from_yaml(sky_lib, out):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("recipe_path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_rendered_yaml_is_accepted_by_skypilot(sky_lib, tmp_path, recipe_path, variant):
-    overrides = VARIANTS[variant] + ["checkpoint.dir=null"]
+    # a disk for the variants' per-node checkpoint share (405B on one node caches ~5 TB: sky-disk-checkpoint-cache)
+    overrides = VARIANTS[variant] + ["checkpoint.dir=null", "targets.sky.disk_size=16000"]
+    data = yaml.safe_load(recipe_path.read_text())["training"].get("data", {})
+    if data.get("source") == "file" and str(data.get("path", "")).startswith("/"):  # a SLURM recipe's shared path
+        overrides.append(f"targets.sky.data_mounts=[{{path: {os.path.dirname(data['path'])}, "
+                         "source: 's3://dtlaunch-test-bucket/data', mode: MOUNT}]")
     rec, art, out = render_to(tmp_path, recipe_path, overrides)
     sky_rules = [r for r in RULES if "sky" in r.targets]
     assert not has_errors(validate(rec, make_plan(rec), "sky", sky_rules)), "the variant must satisfy the sky rules"
@@ -77,8 +82,9 @@ def test_rendered_yaml_is_accepted_by_skypilot(sky_lib, tmp_path, recipe_path, v
     storage = rec.targets.sky.checkpoint_storage
     if storage and storage.bucket:
         assert doc["file_mounts"]["/checkpoints"] == {"source": storage.bucket, "mode": "MOUNT_CACHED"}
-        (mounted,) = task.storage_mounts.values()
-        assert str(mounted.mode.value) == "MOUNT_CACHED"
+        assert str(task.storage_mounts["/checkpoints"].mode.value) == "MOUNT_CACHED"
+    for m in rec.targets.sky.data_mounts:  # the recipe's weights and data, at the paths it reads them from
+        assert task.storage_mounts[m.path].source == m.source and task.storage_mounts[m.path].mode.value == m.mode
     if storage and storage.volume:
         assert doc["volumes"] == {"/checkpoints": storage.volume}
     if storage:
@@ -187,3 +193,78 @@ def test_instance_type_and_cpus_are_accepted_by_skypilot(sky_lib, tmp_path):
                                                      "targets.sky.infra=gcp"])
     (r,) = from_yaml(sky_lib, out).resources
     assert (r.instance_type, r.cpus, r.accelerators) == ("n2-standard-8", "8", None)
+
+
+def test_disk_size_only_when_the_recipe_sets_it(tmp_path):
+    """On Kubernetes a task's disk_size becomes an ephemeral-storage request each pod must meet (512 GB excluded
+    most GPU node pools): the task names a disk size only when the recipe does."""
+    tiny = next(p for p in RECIPES if p.name == "tiny.yaml")
+    _, art, _ = render_to(tmp_path / "a", tiny, ["targets.sky.infra=k8s"])
+    assert "disk_size" not in yaml.safe_load(art.files["task.yaml"])["resources"]
+    _, art, _ = render_to(tmp_path / "b", tiny, ["targets.sky.infra=k8s", "targets.sky.disk_size=100"])
+    assert yaml.safe_load(art.files["task.yaml"])["resources"]["disk_size"] == 100
+
+
+def test_data_mounts_are_accepted_by_skypilot_and_silence_the_input_rule(sky_lib, tmp_path):
+    """Weights and data reach the nodes through task file_mounts: a bucket as a MOUNT or COPY storage mount, a
+    local directory copied; SkyPilot's own Task parses both, and validate is then quiet about the inputs."""
+    local = tmp_path / "tokens"
+    local.mkdir()
+    rec, art, out = render_to(tmp_path / "out", RECIPES[0], [
+        "training.data.source=file", "training.data.path=/data/tokens.bin",
+        f"targets.sky.data_mounts=[{{path: /data, source: 's3://dtlaunch-test-bucket/tok', mode: MOUNT}}, "
+        f"{{path: /copied, source: '{local}', mode: COPY}}]"])
+    task = from_yaml(sky_lib, out)
+    assert task.file_mounts == {"/copied": str(local)}  # SkyPilot's own reading: a local copy
+    (storage,) = task.storage_mounts.items()
+    assert storage[0] == "/data" and storage[1].source == "s3://dtlaunch-test-bucket/tok"
+    assert storage[1].mode.value == "MOUNT"
+    assert not [f for f in validate(rec, make_plan(rec), "sky") if f.rule == "sky-input-unmounted"]
+
+
+def _pip_lines(setup: str) -> list[list[str]]:
+    import shlex
+
+    return [shlex.split(line) for line in setup.splitlines() if line.startswith("pip install")]
+
+
+def test_with_an_image_the_wheel_leaves_the_images_torch_alone(tmp_path):
+    """The README's kind of image (NGC, its own torch build): setup installs the wheel without dependencies and
+    then only the pure-Python ones, so pip never replaces the image's torch. Resolved by pip itself (dry run,
+    no index) in an environment whose torch is 2.4, as NGC 24.05 has; `wheel[train]`, what setup installed
+    before, needs a torch from the index there."""
+    import subprocess
+    import sys
+
+    tiny = next(p for p in RECIPES if p.stem == "tiny")
+    _, art, out = render_to(tmp_path / "out", tiny, ["resources.image=nvcr.io/nvidia/pytorch:24.05-py3"])
+    setup = yaml.safe_load(art.files["task.yaml"])["setup"]
+    wheel_line, deps_line = _pip_lines(setup)
+    assert wheel_line[:3] == ["pip", "install", "--no-deps"] and wheel_line[3].endswith(".whl")
+    assert not [w for w in deps_line if w.lower().startswith("torch")] and "safetensors>=0.4" in deps_line
+    env = tmp_path / "image-env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    (site,) = env.glob("lib/python*/site-packages")
+    # what the image has: its own torch, and (so that only torch decides) the pure-Python dependencies too
+    for name, version in (("torch", "2.4.0"), ("click", "8.1.7"), ("PyYAML", "6.0.2"), ("msgspec", "0.19.0"),
+                          ("rich", "13.9.4"), ("safetensors", "0.4.5"), ("matplotlib", "3.9.2"), ("psutil", "6.1.0")):
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "RECORD").write_text("")
+
+    def pip(python, args, report):
+        return subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run",
+                               "--no-index", "--quiet", "--report", str(report), *args],
+                              cwd=out, capture_output=True, text=True)
+
+    p = pip(env / "bin" / "python", wheel_line[2:], tmp_path / "r1.json")
+    assert p.returncode == 0, p.stderr
+    installs = json.loads((tmp_path / "r1.json").read_text())["install"]
+    assert [i["metadata"]["name"] for i in installs] == ["dtlaunch"]
+    old = pip(env / "bin" / "python", [wheel_line[3] + "[train]"], tmp_path / "r0.json")
+    assert old.returncode != 0 and "torch" in old.stderr  # it would fetch torch>=2.12 over the image's
+    # the rest resolves without torch (satisfied here, where they are installed)
+    p = pip(sys.executable, deps_line[2:], tmp_path / "r2.json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "r2.json").read_text())["install"] == []

@@ -227,6 +227,7 @@ def test_registry_rows_from_before_submitit_still_decode():
     (Outcome(43), (0, 1), ("requeue", "REQUEUED", "failures")),  # failure 2 of at most 3
     (Outcome(43), (0, 2), ("fail", "FAILED", "failures")),  # the third failure is the last
     (Outcome(ExitCode.CONFIG), (0, 0), ("fail", "FAILED", "failures")),  # never retried
+    (Outcome(ExitCode.DIVERGED), (0, 0), ("fail", "FAILED", "failures")),  # never retried either
 ])
 def test_decisions_are_job_sbatchs(outcome, counts, want):
     d = decide(outcome, requeues=counts[0], failures=counts[1], max_requeues=2, max_failures=3)

@@ -8,7 +8,8 @@ set -uo pipefail
 trap ':' USR2 TERM
 IS_HOST=0
 if [ "${SLURM_NODEID:-}" = 0 ]; then IS_HOST=1; fi  # node 0 hosts the rendezvous store, whatever its hostname says
-"$PYTHON" -m launcher.elastic "--nnodes=$SLURM_NNODES" --nproc-per-node=4 --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" "--rdzv-id=$SLURM_JOB_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$SLURMD_NODENAME" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=148 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
+export DTLAUNCH_NODE_RANK="${SLURM_NODEID:-}"  # node ranks in SLURM's (topology-aware) order, not by hostname
+"$PYTHON" -m launcher.elastic "--nnodes=$SLURM_NNODES" --nproc-per-node=4 --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" "--rdzv-id=$SLURM_JOB_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$SLURMD_NODENAME" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=316 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
 TORCHRUN=$!
 rc=0
 while :; do

@@ -3,18 +3,18 @@
 # the shell before them. Inside the subshell every `exit` ends only it; its code is what SkyPilot reads next.
 (
 set -uo pipefail
-fail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; exit "$rc"; }
+# A final exit code (launcher/jobenv.py's outcome policy: a bad recipe, a diverged loss) would only repeat itself,
+# but a managed job recovers on every code it does not know: it is written, with this task's id, to checkpoint
+# storage, where the next launch of the task reads it before anything else and ends at once with it.
+FINAL_MARKER=""
+mark_final() {
+  case "$1" in
+    2) if [ -n "$FINAL_MARKER" ] && mkdir -p "${FINAL_MARKER%/*}"; then echo "$1 ${SKYPILOT_TASK_ID:-}" > "$FINAL_MARKER"; fi ;;
+    45) if [ -n "$FINAL_MARKER" ] && mkdir -p "${FINAL_MARKER%/*}"; then echo "$1 ${SKYPILOT_TASK_ID:-}" > "$FINAL_MARKER"; fi ;;
+  esac
+}
+fail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; mark_final "$rc"; exit "$rc"; }
 JOB_DIR="$PWD"
-# ---- rendezvous: the head node's address, derived explicitly (no silent localhost fallback)
-MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"
-if [ -z "$MASTER_ADDR" ]; then
-  echo "dtlaunch: SKYPILOT_NODE_IPS is empty: no head-node address for the rendezvous" >&2
-  exit 44
-fi
-export MASTER_ADDR
-# This node's own address, as the other nodes reach it (its hostname may resolve to 127.0.1.1).
-NODE_ADDR="$(echo "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"
-export DTLAUNCH_NODE_ADDR="$NODE_ADDR"
 # ---- identity: SKYPILOT_TASK_ID is stable across managed-job recoveries, so a recovered job resumes its
 # own checkpoints; export DTLAUNCH_RUN_ID (or set run_id in the recipe) to resume an earlier run.
 DEFAULT_RUN_ID="$SKYPILOT_TASK_ID"
@@ -26,6 +26,25 @@ export DTLAUNCH_ATTEMPT
 export DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"
 CHECKPOINT_TEMPLATE='/checkpoints/{run_id}'
 export DTLAUNCH_CHECKPOINT_DIR="${CHECKPOINT_TEMPLATE//\{run_id\}/$DTLAUNCH_RUN_ID}"
+FINAL_MARKER="$DTLAUNCH_CHECKPOINT_DIR"/.dtlaunch-final
+if [ -f "$FINAL_MARKER" ]; then
+  read -r FINAL_CODE FINAL_TASK < "$FINAL_MARKER" || true
+  if [ -n "${FINAL_CODE:-}" ] && [ "${FINAL_TASK:-}" = "${SKYPILOT_TASK_ID:-}" ]; then
+    echo "dtlaunch: this task already ended with exit code $FINAL_CODE, which is never retried ($FINAL_MARKER): not training again" >&2
+    exit "$FINAL_CODE"
+  fi
+  rm -f "$FINAL_MARKER"  # another task's: a new submission of the run starts afresh
+fi
+# ---- rendezvous: the head node's address, derived explicitly (no silent localhost fallback)
+MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"
+if [ -z "$MASTER_ADDR" ]; then
+  echo "dtlaunch: SKYPILOT_NODE_IPS is empty: no head-node address for the rendezvous" >&2
+  exit 44
+fi
+export MASTER_ADDR
+# This node's own address, as the other nodes reach it (its hostname may resolve to 127.0.1.1).
+NODE_ADDR="$(echo "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"
+export DTLAUNCH_NODE_ADDR="$NODE_ADDR"
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
 mkdir -p "$DTLAUNCH_STATUS"
 PORT="${DTLAUNCH_PORT:-29500}"
@@ -52,7 +71,8 @@ fi
 trap ':' TERM USR2
 IS_HOST=0
 if [ "$SKYPILOT_NODE_RANK" = 0 ]; then IS_HOST=1; fi  # the head hosts the rendezvous store, whatever its hostname says
-"$PYTHON" -m launcher.elastic "--nnodes=$SKYPILOT_NUM_NODES" "--nproc-per-node=$SKYPILOT_NUM_GPUS_PER_NODE" --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$NODE_ADDR" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=487 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
+export DTLAUNCH_NODE_RANK="$SKYPILOT_NODE_RANK"  # node ranks in SkyPilot's order, not by address
+"$PYTHON" -m launcher.elastic "--nnodes=$SKYPILOT_NUM_NODES" "--nproc-per-node=$SKYPILOT_NUM_GPUS_PER_NODE" --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$NODE_ADDR" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=765 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
 LAUNCHER=$!
 rc=0
 while :; do
@@ -83,5 +103,7 @@ dtl_outcome() {
   done
   echo "${worst:-$rc}"
 }
-exit "$(dtl_outcome "$rc")"
+CODE="$(dtl_outcome "$rc")"
+mark_final "$CODE"
+exit "$CODE"
 )
