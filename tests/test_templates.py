@@ -57,7 +57,10 @@ def _scripts(recipe: str, target: str, overrides=()) -> dict[str, str]:
 
 CASES = [("tiny", "local", ()), ("tiny", "slurm", ()), ("tiny", "sky", ()), ("llama70b", "slurm", ()),
          ("llama70b", "sky", ()), ("llama2-13b-zero3", "slurm", ()), ("llama3-405b", "slurm", ()),
-         ("llama3-405b", "sky", ()),
+         ("llama3-405b", "sky", ()), ("llama3-8b", "sky", ()),
+         ("tiny", "sky", ("resources.image=nvcr.io/nvidia/pytorch:24.05-py3",)),
+         ("tiny", "slurm", ("resources.image=org/train:1", "targets.slurm.container={runtime: pyxis}")),
+         ("tiny", "slurm", ("resources.image=org/train:1", "targets.slurm.container={runtime: apptainer}")),
          ("tiny", "sky", ("resources.nodes=2", "parallelism.strategy=zero2", "parallelism.launcher=deepspeed",
                           "targets.sky.checkpoint_storage={bucket: 's3://b/c'}"))]
 

@@ -233,7 +233,23 @@ def t_slurm_batch_sh(c, w):
         w(str(f_q(need(c, 'image_hint', '_slurm_batch.sh.j2'))))
         w('\nfi\n')
     else:
-        t_python_sh(c, w)
+        l13_plan_check = False
+        t_python_sh({**c, 'plan_check': l13_plan_check}, w)
+        w('# ... and that check on every node, before any rank starts: a broken environment fails once with exit ')
+        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'CONFIG')))
+        w(',\n# a node whose GPUs are missing or broken with ')
+        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
+        w(", before torchrun's rendezvous window opens.\nCHECK_RC=0\n")
+        w(str(f_cmd(need(c, 'node_check', '_slurm_batch.sh.j2'))))
+        w(' || CHECK_RC=$?\nif [ "$CHECK_RC" -eq ')
+        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
+        w(' ]; then\n  fail ')
+        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
+        w(' "a node cannot run the plan (see above): exclude it and resubmit"\nelif [ "$CHECK_RC" -ne 0 ]; then\n  fail ')
+        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'CONFIG')))
+        w(' "$PYTHON cannot run this plan (see above);" ')
+        w(str(f_q(need(c, 'setup_hint', '_slurm_batch.sh.j2'))))
+        w('\nfi\n')
     w('echo RUNNING > "$JOB_DIR/state"\n\n')
 
 

@@ -39,6 +39,7 @@ from .package import build_wheel, wheel_name
 from .shell import ShellExpr, Word
 from .slurm_container import (
     CHECK_ARG,
+    EVERY_NODE,
     JOB_ENV,
     MOUNTS_VAR,
     check_command,
@@ -60,6 +61,11 @@ IMAGE_HINT = ("the image needs python3 with torch and dtlaunch's dependencies (m
               "in the image")
 SETUP_HINT = ("activate the environment that has torch and dtlaunch in targets.slurm.setup, "
               "e.g. `source /path/to/venv/bin/activate` or `module load ...`")
+# The check a node makes before any rank starts (launcher.train --check): its interpreter, its GPUs, the plan.
+CHECK_WORDS: tuple[Word, ...] = (ShellExpr("$PYTHON"), "-m", "launcher.train", "--plan", ShellExpr("$DTLAUNCH_PLAN"),
+                                 "--check")
+
+
 def _step_command(recipe: Recipe, plan: Plan) -> list[Word]:
     return torchrun_command(
         recipe, plan, python=ShellExpr("$PYTHON"), nnodes=ShellExpr("$SLURM_NNODES"),
@@ -75,7 +81,7 @@ def step_script(recipe: Recipe, plan: Plan) -> str:
     container, also the interpreter check (`step.sh --check`), so it runs where training will."""
     c = container(recipe)
     torchrun = _step_command(recipe, plan)
-    check: list[Word] = [ShellExpr("$PYTHON"), "-m", "launcher.train", "--plan", ShellExpr("$DTLAUNCH_PLAN"), "--check"]
+    check: list[Word] = list(CHECK_WORDS)
     if c is not None and not c.pyxis:
         torchrun, check = exec_prefix(c) + torchrun, exec_prefix(c) + check
     return render_template("slurm_step.sh.j2", job_script=JOB_SCRIPT, torchrun=torchrun, code=ExitCode,
@@ -113,7 +119,8 @@ def _batch_context(recipe: Recipe, array: bool) -> dict:
                 code_dir=ShellExpr(f"$SUBMIT_DIR/{CODE_DIR}") if recipe.entrypoint else None,
                 container=c, image_hint=IMAGE_HINT, mounts_var=MOUNTS_VAR, wheel=wheel_name() if c else None,
                 container_check=check_command(c, ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)) if c else None,
-                job_env_var=JOB_ENV, job_vars=c.job_vars(env) if c else [], container_cleanup=cleanup_command(c))
+                job_env_var=JOB_ENV, job_vars=c.job_vars(env) if c else [], container_cleanup=cleanup_command(c),
+                node_check=[*EVERY_NODE, *CHECK_WORDS])
 
 
 def job_script(recipe: Recipe, plan: Plan, *, array: str | None = None) -> str:

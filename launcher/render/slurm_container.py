@@ -40,6 +40,7 @@ import hashlib
 
 import msgspec
 
+from .. import jobenv
 from ..errors import DtlaunchError
 from ..recipe import Recipe
 from ..recipe.images import for_apptainer, for_enroot
@@ -54,8 +55,8 @@ JOB_ENV = "DTLAUNCH_JOB_ENV"  # the file of the job's environment, read inside t
 CACHE_DIRS = {"XDG_CACHE_HOME": "cache", "TORCH_EXTENSIONS_DIR": "cache/torch_extensions",
               "HF_HOME": "cache/huggingface", "TRITON_CACHE_DIR": "cache/triton"}
 # What the batch shell exports for the job besides the recipe's env: the container must see the host's values.
-JOB_VARS = ("DTLAUNCH_RUN_ID", "DTLAUNCH_RUN_DIR", "DTLAUNCH_PLAN", "DTLAUNCH_ATTEMPT", "DTLAUNCH_STATUS",
-            "DTLAUNCH_CHECKPOINT_DIR", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "PYTHONPATH", "MASTER_ADDR", "MASTER_PORT")
+JOB_VARS = (jobenv.RUN_ID, jobenv.RUN_DIR, jobenv.PLAN, jobenv.ATTEMPT, jobenv.STATUS, jobenv.CHECKPOINT_DIR,
+            jobenv.CODE_DIR, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "PYTHONPATH", "MASTER_ADDR", "MASTER_PORT")
 CONTAINER_NAME = "dtlaunch-$SLURM_JOB_ID"
 
 
@@ -156,8 +157,12 @@ def cleanup_command(c: Container | None) -> list[Word] | None:
     node removes this job's when the job ends for good. None when there is nothing to remove."""
     if c is None or not c.pyxis:
         return None
-    return ["srun", ShellExpr("--nodes=$SLURM_NNODES"), ShellExpr("--ntasks=$SLURM_NNODES"), "--ntasks-per-node=1",
-            "enroot", "remove", "--force", ShellExpr(f"pyxis_{CONTAINER_NAME}")]
+    return [*EVERY_NODE, "enroot", "remove", "--force", ShellExpr(f"pyxis_{CONTAINER_NAME}")]
+
+
+# One task on every node of the allocation: the node checks and the container's removal.
+EVERY_NODE: list[Word] = ["srun", ShellExpr("--nodes=$SLURM_NNODES"), ShellExpr("--ntasks=$SLURM_NNODES"),
+                          "--ntasks-per-node=1"]
 
 
 def check_command(c: Container, step_script: ShellExpr) -> list[Word]:
@@ -165,5 +170,4 @@ def check_command(c: Container, step_script: ShellExpr) -> list[Word]:
     training: on every node, so each starts (pyxis: imports) the image before the rendezvous. No
     --kill-on-bad-exit: each node's own verdict counts (srun exits with the highest, 44 for a bad node)."""
     step = ["bash", step_script, CHECK_ARG]
-    nodes = ["srun", ShellExpr("--nodes=$SLURM_NNODES"), ShellExpr("--ntasks=$SLURM_NNODES"), "--ntasks-per-node=1"]
-    return [*nodes, *srun_flags(c), *step] if c.pyxis else [*nodes, *step]
+    return [*EVERY_NODE, *srun_flags(c), *step] if c.pyxis else [*EVERY_NODE, *step]
