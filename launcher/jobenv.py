@@ -95,6 +95,26 @@ TARGET = "DTLAUNCH_TARGET"
 PORT = "DTLAUNCH_PORT"
 FAULT = "DTLAUNCH_FAULT"  # test-only fault injection (launcher.runtime.faults)
 
+# Names a recipe's env must not give: the job scripts export the recipe's variables first, so one of
+# these would win over what dtlaunch sets for the job (env.DTLAUNCH_ATTEMPT made a finished run read LOST) or
+# contradict what torchrun sets for each rank. Every DTLAUNCH_ name is dtlaunch's, including ones added later,
+# except the inputs below, which dtlaunch reads and never sets.
+RESERVED_PREFIXES = {"DTLAUNCH_": "dtlaunch", "TORCHELASTIC_": "torchrun"}
+# torchrun's per-rank variables; DeepSpeed's launcher sets the same, and CROSS_*/LOCAL_SIZE besides.
+RESERVED_NAMES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                            "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                            "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"})
+ENV_INPUTS = frozenset({"DTLAUNCH_PYTHON", FAULT})  # the job's interpreter (read by the job scripts); fault drills
+
+
+def env_owner(name: str) -> str | None:
+    """Who sets `name` for a job's processes ("dtlaunch" or "torchrun"), or None if a recipe may set it."""
+    if name in ENV_INPUTS:
+        return None
+    if name in RESERVED_NAMES:
+        return "torchrun"
+    return next((who for prefix, who in RESERVED_PREFIXES.items() if name.startswith(prefix)), None)
+
 # One rendezvous port per SLURM job id, so two jobs sharing a node do not collide; kept below Linux's
 # ephemeral range (32768+), where the kernel hands out ports to outgoing connections.
 PORT_BASE = 10000

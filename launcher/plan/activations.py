@@ -137,7 +137,9 @@ def head_bytes(shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autoca
 def loss_chunk_bytes(shape: ModelShape, s: int, b: int, t: int) -> float:
     """One fp32 chunk of the loss (launcher.runtime.loss): min(tokens, CHUNK_BYTES / 4V) tokens x V x 4."""
     v = shape.vocab / t
-    rows = min(s * b, max(1, LOSS_CHUNK_BYTES // int(4 * v)))
+    # max(1, ...): a vocabulary narrower than a quarter column per rank (vocab < tp/4, planned for a user's own
+    # entrypoint; validate refuses it for dtlaunch's runtime) fits every token in one chunk.
+    rows = min(s * b, max(1, LOSS_CHUNK_BYTES // max(1, int(4 * v))))
     return 4 * rows * v
 
 

@@ -25,14 +25,15 @@ ONE_LINE = r"^[^\n\r\x00]*\Z"
 
 
 class Invalid(ValueError):
-    """A section's check failed on one of its fields: the loader reports it at SECTION.FIELD, with `fix`."""
+    """A section's check failed on one of its fields: the loader reports it at SECTION.FIELD, with `fix`. `field`
+    may be a path inside the section, e.g. ("env", "X") or ("extra_sbatch", 2), to point at one entry."""
 
-    def __init__(self, field: str, message: str, fix: str | None = None):
+    def __init__(self, field: str | tuple, message: str, fix: str | None = None):
         super().__init__(message)
         self.field, self.fix = field, fix
 
 
-def checked(field: str, parse, value):
+def checked(field: str | tuple, parse, value):
     """parse(value), its ValueError reported at this field."""
     try:
         return parse(value)

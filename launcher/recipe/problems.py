@@ -164,7 +164,8 @@ def _message(err: msgspec.ValidationError, data: Any) -> tuple[Path_, str, str |
     msg, path, cause = _split(err)
     if cause is not None:
         field = getattr(cause, "field", None)
-        return (path + (field,) if field else path), msg, getattr(cause, "fix", None), "field" if field else "section"
+        where = field if isinstance(field, tuple) else (field,)  # a field, or a path to one entry of it
+        return (path + where if field else path), msg, getattr(cause, "fix", None), "field" if field else "section"
     if m := re.fullmatch(r"Object contains unknown field `(.*)`", msg, re.S):
         key = m.group(1)
         names = _keys_at(path)

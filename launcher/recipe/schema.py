@@ -15,6 +15,9 @@ from msgspec import Meta
 from .. import catalog
 from ..digest import sha256_hex
 from ..errors import FieldError
+from ..jobenv import CHECKPOINT_DIR as CHECKPOINT_DIR_ENV
+from ..jobenv import RUN_ID as RUN_ID_ENV
+from ..jobenv import env_owner
 from .fields import (
     ENV_NAME,
     MAX_ENV_VALUE,
@@ -314,12 +317,21 @@ class Recipe(Spec, kw_only=True, dict=True):
         return sha256_hex(json.dumps(d, sort_keys=True).encode())[:16]
 
 
+# Reserved variables a recipe field sets: the fix names the field.
+_ENV_FIELDS = {RUN_ID_ENV: "run_id", CHECKPOINT_DIR_ENV: "checkpoint.dir"}
+
+
 def _env_values(v: dict) -> dict[str, str]:
     """env values as the job's environment holds them: text (numbers and booleans written as YAML spells them)."""
     out = {}
     for k, val in v.items():
         if not ENV_NAME.match(k):
             raise Invalid("env", f"{k!r} is not a valid environment variable name (letters, digits, _)")
+        if who := env_owner(k):
+            sets = f"{who} sets it for every " + ("rank" if who == "torchrun" else "job")
+            instead = f" (set {_ENV_FIELDS[k]} instead)" if k in _ENV_FIELDS else ""
+            raise Invalid(("env", k), f"{k} is reserved: {sets}, and the recipe's value would override it",
+                          f"remove env.{k}: {sets}{instead}")
         if isinstance(val, (dict, list)) or val is None:
             raise Invalid("env", f"{k}: value must be a string or number")
         if isinstance(val, float) and (val != val or val in (float("inf"), float("-inf"))):

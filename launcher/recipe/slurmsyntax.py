@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import re
 
+from ..errors import FieldError
+
 MEM_FORMS = "a number with an optional K, M, G or T suffix (MB by default), e.g. 500G"
 _MEM = re.compile(r"\d{1,9}[KMGT]?", re.ASCII)
 
@@ -161,3 +163,35 @@ def parse_mail_types(value: str | list) -> list[str]:
         if name not in out:
             out.append(name)
     return out
+
+
+# ----------------------------------------------------------------------------- extra #SBATCH options
+
+# --name[=value | value] or -X[value | value]: what the job script can write as an #SBATCH line (render refuses
+# an entry that is not an option; a bare `-` or `--` would be a line sbatch refuses after the job is queued).
+_SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(?:[=\s].*)?|-[A-Za-z].*", re.ASCII | re.S)
+
+
+def parse_sbatch_option(entry: str, *, submitit: bool = False) -> str:
+    """One targets.slurm.extra_sbatch entry, refused here (located) if the job script or submitit's parameters
+    cannot carry it: submitit writes `--name=value` pairs only (`submitit_value` for the rest)."""
+    e = entry.strip()
+    if not _SBATCH_OPTION.fullmatch(e):
+        raise FieldError(f"{e[:80]!r} is not an sbatch option",
+                         "start each entry with -- and the option's name, e.g. --comment=nightly (or a one-letter "
+                         "option, e.g. -w node1)")
+    if submitit:
+        if not e.startswith("--") or any(c.isspace() for c in e.partition("=")[0]):
+            raise FieldError(f"{e[:80]!r}: submitit writes long options only, as --name=value", "use the long form, "
+                             "e.g. --nodelist=node1 instead of -w node1, or targets.slurm.submit: sbatch")
+        submitit_value(e)
+    return entry
+
+
+def submitit_value(value: str) -> str:
+    """A value submitit writes into an #SBATCH line: it quotes with shlex.quote, and sbatch still reads a
+    backslash inside those single quotes as an escape."""
+    if "\\" in value:
+        raise FieldError(f"{value[:80]!r} contains a backslash, which sbatch reads as an escape even inside the "
+                         "single quotes submitit writes", "remove the backslash, or use targets.slurm.submit: sbatch")
+    return value

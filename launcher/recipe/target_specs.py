@@ -139,6 +139,19 @@ class SlurmTarget(Spec, kw_only=True):
             self.dependency = checked("dependency", parse_dependency, self.dependency)
         if self.mail_type is not None:
             self.mail_type = checked("mail_type", parse_mail_types, self.mail_type)
+        self._check_written_options()
+
+    def _check_written_options(self) -> None:
+        """What the job script (or submitit) would refuse at render time, refused here where it is located."""
+        from .slurmsyntax import parse_sbatch_option, submitit_value
+
+        submitit = self.submit == "submitit"
+        for i, entry in enumerate(self.extra_sbatch):
+            checked(("extra_sbatch", i), lambda e: parse_sbatch_option(e, submitit=submitit), entry)
+        if submitit:  # the free-text options (the others have a syntax of their own, without backslashes)
+            for key in ("partition", "account", "qos", "constraint"):
+                if getattr(self, key) is not None:
+                    checked(key, submitit_value, getattr(self, key))
 
 
 class SkyStorage(Spec, kw_only=True):

@@ -10,7 +10,7 @@ from ..recipe import Recipe
 from ..recipe.slurmsyntax import expand_hostlist
 from ..recipe.target_specs import MOUNT_PATH
 from ..render.slurm_container import checkpoint_root, image_for
-from ..render.slurm_directives import PLAN_OPTIONS, field_clashes
+from ..render.slurm_directives import PLAN_OPTIONS, field_clashes, option_name
 from ..render.torchrun import grace_seconds
 from .core import rule
 
@@ -93,7 +93,7 @@ def _ds_secrets(r: Recipe, p: Plan):
 @rule("slurm-extra-sbatch-plan", "error", "targets.slurm.extra_sbatch",
       "extra_sbatch options that contradict what dtlaunch derives from the plan", SLURM)
 def _extra_sbatch(r: Recipe, p: Plan):
-    clash = [e for e in r.targets.slurm.extra_sbatch if e.strip().partition("=")[0].split()[0] in PLAN_OPTIONS]
+    clash = [e for e in r.targets.slurm.extra_sbatch if option_name(e) in PLAN_OPTIONS]
     if clash:
         return (f"{', '.join(clash)}: dtlaunch sets these from the plan (nodes, tasks, GPUs, signal, requeue, output); "
                 "a second value would give an allocation the plan did not size",
