@@ -195,13 +195,15 @@ def test_importing_launcher_and_finding_submit_imports_neither_submitit_nor_torc
 
 
 def test_submit_takes_a_loaded_recipe_and_always_means_submitit():
-    """launcher.submit(Recipe) re-validates the recipe with the overrides; the API always submits with submitit."""
-    from launcher.api import _load
+    """launcher.submit(Recipe) re-reads the recipe with the overrides, as prepare() does for `up`; the API always
+    submits with submitit (its override comes last)."""
+    from launcher.api import SUBMITIT
+    from launcher.prepare import load_recipe
     from launcher.recipe import load
 
-    r = _load(load(TINY, ["targets.slurm.submit=sbatch"]), ["training.steps=7"])
+    r = load_recipe(load(TINY, ["targets.slurm.submit=sbatch"]), ["training.steps=7", SUBMITIT])
     assert (r.targets.slurm.submit, r.training.steps) == ("submitit", 7)
-    assert _load(TINY, []).targets.slurm.submit == "submitit"
+    assert load_recipe(TINY, [SUBMITIT]).targets.slurm.submit == "submitit"
 
 
 def test_registry_rows_from_before_submitit_still_decode():
