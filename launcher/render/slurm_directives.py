@@ -4,7 +4,6 @@ user's extra_sbatch entries, with the clashes between them. Apart from the job s
 """
 from __future__ import annotations
 
-from ..errors import DtlaunchError
 from ..plan import Plan
 from ..recipe import Recipe
 
@@ -29,10 +28,7 @@ def directives(recipe: Recipe, plan: Plan, array: str | None = None) -> list[tup
     """(option, value) pairs for the #SBATCH lines; the template quotes them for sbatch's own parser."""
     opts = _field_directives(recipe, plan, array)
     for extra in recipe.targets.slurm.extra_sbatch:
-        extra = extra.strip()
-        if not extra.startswith("-"):
-            raise DtlaunchError(f"targets.slurm.extra_sbatch: {extra!r} is not an sbatch option",
-                                fix="start each entry with --, e.g. --comment=nightly")
+        extra = extra.strip()  # an sbatch option: the recipe loader refused anything else (slurmsyntax.parse_sbatch_option)
         name, sep, val = extra.partition("=")
         opts.append((name, val if sep else None))
     return opts
