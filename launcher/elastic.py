@@ -10,6 +10,10 @@ SKYPILOT_NODE_RANK): torch's c10d rendezvous numbers nodes in the sort order of 
 comes before `gpu2` and `10.0.0.12` before `10.0.0.9`, so global rank 0 could land off the node that hosts the
 store and pipeline stages would ignore the scheduler's topology-aware order (see `_ranks_follow_scheduler`).
 
+A worker that ends with a final code (jobenv.OUTCOMES: a bad recipe, a diverged loss, no usable checkpoint,
+failing storage) is not restarted: torchrun restarts on any failure while max_restarts lasts, and a restart
+of a CONFIG run whose only checkpoint was unusable trained from step 0 (see `_final_codes_stop_restarts`).
+
 When a worker fails, torchrun knows its exit code even if the worker died before writing its status (an
 `os._exit`, a crash in native code): that code is kept in the run's record for people, so the failure a
 scheduler or submitit reports names it (see `_record_unreported`).
@@ -37,6 +41,29 @@ def _record_unreported(failures: dict) -> None:
             continue  # a signal (negative): nothing to report beyond torchrun's own log; or it spoke itself
         write_status(Path(run_dir), int(rank), code, f"exited with code {code} before writing its own status "
                      "(torchrun's report)", None, code_file=False)
+
+
+def _final_codes_stop_restarts() -> None:
+    """Make the agent treat a worker's final exit code as the end: no restarts left. The agent then stops its
+    workers and exits, closing the rendezvous, so the other nodes' agents stop at their next rendezvous too
+    instead of restarting theirs."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from .jobenv import outcome
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        codes = sorted({int(f.exitcode) for f in (result.failures or {}).values()})
+        final = [c for c in codes if c > 0 and outcome(c) == "final"]
+        if final and self._remaining_restarts > 0:
+            print(f"dtlaunch: a worker ended with exit code {final[0]}, which is never retried: "
+                  "not restarting the workers", file=sys.stderr, flush=True)
+            self._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor_workers
 
 
 def _ranks_follow_scheduler(node_rank: int) -> None:
@@ -68,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .jobenv import NODE_RANK
 
+    _final_codes_stop_restarts()
     rank = os.environ.get(NODE_RANK, "")
     if rank.isdigit():
         _ranks_follow_scheduler(int(rank))

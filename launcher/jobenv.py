@@ -21,6 +21,7 @@ class ExitCode(IntEnum):
     HANG = 43  # a collective timed out or ranks disagreed on the step: restart and resume
     PREFLIGHT = 44  # the environment is broken (rendezvous, bandwidth, disk): fix the nodes first
     DIVERGED = 45  # the loss stayed NaN/inf: restarting from the last good checkpoint would diverge again
+    STORAGE = 46  # checkpoint storage is full, read-only or keeps failing reads: a person must free or fix it
 
     def __str__(self) -> str:  # "42", as on Python 3.11+, also on 3.10
         return str(int(self))
@@ -52,6 +53,8 @@ OUTCOMES: dict[ExitCode, str] = {
     ExitCode.HANG: "retry",
     ExitCode.PREFLIGHT: "retry",
     ExitCode.DIVERGED: "final",
+    # Retried reads already happened inside the attempt (runtime.ckptdir); a full or read-only disk stays so.
+    ExitCode.STORAGE: "final",
 }
 
 

@@ -129,11 +129,11 @@ def _check(recipe, plan, run_dir: Path) -> int:
         summary = check(recipe, plan, run_dir)
     except DtlaunchError as e:  # CONFIG (the plan or the environment) or PREFLIGHT (this node's hardware)
         print(f"dtlaunch: this node cannot run the plan: {e}", file=sys.stderr, flush=True)
-        return e.exit_code if e.exit_code == ExitCode.PREFLIGHT else ExitCode.CONFIG
-    except ImportError as e:
+        return e.exit_code if e.exit_code in (ExitCode.PREFLIGHT, ExitCode.STORAGE) else ExitCode.CONFIG
+    except ImportError as e:  # the job scripts add how to point them at another environment
         print(f"dtlaunch: this node cannot run the plan: {e} (install dtlaunch[train] in the job's environment)",
               file=sys.stderr, flush=True)
-        return ExitCode.CONFIG
+        return ExitCode.FAILED
     print(f"dtlaunch: check ok: {summary}", flush=True)
     return ExitCode.OK
 

@@ -2,7 +2,8 @@
 # Install the system packages the test suite needs, from Debian's apt
 # repositories: SLURM, munge, slurmdbd + MariaDB (scripts/slurm-local.sh), an
 # sshd (the SSH submission tests), iproute2 and util-linux (the simulated
-# SkyPilot nodes' namespaces), shellcheck (the rendered scripts' lint).
+# SkyPilot nodes' namespaces), shellcheck (the rendered scripts' lint), strace
+# (storage read errors injected into real runs).
 #
 # Idempotent and quick: packages that are already installed are skipped, and
 # `apt-get update` only runs when something is actually missing.  Nothing is
@@ -20,7 +21,7 @@ set -euo pipefail
 # pull in a long tail of recommends (mail servers, perl extras, ...) that we
 # do not want, while slurm-wlm is the tested meta-package and is installed
 # with its recommends, as in the notes.
-BASE_PKGS=(slurm-wlm munge openssh-server pdsh numactl iproute2 util-linux shellcheck)
+BASE_PKGS=(slurm-wlm munge openssh-server pdsh numactl iproute2 util-linux shellcheck strace)
 DBD_PKGS=(slurmdbd mariadb-server)
 
 

@@ -270,7 +270,8 @@ def test_a_bad_plan_ends_a_local_launch_once_with_2_before_torchrun(run_cli, tmp
     assert code == 0, err
     p = subprocess.run(["bash", str(tmp_path / "r" / "launch.sh")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
-    assert "ChildFailedError" not in p.stderr and "cannot run this plan" in p.stderr, p.stderr[-2000:]
+    assert "ChildFailedError" not in p.stderr and "the pre-start check failed" in p.stderr, p.stderr[-2000:]
+    assert "DTLAUNCH_PYTHON" not in p.stderr  # the plan is wrong, not the interpreter
 
 
 def test_a_loaded_recipe_plans_submits_and_validates_as_its_file_does(tmp_path):

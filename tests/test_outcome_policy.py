@@ -22,7 +22,7 @@ from launcher.render import render
 from launcher.targets.slurm_decisions import Outcome, decide
 from testpaths import RECIPES
 
-CODES = [0, 1, 2, 42, 43, 44, 45, 137, 143]
+CODES = [0, 1, 2, 42, 43, 44, 45, 46, 137, 143]
 MAX_REQUEUES, MAX_FAILURES = 2, 3
 
 
@@ -33,7 +33,7 @@ def rendered(target: str, *sets: str):
 
 def test_the_policy_covers_every_exit_code():
     assert set(jobenv.OUTCOMES) == set(ExitCode)
-    assert jobenv.FINAL_CODES == (ExitCode.CONFIG, ExitCode.DIVERGED)
+    assert jobenv.FINAL_CODES == (ExitCode.CONFIG, ExitCode.DIVERGED, ExitCode.STORAGE)
     assert jobenv.RESUME_CODES == (ExitCode.PREEMPTED,)
     assert outcome(137) == outcome(1) == "retry"  # a signal's 128+N, torchrun's own 1
 

@@ -62,7 +62,9 @@ CASES = [("tiny", "local", ()), ("tiny", "slurm", ()), ("tiny", "sky", ()), ("ll
          ("tiny", "slurm", ("resources.image=org/train:1", "targets.slurm.container={runtime: pyxis}")),
          ("tiny", "slurm", ("resources.image=org/train:1", "targets.slurm.container={runtime: apptainer}")),
          ("tiny", "sky", ("resources.nodes=2", "parallelism.strategy=zero2", "parallelism.launcher=deepspeed",
-                          "targets.sky.checkpoint_storage={bucket: 's3://b/c'}"))]
+                          "targets.sky.checkpoint_storage={bucket: 's3://b/c'}")),
+         ("tiny", "sky", ("resources.nodes=2", "parallelism.strategy=zero2", "parallelism.launcher=deepspeed",
+                          "targets.sky.deepspeed_ssh=true", "targets.sky.checkpoint_storage={bucket: 's3://b/c'}"))]
 
 
 @pytest.mark.parametrize("recipe,target,overrides", CASES, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(CASES)])

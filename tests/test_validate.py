@@ -106,6 +106,8 @@ CASES = [
     (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed", "targets.sky.deepspeed_ssh=true",
       "env={X: '$(id)'}"], "deepspeed-ssh-env", "sky"),
     (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed", "targets.sky.deepspeed_ssh=true",
+      "checkpoint.dir='/ckpt/$(id)/{run_id}'"], "deepspeed-ssh-values", "sky"),
+    (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed", "targets.sky.deepspeed_ssh=true",
       "secrets=[HF_TOKEN]"], "deepspeed-ssh-secrets", "sky"),
     # SLURM
     (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"], "deepspeed-launcher-target", "slurm"),

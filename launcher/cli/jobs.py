@@ -9,25 +9,40 @@ import click
 from ..errors import DtlaunchError
 from ..jobenv import last_logged_step
 
+# States in which a job still runs (or waits to), on any target: `down NAME` acts on such a job.
+LIVE = frozenset({"RUNNING", "STOPPING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
+                  "INIT", "STARTING", "SETTING_UP", "RECOVERING", "CANCELLING", "SUBMITTED"})
+
+
+def status_rows(recs) -> list[dict]:
+    """`status`'s rows. One backend per target, so the local one scans the process table once for all rows,
+    and each run directory's newest step is read once."""
+    from ..targets import JobStatus, backend
+
+    backends, steps, rows = {}, {}, []
+    for r in recs:
+        try:
+            if r.target not in backends:
+                backends[r.target] = backend(r.target)
+            st = backends[r.target].status(r)
+        except DtlaunchError as e:
+            st = JobStatus("UNKNOWN", detail=str(e))
+        if r.run_dir not in steps:
+            steps[r.run_dir] = last_logged_step(r.run_dir) if r.run_dir and Path(r.run_dir).is_dir() else None
+        rows.append({"name": r.name, "target": r.target, "job_id": r.job_id, "run_dir": r.run_dir, **st.to_dict(),
+                     "last_step": steps[r.run_dir]})
+    return rows
+
 
 @click.command("status")
 @click.argument("job", required=False)
 @click.option("--json", "as_json", is_flag=True)
 def status_cmd(job, as_json):
     """Show the state of one job (by name or id), or of all recorded jobs."""
-    from ..targets import JobStatus, backend
     from ..targets.registry import Registry
 
     reg = Registry()
-    recs = [reg.find(job)] if job else reg.all()
-    rows = []
-    for r in recs:
-        try:
-            st = backend(r.target).status(r)
-        except DtlaunchError as e:
-            st = JobStatus("UNKNOWN", detail=str(e))
-        rows.append({"name": r.name, "target": r.target, "job_id": r.job_id, "run_dir": r.run_dir, **st.to_dict(),
-                     "last_step": last_logged_step(r.run_dir) if r.run_dir and Path(r.run_dir).is_dir() else None})
+    rows = status_rows([reg.find(job)] if job else reg.all())
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -84,8 +99,31 @@ def down_cmd(job):
     from ..targets import backend
     from ..targets.registry import Registry
 
-    rec = Registry().find(job)
+    rec = running_one(Registry().matching(job), job)
     click.echo(backend(rec.target).cancel(rec))
+
+
+def running_one(hits: list, key: str):
+    """Of the jobs `key` names (oldest first), the one still running; the newest if none is. A name used again
+    (a loser of two racing `up`, an older run elsewhere) must not hide the live job behind a newer dead one."""
+    from ..targets import backend
+
+    if len(hits) == 1:
+        return hits[0]
+    backends, live = {}, []
+    for r in hits:
+        try:
+            if r.target not in backends:  # one per target: the local one scans the process table once
+                backends[r.target] = backend(r.target)
+            if backends[r.target].status(r).state in LIVE:
+                live.append(r)
+        except DtlaunchError:
+            continue
+    if len(live) > 1:
+        ids = ", ".join(f"{r.target}:{r.job_id} ({r.run_dir})" for r in live)
+        raise DtlaunchError(f"{len(live)} jobs named {key!r} are running: {ids}",
+                            fix=f"name one by its id, e.g. `dtlaunch down {live[-1].job_id}`")
+    return live[0] if live else hits[-1]
 
 
 @click.command("plot")

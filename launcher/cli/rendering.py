@@ -108,6 +108,7 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, swee
     """Validate, render and submit a job; record it so status/logs/down can follow it."""
     from ..render.artifacts import read_manifest
     from ..targets import backend
+    from ..targets.local import claim_run_dir
     from ..targets.registry import Registry
 
     if after:
@@ -116,26 +117,31 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, swee
     check(prep, force, "submitted")
     recipe, art = prep.recipe, prep.artifacts
     out = _out_dir(recipe, art, out_dir)
-    _, origin = read_manifest(out)
-    if origin == "render":
-        click.echo(f"note: replacing the files `dtlaunch render` wrote in {out} (use -o for another directory)", err=True)
     registry = Registry()
     if not dry_run:
         registry.check_writable()
     be = backend(art.target)
-    out = art.write(out, origin="up")
-    _notes(art)
-    if dry_run:
-        click.echo(f"# ---- {out / art.entrypoint}")
-        click.echo((art.text(art.entrypoint) or "").rstrip("\n"))
-        click.echo(f"dry run: wrote {out}; would run in it: {' '.join(art.submit_command)}")
-        return
-    rec = be.submit(art, str(out))
-    try:
-        registry.add(rec)
-    except DtlaunchError as e:
-        click.secho(f"warning: the job is running but could not be recorded ({e}); follow it by hand: "
-                    f"{art.target} job {rec.job_id}, files in {rec.run_dir}", fg="yellow", err=True)
+    # Before anything is written: a refused `up` changes nothing (a running job's torchrun restart would read a
+    # rewritten plan). To submit, the check holds the directory's lock until the job is recorded: of two `up` at
+    # once, one submits and the other is refused.
+    with claim_run_dir(out, registry, lock=not dry_run):
+        _, origin = read_manifest(out)
+        if origin == "render":
+            click.echo(f"note: replacing the files `dtlaunch render` wrote in {out} (use -o for another directory)",
+                       err=True)
+        out = art.write(out, origin="up")
+        _notes(art)
+        if dry_run:
+            click.echo(f"# ---- {out / art.entrypoint}")
+            click.echo((art.text(art.entrypoint) or "").rstrip("\n"))
+            click.echo(f"dry run: wrote {out}; would run in it: {' '.join(art.submit_command)}")
+            return
+        rec = be.submit(art, str(out))
+        try:
+            registry.add(rec)
+        except DtlaunchError as e:
+            click.secho(f"warning: the job is running but could not be recorded ({e}); follow it by hand: "
+                        f"{art.target} job {rec.job_id}, files in {rec.run_dir}", fg="yellow", err=True)
     click.echo(f"submitted {rec.name} ({art.target} job {rec.job_id}); files in {rec.run_dir}")
     wait = (not detach) if detach is not None else art.target == "local"
     if not wait:

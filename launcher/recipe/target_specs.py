@@ -215,7 +215,9 @@ class SkyTarget(Spec, kw_only=True):
         | None = 10
     autodown: Doc("with autostop: tear the cluster down instead of stopping it", bool) = True
     deepspeed_ssh: Doc("parallelism.launcher: deepspeed: the head starts every node's workers over ssh/pdsh "
-                       "(default: every node runs DeepSpeed's launcher itself, --no_ssh)", bool) = False
+                       "(default: every node runs DeepSpeed's launcher itself, --no_ssh); pdsh passes values to "
+                       "every node's shell unescaped, so paths, env values and entrypoint args may not hold $ ` \" "
+                       "\\ or line breaks (validate and the job script refuse them)", bool) = False
     accelerators: Annotated[list[Text(64)], Meta(
         max_length=16, description="fallbacks after resources.accelerator, e.g. [A100-80GB:8]: each is planned on "
                                    "its own, those that cannot fit are dropped; same device count per node")] = []

@@ -12,6 +12,22 @@ f_sbatch = FILTERS['sbatch']
 f_verbatim = FILTERS['verbatim']
 
 
+def t_check_verdict_sh(c, w):
+    w('if [ "$CHECK_RC" -eq ')
+    w(str(attr(need(c, 'code', '_check_verdict.sh.j2'), 'PREFLIGHT')))
+    w(' ]; then\n  fail ')
+    w(str(attr(need(c, 'code', '_check_verdict.sh.j2'), 'PREFLIGHT')))
+    w(' "a node cannot run the plan (see above): exclude it and resubmit"\nelif [ "$CHECK_RC" -eq ')
+    w(str(attr(need(c, 'code', '_check_verdict.sh.j2'), 'CONFIG')))
+    w(' ] || [ "$CHECK_RC" -eq ')
+    w(str(attr(need(c, 'code', '_check_verdict.sh.j2'), 'STORAGE')))
+    w(' ]; then\n  fail "$CHECK_RC" "the pre-start check failed: its message above says what and how to fix it"\nelif [ "$CHECK_RC" -ne 0 ]; then\n  fail ')
+    w(str(attr(need(c, 'code', '_check_verdict.sh.j2'), 'CONFIG')))
+    w(' "$CHECK_RUNNER cannot run this plan (exit $CHECK_RC, see above);" ')
+    w(str(f_q(need(c, 'hint', '_check_verdict.sh.j2'))))
+    w('\nfi\n')
+
+
 def t_code_dir_sh(c, w):
     if need(c, 'code_dir', '_code_dir.sh.j2'):
         w("# The user's code (entrypoint.workdir as rendered): every rank runs from here, so the entrypoint's relative\n# paths and imports resolve as they did on the submitting machine.\nexport DTLAUNCH_CODE_DIR=")
@@ -43,12 +59,14 @@ def t_decide_sh(c, w):
 
 
 def t_outcome_sh(c, w):
-    w('# The exit code of this node\'s share of the job: the workers\' own codes for this attempt, not torchrun\'s\n# generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends.\n# A rank killed after a collective timed out (NCCL\'s watchdog aborts it) writes no code, but leaves the\n# flight recorder\'s dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)\n# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44) and a\n# diverged loss (45) come first: restarting would not help.\ndtl_outcome() {\n  local rc=$1 f code worst=""\n  if [ "$rc" = 0 ]; then echo 0; return; fi\n  for f in "$DTLAUNCH_STATUS"/rank-*.code; do\n    [ -f "$f" ] || continue\n    read -r code _ < "$f" || continue\n    case "$code" in\n      ')
+    w('# The exit code of this node\'s share of the job: the workers\' own codes for this attempt, not torchrun\'s\n# generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends.\n# A rank killed after a collective timed out (NCCL\'s watchdog aborts it) writes no code, but leaves the\n# flight recorder\'s dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)\n# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44), a\n# diverged loss (45) and failing checkpoint storage (46) come first: restarting would not help.\ndtl_outcome() {\n  local rc=$1 f code worst=""\n  if [ "$rc" = 0 ]; then echo 0; return; fi\n  for f in "$DTLAUNCH_STATUS"/rank-*.code; do\n    [ -f "$f" ] || continue\n    read -r code _ < "$f" || continue\n    case "$code" in\n      ')
     w(str(attr(need(c, 'code', '_outcome.sh.j2'), 'CONFIG')))
     w('|')
     w(str(attr(need(c, 'code', '_outcome.sh.j2'), 'PREFLIGHT')))
     w('|')
     w(str(attr(need(c, 'code', '_outcome.sh.j2'), 'DIVERGED')))
+    w('|')
+    w(str(attr(need(c, 'code', '_outcome.sh.j2'), 'STORAGE')))
     w(') echo "$code"; return ;;\n      ')
     w(str(attr(need(c, 'code', '_outcome.sh.j2'), 'FAILED')))
     w(') worst=')
@@ -86,15 +104,9 @@ def t_python_sh(c, w):
     w(str(f_q(need(c, 'setup_hint', '_python.sh.j2'))))
     w('\nfi\nexport PYTHON\n')
     if ((not ('plan_check' in c)) or need(c, 'plan_check', '_python.sh.j2')):
-        w('CHECK_RC=0\n"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?\nif [ "$CHECK_RC" -eq ')
-        w(str(attr(need(c, 'code', '_python.sh.j2'), 'PREFLIGHT')))
-        w(' ]; then\n  fail ')
-        w(str(attr(need(c, 'code', '_python.sh.j2'), 'PREFLIGHT')))
-        w(' "this node cannot run the plan (see above): exclude it and resubmit"\nelif [ "$CHECK_RC" -ne 0 ]; then\n  fail ')
-        w(str(attr(need(c, 'code', '_python.sh.j2'), 'CONFIG')))
-        w(' "$PYTHON cannot run this plan (see above);" ')
-        w(str(f_q(need(c, 'setup_hint', '_python.sh.j2'))))
-        w('\nfi\n')
+        w('CHECK_RC=0 CHECK_RUNNER="$PYTHON"\n"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?\n')
+        l1_hint = need(c, 'setup_hint', '_python.sh.j2')
+        t_check_verdict_sh({**c, 'hint': l1_hint}, w)
 
 
 def t_slurm_batch_sh(c, w):
@@ -216,40 +228,27 @@ def t_slurm_batch_sh(c, w):
         if need(c, 'host_python', '_slurm_batch.sh.j2'):
             l12_plan_check = False
             t_python_sh({**c, 'plan_check': l12_plan_check}, w)
-        w("# The interpreter is the image's: checked inside the container on every node, before any rank starts.\nCHECK_RC=0\n")
+        w('# The interpreter is the image\'s: checked inside the container on every node, before any rank starts.\nCHECK_RC=0 CHECK_RUNNER="the container image"\n')
         w(str(f_cmd(need(c, 'container_check', '_slurm_batch.sh.j2'))))
         w(' || CHECK_RC=$?\n')
         if need(c, 'container_cleanup', '_slurm_batch.sh.j2'):
             w('if [ "$CHECK_RC" -ne 0 ]; then  # the job ends here: the container the check imported goes too\n  ')
             w(str(f_cmd(need(c, 'container_cleanup', '_slurm_batch.sh.j2'))))
             w(' || echo "dtlaunch: could not remove the job\'s container on every node" >&2\nfi\n')
-        w('if [ "$CHECK_RC" -eq ')
-        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
-        w(' ]; then\n  fail ')
-        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
-        w(' "this node cannot run the plan (see above): exclude it and resubmit"\nelif [ "$CHECK_RC" -ne 0 ]; then\n  fail ')
-        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'CONFIG')))
-        w(' "the container image cannot run this plan (see above);" ')
-        w(str(f_q(need(c, 'image_hint', '_slurm_batch.sh.j2'))))
-        w('\nfi\n')
+        l13_hint = need(c, 'image_hint', '_slurm_batch.sh.j2')
+        t_check_verdict_sh({**c, 'hint': l13_hint}, w)
     else:
-        l13_plan_check = False
-        t_python_sh({**c, 'plan_check': l13_plan_check}, w)
+        l14_plan_check = False
+        t_python_sh({**c, 'plan_check': l14_plan_check}, w)
         w('# ... and that check on every node, before any rank starts: a broken environment fails once with exit ')
         w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'CONFIG')))
         w(',\n# a node whose GPUs are missing or broken with ')
         w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
-        w(", before torchrun's rendezvous window opens.\nCHECK_RC=0\n")
+        w(', before torchrun\'s rendezvous window opens.\nCHECK_RC=0 CHECK_RUNNER="$PYTHON"\n')
         w(str(f_cmd(need(c, 'node_check', '_slurm_batch.sh.j2'))))
-        w(' || CHECK_RC=$?\nif [ "$CHECK_RC" -eq ')
-        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
-        w(' ]; then\n  fail ')
-        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'PREFLIGHT')))
-        w(' "a node cannot run the plan (see above): exclude it and resubmit"\nelif [ "$CHECK_RC" -ne 0 ]; then\n  fail ')
-        w(str(attr(need(c, 'code', '_slurm_batch.sh.j2'), 'CONFIG')))
-        w(' "$PYTHON cannot run this plan (see above);" ')
-        w(str(f_q(need(c, 'setup_hint', '_slurm_batch.sh.j2'))))
-        w('\nfi\n')
+        w(' || CHECK_RC=$?\n')
+        l15_hint = need(c, 'setup_hint', '_slurm_batch.sh.j2')
+        t_check_verdict_sh({**c, 'hint': l15_hint}, w)
     w('echo RUNNING > "$JOB_DIR/state"\n\n')
 
 
@@ -268,7 +267,7 @@ def t_local_launch_sh(c, w):
     w(str(attr(need(c, 'code', 'local_launch.sh.j2'), 'CONFIG')))
     w(" bad plan, ...), not torchrun's generic 1.\n# A signal to this script (TERM, INT, USR2) is passed to torchrun, which passes it to the workers: they\n# checkpoint and exit ")
     w(str(attr(need(c, 'code', 'local_launch.sh.j2'), 'PREEMPTED')))
-    w('.\nset -uo pipefail\nfail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; exit "$rc"; }\nHERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n')
+    w('.\nset -uo pipefail\n# Every ending records its exit code for `dtlaunch status`, this one too (a missing record reads LOST).\nfail() {\n  local rc=$1; shift\n  echo "dtlaunch: error: $*" >&2\n  if [ -d "${DTLAUNCH_STATUS:-}" ]; then echo "$rc" > "$DTLAUNCH_STATUS/exit_code"; fi\n  exit "$rc"\n}\nHERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n')
     for l1_name, l2_value in attr(need(c, 'env', 'local_launch.sh.j2'), 'items')():
         w('export ')
         w(str(f_envname(l1_name)))
@@ -345,11 +344,15 @@ def t_sky_run_sh(c, w):
         w(str(f_q(need(c, 'nproc', 'sky_run.sh.j2'))))
         w('\nHOSTFILE="$DTLAUNCH_STATUS/hostfile"\necho "$SKYPILOT_NODE_IPS" | awk -v n="$NPROC" \'NF {print $1 " slots=" n}\' > "$HOSTFILE"\n')
         if need(c, 'deepspeed_ssh', 'sky_run.sh.j2'):
-            w('# Head-only launch: the head starts every node\'s workers over ssh (pdsh). .deepspeed_env carries the plain\n# environment to them; DeepSpeed writes each value into a remote shell inside double quotes, so validate\n# allowed only values without $, `, ", \\ or a line break here, and secrets are never written (refused).\nprintf \'%s\\n\' ')
+            w("# Head-only launch: the head starts every node's workers over ssh (pdsh). .deepspeed_env carries the plain\n# environment to them; DeepSpeed puts its values, the module's arguments, this directory and the interpreter\n# into each node's shell unescaped, so what is known only here is checked as validate checked the recipe\n# (launcher/pdsh.py) before it is written. Secrets are never written (refused).\nDS_ENV=(")
             for l2_name, l3_value in attr(need(c, 'ds_env', 'sky_run.sh.j2'), 'items')():
                 w(str(f_q((str(l2_name) + str('=') + str(l3_value)))))
                 w(' ')
-            w('"DTLAUNCH_RUN_ID=$DTLAUNCH_RUN_ID" "DTLAUNCH_RUN_DIR=$DTLAUNCH_RUN_DIR" "DTLAUNCH_CHECKPOINT_DIR=$DTLAUNCH_CHECKPOINT_DIR" "DTLAUNCH_ATTEMPT=$DTLAUNCH_ATTEMPT" "DTLAUNCH_STATUS=$DTLAUNCH_STATUS" "MASTER_ADDR=$MASTER_ADDR" > .deepspeed_env\nif [ "$SKYPILOT_NODE_RANK" != 0 ]; then\n  echo "dtlaunch: node $SKYPILOT_NODE_RANK: the head node starts this node\'s workers over ssh"\n  exit 0\nfi\n')
+            w('"DTLAUNCH_RUN_ID=$DTLAUNCH_RUN_ID" "DTLAUNCH_RUN_DIR=$DTLAUNCH_RUN_DIR" "DTLAUNCH_PLAN=$DTLAUNCH_PLAN" "DTLAUNCH_CHECKPOINT_DIR=$DTLAUNCH_CHECKPOINT_DIR" "DTLAUNCH_ATTEMPT=$DTLAUNCH_ATTEMPT" "DTLAUNCH_STATUS=$DTLAUNCH_STATUS" "MASTER_ADDR=$MASTER_ADDR")\nDS_MODULE=(')
+            w(str(f_cmd(need(c, 'ds_module', 'sky_run.sh.j2'))))
+            w(')\n"$PYTHON" -m launcher.pdsh --bare "$PWD" "$PYTHON" --env "${DS_ENV[@]}" --args "${DS_MODULE[@]}" \\\n  || fail ')
+            w(str(attr(need(c, 'code', 'sky_run.sh.j2'), 'CONFIG')))
+            w(' "the head-only DeepSpeed launch cannot carry these values to the other nodes (see above)"\nprintf \'%s\\n\' "${DS_ENV[@]}" > .deepspeed_env\nif [ "$SKYPILOT_NODE_RANK" != 0 ]; then\n  echo "dtlaunch: node $SKYPILOT_NODE_RANK: the head node starts this node\'s workers over ssh"\n  exit 0\nfi\n')
             w(str(f_cmd(need(c, 'deepspeed_head', 'sky_run.sh.j2'))))
             w(' &\n')
         else:
@@ -487,6 +490,7 @@ def t_submitit_setup_sh(c, w):
 
 
 TEMPLATES = {
+    '_check_verdict.sh.j2': t_check_verdict_sh,
     '_code_dir.sh.j2': t_code_dir_sh,
     '_decide.sh.j2': t_decide_sh,
     '_outcome.sh.j2': t_outcome_sh,

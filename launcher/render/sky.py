@@ -204,16 +204,18 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
     module, module_args = entry_module(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR"))
     ds_args: list[Word] = [
         flag("--hostfile", ShellExpr("$HOSTFILE")), flag("--master_addr", ShellExpr("$MASTER_ADDR")),
-        flag("--master_port", ShellExpr("$PORT")), "--no_local_rank", "--module", module, *module_args,
+        flag("--master_port", ShellExpr("$PORT")), "--no_local_rank", "--module",
     ]
     return render_template(
         "sky_run.sh.j2", job_dir=job_dir, code=ExitCode, code_dir=code_dir(recipe, job_dir), default_run_id=recipe.run_id or ShellExpr("$SKYPILOT_TASK_ID"),
         final_codes=FINAL_CODES, final_marker=FINAL_MARKER,
         checkpoint_template=checkpoint_dir(recipe), port=DEFAULT_PORT, setup_hint=SETUP_HINT, default_python=None,
         deepspeed=recipe.parallelism.launcher == "deepspeed", deepspeed_ssh=recipe.targets.sky.deepspeed_ssh,
-        nproc=_nproc(recipe, plan), ds_env=envs(recipe), torchrun=torchrun,
-        deepspeed_node=[*_DEEPSPEED, "--no_ssh", flag("--node_rank", ShellExpr("$SKYPILOT_NODE_RANK")), *ds_args],
-        deepspeed_head=[*_DEEPSPEED, "--log_level=warning", *ds_args],
+        nproc=_nproc(recipe, plan), ds_env=envs(recipe), torchrun=torchrun, ds_module=[module, *module_args],
+        deepspeed_node=[*_DEEPSPEED, "--no_ssh", flag("--node_rank", ShellExpr("$SKYPILOT_NODE_RANK")), *ds_args,
+                        module, *module_args],
+        # the head's module words are DS_MODULE, which the script checks before it launches
+        deepspeed_head=[*_DEEPSPEED, "--log_level=warning", *ds_args, ShellExpr("${DS_MODULE[@]}")],
     )
 
 

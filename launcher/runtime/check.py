@@ -7,6 +7,7 @@ buried in tracebacks. Here it is one line and exit code 2 (CONFIG), which nothin
 """
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from pathlib import Path
@@ -14,8 +15,8 @@ from pathlib import Path
 from .. import __version__
 from ..jobenv import CHECKPOINT_DIR, CODE_DIR, MIN_TORCH, RUN_ID
 from ..strategies import Family
-from .ckptdir import expand_dir
-from .failures import ConfigError
+from .ckptdir import expand_dir, free_bytes
+from .failures import ConfigError, StorageError
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -126,18 +127,31 @@ def check_entrypoint(ep) -> str:
 
 
 def check_checkpoint_dir(recipe, run_dir: Path) -> Path:
-    """Create the checkpoint root and write a probe file into it: what every saving rank will need."""
+    """Create the checkpoint root and write a probe file into it: what every saving rank will need. The probe
+    is removed whatever happens; full or read-only storage is StorageError, naming the path and free space."""
+
     root = Path(os.environ.get(CHECKPOINT_DIR) or expand_dir(recipe.checkpoint.dir, run_dir, os.environ.get(RUN_ID)))
     root = Path(os.path.expanduser(str(root)))
+    if root.is_symlink() and not root.exists():
+        raise ConfigError(f"checkpoint dir {root} is a symbolic link to {os.readlink(root)}, which does not exist",
+                          fix="create the link's target, or point checkpoint.dir elsewhere")
     probe = root / f".dtlaunch-probe-{uuid.uuid4().hex[:8]}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"ok")
-        probe.unlink()
     except OSError as e:
-        raise ConfigError(f"cannot write checkpoints to {root}: {e.strerror}",
-                          fix="point checkpoint.dir at storage every node can write (on SkyPilot, mount it with "
-                              "targets.sky.checkpoint_storage)") from None
+        fix = ("point checkpoint.dir at storage every node can write (on SkyPilot, mount it with "
+               "targets.sky.checkpoint_storage)")
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            free = free_bytes(root)
+            raise StorageError(f"cannot write checkpoints to {root}: {e.strerror} ({free / 1e9:.3f} GB free)",
+                               fix="free space there, or " + fix) from None
+        raise ConfigError(f"cannot write checkpoints to {root}: {e.strerror}", fix=fix) from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
     return root
 
 

@@ -41,6 +41,12 @@ class Diverged(RuntimeFailure):
     exit_code = ExitCode.DIVERGED
 
 
+class StorageError(RuntimeFailure):
+    """Checkpoint storage is full or read-only, or reads kept failing: nothing was marked or deleted."""
+
+    exit_code = ExitCode.STORAGE
+
+
 class Preempted(RuntimeFailure):
     """A checkpoint was written after SIGUSR2/SIGTERM; the job should be requeued."""
 

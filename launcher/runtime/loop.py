@@ -28,7 +28,7 @@ from .checkpoint.compat import identity
 from .ckptdir import expand_dir
 from .data import Batches, build_dataloader, rescale_position
 from .dist import World, init_distributed, set_collective_timeout
-from .failures import ConfigError, Preempted, PreflightError
+from .failures import ConfigError, Preempted, PreflightError, StorageError
 from .faults import Faults
 from .layout import resolve_layout
 from .metrics import Metrics
@@ -200,6 +200,10 @@ class Trainer:
         for line in rep.lines:
             self.metrics.log(f"preflight: {line}")
         self.metrics.event("preflight", ok=not rep.failures, failures=rep.failures, **rep.figures)
+        if rep.failures and rep.storage:
+            raise StorageError("preflight failed before any training step:\n  - " + "\n  - ".join(rep.failures),
+                               fix="free space in the checkpoint directory (or point checkpoint.dir at larger "
+                                   "storage), then run again")
         if rep.failures:
             raise PreflightError("preflight failed before any training step:\n  - " + "\n  - ".join(rep.failures),
                                  fix="fix the nodes or the recipe (training.preflight: false skips these checks)")

@@ -8,7 +8,6 @@ exits with PREFLIGHT together.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ MIN_SHM_BYTES = 1 << 30
 class Report:
     lines: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    storage: bool = False  # a failure is the checkpoint storage's (no room): StorageError, not PREFLIGHT
     figures: dict = field(default_factory=dict)
 
 
@@ -127,18 +127,24 @@ def check_bandwidth(world, network, min_fraction: float, rep: Report) -> None:
 
 
 def check_checkpoint_space(world, checkpoint_dir: Path, checkpoint_bytes: float, keep: int, rep: Report) -> None:
-    """Room for the checkpoints (rank 0 looks; on shared storage that is everyone's view)."""
+    """Room for the checkpoints (rank 0 looks; on shared storage that is everyone's view). Uncommitted
+    directories of dead attempts count as room: start-up removes them (once rank 0 holds the run's lock), and a
+    run that failed on a full disk must not then fail here on its own leftovers."""
     if world.rank != 0:
         return
-    probe = checkpoint_dir
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    from .ckptdir import free_bytes, partial_dirs, tree_bytes
+
+    leftovers = sum(tree_bytes(p) for p in partial_dirs(checkpoint_dir))
+    free = free_bytes(checkpoint_dir) + leftovers
     rep.figures.update(checkpoint_free_bytes=free, checkpoint_bytes=int(checkpoint_bytes))
     need = checkpoint_bytes * (keep + 1)
-    line = f"checkpoint dir {checkpoint_dir}: {free / 1e9:.2f} GB free, one checkpoint ~{checkpoint_bytes / 1e9:.3f} GB"
+    line = (f"checkpoint dir {checkpoint_dir}: {free / 1e9:.2f} GB free"
+            + (f" (with {leftovers / 1e9:.2f} GB of uncommitted leftovers that start-up removes)" if leftovers else "")
+            + f", one checkpoint ~{checkpoint_bytes / 1e9:.3f} GB")
     if free < checkpoint_bytes:
-        rep.failures.append(line + ": not enough room for a single checkpoint")
+        rep.failures.append(line + ": not enough room for a single checkpoint; free space there or point "
+                                   "checkpoint.dir at larger storage")
+        rep.storage = True
     elif free < need:
         rep.lines.append(line + f" (WARNING: keep={keep} needs ~{need / 1e9:.2f} GB)")
     else:
@@ -163,9 +169,10 @@ def share_failures(world, rep: Report) -> None:
     if not world.distributed:
         return
     allf: list = [None] * world.world_size
-    dist.all_gather_object(allf, rep.failures)
-    merged = [f if r == 0 else f"rank {r}: {f}" for r, fs in enumerate(allf) for f in fs or []]
+    dist.all_gather_object(allf, (rep.failures, rep.storage))
+    merged = [f if r == 0 else f"rank {r}: {f}" for r, (fs, _) in enumerate(allf) for f in fs or []]
     rep.failures = list(dict.fromkeys(merged))
+    rep.storage = any(st for _, st in allf)
 
 
 def run(*, world, network, checkpoint_dir: Path, checkpoint_bytes: float, keep: int,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import BackendError, DtlaunchError
@@ -40,9 +40,7 @@ class JobStatus:
     extra: dict = field(default_factory=dict)  # what a target knows beyond the state (ledgers, source)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(d.pop("extra"))
-        return d
+        return {"state": self.state, "exit_code": self.exit_code, "detail": self.detail, **self.extra}
 
 
 class Backend(Protocol):

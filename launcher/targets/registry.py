@@ -11,6 +11,8 @@ import sqlite3
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,10 +30,13 @@ def state_dir() -> Path:
 @dataclass(frozen=True)
 class LocalHandle:
     pid: int  # launch.sh
-    create_time: float  # its start time: a reused pid is never mistaken for the job
+    create_time: float  # its start time (wall clock): identifies it where start_id is None (old rows, not Linux)
     attempt: str  # DTLAUNCH_ATTEMPT: marks every process of the job in its environment
     log: str
     exit_file: str
+    # "<boot id>:<start in clock ticks>" from /proc: a wall-clock step moves create_time, never this; and a reused
+    # pid never matches it. Rows written before it existed decode with None.
+    start_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,15 +132,43 @@ class Registry:
                       file=sys.stderr)
         return out
 
-    def find(self, key: str) -> JobRecord:
-        """The newest job whose name or job id is `key`."""
+    def matching(self, key: str) -> list[JobRecord]:
+        """Every job whose name or job id is `key`, oldest first; at least one."""
         recs = self.all()
         hits = [r for r in recs if key in (r.name, r.job_id, f"{r.target}:{r.job_id}")]
         if not hits:
             known = ", ".join(sorted({r.name for r in recs})) or "none yet"
             raise DtlaunchError(f"no job named {key!r} in {self.path} (known: {known})",
                                 fix="`dtlaunch status` lists the recorded jobs")
-        return hits[-1]
+        return hits
+
+    def find(self, key: str) -> JobRecord:
+        """The newest job whose name or job id is `key`."""
+        return self.matching(key)[-1]
+
+    @contextmanager
+    def claim(self, run_dir: str) -> Iterator[None]:
+        """An exclusive lock on `run_dir`, held by one `up` from its busy check until its job is recorded, so
+        that two `up` at once cannot both find the directory free. It lives beside the registry (the busy check's
+        source), so a refused `up` leaves nothing in the run directory."""
+        import fcntl
+        import hashlib
+
+        path = self.path.parent / "locks" / (hashlib.sha256(run_dir.encode()).hexdigest()[:32] + ".lock")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(path, "a")  # closed below, which releases the lock
+        except OSError as e:
+            raise self._fail("cannot hold the run directory's lock", e) from None
+        with f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise BackendError(f"another `dtlaunch up` is starting a job in {run_dir} right now",
+                                   fix="wait for it (`dtlaunch status`), or use -o for another run directory") from None
+            except OSError as e:
+                raise self._fail("cannot lock the run directory's lock file", e) from None
+            yield
 
     def of_run_dir(self, run_dir: str) -> list[JobRecord]:
         return [r for r in self.all() if r.run_dir == run_dir]

@@ -36,9 +36,10 @@ def validate(recipe: Recipe, plan: Plan, target: str | None = None, rules: Itera
             continue
         hit = rl.check(recipe, plan, choices) if rl.choices else rl.check(recipe, plan)
         if hit:
-            msg, fix = hit
-            file, line = recipe.locate(rl.field)
-            out.append(Finding(rl.id, rl.severity, rl.field, msg, fix, file, line))
+            msg, fix, *at = hit  # a third item names the field inside the rule's own, e.g. env.NAME
+            field = at[0] if at else rl.field
+            file, line = recipe.locate(field)
+            out.append(Finding(rl.id, rl.severity, field, msg, fix, file, line))
     return sorted(out, key=lambda f: SEVERITY_ORDER[f.severity])
 
 

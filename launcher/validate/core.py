@@ -28,7 +28,7 @@ class Rule(msgspec.Struct, frozen=True):
     severity: str
     field: str
     summary: str
-    check: Callable[[Recipe, Plan], tuple[str, str] | None]  # -> (message, fix) when the rule fires
+    check: Callable[[Recipe, Plan], tuple[str, ...] | None]  # -> (message, fix[, field]) when the rule fires
     targets: tuple[str, ...] = ()  # the targets it applies to; () = every target
     trainer_only: bool = False  # about dtlaunch's own trainer: silent when the recipe runs the user's entrypoint
     choices: bool = False  # the check also takes the SkyPilot accelerator choices (plan.choices.Choices or None)

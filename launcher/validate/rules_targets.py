@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import math
 import os
-import re
 
+from ..pdsh import describe, unsafe
 from ..plan import Plan
 from ..recipe import Recipe
 from ..recipe.slurmsyntax import expand_hostlist
@@ -15,8 +15,6 @@ from ..render.torchrun import grace_seconds
 from .core import rule
 
 SKY, SLURM, LOCAL = ("sky",), ("slurm",), ("local",)
-# DeepSpeed's pdsh runner writes each .deepspeed_env value into a remote shell inside double quotes.
-_DS_UNSAFE = re.compile(r'[$`"\\\n\r]')
 
 
 def _sky_managed(r: Recipe) -> bool:
@@ -71,20 +69,57 @@ def _ds_launcher_target(r: Recipe, p: Plan):
                 "(the same engines, without pdsh or ssh between nodes)", "remove parallelism.launcher (torchrun)")
 
 
+def _ds_ssh(r: Recipe) -> bool:
+    """The head-only DeepSpeed launch: values reach the other nodes through one remote shell (launcher/pdsh.py)."""
+    return r.parallelism.launcher == "deepspeed" and r.targets.sky.deepspeed_ssh
+
+
+_DS_SSH_FIX = ("leave targets.sky.deepspeed_ssh off (every node launches its own workers and gets the environment "
+               "from SkyPilot: no value passes through a remote shell)")
+
+
 @rule("deepspeed-ssh-env", "error", "env", "env values the head-only DeepSpeed launch would run as shell", SKY)
 def _ds_env(r: Recipe, p: Plan):
-    if r.parallelism.launcher == "deepspeed" and r.targets.sky.deepspeed_ssh:
-        bad = sorted(k for k, v in r.env.items() if _DS_UNSAFE.search(v))
-        if bad:
-            return (f"{', '.join(bad)}: DeepSpeed's pdsh launch writes env values into each worker's shell inside double "
-                    "quotes, where $, `, \", \\ and line breaks would run as shell code",
-                    "remove those characters, or leave targets.sky.deepspeed_ssh off (every node launches its own "
-                    "workers and gets the environment from SkyPilot)")
+    bad = sorted(k for k, v in r.env.items() if unsafe(v)) if _ds_ssh(r) else []
+    if bad:
+        chars = describe("".join(sorted({c for k in bad for c in unsafe(r.env[k])})))
+        return (f"{', '.join(bad)}: DeepSpeed's pdsh launch writes env values into each worker's shell inside double "
+                f"quotes, where {chars} would run as shell code or break the launch",
+                "remove those characters, or " + _DS_SSH_FIX, f"env.{bad[0]}")
+
+
+def _ds_ssh_values(r: Recipe) -> list[tuple[str, str, str]]:
+    """(field, value, launcher.pdsh kind) of what the head-only launch carries besides env: the checkpoint
+    directory (in .deepspeed_env) and the entrypoint's words (on pdsh's command line)."""
+    out = []
+    st = r.targets.sky.checkpoint_storage
+    if r.checkpoint.dir:
+        out.append(("checkpoint.dir", r.checkpoint.dir, "env"))
+    elif st is not None:  # the checkpoint directory is then {mount}/{run_id}
+        out.append(("targets.sky.checkpoint_storage.mount", st.mount, "env"))
+    ep = r.entrypoint
+    if ep is not None:
+        out.append(("entrypoint.script", ep.script, "arg") if ep.script else ("entrypoint.module", ep.module, "arg"))
+        out += [(f"entrypoint.args.{i}", a, "arg") for i, a in enumerate(ep.args)]
+    return out
+
+
+@rule("deepspeed-ssh-values", "error", "checkpoint.dir",
+      "a checkpoint directory or entrypoint argument the head-only DeepSpeed launch would run as shell", SKY)
+def _ds_values(r: Recipe, p: Plan):
+    for field, value, kind in _ds_ssh_values(r) if _ds_ssh(r) else []:
+        chars = unsafe(value, kind)
+        if chars:
+            where = ("in .deepspeed_env, which it writes into each worker's shell inside double quotes" if kind == "env"
+                     else "on pdsh's command line, bare (in double quotes when it holds a space)")
+            return (f"{value!r} holds {describe(chars)}: DeepSpeed's pdsh launch passes it {where}, unescaped, so it "
+                    "would run as shell code on every node or break the launch",
+                    f"remove those characters from {field}, or " + _DS_SSH_FIX, field)
 
 
 @rule("deepspeed-ssh-secrets", "error", "secrets", "secrets with the head-only DeepSpeed launch", SKY)
 def _ds_secrets(r: Recipe, p: Plan):
-    if r.parallelism.launcher == "deepspeed" and r.targets.sky.deepspeed_ssh and r.secrets:
+    if _ds_ssh(r) and r.secrets:
         return ("the head-only DeepSpeed launch can only pass variables to other nodes through .deepspeed_env, which "
                 "DeepSpeed puts on its pdsh command line and in the job log: secrets would leak",
                 "leave targets.sky.deepspeed_ssh off (each node then gets its secrets from SkyPilot)")
@@ -261,7 +296,7 @@ def _container_inputs(r: Recipe, p: Plan):
         src = path if f == "model.hf_weights" else os.path.dirname(path)
         return (f"{f} {path} is outside every mount: the container sees only the submit directory and "
                 "targets.slurm.container.mounts, so every rank would fail to read it",
-                f"add {src}:{src}:ro to targets.slurm.container.mounts")
+                f"add {src}:{src}:ro to targets.slurm.container.mounts", f)
 
 
 @rule("slurm-input-node-local", "error", "model.hf_weights",
@@ -273,7 +308,7 @@ def _node_local_inputs(r: Recipe, p: Plan):
     if local:
         f, path = local[0]
         return (f"{f} {path} is on a node-local path: the other nodes of the job do not have it",
-                "put it on storage every node mounts (the submit directory's file system, a shared /data)")
+                "put it on storage every node mounts (the submit directory's file system, a shared /data)", f)
 
 
 # Node-local on every cluster: what lies here on the submitting machine is not on the compute nodes.
@@ -292,7 +327,7 @@ def _sky_inputs(r: Recipe, p: Plan):
                 "fail to read it (then be relaunched)",
                 f"mount it: targets.sky.data_mounts: [{{path: /inputs, source: s3://BUCKET/..., mode: COPY}}] (or "
                 f"source: {path if f == 'model.hf_weights' else os.path.dirname(path)} to copy it from here), and set "
-                f"{f} under /inputs")
+                f"{f} under /inputs", f)
 
 
 @rule("image-local", "warning", "resources.image", "resources.image on the local target", LOCAL)

@@ -119,10 +119,18 @@ class RunResult:
         return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in sorted(d.glob("rank-*.json"))} if d.is_dir() else {}
 
 
-def torchrun_cmd(plan: Path, run_dir: Path, nproc: int, port: int, max_restarts: int, nnodes: int = 1) -> list[str]:
-    return [TORCHRUN, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=t{port}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.2", "-m", "launcher.train", "--plan", str(plan), "--run-dir", str(run_dir)]
+# What the job scripts start instead of torchrun: the same agent, which does not restart a final exit code.
+ELASTIC = [sys.executable, "-m", "launcher.elastic"]
+
+
+def torchrun_cmd(plan: Path, run_dir: Path, nproc: int, port: int, max_restarts: int, nnodes: int = 1,
+                 elastic: bool = False, worker: list[str] | None = None) -> list[str]:
+    """`worker`: a command each rank runs instead of `python -m launcher.train ...` (given those arguments)."""
+    train = ["-m", "launcher.train", "--plan", str(plan), "--run-dir", str(run_dir)]
+    return [*(ELASTIC if elastic else [TORCHRUN]), f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=t{port}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
+            *(["--no-python", *worker, sys.executable, *train] if worker else train)]
 
 
 def torchrun_env(extra: dict | None = None) -> dict:
@@ -140,13 +148,17 @@ def parse_worker_codes(stderr: str) -> list[int]:
 
 
 def run_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, env: dict | None = None,
-                 timeout: float = 180, nnodes: int = 1) -> RunResult:
+                 timeout: float = 180, nnodes: int = 1, elastic: bool = False,
+                 prefix: list[str] | None = None, worker: list[str] | None = None) -> RunResult:
     """Run `python -m launcher.train` under a real torchrun; never hangs the suite (timeout kills it). `nnodes` > 1:
     that many torchrun agents on this machine, one per simulated node (each starts `nproc` ranks, its LOCAL_* as
-    on a node of its own); their outputs are joined, the first agent's exit code is returned."""
+    on a node of its own); their outputs are joined, the first agent's exit code is returned. `elastic`: through
+    launcher.elastic, as the job scripts start it; `prefix`: a command that runs it (unshare); `worker`: a command
+    that runs each rank (a wrapper that straces one of them)."""
     port = free_port()
     t0 = time.monotonic()
-    procs = [subprocess.Popen(torchrun_cmd(plan, run_dir, nproc, port, max_restarts, nnodes), stdout=subprocess.PIPE,
+    cmd = [*(prefix or []), *torchrun_cmd(plan, run_dir, nproc, port, max_restarts, nnodes, elastic, worker)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=torchrun_env(env), start_new_session=True)
              for _ in range(nnodes)]
     outs, errs = [], []

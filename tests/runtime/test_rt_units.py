@@ -222,8 +222,45 @@ def test_verification_finds_truncation_changed_bytes_and_missing_manifests(tmp_p
     assert any("__1_0.distcp has changed" in x for x in ckptdir.crc_problems(p, files))
     data.write_bytes(b"\x01" * 5)  # truncated
     assert ckptdir.size_problems(p) == ["__1_0.distcp is 5 bytes, written as 11"]
-    (p / "manifest-rank-00001.json").unlink()  # a rank that never finished
-    assert any("rank 1's manifest" in x for x in ckptdir.size_problems(p))
+    (p / "manifest-rank-00001.json").write_text("{")  # a manifest that does not parse: damage
+    assert any("rank 1's manifest is unreadable" in x for x in ckptdir.size_problems(p))
+
+
+def test_a_read_that_keeps_failing_is_a_storage_error_not_damage(tmp_path, monkeypatch):
+    """A file that cannot be read (EIO, ESTALE, or ENOENT on a network mount that lags behind the node that
+    wrote it) is read again; still failing, the attempt ends with StorageError and nothing is marked."""
+    from launcher.runtime.failures import StorageError
+
+    monkeypatch.setattr(ckptdir, "READ_RETRY_S", 0.0)
+    p = _fake_ckpt(tmp_path / "ck", 4, "complete")
+    files = sorted(ckptdir.expected_files(p)[0])
+    real, calls = ckptdir.crc32_of, []
+
+    def flaky(path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(ckptdir, "crc32_of", flaky)
+    assert ckptdir.crc_problems(p, files) == []  # retried
+    (p / "manifest-rank-00001.json").unlink()
+    with pytest.raises(StorageError, match=r"rank 1's manifest .*\(No such file or directory\), 4 tries"):
+        ckptdir.size_problems(p)
+    assert not ckptdir.is_corrupt(p)
+
+
+def test_meta_json_and_the_marker_must_agree_with_the_directory(tmp_path):
+    p = _fake_ckpt(tmp_path / "ck", 4, "complete")
+    assert ckptdir.meta_problems(p) == []
+    meta = json.loads((p / "meta.json").read_text())
+    (p / "meta.json").write_text(json.dumps({**meta, "step": 3}, indent=2, sort_keys=True) + "\n")
+    problems = ckptdir.meta_problems(p)
+    assert any("meta.json has changed since it was committed" in x for x in problems)
+    assert "meta.json says step 3, but the directory is step 4" in problems
+    # A marker of an older version records no checksum: the step is still compared.
+    (p / "COMPLETE").write_text(json.dumps({"step": 4, "time": 0}))
+    assert ckptdir.meta_problems(p) == ["meta.json says step 3, but the directory is step 4"]
 
 
 def test_prune_keeps_the_newest_and_never_the_last_verified_one(tmp_path):

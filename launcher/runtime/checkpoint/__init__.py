@@ -4,12 +4,16 @@ step, data position, and every rank's RNG streams.
 DDP/FSDP2 use torch.distributed.checkpoint (sharded, reshardable to any world size); ZeRO uses DeepSpeed's
 own format (resumable only at the same world size). Both go through the protocol in `ckptdir`: each rank
 writes its files and a manifest of them (sizes, CRC-32), then rank 0 commits. A resume only trusts a
-checkpoint whose files check out; one that does not is reported, marked CORRUPT and skipped for the one
-before it, never loaded and never deleted. Async saves (DCP) run on their own gloo group, at most one in
+checkpoint whose files and records check out; one that does not is reported, marked CORRUPT and skipped for
+the one before it, never loaded and never deleted. A read that keeps failing is not damage: the attempt ends
+with StorageError and nothing is marked. Full or read-only storage ends the run with StorageError too,
+naming the path, what a checkpoint needs and what is free. Async saves (DCP) run on their own gloo group, at most one in
 flight, and are committed as soon as every rank's manifest is visible, or at the next collective wait.
 """
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -22,7 +26,7 @@ import torch.distributed as dist
 
 from ... import __version__
 from .. import ckptdir
-from ..failures import ConfigError
+from ..failures import ConfigError, RuntimeFailure, StorageError
 from ..parallel import DeepSpeedEngine, Engine
 from . import dcpio
 from .background import Pending, Pruner
@@ -96,6 +100,31 @@ class Checkpointer:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
+    def _agree(self, fn: Callable[[], Any]) -> Any:
+        """Rank 0 runs `fn`; every rank returns its result or raises its RuntimeFailure (the same class and
+        message everywhere), so a failure found by rank 0 ends every rank at once instead of leaving the others
+        waiting in the next collective."""
+        out: tuple = (None, None)
+        if self.rank == 0:
+            try:
+                out = (fn(), None)
+            except RuntimeFailure as e:
+                out = (None, (type(e), e.message, e.fix))
+        value, failure = self._broadcast(out)
+        if failure is not None:
+            cls, message, fix = failure
+            raise cls(message, fix=fix)
+        return value
+
+    def _all_agree(self, value: Any, error: RuntimeFailure | None) -> list:
+        """Gather `value` from every rank; if any rank had a RuntimeFailure, every rank raises the first one."""
+        found = self._gather((value, None if error is None else (type(error), error.message, error.fix)))
+        for _, failure in found:
+            if failure is not None:
+                cls, message, fix = failure
+                raise cls(message, fix=fix)
+        return [v for v, _ in found]
+
     def _model_optim_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -114,17 +143,29 @@ class Checkpointer:
     # ------------------------------------------------------------------ start-up
 
     def prepare(self) -> None:
-        """At start-up: one writer per directory (rank 0 holds its lock), and no partial leftovers."""
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            warning = self._lock.acquire(self.run_id)  # raises ConfigError naming the other writer
-            if warning:
-                self.log(f"WARNING: {warning}")
-            for p in ckptdir.clean_partials(self.root):
-                self.log(f"removed partial checkpoint {p.name} (never committed)")
-            for s in ckptdir.corrupt_steps(self.root):
-                self.log(f"note: checkpoint step {s} is marked CORRUPT (see its CORRUPT file) and is never used")
+        """At start-up: one writer per directory (rank 0 holds its lock), no partial leftovers, and no linked
+        step directories (dtlaunch never reads, writes or deletes through a link: it may be another run's)."""
+        self._agree(self._prepare_rank0)
         self._barrier()
+
+    def _prepare_rank0(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        warning = self._lock.acquire(self.run_id)  # raises ConfigError naming the other writer
+        if warning:
+            self.log(f"WARNING: {warning}")
+        links = ckptdir.linked_steps(self.root)
+        if links:
+            raise ConfigError(f"{self.root} holds linked step directories, which dtlaunch never follows (pruning "
+                              "through one would delete another run's checkpoint): "
+                              + ", ".join(f"{p.name} -> {os.readlink(p)}" for p in links),
+                              fix="copy the checkpoint in instead (cp -r --dereference) or remove the link")
+        problems: list[str] = []
+        for p in ckptdir.clean_partials(self.root, problems):
+            self.log(f"removed partial checkpoint {p.name} (never committed)")
+        for msg in problems:
+            self.log(f"WARNING: {msg}")
+        for s in ckptdir.corrupt_steps(self.root):
+            self.log(f"note: checkpoint step {s} is marked CORRUPT (see its CORRUPT file) and is never used")
 
     def close(self) -> None:
         self.wait()
@@ -148,9 +189,44 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
+    def storage_failure(self, step: int, exc: BaseException | None) -> StorageError | None:
+        """A StorageError saying so if checkpoint `step` failed because the storage is full or read-only (an
+        ENOSPC/EROFS/EDQUOT in the failure, or too little room left on it: DCP's writer can hide the ENOSPC
+        behind its own "unexpected pos"), else None."""
+        full = ckptdir.storage_full(exc)
+        path = ckptdir.step_path(self.root, step)
+        try:
+            free = ckptdir.free_bytes(self.root)
+            written = ckptdir.tree_bytes(path)
+            prev = ckptdir.complete_steps(self.root)
+            need = ckptdir.tree_bytes(ckptdir.step_path(self.root, prev[-1])) if prev else 0
+        except OSError:
+            return None
+        if full is None and free >= (1 << 20) and free + written >= need:
+            return None
+        what = {errno.EROFS: "the storage is read-only"}.get(getattr(full, "errno", None), "no space left")
+        needs = f"a checkpoint needs ~{need / 1e9:.3f} GB" if need else f"{written / 1e9:.3f} GB was written before it failed"
+        return StorageError(f"checkpoint step {step} could not be written to {path}: {what} "
+                            f"({free / 1e9:.3f} GB free; {needs})",
+                            fix=f"free space under {self.root} (or lower checkpoint.keep, or point checkpoint.dir "
+                                "at larger storage), then run again: it resumes from "
+                                + (f"step {prev[-1]}" if prev else "the start"))
+
     def save(self, step: int, data_position: dict, *, blocking: bool = False, reason: str = "interval") -> None:
-        """Write checkpoint `step`. Async (DCP) unless `blocking`; returns once the state is staged."""
+        """Write checkpoint `step`. Async (DCP) unless `blocking`; returns once the state is staged.
+        StorageError when the storage is full or read-only."""
         self.wait()  # at most one save in flight: commit the previous one first
+        try:
+            self._save(step, data_position, blocking=blocking, reason=reason)
+        except (Exception, dcpio.CheckpointException) as e:
+            if isinstance(e, RuntimeFailure):
+                raise
+            failure = self.storage_failure(step, e)
+            if failure is not None:
+                raise failure from e
+            raise
+
+    def _save(self, step: int, data_position: dict, *, blocking: bool, reason: str) -> None:
         t0 = time.time()
         path = ckptdir.step_path(self.root, step)
         done = ckptdir.is_complete(path) and not ckptdir.is_corrupt(path) if self.rank == 0 else None
@@ -233,8 +309,10 @@ class Checkpointer:
         pr.thread.join()
         if pr.error is not None:
             self.log(f"WARNING: pruning old checkpoints failed: {pr.error}")
-        elif pr.removed:
+        if pr.removed:
             self.log(f"pruned {', '.join(p.name for p in pr.removed)}")
+        for msg in pr.problems:
+            self.log(f"WARNING: pruning: {msg}")
 
     def poll(self) -> None:
         """Rank 0, without blocking or collectives: commit a finished async save once every rank's manifest
@@ -256,6 +334,11 @@ class Checkpointer:
             return
         p.manifest.wait()
         ok = self._gather(p.error is None)
+        failure = self.storage_failure(p.step, p.error) if self.rank == 0 and not all(ok) else None
+        failure = self._broadcast(None if failure is None else (failure.message, failure.fix))
+        if failure is not None:  # every rank stops: the next save would fail the same way
+            self._pending = None
+            raise StorageError(*failure)
         if self.rank == 0 and not p.committed:
             if all(ok):
                 p.committed = True
@@ -275,25 +358,34 @@ class Checkpointer:
     # ------------------------------------------------------------------ resume
 
     def verify(self, step: int) -> list[str]:
-        """Collective: problems with checkpoint `step` (sizes by rank 0, checksums split over every rank)."""
+        """Collective: problems with checkpoint `step` (its records and sizes by rank 0, checksums split over
+        every rank). A read that keeps failing raises StorageError on every rank."""
         path = ckptdir.step_path(self.root, step)
-        if self.rank == 0:
-            files, problems = ckptdir.expected_files(path)
+
+        def records() -> tuple[list[str], list[str]]:
+            problems = ckptdir.meta_problems(path)
+            files, more = ckptdir.expected_files(path)
+            problems += more
             problems += ckptdir.size_problems(path) if not problems else []
-            names = sorted(files)
-        else:
-            problems, names = [], []
-        problems, names = self._broadcast((problems, names))
+            return problems, sorted(files)
+
+        problems, names = self._agree(records)
         if problems:
             return list(dict.fromkeys(problems))
-        mine = names[self.rank::self.world_size]
-        found = self._gather(ckptdir.crc_problems(path, mine))
-        return [p for part in found for p in part]
+        mine, error = names[self.rank::self.world_size], None
+        try:
+            found = ckptdir.crc_problems(path, mine)
+        except StorageError as e:
+            found, error = [], e
+        return [p for part in self._all_agree(found, error) for p in part]
 
     def restore_latest(self) -> dict | None:
         """Load the newest checkpoint that checks out; report and skip the ones that do not.
-        Returns its metadata, or None when there is none (a fresh start)."""
-        steps = self._broadcast(ckptdir.complete_steps(self.root) if self.rank == 0 else None)
+        Returns its metadata, or None when the directory holds no checkpoint at all (a fresh start). One that
+        holds only unusable checkpoints (found now, or marked CORRUPT before) stops with ConfigError naming
+        them, on every attempt: starting over would silently throw the run's progress away."""
+        steps, corrupt = self._broadcast((ckptdir.complete_steps(self.root), ckptdir.corrupt_steps(self.root))
+                                         if self.rank == 0 else None)
         failed: list[tuple[int, str]] = []
         for step in reversed(steps):
             try:
@@ -313,8 +405,11 @@ class Checkpointer:
             if failed:
                 saved["warnings"].append(f"skipped corrupt checkpoint(s) {', '.join(str(s) for s, _ in failed)}")
             return saved
-        if failed:
-            raise ConfigError(f"no checkpoint in {self.root} can be used: " + "; ".join(f"step {s}: {r}" for s, r in failed),
+        if failed or corrupt:
+            reasons = [f"step {s}: {r}" for s, r in failed] + [f"step {s}: marked CORRUPT earlier (see "
+                                                               f"{ckptdir.step_name(s)}/{ckptdir.CORRUPT})"
+                                                               for s in corrupt]
+            raise ConfigError(f"no checkpoint in {self.root} can be used: " + "; ".join(reasons),
                               fix="restore the files, or move the directory aside to start the run from scratch")
         return None
 
@@ -327,10 +422,13 @@ class Checkpointer:
                                     allow_changed_recipe=self.allow_changed_recipe, fmt=FORMAT)
         try:
             self._load_states(path)
-        except ConfigError:
+        except (ConfigError, StorageError):
             raise
-        except Exception as e:  # noqa: BLE001 - a damaged file can make any loader raise anything
-            raise CheckpointInvalid(step, [f"loading failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"]) from e
+        except (Exception, dcpio.CheckpointException) as e:  # noqa: BLE001 - a damaged file can make any loader raise anything
+            if dcpio.read_failed(e):  # the files checked out a moment ago: the storage failed, not the checkpoint
+                raise StorageError(f"reading checkpoint {path} failed: {dcpio.first_line(e)}",
+                                   fix="check the storage, then run again: the same checkpoint is tried first") from e
+            raise CheckpointInvalid(step, [f"loading failed: {type(e).__name__}: {dcpio.first_line(e)}"]) from e
         rng = path / rank_file(self.rank)
         relaid = "layout" in saved and saved["layout"] != self.meta.get("layout")  # a rank's place changed
         if saved.get("world_size") == self.world_size and not relaid and rng.is_file():

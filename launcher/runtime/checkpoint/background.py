@@ -30,12 +30,13 @@ class Pruner:
     def __init__(self, root: Path, keep: int):
         self.root, self.keep = root, keep
         self.removed: list[Path] = []
+        self.problems: list[str] = []  # what could not be removed, or was left alone (links)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="dtlaunch-prune", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         try:
-            self.removed = ckptdir.prune(self.root, self.keep)
+            self.removed = ckptdir.prune(self.root, self.keep, self.problems)
         except BaseException as e:  # reported by the joiner
             self.error = e

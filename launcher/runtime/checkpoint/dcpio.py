@@ -18,6 +18,27 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from .. import ckptdir
+
+try:
+    # DCP reports every rank's failure in one CheckpointException, a BaseException (`except Exception` misses it).
+    from torch.distributed.checkpoint.api import CheckpointException
+except ImportError:  # pragma: no cover - torch without distributed
+    class CheckpointException(BaseException):  # type: ignore[no-redef]
+        pass
+
+
+def read_failed(exc: BaseException) -> bool:
+    """An OSError anywhere in the failure: the storage failed (EIO, ESTALE, ENOENT), not the bytes."""
+    return any(isinstance(e, OSError) for e in ckptdir.exception_chain(exc))
+
+
+def first_line(exc: BaseException) -> str:
+    """The innermost OSError's message if there is one (what went wrong), else the error's first line."""
+    inner = next((e for e in ckptdir.exception_chain(exc) if isinstance(e, OSError)), exc)
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[0][:300] if text else ''}"
+
 
 class _ChecksumStream:
     """A binary file opened for writing that keeps the running size and CRC-32 of what went through it."""

@@ -4,7 +4,13 @@
 # A signal to this script (TERM, INT, USR2) is passed to torchrun, which passes it to the workers: they
 # checkpoint and exit 42.
 set -uo pipefail
-fail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; exit "$rc"; }
+# Every ending records its exit code for `dtlaunch status`, this one too (a missing record reads LOST).
+fail() {
+  local rc=$1; shift
+  echo "dtlaunch: error: $*" >&2
+  if [ -d "${DTLAUNCH_STATUS:-}" ]; then echo "$rc" > "$DTLAUNCH_STATUS/exit_code"; fi
+  exit "$rc"
+}
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=2
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
@@ -37,12 +43,14 @@ if [ -z "$PYTHON" ]; then
   fail 2 "no python3 on PATH;" 'set DTLAUNCH_PYTHON to the python of an environment that has dtlaunch[train] (or activate it)'
 fi
 export PYTHON
-CHECK_RC=0
+CHECK_RC=0 CHECK_RUNNER="$PYTHON"
 "$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?
 if [ "$CHECK_RC" -eq 44 ]; then
-  fail 44 "this node cannot run the plan (see above): exclude it and resubmit"
+  fail 44 "a node cannot run the plan (see above): exclude it and resubmit"
+elif [ "$CHECK_RC" -eq 2 ] || [ "$CHECK_RC" -eq 46 ]; then
+  fail "$CHECK_RC" "the pre-start check failed: its message above says what and how to fix it"
 elif [ "$CHECK_RC" -ne 0 ]; then
-  fail 2 "$PYTHON cannot run this plan (see above);" 'set DTLAUNCH_PYTHON to the python of an environment that has dtlaunch[train] (or activate it)'
+  fail 2 "$CHECK_RUNNER cannot run this plan (exit $CHECK_RC, see above);" 'set DTLAUNCH_PYTHON to the python of an environment that has dtlaunch[train] (or activate it)'
 fi
 
 # A free port, not 29500: another job on this machine may hold it.
@@ -64,8 +72,8 @@ done
 # generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends.
 # A rank killed after a collective timed out (NCCL's watchdog aborts it) writes no code, but leaves the
 # flight recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)
-# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44) and a
-# diverged loss (45) come first: restarting would not help.
+# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44), a
+# diverged loss (45) and failing checkpoint storage (46) come first: restarting would not help.
 dtl_outcome() {
   local rc=$1 f code worst=""
   if [ "$rc" = 0 ]; then echo 0; return; fi
@@ -73,7 +81,7 @@ dtl_outcome() {
     [ -f "$f" ] || continue
     read -r code _ < "$f" || continue
     case "$code" in
-      2|44|45) echo "$code"; return ;;
+      2|44|45|46) echo "$code"; return ;;
       1) worst=1 ;;
       43) [ "$worst" = 1 ] || worst=43 ;;
       42) [ -n "$worst" ] || worst=42 ;;

@@ -11,6 +11,7 @@ mark_final() {
   case "$1" in
     2) if [ -n "$FINAL_MARKER" ] && mkdir -p "${FINAL_MARKER%/*}"; then echo "$1 ${SKYPILOT_TASK_ID:-}" > "$FINAL_MARKER"; fi ;;
     45) if [ -n "$FINAL_MARKER" ] && mkdir -p "${FINAL_MARKER%/*}"; then echo "$1 ${SKYPILOT_TASK_ID:-}" > "$FINAL_MARKER"; fi ;;
+    46) if [ -n "$FINAL_MARKER" ] && mkdir -p "${FINAL_MARKER%/*}"; then echo "$1 ${SKYPILOT_TASK_ID:-}" > "$FINAL_MARKER"; fi ;;
   esac
 }
 fail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; mark_final "$rc"; exit "$rc"; }
@@ -57,12 +58,14 @@ if [ -z "$PYTHON" ]; then
   fail 2 "no python3 on PATH;" 'the task'"'"'s setup installs dtlaunch from the wheel next to task.yaml; check the setup log (sky logs)'
 fi
 export PYTHON
-CHECK_RC=0
+CHECK_RC=0 CHECK_RUNNER="$PYTHON"
 "$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?
 if [ "$CHECK_RC" -eq 44 ]; then
-  fail 44 "this node cannot run the plan (see above): exclude it and resubmit"
+  fail 44 "a node cannot run the plan (see above): exclude it and resubmit"
+elif [ "$CHECK_RC" -eq 2 ] || [ "$CHECK_RC" -eq 46 ]; then
+  fail "$CHECK_RC" "the pre-start check failed: its message above says what and how to fix it"
 elif [ "$CHECK_RC" -ne 0 ]; then
-  fail 2 "$PYTHON cannot run this plan (see above);" 'the task'"'"'s setup installs dtlaunch from the wheel next to task.yaml; check the setup log (sky logs)'
+  fail 2 "$CHECK_RUNNER cannot run this plan (exit $CHECK_RC, see above);" 'the task'"'"'s setup installs dtlaunch from the wheel next to task.yaml; check the setup log (sky logs)'
 fi
 
 # SkyPilot stops a job by signalling its processes; torchrun (or DeepSpeed's launcher) passes the signal to
@@ -82,8 +85,8 @@ done
 # generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends.
 # A rank killed after a collective timed out (NCCL's watchdog aborts it) writes no code, but leaves the
 # flight recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)
-# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44) and a
-# diverged loss (45) come first: restarting would not help.
+# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44), a
+# diverged loss (45) and failing checkpoint storage (46) come first: restarting would not help.
 dtl_outcome() {
   local rc=$1 f code worst=""
   if [ "$rc" = 0 ]; then echo 0; return; fi
@@ -91,7 +94,7 @@ dtl_outcome() {
     [ -f "$f" ] || continue
     read -r code _ < "$f" || continue
     case "$code" in
-      2|44|45) echo "$code"; return ;;
+      2|44|45|46) echo "$code"; return ;;
       1) worst=1 ;;
       43) [ "$worst" = 1 ] || worst=43 ;;
       42) [ -n "$worst" ] || worst=42 ;;

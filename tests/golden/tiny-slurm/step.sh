@@ -20,8 +20,8 @@ done
 # generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends.
 # A rank killed after a collective timed out (NCCL's watchdog aborts it) writes no code, but leaves the
 # flight recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)
-# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44) and a
-# diverged loss (45) come first: restarting would not help.
+# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44), a
+# diverged loss (45) and failing checkpoint storage (46) come first: restarting would not help.
 dtl_outcome() {
   local rc=$1 f code worst=""
   if [ "$rc" = 0 ]; then echo 0; return; fi
@@ -29,7 +29,7 @@ dtl_outcome() {
     [ -f "$f" ] || continue
     read -r code _ < "$f" || continue
     case "$code" in
-      2|44|45) echo "$code"; return ;;
+      2|44|45|46) echo "$code"; return ;;
       1) worst=1 ;;
       43) [ "$worst" = 1 ] || worst=43 ;;
       42) [ -n "$worst" ] || worst=42 ;;
