@@ -36,7 +36,7 @@ def run(quick: bool = False) -> dict:
         "help": [*CLI, "--help"],
         "plan": [*CLI, "plan", "recipes/llama70b.yaml"],
         "validate": [*CLI, "validate", "recipes/llama70b.yaml"],
-        "render_slurm": [*CLI, "render", "recipes/llama70b.yaml", "--target", "slurm", "-o", out, "-q", "--force"],
+        "render_slurm": [*CLI, "render", "recipes/llama70b.yaml", "--target", "slurm", "-o", out, "--force"],
     }
     env = dict(os.environ)
     times = interleaved({k: (lambda c=c: time_command(c, 1, env)[0]) for k, c in cmds.items()}, repeat)

@@ -20,9 +20,8 @@ PY = sys.executable
     ["plan", RECIPES / "llama70b.yaml"],
     ["plan", RECIPES / "llama70b.yaml", "--json"],
     ["validate", RECIPES / "llama70b.yaml", RECIPES / "tiny.yaml"],
-    ["render", RECIPES / "tiny.yaml", "--target", "local", "-o", "{tmp}/r", "-q"],
-    ["render", RECIPES / "tiny.yaml", "--target", "slurm", "--set", "targets.slurm.submit=submitit", "-o", "{tmp}/s",
-     "-q"],
+    ["render", RECIPES / "tiny.yaml", "--target", "local", "-o", "{tmp}/r"],
+    ["render", RECIPES / "tiny.yaml", "--target", "slurm", "--set", "targets.slurm.submit=submitit", "-o", "{tmp}/s"],
     ["plan", RECIPES / "llama70b.yaml", "--set", "targets.sky.accelerators=[A100-80GB:8]"],
     ["render", RECIPES / "llama70b.yaml", "--target", "sky", "--set", "targets.sky.accelerators=[A100-80GB:8]",
      "--set", "resources.image=nvcr.io/nvidia/pytorch:24.05-py3", "--force", "-o", "{tmp}/k"],
@@ -31,12 +30,13 @@ PY = sys.executable
 ])
 def test_fast_commands_import_nothing_heavy(args, tmp_path):
     args = [str(a).replace("{tmp}", str(tmp_path)) for a in args]
+    heavy = [m for m in HEAVY if not (m == "jinja2" and args[0] == "render")]  # render's templates need Jinja
     code = (
         "import sys\n"
         "from launcher.cli import main\n"
         f"sys.argv = ['dtlaunch'] + {args!r}\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        f"heavy = [m for m in {heavy!r} if m in sys.modules]\n"
         "print('HEAVY=' + ','.join(heavy), file=sys.stderr)\n"
     )
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
@@ -106,7 +106,7 @@ def test_rendered_launch_script_quotes_hostile_values(run_cli, tmp_path):
         f"env: {{EVIL: '$(touch {marker})', QUOTE: \"it's \\\"quoted\\\" `touch {marker}`\"}}\n"
     )
     out = tmp_path / "r with space"
-    code, _, err = run_cli("render", recipe, "--target", "local", "-o", out, "-q")
+    code, _, err = run_cli("render", recipe, "--target", "local", "-o", out)
     assert code == 0, err
     env = dict(os.environ, DTLAUNCH_PYTHON=str(_stub_python(tmp_path)))
     r = subprocess.run(["bash", str(out / "launch.sh")], env=env, capture_output=True, text=True, timeout=60)
@@ -130,7 +130,7 @@ def test_secret_values_never_written(run_cli, tmp_path, monkeypatch):
     recipe = tmp_path / "s.yaml"
     recipe.write_text("name: s\nmodel: {preset: micro}\nresources: {accelerator: 'cpu:2'}\n"
                       "training: {steps: 2}\nsecrets: [WANDB_API_KEY]\n")
-    code, _, _ = run_cli("render", recipe, "--target", "local", "-o", tmp_path / "r", "-q")
+    code, _, _ = run_cli("render", recipe, "--target", "local", "-o", tmp_path / "r")
     assert code == 0
     for f in (tmp_path / "r").iterdir():
         assert "s3cr3t-value-123" not in f.read_text()
@@ -138,7 +138,7 @@ def test_secret_values_never_written(run_cli, tmp_path, monkeypatch):
 
 def test_sweep_renders_one_plan_per_array_task(run_cli, tmp_path):
     code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "--sweep", "training.seed=1,2",
-                             "--sweep", "training.lr=0.001,0.002", "-o", tmp_path / "a", "-q")
+                             "--sweep", "training.lr=0.001,0.002", "-o", tmp_path / "a")
     assert code == 0, err
     seeds_lrs = set()
     for i in range(4):

@@ -18,8 +18,8 @@ from launcher.plan import make_plan
 from launcher.plan.choices import plan_choices
 from launcher.recipe import load
 from launcher.recipe.images import for_apptainer, for_enroot, for_sky
-from launcher.recipe.schema import LATER_FIELDS
-from launcher.recipe.slurmsyntax import dependency_jobs, expand_hostlist
+from launcher.recipe.schema import parse
+from launcher.recipe.slurmsyntax import expand_hostlist
 from launcher.render import render
 from launcher.render.artifacts import SubmititSpec
 from launcher.targets.registry import JobRecord, Registry, SkyHandle, SlurmHandle
@@ -159,7 +159,9 @@ def test_host_lists_and_dependencies_parse_like_slurm():
     assert expand_hostlist("rack[1-2]-n[1-2]") == ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]
     r = load(RECIPES / "tiny.yaml", ["targets.slurm.nodelist=[node1, 'node[3-4]']"])
     assert r.targets.slurm.nodelist == "node1,node[3-4]"  # a YAML list is joined
-    assert dependency_jobs("afterok:1:2_3,after:4+10,singleton") == ["1", "2_3", "4"]
+    # array tasks, a delay after `after`, singleton: as sbatch reads them
+    dep = "afterok:1:2_3,after:4+10,singleton"
+    assert load(RECIPES / "tiny.yaml", [f"targets.slurm.dependency={dep}"]).targets.slurm.dependency == dep
 
 
 @pytest.mark.parametrize("extra,clash", [
@@ -193,19 +195,20 @@ def test_knob_rules_stay_quiet_when_used_as_meant():
 
 
 def test_recipe_hash_is_unchanged_by_fields_left_unset():
-    """A newer dtlaunch that only adds optional fields must not change an old recipe's identity."""
-    import hashlib
-
+    """A newer dtlaunch that only adds optional fields must not change an old recipe's identity. The digests are
+    pinned: a new field missing from schema.LATER_FIELDS changes them (the second recipe also holds the optional
+    sections, so a field added inside one of those shows too)."""
+    base = {"name": "digest", "model": {"preset": "tiny"}, "training": {"steps": 10}}
+    full = {**base, "entrypoint": {"script": "train.py"},
+            "targets": {"slurm": {"container": {"runtime": "pyxis"}, "ssh": {"host": "login"}},
+                        "sky": {"checkpoint_storage": {"bucket": "s3://b/ckpt"}}}}
+    assert (parse(base).digest(), parse(full).digest()) == ("a6af125dfb378db7", "7bdcafa06bcfa8c4")
     r = load(RECIPES / "tiny.yaml")
-    d = r.to_dict()
-    for path, _ in LATER_FIELDS:
-        *parents, leaf = path.split(".")
-        cur = d
-        for k in parents:
-            cur = cur[k]
-        cur.pop(leaf)
-    assert r.digest() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-    assert load(RECIPES / "tiny.yaml", ["targets.slurm.reservation=x"]).digest() != r.digest()
+    for written in ("targets.slurm.gpu_request=gpus_per_node", "targets.sky.accelerators=[]",
+                    "targets.sky.fallback=ordered", "targets.sky.ports=[]", "parallelism.pipeline_schedule=1f1b"):
+        assert load(RECIPES / "tiny.yaml", [written]).digest() == r.digest(), written  # a default written out
+    for changed in ("targets.slurm.reservation=x", "targets.slurm.gpu_request=gres", "resources.image=org/train:1"):
+        assert load(RECIPES / "tiny.yaml", [changed]).digest() != r.digest(), changed
 
 
 # ----------------------------------------------------------------------------- containers: rendering

@@ -15,9 +15,9 @@ def _gb(b: float) -> str:
 
 
 def table(headers: list[str], rows: list[list[str]], left: tuple[str, ...] = (), styles=None) -> list[str]:
-    """Rows as aligned plain-text lines (header, rule, rows). Plain text rather than rich: importing and laying
-    out rich's Table cost `plan` about as long as the rest of the command's own work, and this table needs
-    neither wrapping nor boxes. `styles`: click.style keywords per row (dropped when stdout is not a tty)."""
+    """Rows as aligned plain-text lines (header, rule, rows). Plain text rather than rich: this table needs
+    neither wrapping nor boxes, and `plan` never imports rich (bench/cli_latency.py measures its start-up).
+    `styles`: click.style keywords per row (dropped when stdout is not a tty)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
     def line(cells):

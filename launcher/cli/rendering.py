@@ -23,9 +23,8 @@ def _notes(art) -> None:
 @OVERRIDE
 @SWEEP
 @click.option("--show", is_flag=True, help="Also print the scripts and the task file.")
-@click.option("--quiet", "-q", is_flag=True, hidden=True, help="Accepted for compatibility: the default is quiet.")
 @click.option("--force", is_flag=True, help="Render even if validate finds errors.")
-def render_cmd(recipe_path, target, out_dir, overrides, sweeps, show, quiet, force):
+def render_cmd(recipe_path, target, out_dir, overrides, sweeps, show, force):
     """Write the artifacts a user can run by hand (never submits)."""
     prep = prepare(recipe_path, overrides, target, sweeps)
     check(prep, force, "rendered")

@@ -41,9 +41,9 @@ import msgspec
 from msgspec.structs import replace
 
 from ..catalog import ModelShape
-from ..deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
 from ..strategies import Family
 from . import activations as act
+from .deepspeed import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
 from .layout import Layout
 from .params import embedding_params, embedding_units_apart, layer_params, layer_params_per_rank
 from .parts import WHOLE_MODEL, Part, pipeline_parts

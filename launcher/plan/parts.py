@@ -11,7 +11,6 @@ from ..catalog import ModelShape
 from .layout import Layout
 from .params import layer_params_per_rank
 from .pipeline import in_flight, num_stages, stage_layers, stages_of_rank, steady
-from .states import model_states
 
 
 class Part(msgspec.Struct, frozen=True):
@@ -54,12 +53,6 @@ def part_of(shape: ModelShape, lay: Layout, rank: int) -> Part:
                                   {i: 1.0 for i in ids if i != stages - 1}),
                 recv=lay.grad_accum * sum((i != 0) + (i != stages - 1) for i in ids),
                 steady=steady(lay.pp_schedule, lay.pp, lay.grad_accum, rank), rank=rank)
-
-
-def rank_states(shape: ModelShape, arch: str, n_params: float, lay: Layout, pp_rank: int) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes the optimizer step sees on a rank of pipeline rank `pp_rank`: what
-    tests/runtime/test_rt_layouts.py reads off the runtime's wrapped model."""
-    return model_states(rank_params(shape, arch, n_params, lay, part_of(shape, lay, pp_rank)), lay)
 
 
 def rank_params(shape: ModelShape | None, arch: str, n_params: float, lay: Layout, part: Part) -> float:

@@ -132,15 +132,6 @@ def parse_dependency(text: str) -> str:
     return t
 
 
-def dependency_jobs(text: str) -> list[str]:
-    """The job ids a (valid) dependency waits for."""
-    out = []
-    for item in re.split(r"[,?]", text):
-        if item != "singleton":
-            out += [j.split("+")[0] for j in item.partition(":")[2].split(":")]
-    return out
-
-
 # ----------------------------------------------------------------------------- mail
 
 MAIL_TYPES = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT",

@@ -26,7 +26,7 @@ def common_files(recipe: Recipe, plan: Plan) -> dict[str, str | bytes]:
     }
     files.update(collect_code(recipe))  # the user's entrypoint code, as code/...
     if plan.layout.spec.zero_stage is not None:
-        from ..deepspeed_config import deepspeed_config
+        from ..plan.deepspeed import deepspeed_config
 
         files["ds_config.json"] = json.dumps(deepspeed_config(recipe, plan), indent=2) + "\n"
     return files

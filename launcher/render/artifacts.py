@@ -174,23 +174,15 @@ def _write_manifest(out: Path, files: set[str], origin: str) -> None:
 
 
 def _scratch_dir(out: Path) -> Path:
-    """A new private directory beside `out`, on its filesystem, so each file's os.replace into `out` is atomic.
-    tempfile.mkdtemp does the same, but importing tempfile (with random) costs ~2 ms more of every `render`;
-    the name's 8 random bytes make a clash as unlikely as tempfile's, and one is retried anyway."""
-    for _ in range(100):
-        tmp = out.parent / f".{out.name}.{os.urandom(8).hex()}"
-        try:
-            tmp.mkdir(mode=0o700)
-            return tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free scratch directory name beside {out}")
+    """A new private directory beside `out`, on its filesystem, so each file's os.replace into `out` is atomic."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
 
 
 def _remove_scratch(tmp: Path) -> None:
     """After a write, every file has moved out and only empty directories are left: rmdir them. Anything else
-    (a write that failed half way) goes with shutil.rmtree, whose import (~3 ms with the compression modules
-    it loads) a successful render does not pay; it never follows a link out of the scratch directory."""
+    (a write that failed half way) goes with shutil.rmtree, which never follows a link out of it."""
     try:
         for d, _, _ in os.walk(tmp, topdown=False):
             os.rmdir(d)

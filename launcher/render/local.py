@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import sys
 
-from ..jobenv import ExitCode
+from ..jobenv import ATTEMPT, RUN_DIR
 from ..plan import Plan
 from ..recipe import Recipe
 from .artifacts import Artifacts, LocalRequest
 from .code import CODE_DIR
 from .environment import checkpoint_template, job_env
-from .shell import ShellExpr
+from .shell import ShellExpr, exported_or
 from .templates import render_template
 from .torchrun import entry_args, torchrun_command
 
@@ -30,7 +30,10 @@ def launch_script(recipe: Recipe, plan: Plan, python: str | None = None) -> str:
     return render_template(
         "local_launch.sh.j2", env=job_env(recipe), default_run_id=recipe.run_id or recipe.job_name,
         checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets, setup_hint=SETUP_HINT,
-        default_python=python or sys.executable, torchrun=cmd, code=ExitCode,
+        default_python=python or sys.executable, torchrun=cmd,
+        # an exported run directory or attempt (`dtlaunch up` names the attempt) wins over these defaults
+        run_dir=exported_or(RUN_DIR, "$HERE"), plan_file=ShellExpr("$HERE/plan.json"),
+        attempt=exported_or(ATTEMPT, "manual-$(date +%s)-$$"),
         code_dir=ShellExpr(f"$HERE/{CODE_DIR}") if recipe.entrypoint else None,
     )
 

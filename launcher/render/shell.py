@@ -38,6 +38,11 @@ def join(words: Iterable[Word]) -> str:
     return " ".join(quote(w) for w in words)
 
 
+def exported_or(name: str, default: str) -> ShellExpr:
+    """`${name:-default}`: the value of `name` exported to the script, else `default` (itself expanded)."""
+    return ShellExpr(f"${{{name}:-{default}}}")
+
+
 def flag(name: str, value: Word) -> Word:
     """`--name=value`, keeping a run-time expression expandable."""
     if isinstance(value, ShellExpr):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from ..catalog import NETWORKS
-from ..jobenv import FINAL_CODES, FINAL_MARKER, RESUME_CODES, ExitCode
+from ..jobenv import FINAL_CODES, FINAL_MARKER, RESUME_CODES, RUN_DIR, RUN_ID
 from ..plan import Plan
 from ..recipe import Recipe, images
 from ..strategies import Family
@@ -26,7 +26,7 @@ from .artifacts import Artifacts, SkyRequest
 from .code import CODE_DIR
 from .environment import job_env
 from .package import build_wheel, image_requirements, installed_version, wheel_name
-from .shell import ShellExpr, Word, flag
+from .shell import ShellExpr, Word, exported_or, flag
 from .templates import render_template
 from .torchrun import entry_args, entry_module, torchrun_command
 
@@ -207,8 +207,10 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
         flag("--master_port", ShellExpr("$PORT")), "--no_local_rank", "--module",
     ]
     return render_template(
-        "sky_run.sh.j2", job_dir=job_dir, code=ExitCode, code_dir=code_dir(recipe, job_dir), default_run_id=recipe.run_id or ShellExpr("$SKYPILOT_TASK_ID"),
-        final_codes=FINAL_CODES, final_marker=FINAL_MARKER,
+        "sky_run.sh.j2", job_dir=job_dir, code_dir=code_dir(recipe, job_dir),
+        default_run_id=recipe.run_id or ShellExpr("$SKYPILOT_TASK_ID"),
+        run_dir=exported_or(RUN_DIR, f"$JOB_DIR/runs/${RUN_ID}"), plan_file=ShellExpr("$JOB_DIR/plan.json"),
+        attempt=ShellExpr("sky-$(date +%s)-$$"), final_codes=FINAL_CODES, final_marker=FINAL_MARKER,
         checkpoint_template=checkpoint_dir(recipe), port=DEFAULT_PORT, setup_hint=SETUP_HINT, default_python=None,
         deepspeed=recipe.parallelism.launcher == "deepspeed", deepspeed_ssh=recipe.targets.sky.deepspeed_ssh,
         nproc=_nproc(recipe, plan), ds_env=envs(recipe), torchrun=torchrun, ds_module=[module, *module_args],

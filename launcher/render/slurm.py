@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import DtlaunchError
-from ..jobenv import FINAL_CODES, PORT_BASE, PORT_SPAN, RESUME_CODES, TIME_LIMIT_SLACK_S, ExitCode
+from ..jobenv import FINAL_CODES, PORT_BASE, PORT_SPAN, RESUME_CODES, RUN_ID, TIME_LIMIT_SLACK_S
 from ..plan import Plan
 from ..recipe import Recipe
 from ..runtime import ckptdir
@@ -84,7 +84,7 @@ def step_script(recipe: Recipe, plan: Plan) -> str:
     check: list[Word] = list(CHECK_WORDS)
     if c is not None and not c.pyxis:
         torchrun, check = exec_prefix(c) + torchrun, exec_prefix(c) + check
-    return render_template("slurm_step.sh.j2", job_script=JOB_SCRIPT, torchrun=torchrun, code=ExitCode,
+    return render_template("slurm_step.sh.j2", job_script=JOB_SCRIPT, torchrun=torchrun,
                            code_dir=recipe.entrypoint is not None, container=c, check=check, check_arg=CHECK_ARG,
                            image_hint=IMAGE_HINT, job_env_var=JOB_ENV)
 
@@ -112,7 +112,10 @@ def _batch_context(recipe: Recipe, array: bool) -> dict:
     default_run_id = recipe.run_id or ShellExpr("$SLURM_ARRAY_JOB_ID" if array else "$SLURM_JOB_ID")
     c = container(recipe)
     env = job_env(recipe)
-    return dict(code=ExitCode, array=array, default_run_id=default_run_id, plan_file=plan_file, env=env,
+    # The run outlives the job (its directory is named by the run id), the attempt is this allocation's.
+    run_dir = ShellExpr(f"$SUBMIT_DIR/{RUNS_DIR}/${RUN_ID}")
+    return dict(array=array, default_run_id=default_run_id, plan_file=plan_file, run_dir=run_dir,
+                attempt=ShellExpr("$SLURM_JOB_ID.$ATTEMPT"), env=env,
                 checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets,
                 setup=recipe.targets.slurm.setup, setup_hint=SETUP_HINT, default_python=None, port_base=PORT_BASE,
                 port_span=PORT_SPAN, signal_seconds=recipe.targets.slurm.signal_seconds,

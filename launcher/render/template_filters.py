@@ -1,4 +1,4 @@
-"""The only ways a value enters a shell template, and the two helpers compiled templates call.
+"""The only ways a value enters a shell template (registered as Jinja filters by templates.py).
 
 Each filter quotes for one context: `q` (one shell word: a literal through shlex.quote, a ShellExpr in
 double quotes), `cmd` (a list of words), `sbatch` (an #SBATCH option value), `envname` (a variable name,
@@ -35,24 +35,3 @@ def whole(value: object) -> int:
 
 FILTERS = {"q": quote, "cmd": join, "sbatch": sbatch_value, "envname": envname, "verbatim": verbatim, "int": whole}
 
-
-class MissingValue(LookupError):
-    """A template read a value its renderer did not pass: a bug in dtlaunch, never in a recipe."""
-
-
-def need(context: dict, name: str, template: str):
-    try:
-        return context[name]
-    except KeyError:
-        raise MissingValue(f"template {template} needs {name!r}, and its renderer did not pass it") from None
-
-
-def attr(obj, name: str):
-    """`a.b` as Jinja reads it: the attribute, else the item (a mapping's key)."""
-    try:
-        return getattr(obj, name)
-    except AttributeError:
-        try:
-            return obj[name]
-        except (TypeError, LookupError):
-            raise MissingValue(f"{type(obj).__name__} has no {name!r}") from None

@@ -1,17 +1,32 @@
 """Generated shell lives in template files (launcher/render/templates/*.j2), so the Python side holds a
 context and the shell reads as shell.
 
-The templates are Jinja syntax, compiled ahead of time into plain Python (compiled_templates.py, by
-scripts/compile_templates.py): Jinja's import alone was a fifth of a `render`. As under Jinja with
-StrictUndefined and no autoescape (this is shell, not HTML), a value enters a script only through a
-quoting filter (template_filters.py), and a missing context value is an error, not an empty string.
+Jinja2 renders them, imported on the first render only: `plan`, `validate` and `--help` never pay for it. As
+this is shell, not HTML, nothing is autoescaped: a value enters a script only through a quoting filter
+(template_filters.py; a test checks every `{{ }}`), and under StrictUndefined a value the renderer did not
+pass is an error, not an empty word. Every template also sees `code` (the exit codes) and `jobenv` (the
+names launcher/jobenv.py gives the job's environment, e.g. `{{ jobenv.RUN_ID }}`).
 """
 from __future__ import annotations
 
-from .compiled_templates import TEMPLATES
+import functools
+
+from .. import jobenv
+from .template_filters import FILTERS
+
+
+@functools.cache
+def environment():
+    """The options the templates are written for: a block tag's own line leaves no trace in the output, and
+    the file's last line break is kept."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader(__package__), undefined=jinja2.StrictUndefined,
+                             autoescape=False, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(FILTERS)
+    env.globals.update(code=jobenv.ExitCode, jobenv=jobenv)
+    return env
 
 
 def render_template(name: str, **context) -> str:
-    out: list[str] = []
-    TEMPLATES[name](context, out.append)
-    return "".join(out)
+    return environment().get_template(name).render(**context)

@@ -59,7 +59,7 @@ def check_node(recipe, plan) -> str:
     """This node against the plan: a GPU plan needs CUDA and a GPU per local rank (PreflightError: the node is
     wrong, exit 44, so it can be excluded). Builds DeepSpeed's CPU Adam when the plan steps the optimizer on the
     host with it: a JIT compile of a minute or two, here once per node instead of inside every rank's start-up."""
-    from ..deepspeed_config import uses_cpu_adam
+    from ..plan.deepspeed import uses_cpu_adam
     from .dist import check_gpu_node
 
     found = check_gpu_node(recipe.resources.device().is_gpu, plan.gpus_per_node)

@@ -97,11 +97,6 @@ def corrupt_steps(root: Path) -> list[int]:
     return [s for s, p in _steps(root) if is_corrupt(p)]
 
 
-def latest_complete(root: Path) -> int | None:
-    steps = complete_steps(root)
-    return steps[-1] if steps else None
-
-
 # ----------------------------------------------------------------------------- durable writes
 
 

@@ -34,11 +34,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..jobenv import FAULT
 from .failures import ConfigError
 
 KINDS = ("exit", "sigkill", "hang", "skip_collective", "desync_step", "kill_in_checkpoint", "slow_checkpoint", "signal",
          "nan_loss", "collective_abort", "comm_abort", "oom", "gpu_fault")
-ENV = "DTLAUNCH_FAULT"
 ANY = -1
 
 
@@ -57,22 +57,22 @@ def parse(text: str) -> list[Fault]:
     for item in filter(None, (s.strip() for s in text.split(";"))):
         kind, *kvs = item.split(":")
         if kind not in KINDS:
-            raise ConfigError(f"{ENV}: unknown fault {kind!r}", fix=f"one of: {', '.join(KINDS)}")
+            raise ConfigError(f"{FAULT}: unknown fault {kind!r}", fix=f"one of: {', '.join(KINDS)}")
         opts = {}
         for kv in kvs:
             k, sep, v = kv.partition("=")
             if not sep:
-                raise ConfigError(f"{ENV}: expected key=value, got {kv!r} in {item!r}")
+                raise ConfigError(f"{FAULT}: expected key=value, got {kv!r} in {item!r}")
             opts[k.strip()] = v.strip()
         if "step" not in opts:
-            raise ConfigError(f"{ENV}: fault {item!r} needs step=N")
+            raise ConfigError(f"{FAULT}: fault {item!r} needs step=N")
         try:
             raw_step = opts.pop("step")
             step = ANY if raw_step == "any" else int(raw_step)
             rank = int(opts.pop("rank")) if "rank" in opts else None
             attempt = int(opts.pop("attempt", "0"))
         except ValueError:
-            raise ConfigError(f"{ENV}: step, rank and attempt must be whole numbers in {item!r}") from None
+            raise ConfigError(f"{FAULT}: step, rank and attempt must be whole numbers in {item!r}") from None
         faults.append(Fault(kind, step, rank, attempt, opts))
     return faults
 
@@ -83,7 +83,7 @@ class Faults:
     def __init__(self, rank: int, restart_count: int, text: str | None = None):
         self.rank = rank
         self.restart_count = restart_count
-        raw = os.environ.get(ENV, "") if text is None else text
+        raw = os.environ.get(FAULT, "") if text is None else text
         self.faults = [f for f in parse(raw) if (f.rank is None or f.rank == rank) and f.attempt == restart_count]
 
     def __bool__(self) -> bool:

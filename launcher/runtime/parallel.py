@@ -256,7 +256,7 @@ class DeepSpeedEngine(Engine):
                               fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)") from None
         from deepspeed.accelerator import get_accelerator
 
-        from ..deepspeed_config import uses_cpu_adam
+        from ..plan.deepspeed import uses_cpu_adam
 
         acc = get_accelerator()
         if layout.precision == "fp16" and not acc.is_fp16_supported():
@@ -301,7 +301,7 @@ class DeepSpeedEngine(Engine):
 
 def ds_config(layout: RuntimeLayout, recipe, plan, is_gpu: bool, client_optimizer: bool = False) -> dict:
     """The DeepSpeed config of this layout at the world size the job really has (the rendered one's, rescaled)."""
-    from ..deepspeed_config import deepspeed_config
+    from ..plan.deepspeed import deepspeed_config
 
     return deepspeed_config(recipe, plan, dp=layout.world_size, grad_accum=layout.grad_accum, offload=layout.offload,
                             is_gpu=is_gpu, client_optimizer=client_optimizer)

@@ -280,7 +280,7 @@ def _ds_world(monkeypatch):
 DS_OFFLOAD = """
 import sys, torch, torch.distributed as dist, yaml, deepspeed
 from launcher import catalog
-from launcher.deepspeed_config import deepspeed_config
+from launcher.plan.deepspeed import deepspeed_config
 from launcher.plan import make_plan
 from launcher.recipe import load_text
 from launcher.runtime.models.llama import build_model
@@ -306,7 +306,7 @@ def test_8_zero_offload_accepts_a_torch_optimizer_on_a_gpu_config():
     state per process: a process of its own."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from launcher.deepspeed_config import deepspeed_config
+    from launcher.plan.deepspeed import deepspeed_config
     from rt_harness import torchrun_env
 
     recipe = recipe_dict(parallelism={"strategy": "zero2", "offload": "optimizer"})

@@ -32,7 +32,8 @@ from launcher.catalog import PRESETS
 from launcher.jobenv import ExitCode
 from launcher.plan import Plan, make_plan
 from launcher.plan.params import count_params
-from launcher.plan.parts import rank_states
+from launcher.plan.parts import part_of, rank_params
+from launcher.plan.states import model_states
 from launcher.recipe import load
 from launcher.runtime import ckptdir
 from rt_harness import (
@@ -258,7 +259,8 @@ BYTES_CASES = ["tp2", "pp2", "hf-tp2", "tp2xdp2", "pp2xdp2", "dp4", "tp2xdp2-res
 def test_every_ranks_states_are_the_planners(runs, name):
     """Per rank, the bytes of the parameters and of AdamW's two moments that the wrapped model really holds
     (DTensor local shards: tensor-parallel splits, pipeline stages, FSDP2 shards) equal the planner's figures
-    for that rank's pipeline position (`parts.rank_states`), exactly."""
+    for that rank's pipeline position (`parts.rank_params`, `states.model_states`, as `memory.breakdown` sizes
+    a rank), exactly."""
     d, _ = result(runs, name)
     from launcher import planfile
 
@@ -270,7 +272,8 @@ def test_every_ranks_states_are_the_planners(runs, name):
     for f in ranks:
         held = json.loads(f.read_text())
         pp_rank = held["coords"][0]
-        params, _, optim = rank_states(shape, "llama", plan.params, plan.layout, pp_rank)
+        lay = plan.layout
+        params, _, optim = model_states(rank_params(shape, "llama", plan.params, lay, part_of(shape, lay, pp_rank)), lay)
         rows.append((held["rank"], held["coords"], held["params"], params, held["optim"], optim))
         assert held["params"] == pytest.approx(params, rel=1e-12), (name, held)
         assert held["optim"] == pytest.approx(optim, rel=1e-12), (name, held)

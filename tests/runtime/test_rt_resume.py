@@ -51,7 +51,7 @@ def test_resume_2_to_1_to_2_ranks_continues_the_loss(reference, run_dir, strateg
           f"(diff {abs(l1[first] - ref_losses[first]):.2e})")
     for s in range(first, stop + 1):
         assert abs(l1[s] - ref_losses[s]) < TOL, (s, l1[s], ref_losses[s])
-    assert ckptdir.latest_complete(root) == stop
+    assert ckptdir.newest_step(root) == stop
     # 1 -> 2: the 1-rank checkpoint continues on two ranks to the end.
     two = run_torchrun(plan, run_dir, nproc=2)
     assert two.rc == 0, two.output[-3000:]
@@ -103,7 +103,7 @@ def test_sigusr2_checkpoints_exits_42_and_the_next_start_resumes(run_dir):
     assert "preemption signal (a signal on rank 1)" in out
     saved = pre[0]["step"]
     assert 3 <= saved < steps
-    assert ckptdir.latest_complete(run_dir / "checkpoints") == saved
+    assert ckptdir.newest_step(run_dir / "checkpoints") == saved
     assert {s["code"] for s in res.statuses().values()} == {ExitCode.PREEMPTED}
     assert f"preempted at step {saved}" in err
     # The next start picks the preemption checkpoint up and finishes.

@@ -123,7 +123,7 @@ def test_deepspeed_config_is_accepted_by_deepspeed(strategy, precision):
     import deepspeed  # noqa: F401 - part of the test environment: missing must fail, not skip
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from launcher.deepspeed_config import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET, deepspeed_config
+    from launcher.plan.deepspeed import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET, deepspeed_config
 
     rec, plan = _plan_for(parallelism={"strategy": strategy, "precision": precision})
     assert deepspeed_config(rec, plan)["train_batch_size"] == 16 and plan.layout.dp == 2
@@ -148,7 +148,7 @@ def test_deepspeed_config_offload_and_static_loss_scale():
     import deepspeed  # noqa: F401 - part of the test environment
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from launcher.deepspeed_config import deepspeed_config
+    from launcher.plan.deepspeed import deepspeed_config
 
     rec, plan = _plan_for(parallelism={"strategy": "zero3", "precision": "fp16", "offload": "params",
                                        "loss_scaling": "none"})
@@ -164,7 +164,7 @@ def test_deepspeed_config_offload_and_static_loss_scale():
 
 def test_deepspeed_config_needs_no_torch():
     """render/ is pure: importing it must not pull in torch (the CLI and planner stay light)."""
-    code = "import sys, launcher.deepspeed_config; sys.exit('torch' in sys.modules)"
+    code = "import sys, launcher.plan.deepspeed; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -195,9 +195,9 @@ def test_only_committed_uncorrupted_checkpoints_are_selected(tmp_path):
     ckptdir.mark_corrupt(ckptdir.step_path(root, 20), "test")
     assert ckptdir.complete_steps(root) == [5, 10]
     assert ckptdir.corrupt_steps(root) == [20]
-    assert ckptdir.latest_complete(root) == 10
+    assert ckptdir.newest_step(root) == 10
     assert json.loads((root / "step-00000010" / "meta.json").read_text())["step"] == 10
-    assert ckptdir.latest_complete(tmp_path / "missing") is None
+    assert ckptdir.newest_step(tmp_path / "missing") == 0
 
 
 def test_each_rank_manifests_exactly_its_own_files(tmp_path):

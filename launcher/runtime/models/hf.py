@@ -136,20 +136,3 @@ def load_weights(model: HFCausalLM, weights_dir: str | Path, *, sharded: bool, r
     set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                strict=False))
     return len(sd)
-
-
-def save_weights(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
-    """A Hugging Face directory (config.json + model.safetensors) of a plain, unwrapped model: test fixtures
-    and small exports."""
-    from safetensors.torch import save_file
-
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    hf = model.hf if isinstance(model, HFCausalLM) else model
-    sd = {k: v.detach().contiguous() for k, v in hf.state_dict().items()}
-    if getattr(hf.config, "tie_word_embeddings", False):
-        sd.pop("lm_head.weight", None)
-    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
-    if config is not None:
-        (d / "config.json").write_text(json.dumps(config, indent=2))
-    return d / "model.safetensors"

@@ -27,6 +27,8 @@ export DTLAUNCH_ATTEMPT
 export DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"
 CHECKPOINT_TEMPLATE='/checkpoints/{run_id}'
 export DTLAUNCH_CHECKPOINT_DIR="${CHECKPOINT_TEMPLATE//\{run_id\}/$DTLAUNCH_RUN_ID}"
+# A collective timeout dumps the flight recorder here (per attempt), not into a node's /tmp.
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
 FINAL_MARKER="$DTLAUNCH_CHECKPOINT_DIR"/.dtlaunch-final
 if [ -f "$FINAL_MARKER" ]; then
   read -r FINAL_CODE FINAL_TASK < "$FINAL_MARKER" || true
@@ -46,7 +48,6 @@ export MASTER_ADDR
 # This node's own address, as the other nodes reach it (its hostname may resolve to 127.0.1.1).
 NODE_ADDR="$(echo "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"
 export DTLAUNCH_NODE_ADDR="$NODE_ADDR"
-export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
 mkdir -p "$DTLAUNCH_STATUS"
 PORT="${DTLAUNCH_PORT:-29500}"
 

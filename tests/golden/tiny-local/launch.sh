@@ -28,9 +28,10 @@ export DTLAUNCH_PLAN="$HERE/plan.json"
 DTLAUNCH_ATTEMPT="${DTLAUNCH_ATTEMPT:-manual-$(date +%s)-$$}"
 export DTLAUNCH_ATTEMPT
 export DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"
-mkdir -p "$DTLAUNCH_STATUS"
 export DTLAUNCH_CHECKPOINT_DIR="$DTLAUNCH_RUN_DIR/checkpoints"
+# A collective timeout dumps the flight recorder here (per attempt), not into a node's /tmp.
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
+mkdir -p "$DTLAUNCH_STATUS"
 
 # The interpreter of this machine's environment, resolved here (after any setup lines) and never taken
 # from the machine that rendered a cluster job; then one quick check that it can run this plan, so a

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .strategies import spec
+from ..strategies import spec
 
 if TYPE_CHECKING:
-    from .plan import Plan
-    from .recipe import Recipe
+    from ..recipe import Recipe
+    from . import Plan
 
 # Bucket sizes written into the config (elements); the planner counts the same buffers.
 DS_REDUCE_BUCKET = 200_000_000
