@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install system test test-gpu lint templates demo bench bench-smoke clean
+.PHONY: install system check test test-gpu golden lint demo bench bench-smoke clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,9 +37,19 @@ system:
 lint: install
 	$(VENV)/bin/ruff check launcher tests bench scripts
 
-# After editing launcher/render/templates/*.j2: rebuild the Python that `render` runs (tests fail until then).
-templates: install
-	$(PY) scripts/compile_templates.py
+# The developer loop, no apt and no SLURM: lint, then the fast tier (`pytest -m fast`: every test that is not
+# slow or gpu, outside tests/slurm and tests/gpu, less the few expensive ones tests/conftest.py's FULL_SUITE_ONLY
+# names), two test files at a time: 1.5 min on 2 cores, 2 min in one process (CHECK_WORKERS=0). tests/slurm and
+# tests/gpu are not even collected: nothing in them is in the tier. shellcheck must be on PATH (`make system`).
+CHECK_WORKERS ?= 2
+check: lint
+	$(PY) -m pytest -q -m fast --ignore=tests/slurm --ignore=tests/gpu -n $(CHECK_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# Regenerate the golden files (tests/golden) from what render writes now, then show what changed: review the
+# diff before committing it.
+golden: install
+	DTLAUNCH_UPDATE_GOLDEN=1 $(PY) -m pytest -q tests/test_templates.py -k golden_files $(PYTEST_ARGS)
+	git diff --stat tests/golden
 
 # The whole suite. `make test PYTEST_WORKERS=2` runs two test files at a time (each file whole on one worker,
 # the SLURM tests together: tests/conftest.py); on 2 cores that took 23 min against ~29 min in one process,

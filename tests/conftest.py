@@ -1,6 +1,37 @@
+import gc
 import sys
 
 import pytest
+
+# The fast tier (`make check`, `pytest -m fast`): every test not marked slow or gpu, outside tests/slurm and
+# tests/gpu, except these, which run in the full suite only (`make test`). Each took this long in one process on
+# a 2-core machine, and each checks something no cheaper test does, so it stays out of the fast tier rather
+# than being marked slow. A key is a test file, a test (every parametrization) or one parametrization.
+FULL_SUITE_ONLY = {
+    # The planner against PyTorch's memory tracker: the tiny preset's full trace stays in the fast tier
+    # (test_tiny_preset_traced_in_full_matches_the_planner_term_by_term, ~8 s), with the CLI and refusal tests.
+    "tests/test_trace.py::test_tiny_variants_match_the_planner": "9 variants, 7-24 s each: one formula each",
+    "tests/test_trace.py::test_two_depths_extrapolate_to_the_full_trace": "71 s: the extrapolation claim",
+    "tests/test_trace.py::test_8b_shape_extrapolated_from_3_and_5_layers_matches_the_planner": "43 s",
+    "tests/test_trace.py::test_small_vocabulary_shape_peaks_at_the_second_layers_backward": "42 s",
+    "tests/test_trace.py::test_ddp_on_real_tensors_matches_the_planner": "3 x 20 s: DDP on real tensors",
+    # A real torch elastic agent given a signal, waiting out its shutdown timeout (the rendered grace's
+    # arithmetic stays: test_the_rendered_grace_covers_a_step_a_save_and_the_exit).
+    "tests/runtime/test_elastic_shutdown.py::test_a_worker_within_the_grace_commits_and_one_beyond_it_is_killed":
+        "12 s",
+    # DeepSpeed's engine started in a process of its own (the config half is quick, the engine is not).
+    "tests/runtime/test_gpu_paths.py::test_8_zero_offload_accepts_a_torch_optimizer_on_a_gpu_config": "11 s",
+    # The 70B step traced at 64 fake ranks, twice.
+    "tests/runtime/test_gpu_paths.py::test_collectives_per_step_of_the_70b_recipe_at_64_ranks": "16 s",
+    # Every string field times every payload, target and launcher, each rendered job run against stubs (the
+    # three other tests of the file stay: every configuration against the stubs, the head-only launch).
+    "tests/test_injection_fuzz.py::test_shell_payloads_in_every_string_field_are_refused_located_or_stay_data":
+        "21 s",
+    # ~300 extreme recipes through load, plan, validate and render (tests/test_bad_recipes.py's property test,
+    # ~3 s, stays: no generated bad recipe ends in a traceback).
+    "tests/test_reserved_and_fuzz.py::test_fuzz_extremes_raise_only_dtlaunch_errors_and_what_validate_passes_renders":
+        "13 s",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -30,9 +61,29 @@ def run_cli(capsys):
     return run
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collection imports torch, transformers and hypothesis; with the cyclic garbage collector on, their
+    allocations set off full collections over an ever larger heap (~3 s of ~11 s). Off while collecting; then
+    what collection built is frozen (it lives to the end anyway), so that the collections during the tests do
+    not walk it again (~0.4 s each)."""
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        gc.enable()
+        gc.freeze()
+
+
+def _full_suite_only(nodeid: str) -> bool:
+    return any(nodeid == k or nodeid.startswith((k + "::", k + "[")) for k in FULL_SUITE_ONLY)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """With `-n 2 --dist loadgroup` (make test), each test file runs whole on one worker, so its module-scoped
+    """The fast tier: each test in it gets the `fast` marker (FULL_SUITE_ONLY above).
+
+    With `-n 2 --dist loadgroup` (make test), each test file runs whole on one worker, so its module-scoped
     worlds are set up once; the SLURM tests run on one worker, against the one local cluster its session
     fixture starts, and the SkyPilot node tests on one worker too."""
     for item in items:
@@ -44,6 +95,9 @@ def pytest_collection_modifyitems(config, items):
         else:
             group = path
         item.add_marker(pytest.mark.xdist_group(group))
+        if not (item.get_closest_marker("slow") or item.get_closest_marker("gpu") or "/tests/gpu/" in path
+                or "/tests/slurm/" in path or _full_suite_only(item.nodeid)):
+            item.add_marker(pytest.mark.fast)
 
 
 UNGROUPED = pytest.StashKey[str]()

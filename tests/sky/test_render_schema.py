@@ -247,7 +247,8 @@ def test_with_an_image_the_wheel_leaves_the_images_torch_alone(tmp_path):
     (site,) = env.glob("lib/python*/site-packages")
     # what the image has: its own torch, and (so that only torch decides) the pure-Python dependencies too
     for name, version in (("torch", "2.4.0"), ("click", "8.1.7"), ("PyYAML", "6.0.2"), ("msgspec", "0.19.0"),
-                          ("rich", "13.9.4"), ("safetensors", "0.4.5"), ("matplotlib", "3.9.2"), ("psutil", "6.1.0")):
+                          ("rich", "13.9.4"), ("Jinja2", "3.1.4"), ("MarkupSafe", "2.1.5"), ("safetensors", "0.4.5"),
+                          ("matplotlib", "3.9.2"), ("psutil", "6.1.0")):
         info = site / f"{name}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
