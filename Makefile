@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install system check test test-gpu golden lint demo bench bench-smoke clean
+.PHONY: install system check test test-gpu golden lint fmt demo bench bench-smoke clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,8 +34,15 @@ install: $(STAMP) $(SKY_OLDEST_STAMP)
 system:
 	bash scripts/install-system.sh
 
+# ruff's linter, and its formatter in check mode: code that `make fmt` would change fails lint.
 lint: install
 	$(VENV)/bin/ruff check launcher tests bench scripts
+	$(VENV)/bin/ruff format --check launcher tests bench scripts
+
+# Format the Python sources in place (ruff format, then ruff's import-order fix).
+fmt: install
+	$(VENV)/bin/ruff format launcher tests bench scripts
+	$(VENV)/bin/ruff check --select I --fix launcher tests bench scripts
 
 # The developer loop, no apt and no SLURM: lint, then the fast tier (`pytest -m fast`: every test that is not
 # slow or gpu, outside tests/slurm and tests/gpu, less the few expensive ones tests/conftest.py's FULL_SUITE_ONLY

@@ -5,6 +5,7 @@ Also usable as a torchrun entry script: `_torchrun.py --hwm DIR -- launcher.trai
 `launcher.train`'s main() unchanged, then records this rank's peak RSS (VmHWM) in DIR/hwm-RANK.json.
 (`launcher.train` leaves through os._exit, so an atexit hook would never run.)
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,8 +32,15 @@ BASE_RECIPE = {
     "parallelism": {"strategy": "ddp", "precision": "fp32", "activation_checkpointing": "none", "offload": "none"},
     "resources": {"accelerator": "cpu:2", "nodes": 1, "network": "loopback"},
     "training": {
-        "micro_batch": 4, "global_batch": 16, "steps": 50, "lr": 3.0e-3, "warmup_steps": 2,
-        "timeout_seconds": 120, "init_timeout_seconds": 120, "log_every": 5, "preflight": False,
+        "micro_batch": 4,
+        "global_batch": 16,
+        "steps": 50,
+        "lr": 3.0e-3,
+        "warmup_steps": 2,
+        "timeout_seconds": 120,
+        "init_timeout_seconds": 120,
+        "log_every": 5,
+        "preflight": False,
         "data": {"source": "synthetic", "num_tokens": 400000},
     },
     "checkpoint": {"every": 1_000_000, "keep": 2, "export": "none"},
@@ -83,17 +91,33 @@ def free_port() -> int:
 def env(extra: dict | None = None) -> dict:
     e = dict(os.environ)
     e.pop("DTLAUNCH_FAULT", None)
-    e.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-              "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR, "PYTHONWARNINGS": "ignore",
-              "PYTHONPATH": str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")})
+    e.update(
+        {
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR,
+            "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": str(ROOT) + os.pathsep + e.get("PYTHONPATH", ""),
+        }
+    )
     e.update(extra or {})
     return e
 
 
 def torchrun_cmd(entry: list[str], nproc: int = 2, max_restarts: int = 0) -> list[str]:
     port = free_port()
-    return [PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=b{port}", f"--max-restarts={max_restarts}", *entry]
+    return [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=b{port}",
+        f"--max-restarts={max_restarts}",
+        *entry,
+    ]
 
 
 @dataclass
@@ -110,7 +134,9 @@ class Run:
         return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
 
     def hwm(self) -> dict[int, float]:
-        return {int(p.stem.split("-")[1]): json.loads(p.read_text())["vmhwm_mb"] for p in self.run_dir.glob("hwm-*.json")}
+        return {
+            int(p.stem.split("-")[1]): json.loads(p.read_text())["vmhwm_mb"] for p in self.run_dir.glob("hwm-*.json")
+        }
 
     def check(self) -> Run:
         if self.rc != 0:
@@ -118,15 +144,29 @@ class Run:
         return self
 
 
-def torchrun(entry: list[str], run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, extra_env: dict | None = None,
-             timeout: float = 600) -> Run:
+def torchrun(
+    entry: list[str],
+    run_dir: Path,
+    *,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    extra_env: dict | None = None,
+    timeout: float = 600,
+) -> Run:
     """Run one torchrun job to completion (killed as a process group after `timeout`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_cmd(entry, nproc, max_restarts)
     t_launch = time.time()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(extra_env),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(extra_env),
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -154,7 +194,7 @@ def minimal(args: list[str], run_dir: Path, **kw) -> Run:
 def _wrap(argv: list[str]) -> int:
     """Entry-script mode: run launcher.train's main() and record this rank's VmHWM afterwards."""
     out = Path(argv[argv.index("--hwm") + 1])
-    rest = argv[argv.index("--") + 1:]
+    rest = argv[argv.index("--") + 1 :]
     assert rest[0] == "launcher.train", rest
     sys.path.insert(0, str(ROOT))
     from launcher import train

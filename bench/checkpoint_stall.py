@@ -21,6 +21,7 @@ on this machine a write right after training steps is slower whatever writes it.
 back to back (and unlinked each file at once), so the ratio compared DCP inside a run with torch.save outside
 one and read 0.41; writing the same bytes at the same point of a run is the like-for-like comparison.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,10 +37,19 @@ THROUGHPUT_TARGET = 0.8
 
 
 def _recipe(preset: str, every: int, steps: int, asynchronous: bool) -> dict:
-    return T.recipe(model={"preset": preset, "seq_len": 128}, parallelism={"strategy": "fsdp"},
-                    training={"micro_batch": 1, "global_batch": 2, "steps": steps, "log_every": 1, "warmup_steps": 1,
-                              "data": {"source": "synthetic", "num_tokens": 200000}},
-                    checkpoint={"every": every, "keep": 1, "async": asynchronous, "export": "none"})
+    return T.recipe(
+        model={"preset": preset, "seq_len": 128},
+        parallelism={"strategy": "fsdp"},
+        training={
+            "micro_batch": 1,
+            "global_batch": 2,
+            "steps": steps,
+            "log_every": 1,
+            "warmup_steps": 1,
+            "data": {"source": "synthetic", "num_tokens": 200000},
+        },
+        checkpoint={"every": every, "keep": 1, "async": asynchronous, "export": "none"},
+    )
 
 
 def _dir_bytes(p: Path) -> int:
@@ -57,10 +67,17 @@ def _analyse(run: T.Run, every: int) -> dict:
     normal = [recs[s]["step_time_s"] for s in steps if s > 2 and (s - 1) % every != 0]
     base = statistics.median(normal)
     # async: how much slower the steps after the checkpoint ran while the background write competed for the CPU
-    slow = [sum(max(0.0, recs[s + j]["step_time_s"] - base) for j in range(1, every) if s + j in recs) for s in ck_steps]
+    slow = [
+        sum(max(0.0, recs[s + j]["step_time_s"] - base) for j in range(1, every) if s + j in recs) for s in ck_steps
+    ]
     final = max(p for p in (run.run_dir / "checkpoints").glob("step-*") if p.is_dir())
-    return {"blocking_s": blocking, "write_s": [e["seconds"] for e in ckpts], "step_s": base,
-            "background_slowdown_s": slow, "bytes": _dir_bytes(final)}
+    return {
+        "blocking_s": blocking,
+        "write_s": [e["seconds"] for e in ckpts],
+        "step_s": base,
+        "background_slowdown_s": slow,
+        "bytes": _dir_bytes(final),
+    }
 
 
 def run(quick: bool = False) -> dict:
@@ -75,8 +92,23 @@ def run(quick: bool = False) -> dict:
             r = T.ours(_recipe(preset, every, steps, mode == "async"), base / f"{mode}-{i}", hwm=False).check()
             res[mode].append(_analyse(r, every))
         d = base / f"torchsave-{i}"
-        T.minimal(["--mode", "save", "--preset", preset, "--seq-len", "128", "--micro-batch", "1", "--repeat",
-                   "1" if quick else "3", "--train-between", str(every)], d).check()
+        T.minimal(
+            [
+                "--mode",
+                "save",
+                "--preset",
+                preset,
+                "--seq-len",
+                "128",
+                "--micro-batch",
+                "1",
+                "--repeat",
+                "1" if quick else "3",
+                "--train-between",
+                str(every),
+            ],
+            d,
+        ).check()
         res["torch_save"].append(json.loads((d / "minimal-0.json").read_text()))
     sync_block = stats([x for r in res["sync"] for x in r["blocking_s"]])
     async_block = stats([x for r in res["async"] for x in r["blocking_s"]])
@@ -93,31 +125,47 @@ def run(quick: bool = False) -> dict:
     rounds = list(zip(res["sync"], res["async"], res["torch_save"], strict=True))
 
     def _block_ratio(rs: list) -> float:
-        return (statistics.median(x for r in rs for x in r[1]["blocking_s"])
-                / statistics.median(x for r in rs for x in r[0]["blocking_s"]))
+        return statistics.median(x for r in rs for x in r[1]["blocking_s"]) / statistics.median(
+            x for r in rs for x in r[0]["blocking_s"]
+        )
 
     def _tp_ratio(rs: list) -> float:
         ours = statistics.median(r[0]["bytes"] for r in rs) / statistics.median(x for r in rs for x in r[0]["write_s"])
-        ts = (statistics.median(r[2]["bytes_total"] for r in rs)
-              / statistics.median(x for r in rs for x in r[2]["save_seconds"]))
+        ts = statistics.median(r[2]["bytes_total"] for r in rs) / statistics.median(
+            x for r in rs for x in r[2]["save_seconds"]
+        )
         return ours / ts
 
     band = bootstrap_band(rounds, _block_ratio)
     tp_band = bootstrap_band(rounds, _tp_ratio)
     meets = ratio <= TARGET and tp_ratio >= THROUGHPUT_TARGET
-    print(f"checkpoint_stall ({preset}): loop blocked {sync_block['median']:.2f}s sync vs {async_block['median']:.2f}s "
-          f"async -> {ratio:.3f} (target <= {TARGET}); sync save {ours_bytes / 1e6:.0f} MB in {sync_write['median']:.2f}s "
-          f"= {ours_tp / 1e6:.0f} MB/s vs torch.save {ts_bytes / 1e6:.0f} MB in {ts_secs['median']:.2f}s = "
-          f"{ts_tp / 1e6:.0f} MB/s -> {tp_ratio:.3f} (target >= {THROUGHPUT_TARGET}); noise bands: blocking "
-          f"{band[0]:.3f}-{band[1]:.3f}, throughput {tp_band[0]:.3f}-{tp_band[1]:.3f} over {len(rounds)} rounds")
-    detail = {"preset": preset, "every_steps": every, "sync_blocking_s": sync_block, "async_blocking_s": async_block,
-              "sync_write_seconds": sync_write["median"], "sync_write_s": sync_write, "checkpoint_bytes": ours_bytes,
-              "sync_throughput_MBps": ours_tp / 1e6, "torch_save_seconds": ts_secs, "torch_save_bytes": ts_bytes,
-              "torch_save_throughput_MBps": ts_tp / 1e6, "throughput_ratio": tp_ratio,
-              "throughput_target": THROUGHPUT_TARGET, "throughput_meets": tp_ratio >= THROUGHPUT_TARGET,
-              "throughput_band": list(tp_band), "rounds": len(rounds),
-              "async_background_slowdown_s": stats([x for r in res["async"] for x in r["background_slowdown_s"]]),
-              "step_seconds_sync_runs": [r["step_s"] for r in res["sync"]]}
+    print(
+        f"checkpoint_stall ({preset}): loop blocked {sync_block['median']:.2f}s sync vs {async_block['median']:.2f}s "
+        f"async -> {ratio:.3f} (target <= {TARGET}); sync save {ours_bytes / 1e6:.0f} MB in {sync_write['median']:.2f}s "
+        f"= {ours_tp / 1e6:.0f} MB/s vs torch.save {ts_bytes / 1e6:.0f} MB in {ts_secs['median']:.2f}s = "
+        f"{ts_tp / 1e6:.0f} MB/s -> {tp_ratio:.3f} (target >= {THROUGHPUT_TARGET}); noise bands: blocking "
+        f"{band[0]:.3f}-{band[1]:.3f}, throughput {tp_band[0]:.3f}-{tp_band[1]:.3f} over {len(rounds)} rounds"
+    )
+    detail = {
+        "preset": preset,
+        "every_steps": every,
+        "sync_blocking_s": sync_block,
+        "async_blocking_s": async_block,
+        "sync_write_seconds": sync_write["median"],
+        "sync_write_s": sync_write,
+        "checkpoint_bytes": ours_bytes,
+        "sync_throughput_MBps": ours_tp / 1e6,
+        "torch_save_seconds": ts_secs,
+        "torch_save_bytes": ts_bytes,
+        "torch_save_throughput_MBps": ts_tp / 1e6,
+        "throughput_ratio": tp_ratio,
+        "throughput_target": THROUGHPUT_TARGET,
+        "throughput_meets": tp_ratio >= THROUGHPUT_TARGET,
+        "throughput_band": list(tp_band),
+        "rounds": len(rounds),
+        "async_background_slowdown_s": stats([x for r in res["async"] for x in r["background_slowdown_s"]]),
+        "step_seconds_sync_runs": [r["step_s"] for r in res["sync"]],
+    }
     if not quick:
         # The goodput simulation's write time: a 70B model's checkpoint (fp32 weights + AdamW moments, as the
         # planner counts it) written by 8 nodes in parallel, each at the sync throughput measured here on one
@@ -125,6 +173,7 @@ def run(quick: bool = False) -> dict:
         from launcher.plan.cost import checkpoint_write_seconds
 
         detail["write_seconds_at_scale"] = checkpoint_write_seconds(70_000_000_000, "adamw", 8, ours_tp / 1e9)
-        detail["write_seconds_at_scale_assumption"] = ("70B params x 12 B (checkpoint_bytes) / (8 nodes x measured sync "
-                                                       "throughput of one node's local disk)")
+        detail["write_seconds_at_scale_assumption"] = (
+            "70B params x 12 B (checkpoint_bytes) / (8 nodes x measured sync throughput of one node's local disk)"
+        )
     return result(ratio, TARGET, meets, band=list(band), **detail)

@@ -10,6 +10,7 @@ The package's bytecode is compiled first, as `pip install` of the wheel does: fr
 under PYTHONDONTWRITEBYTECODE (as on the benchmark machine) every run would otherwise compile dtlaunch's
 modules from source again (~15 ms), which no installed copy does.
 """
+
 from __future__ import annotations
 
 import compileall
@@ -50,8 +51,19 @@ def run(quick: bool = False) -> dict:
         ratios[k] = _ratio(pairs)
         bands[k] = bootstrap_band(pairs, _ratio)
     worst = max(ratios, key=ratios.get)
-    print(f"cli_latency: baseline {base * 1000:.0f} ms; "
-          + ", ".join(f"{k} {r:.2f}x ({bands[k][0]:.2f}-{bands[k][1]:.2f})" for k, r in ratios.items())
-          + f" (target <= {TARGET}x)")
-    return result(ratios[worst], TARGET, ratios[worst] <= TARGET, band=list(bands[worst]), worst=worst,
-                  ratios=ratios, bands={k: list(b) for k, b in bands.items()}, seconds=detail, rounds=repeat)
+    print(
+        f"cli_latency: baseline {base * 1000:.0f} ms; "
+        + ", ".join(f"{k} {r:.2f}x ({bands[k][0]:.2f}-{bands[k][1]:.2f})" for k, r in ratios.items())
+        + f" (target <= {TARGET}x)"
+    )
+    return result(
+        ratios[worst],
+        TARGET,
+        ratios[worst] <= TARGET,
+        band=list(bands[worst]),
+        worst=worst,
+        ratios=ratios,
+        bands={k: list(b) for k, b in bands.items()},
+        seconds=detail,
+        rounds=repeat,
+    )

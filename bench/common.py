@@ -3,6 +3,7 @@
 This machine is shared and noisy, so every benchmark compares two things measured side by side in
 one run and reports their ratio; absolute seconds are kept in `detail` for reference only.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ def quantile(xs: list[float], q: float) -> float:
     return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
 
 
-def bootstrap_band(pairs: list, statistic: Callable[[list], float], n: int = 2000, lo: float = 0.05,
-                   hi: float = 0.95, seed: int = 0) -> tuple[float, float]:
+def bootstrap_band(
+    pairs: list, statistic: Callable[[list], float], n: int = 2000, lo: float = 0.05, hi: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
     """The noise band of `statistic(pairs)`: its lo..hi quantiles over `n` resamplings of the interleaved
     pairs (with replacement). Resampling whole pairs keeps each pair's two runs together, as they ran."""
     if len(pairs) < 2:
@@ -81,11 +83,18 @@ def result(ratio: float, target: float, meets: bool, band: list | None = None, *
 
 def machine() -> dict:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = "unknown"
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(), "commit": commit,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def save(results: dict, path: Path) -> None:

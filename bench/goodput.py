@@ -5,6 +5,7 @@ the work since the last checkpoint plus a restart time; each checkpoint blocks t
 (the measured sync figure unless async). The planner's choice, Young/Daly sqrt(2 * write * MTBF), is compared
 with fixed intervals.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,8 +68,19 @@ def run(quick: bool = False, write_s: float = 60.0, plot_path: str | None = None
         plt.tight_layout()
         plt.savefig(plot_path, dpi=100)
         plt.close()
-    print(f"goodput: Young/Daly interval {best_yd / 60:.1f} min -> {ours:.4f}; best fixed {best_fixed:.4f}; "
-          f"ratio {ours / best_fixed:.4f} (target >= 0.99 of the best fixed interval)")
-    return result(ours / best_fixed, 0.99, ours / best_fixed >= 0.99, job_mtbf_hours=mtbf / 3600, write_seconds=write_s,
-                  young_daly_minutes=best_yd / 60, goodput_young_daly=ours, goodput_fixed=fixed,
-                  restart_seconds=RESTART_S, analytic_waste=math.sqrt(2 * write_s / mtbf))
+    print(
+        f"goodput: Young/Daly interval {best_yd / 60:.1f} min -> {ours:.4f}; best fixed {best_fixed:.4f}; "
+        f"ratio {ours / best_fixed:.4f} (target >= 0.99 of the best fixed interval)"
+    )
+    return result(
+        ours / best_fixed,
+        0.99,
+        ours / best_fixed >= 0.99,
+        job_mtbf_hours=mtbf / 3600,
+        write_seconds=write_s,
+        young_daly_minutes=best_yd / 60,
+        goodput_young_daly=ours,
+        goodput_fixed=fixed,
+        restart_seconds=RESTART_S,
+        analytic_waste=math.sqrt(2 * write_s / mtbf),
+    )

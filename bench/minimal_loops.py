@@ -12,6 +12,7 @@ Each rank writes DIR/minimal-RANK.json: wall-clock time at the end of every step
 `--mode save` times torch.save (+fsync) of the FSDP2 model+optimizer state dict (each rank its shards,
 as DCP writes them) - the baseline of the checkpoint benchmark.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-tokens", type=int, default=400000)
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3, help="save mode: how many saves")
-    ap.add_argument("--train-between", type=int, default=0,
-                    help="save mode: training steps before each save (a run's checkpoint.every)")
-    ap.add_argument("--ds-config", default=None, help="zero*: a DeepSpeed config JSON file instead of the minimal one "
-                                                      "(to tell config effects from loop effects)")
+    ap.add_argument(
+        "--train-between",
+        type=int,
+        default=0,
+        help="save mode: training steps before each save (a run's checkpoint.every)",
+    )
+    ap.add_argument(
+        "--ds-config",
+        default=None,
+        help="zero*: a DeepSpeed config JSON file instead of the minimal one "
+        "(to tell config effects from loop effects)",
+    )
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -106,8 +115,10 @@ def steps(a: argparse.Namespace) -> Iterator[int]:
     model = _wrap(build_model(shape), a)
     # param groups after wrapping: fully_shard replaces the parameters with DTensors
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(a))
@@ -128,7 +139,7 @@ def steps(a: argparse.Namespace) -> Iterator[int]:
             order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(epoch))
             mine = order[: steps_per_epoch * a.global_batch][rank::world]
             for s in range(steps_per_epoch):
-                per_rank = mine[s * a.global_batch // world:(s + 1) * a.global_batch // world]
+                per_rank = mine[s * a.global_batch // world : (s + 1) * a.global_batch // world]
                 yield [tokens[(i * a.seq_len)[:, None] + idx] for i in per_rank.split(a.micro_batch)]
             epoch += 1
 
@@ -152,8 +163,14 @@ def steps(a: argparse.Namespace) -> Iterator[int]:
                 print(f"step {step} loss {losses[step]:.4f}", flush=True)
         times[step] = time.time()
         yield step
-    rec = {"rank": rank, "t_start": t_start, "times": times, "losses": losses, "vmhwm_mb": vmhwm_mb(),
-           "tokens_per_step": a.global_batch * a.seq_len}
+    rec = {
+        "rank": rank,
+        "t_start": t_start,
+        "times": times,
+        "losses": losses,
+        "vmhwm_mb": vmhwm_mb(),
+        "tokens_per_step": a.global_batch * a.seq_len,
+    }
     (out / f"minimal-{rank}.json").write_text(json.dumps(rec))
 
 
@@ -161,10 +178,14 @@ def _deepspeed(model, opt, sched, a, ga: int):
     """DeepSpeed's engine with the minimal ZeRO config (or --ds-config's)."""
     import deepspeed
 
-    cfg = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": ga,
-           "gradient_clipping": 1.0, "zero_optimization": {"stage": int(a.strategy[-1])},
-           "zero_allow_untested_optimizer": True,
-           "steps_per_print": 1 << 30}
+    cfg = {
+        "train_micro_batch_size_per_gpu": a.micro_batch,
+        "gradient_accumulation_steps": ga,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": int(a.strategy[-1])},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
     if a.ds_config:
         cfg = json.loads(Path(a.ds_config).read_text())
     model, opt, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
@@ -228,9 +249,13 @@ def save_baseline(model, opt, a, rank: int, out: Path) -> None:
             _train_step(model, opt, a)
         model_sd, optim_sd = get_state_dict(model, opt)
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-        state = {"model": {k: local(v) for k, v in model_sd.items()},
-                 "optim": {"state": {k: {n: local(t) for n, t in s.items()} for k, s in optim_sd["state"].items()},
-                           "param_groups": optim_sd["param_groups"]}}
+        state = {
+            "model": {k: local(v) for k, v in model_sd.items()},
+            "optim": {
+                "state": {k: {n: local(t) for n, t in s.items()} for k, s in optim_sd["state"].items()},
+                "param_groups": optim_sd["param_groups"],
+            },
+        }
         path = out / f"torchsave-{i}-rank{rank}.pt"
         dist.barrier()
         t0 = time.perf_counter()
@@ -247,8 +272,9 @@ def save_baseline(model, opt, a, rank: int, out: Path) -> None:
     prev.unlink()
     sizes = [None] * dist.get_world_size()
     dist.all_gather_object(sizes, nbytes)
-    (out / f"minimal-{rank}.json").write_text(json.dumps({"rank": rank, "save_seconds": secs, "bytes_total": sum(sizes),
-                                                          "vmhwm_mb": vmhwm_mb()}))
+    (out / f"minimal-{rank}.json").write_text(
+        json.dumps({"rank": rank, "save_seconds": secs, "bytes_total": sum(sizes), "vmhwm_mb": vmhwm_mb()})
+    )
 
 
 if __name__ == "__main__":

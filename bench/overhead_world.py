@@ -22,6 +22,7 @@ Once our trainer has started, its process settings hold for both arms: automatic
 off (launcher.runtime.stepgc) while the minimal loop's blocks run too. That spares the minimal loop the
 collector pauses a hand-written loop would have, so the comparison can only be harder on us.
 """
+
 from __future__ import annotations
 
 import gc
@@ -50,8 +51,10 @@ def _advance(it: Iterator[int], n: int) -> None:
 def _finish(it: Iterator[int], arm: str) -> None:
     """Run an arm's end (our final checkpoint; the minimal loop's record); it must have no steps left."""
     for step in it:
-        raise RuntimeError(f"overhead_world: the {arm} arm has steps left after the blocks (step {step}): "
-                           "the plan's and the minimal loop's steps must be warmup + blocks * block")
+        raise RuntimeError(
+            f"overhead_world: the {arm} arm has steps left after the blocks (step {step}): "
+            "the plan's and the minimal loop's steps must be warmup + blocks * block"
+        )
 
 
 def main() -> int:
@@ -67,9 +70,12 @@ def main() -> int:
         dirs = {arm: out / f"{arm}-{r}" for arm in ("ours", "minimal")}
         for d in dirs.values():
             d.mkdir(parents=True, exist_ok=True)
-        arms = {"ours": Trainer(recipe, plan, dirs["ours"], recipe_hash=doc["recipe_hash"], world=world).steps(),
-                "minimal": minimal_loops.steps(minimal_loops.parse_args([*spec["minimal_args"], "--out",
-                                                                         str(dirs["minimal"])]))}
+        arms = {
+            "ours": Trainer(recipe, plan, dirs["ours"], recipe_hash=doc["recipe_hash"], world=world).steps(),
+            "minimal": minimal_loops.steps(
+                minimal_loops.parse_args([*spec["minimal_args"], "--out", str(dirs["minimal"])])
+            ),
+        }
         for arm in abba(r):  # build (on the first step) and warm up, untimed
             _advance(arms[arm], spec["warmup"])
         seconds = {"ours": [], "minimal": []}

@@ -5,6 +5,7 @@ read by the bench/_torchrun.py wrapper after `launcher.train`'s main() returns (
 checkpoint our run always writes); the minimal loop reads its own. Ratio = max over ranks and strategies of
 median(ours)/median(minimal); target <= 1.05.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,9 @@ def collect(quick: bool) -> dict:
 
 
 def _minimal_hwm(run) -> dict[int, float]:
-    return {int(p.stem.split("-")[1]): json.loads(p.read_text())["vmhwm_mb"] for p in run.run_dir.glob("minimal-*.json")}
+    return {
+        int(p.stem.split("-")[1]): json.loads(p.read_text())["vmhwm_mb"] for p in run.run_dir.glob("minimal-*.json")
+    }
 
 
 def run(quick: bool = False) -> dict:
@@ -51,9 +54,14 @@ def run(quick: bool = False) -> dict:
             sm = stats([h[k] for h in mine if k in h])
             by_rank[k] = {"ours_mb": so, "minimal_mb": sm, "ratio": so["median"] / sm["median"]}
         per[s] = {"ratio": max(v["ratio"] for v in by_rank.values()), "ranks": by_rank}
-        print(f"peak_memory[{s}]: " + "; ".join(f"rank {k}: ours {v['ours_mb']['median']:.0f} MB vs minimal "
-                                                 f"{v['minimal_mb']['median']:.0f} MB ({v['ratio']:.3f}x)"
-                                                 for k, v in by_rank.items()))
+        print(
+            f"peak_memory[{s}]: "
+            + "; ".join(
+                f"rank {k}: ours {v['ours_mb']['median']:.0f} MB vs minimal "
+                f"{v['minimal_mb']['median']:.0f} MB ({v['ratio']:.3f}x)"
+                for k, v in by_rank.items()
+            )
+        )
     worst = max(v["ratio"] for v in per.values())
     print(f"peak_memory: worst ours/minimal peak RSS {worst:.3f} (target <= {TARGET})")
     return result(worst, TARGET, worst <= TARGET, strategies=per, note="VmHWM per rank, MiB; one torchrun per run")

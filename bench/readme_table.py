@@ -4,6 +4,7 @@ The table sits between two HTML comments in README.md; `update` replaces what is
 tests/test_readme.py checks that README.md and bench/results.md agree, so a figure in the README is always
 the latest full `make bench` run's.
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,7 +19,7 @@ def region(readme: str) -> str:
     i, j = readme.find(START), readme.find(END)
     if i < 0 or j < i:
         raise ValueError(f"README.md lacks the benchmark markers {START!r} ... {END!r}")
-    return readme[i + len(START):j].strip("\n")
+    return readme[i + len(START) : j].strip("\n")
 
 
 def update(readme_path: Path, results_md: str) -> None:

@@ -4,6 +4,7 @@
 only for a benchmark that crashes. `--only NAME... --update` measures those benchmarks again and replaces their
 rows in the existing results (and the README's table), each such row naming the commit it was measured at.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,15 @@ sys.path.insert(0, str(HERE.parent))
 from common import machine, save  # noqa: E402
 
 # name -> module; each module has run(quick) -> {"ratio", "target", "meets", "detail"}
-BENCHMARKS = ["trainer_overhead", "peak_memory", "checkpoint_stall", "recovery", "cli_latency", "planner_scale", "goodput"]
+BENCHMARKS = [
+    "trainer_overhead",
+    "peak_memory",
+    "checkpoint_stall",
+    "recovery",
+    "cli_latency",
+    "planner_scale",
+    "goodput",
+]
 
 
 def markdown(results: dict) -> str:

@@ -3,6 +3,7 @@
 Prints the wall time of `dtlaunch status --json` as a subprocess (interpreter start included) and of the rows
 alone, in-process. Run: .venv/bin/python bench/status_scale.py [ROWS]
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,14 @@ def fill(home: Path, rows: int, live: int) -> list[subprocess.Popen]:
             pid, created = 4_190_000 + i if i % 2 else os.getpid(), time.time() - 86400
         ident = getattr(local, "launcher_identity", None)  # absent before the fix: the bench runs on both
         extra = {"start_id": ident(pid)} if ident and i < live else {}
-        handle = LocalHandle(pid, created, attempt, str(run_dir / "logs" / f"{attempt}.log"),
-                             str(run_dir / "status" / attempt / "exit_code"), **extra)
+        handle = LocalHandle(
+            pid,
+            created,
+            attempt,
+            str(run_dir / "logs" / f"{attempt}.log"),
+            str(run_dir / "status" / attempt / "exit_code"),
+            **extra,
+        )
         reg.add(JobRecord("bench", "local", str(pid), str(run_dir), handle, time.time() - rows + i))
     return procs
 
@@ -61,11 +68,14 @@ def main() -> None:
         rows_s = time.perf_counter() - t0
         assert len(json.loads(buf.getvalue())) == rows
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "launcher", "status", "--json"], cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "launcher", "status", "--json"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL
+        )
         cli_s = time.perf_counter() - t0
-        print(f"status_scale: {rows} rows, {n_procs} processes: rows {rows_s:.3f} s in-process, "
-              f"`dtlaunch status --json` {cli_s:.3f} s")
+        print(
+            f"status_scale: {rows} rows, {n_procs} processes: rows {rows_s:.3f} s in-process, "
+            f"`dtlaunch status --json` {cli_s:.3f} s"
+        )
     finally:
         for p in procs + others:
             p.kill()

@@ -35,6 +35,7 @@ collectives those choices add.
 
 A process's peak RSS is its whole life's, so bench/peak_memory.py runs each arm in its own torchrun.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,9 +71,15 @@ def collect(quick: bool) -> dict:
     for s in cfg["strategies"]:
         d = base / s
         rec = T.recipe(parallelism={"strategy": s}, training={"steps": steps, "log_every": cfg["block"]})
-        spec = {"plan": str(T.write_plan(d, rec)), "rounds": cfg["rounds"], "warmup": cfg["warmup"],
-                "blocks": cfg["blocks"], "block": cfg["block"], "out": str(d),
-                "minimal_args": ["--strategy", s, "--steps", str(steps), "--log-every", str(cfg["block"])]}
+        spec = {
+            "plan": str(T.write_plan(d, rec)),
+            "rounds": cfg["rounds"],
+            "warmup": cfg["warmup"],
+            "blocks": cfg["blocks"],
+            "block": cfg["block"],
+            "out": str(d),
+            "minimal_args": ["--strategy", s, "--steps", str(steps), "--log-every", str(cfg["block"])],
+        }
         (d / "spec.json").write_text(json.dumps(spec))
         T.torchrun([WORLD, str(d / "spec.json")], d, timeout=1800).check()
         blocks[s] = [json.loads((d / f"blocks-{r}.json").read_text()) for r in range(cfg["rounds"])]
@@ -105,14 +112,18 @@ def analyse(data: dict) -> dict:
             return statistics.median(_pair_ratio(p) for p in ps)
 
         ours_s, mine_s = [p[0] for p in pairs], [p[1] for p in pairs]
-        per[s] = {"ratio": median_ratio(pairs), "band": list(bootstrap_band(pairs, median_ratio)),
-                  "round_ratios": [median_ratio(list(zip(rr["ours"], rr["minimal"], strict=True))) for rr in rounds],
-                  "sum_ratio": sum(mine_s) / sum(ours_s),
-                  "quantile_ratio": quantile(mine_s, Q) / quantile(ours_s, Q),
-                  "pair_ratio_range": [min(map(_pair_ratio, pairs)), max(map(_pair_ratio, pairs))],
-                  "ours_tokens_per_s": tokens_per_block / statistics.median(ours_s),
-                  "minimal_tokens_per_s": tokens_per_block / statistics.median(mine_s),
-                  "block_seconds": rounds, "final_losses": data["losses"][s]}
+        per[s] = {
+            "ratio": median_ratio(pairs),
+            "band": list(bootstrap_band(pairs, median_ratio)),
+            "round_ratios": [median_ratio(list(zip(rr["ours"], rr["minimal"], strict=True))) for rr in rounds],
+            "sum_ratio": sum(mine_s) / sum(ours_s),
+            "quantile_ratio": quantile(mine_s, Q) / quantile(ours_s, Q),
+            "pair_ratio_range": [min(map(_pair_ratio, pairs)), max(map(_pair_ratio, pairs))],
+            "ours_tokens_per_s": tokens_per_block / statistics.median(ours_s),
+            "minimal_tokens_per_s": tokens_per_block / statistics.median(mine_s),
+            "block_seconds": rounds,
+            "final_losses": data["losses"][s],
+        }
     return per
 
 
@@ -121,19 +132,30 @@ def run(quick: bool = False) -> dict:
     per = analyse(data)
     cfg = data["config"]
     for s, v in per.items():
-        print(f"trainer_overhead[{s}]: ours {v['ours_tokens_per_s']:.0f} tok/s vs minimal {v['minimal_tokens_per_s']:.0f} "
-              f"-> {v['ratio']:.3f} (noise band {v['band'][0]:.3f}-{v['band'][1]:.3f}; rounds "
-              f"{', '.join(f'{x:.3f}' for x in v['round_ratios'])}; summed blocks {v['sum_ratio']:.3f}; "
-              f"{Q:.0%} quantiles {v['quantile_ratio']:.3f}; block pairs {v['pair_ratio_range'][0]:.3f}-"
-              f"{v['pair_ratio_range'][1]:.3f})")
+        print(
+            f"trainer_overhead[{s}]: ours {v['ours_tokens_per_s']:.0f} tok/s vs minimal {v['minimal_tokens_per_s']:.0f} "
+            f"-> {v['ratio']:.3f} (noise band {v['band'][0]:.3f}-{v['band'][1]:.3f}; rounds "
+            f"{', '.join(f'{x:.3f}' for x in v['round_ratios'])}; summed blocks {v['sum_ratio']:.3f}; "
+            f"{Q:.0%} quantiles {v['quantile_ratio']:.3f}; block pairs {v['pair_ratio_range'][0]:.3f}-"
+            f"{v['pair_ratio_range'][1]:.3f})"
+        )
     worst = min(per, key=lambda s: per[s]["ratio"])
     w = per[worst]
-    print(f"trainer_overhead: worst ours/minimal tokens/s {w['ratio']:.3f} ({worst}; noise band {w['band'][0]:.3f}-"
-          f"{w['band'][1]:.3f}) (target >= {TARGET})")
+    print(
+        f"trainer_overhead: worst ours/minimal tokens/s {w['ratio']:.3f} ({worst}; noise band {w['band'][0]:.3f}-"
+        f"{w['band'][1]:.3f}) (target >= {TARGET})"
+    )
     n = cfg["rounds"] * cfg["blocks"]
-    return result(w["ratio"], TARGET, w["ratio"] >= TARGET, band=w["band"], worst=worst, strategies=per,
-                  config=cfg,
-                  note=f"median over {n} block pairs of {cfg['block']} steps (ours, minimal alternating in one world, "
-                       f"{cfg['rounds']} rounds of fresh builds) of the minimal block's seconds over ours; band: 5-95% "
-                       "of that median over bootstrap resamplings of the block pairs; 2 ranks gloo fp32, tiny preset "
-                       "seq 128")
+    return result(
+        w["ratio"],
+        TARGET,
+        w["ratio"] >= TARGET,
+        band=w["band"],
+        worst=worst,
+        strategies=per,
+        config=cfg,
+        note=f"median over {n} block pairs of {cfg['block']} steps (ours, minimal alternating in one world, "
+        f"{cfg['rounds']} rounds of fresh builds) of the minimal block's seconds over ours; band: 5-95% "
+        "of that median over bootstrap resamplings of the block pairs; 2 ranks gloo fp32, tiny preset "
+        "seq 128",
+    )

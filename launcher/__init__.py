@@ -7,6 +7,7 @@ torch and submitit:
 * `launcher.init()`, inside a job, gives the user's own training script dtlaunch's runtime: the process
   group, the plan's wrapping, atomic checkpoints, preemption and metrics (launcher/runtime/job.py).
 """
+
 __version__ = "0.1.0"
 __all__ = ["submit", "init", "Job"]
 

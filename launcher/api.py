@@ -5,6 +5,7 @@ errors, render into a directory, submit exactly what was rendered, record the jo
 status/logs/down` see it), ending in submitit's own Job: poll it (`job.state`, `job.done()`), read its
 result (`job.result()`: the run's summary, or the failure with its exit code), cancel it (`job.cancel()`).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ if TYPE_CHECKING:
 SUBMITIT = "targets.slurm.submit=submitit"
 
 
-def submit(recipe: Recipe | str | os.PathLike, *, target_dir: str | os.PathLike | None = None,
-           overrides: Sequence[str] = ()) -> submitit.Job:
+def submit(
+    recipe: Recipe | str | os.PathLike, *, target_dir: str | os.PathLike | None = None, overrides: Sequence[str] = ()
+) -> submitit.Job:
     """Validate, render into `target_dir` (default: <targets.local.run_dir>/<job name>-slurm, as `up`),
     submit with submitit to SLURM, record the job; return submitit's Job.
 
@@ -47,6 +49,8 @@ def submit(recipe: Recipe | str | os.PathLike, *, target_dir: str | os.PathLike 
     try:
         registry.add(record(job, art.job_name, out))
     except DtlaunchError as e:
-        print(f"warning: the job is running but could not be recorded ({e}); its submitit folder: {job.paths.folder}",
-              file=sys.stderr)
+        print(
+            f"warning: the job is running but could not be recorded ({e}); its submitit folder: {job.paths.folder}",
+            file=sys.stderr,
+        )
     return job

@@ -3,6 +3,7 @@
 Kept as plain data so the planner stays a set of pure functions and a user can read, in
 one place, every number a plan depends on. Imports nothing of ours.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -167,6 +168,8 @@ def parse_accelerator(spec: str) -> tuple[str, int]:
     if not sep:
         return name, 1
     if not (count.isascii() and count.isdigit()) or not 1 <= int(count) <= 1024:
-        raise ValueError(f"{spec!r}: the count after ':' must be a whole number from 1 to 1024 in ASCII digits, "
-                         "with no spaces, e.g. H100:8")
+        raise ValueError(
+            f"{spec!r}: the count after ':' must be a whole number from 1 to 1024 in ASCII digits, "
+            "with no spaces, e.g. H100:8"
+        )
     return name, int(count)

@@ -18,6 +18,7 @@ When a worker fails, torchrun knows its exit code even if the worker died before
 `os._exit`, a crash in native code): that code is kept in the run's record for people, so the failure a
 scheduler or submitit reports names it (see `_record_unreported`).
 """
+
 from __future__ import annotations
 
 import builtins
@@ -39,8 +40,14 @@ def _record_unreported(failures: dict) -> None:
         code = int(failure.exitcode)
         if code <= 0 or (Path(status) / f"rank-{int(rank):05d}.code").exists():
             continue  # a signal (negative): nothing to report beyond torchrun's own log; or it spoke itself
-        write_status(Path(run_dir), int(rank), code, f"exited with code {code} before writing its own status "
-                     "(torchrun's report)", None, code_file=False)
+        write_status(
+            Path(run_dir),
+            int(rank),
+            code,
+            f"exited with code {code} before writing its own status (torchrun's report)",
+            None,
+            code_file=False,
+        )
 
 
 def _final_codes_stop_restarts() -> None:
@@ -58,8 +65,12 @@ def _final_codes_stop_restarts() -> None:
         codes = sorted({int(f.exitcode) for f in (result.failures or {}).values()})
         final = [c for c in codes if c > 0 and outcome(c) == "final"]
         if final and self._remaining_restarts > 0:
-            print(f"dtlaunch: a worker ended with exit code {final[0]}, which is never retried: "
-                  "not restarting the workers", file=sys.stderr, flush=True)
+            print(
+                f"dtlaunch: a worker ended with exit code {final[0]}, which is never retried: "
+                "not restarting the workers",
+                file=sys.stderr,
+                flush=True,
+            )
             self._remaining_restarts = 0
         return result
 
@@ -107,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         raise  # torchrun's own report and exit status
     except SignalException as e:
         sig = e.sigval
-        print(f"dtlaunch: torchrun stopped by {sig.name}; its workers were told to checkpoint and stop",
-              file=sys.stderr, flush=True)
+        print(
+            f"dtlaunch: torchrun stopped by {sig.name}; its workers were told to checkpoint and stop",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + int(sig)
     return 0
 

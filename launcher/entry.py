@@ -13,6 +13,7 @@ and may use dtlaunch's library (`launcher.init()`) or not at all.
 No preemption handler is installed here: a script that does not use the library keeps Python's default
 (TERM ends it at once; its last checkpoint is the resume point), one that does gets the library's flag.
 """
+
 from __future__ import annotations
 
 import os
@@ -84,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = rank_from_env()
     start, step = progress()
     if code != 0:
-        print(f"dtlaunch: rank {rank}: exit {code} ({jobenv.ExitCode.name_of(code)}): {message}", file=sys.stderr,
-              flush=True)
+        print(
+            f"dtlaunch: rank {rank}: exit {code} ({jobenv.ExitCode.name_of(code)}): {message}",
+            file=sys.stderr,
+            flush=True,
+        )
     write_status(Path(os.environ.get(jobenv.RUN_DIR) or "."), rank, code, message, step, start)
     return code
 

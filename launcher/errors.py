@@ -3,6 +3,7 @@
 Every error carries what went wrong and, where we know it, how to fix it, in one shape: a `Problem`
 (file, line, field, message, fix) for mistakes in a recipe, a message plus `fix` for everything else.
 """
+
 from __future__ import annotations
 
 import msgspec

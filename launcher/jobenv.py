@@ -3,6 +3,7 @@
 Torch-free, so `render` (on a laptop) and the runtime (on the cluster) read the same table: the exit-code
 contract, the environment variables dtlaunch sets for a job, the port formula, the metrics file.
 """
+
 from __future__ import annotations
 
 import json
@@ -104,9 +105,24 @@ FAULT = "DTLAUNCH_FAULT"  # test-only fault injection (launcher.runtime.faults)
 # except the inputs below, which dtlaunch reads and never sets.
 RESERVED_PREFIXES = {"DTLAUNCH_": "dtlaunch", "TORCHELASTIC_": "torchrun"}
 # torchrun's per-rank variables; DeepSpeed's launcher sets the same, and CROSS_*/LOCAL_SIZE besides.
-RESERVED_NAMES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
-                            "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                            "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"})
+RESERVED_NAMES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "CROSS_RANK",
+        "CROSS_SIZE",
+        "LOCAL_SIZE",
+    }
+)
 ENV_INPUTS = frozenset({"DTLAUNCH_PYTHON", FAULT})  # the job's interpreter (read by the job scripts); fault drills
 
 
@@ -117,6 +133,7 @@ def env_owner(name: str) -> str | None:
     if name in RESERVED_NAMES:
         return "torchrun"
     return next((who for prefix, who in RESERVED_PREFIXES.items() if name.startswith(prefix)), None)
+
 
 # One rendezvous port per SLURM job id, so two jobs sharing a node do not collide; kept below Linux's
 # ephemeral range (32768+), where the kernel hands out ports to outgoing connections.
@@ -166,12 +183,22 @@ GPU_ENV = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
 # reduces in-switch (NVLS on H100 nodes) or in-network (CollNet), each summing in its own order: fixed to the ring
 # and the simple protocol, which costs bandwidth (deterministic mode is for debugging and drills).
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-DETERMINISTIC_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "NCCL_COLLNET_ENABLE": "0", "NCCL_ALGO": "Ring",
-                          "NCCL_PROTO": "Simple"}
+DETERMINISTIC_NCCL_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "NCCL_COLLNET_ENABLE": "0",
+    "NCCL_ALGO": "Ring",
+    "NCCL_PROTO": "Simple",
+}
 
 
-def job_environment(network_env: dict[str, str], *, is_gpu: bool, socket_ifname: str | None = None,
-                    omp_threads: int | None = None, deterministic: bool = False) -> dict[str, str]:
+def job_environment(
+    network_env: dict[str, str],
+    *,
+    is_gpu: bool,
+    socket_ifname: str | None = None,
+    omp_threads: int | None = None,
+    deterministic: bool = False,
+) -> dict[str, str]:
     """The variables a job sets for its processes (render writes them into scripts; the runtime sets the
     same ones when started without a script). NCCL settings only matter on GPUs; threads only on CPUs."""
     env = dict(LOUD_FAILURES)

@@ -13,6 +13,7 @@ through each node's shell, escaping nothing:
 validate refuses recipe values that break this (rules_targets.py); the job script runs this module
 (`python -m launcher.pdsh`) on the values it computes at run time, before it writes .deepspeed_env.
 """
+
 from __future__ import annotations
 
 import string
@@ -51,11 +52,17 @@ def main(argv: list[str]) -> int:
         if chars:
             bad.append(f"{word!r} holds {describe(chars)}")
     for b in bad:
-        print(f"dtlaunch: error: {b}: DeepSpeed's head-only launch (targets.sky.deepspeed_ssh) would pass it to every "
-              "node's shell unescaped, where it runs as shell code or breaks the launch", file=sys.stderr)
+        print(
+            f"dtlaunch: error: {b}: DeepSpeed's head-only launch (targets.sky.deepspeed_ssh) would pass it to every "
+            "node's shell unescaped, where it runs as shell code or breaks the launch",
+            file=sys.stderr,
+        )
     if bad:
-        print("dtlaunch: fix: use paths and values without those characters (DTLAUNCH_RUN_ID, DTLAUNCH_RUN_DIR and "
-              "the task's directory included), or leave targets.sky.deepspeed_ssh off", file=sys.stderr)
+        print(
+            "dtlaunch: fix: use paths and values without those characters (DTLAUNCH_RUN_ID, DTLAUNCH_RUN_DIR and "
+            "the task's directory included), or leave targets.sky.deepspeed_ssh off",
+            file=sys.stderr,
+        )
     return 2 if bad else 0
 
 

@@ -3,6 +3,7 @@
 Shipping the resolved plan (not the YAML) means the job trains exactly what `plan` showed, even if the
 planner's defaults change between the submitting machine and the cluster.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,16 @@ def read(path: str | Path) -> tuple[Recipe, Plan, dict[str, Any]]:
         raise _fail(p, f"not a plan file: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else None
-        raise RecipeError([Problem(str(p), "format", f"unsupported plan file format {found!r}",
-                                   f"re-render it with this dtlaunch ({__version__})")])
+        raise RecipeError(
+            [
+                Problem(
+                    str(p),
+                    "format",
+                    f"unsupported plan file format {found!r}",
+                    f"re-render it with this dtlaunch ({__version__})",
+                )
+            ]
+        )
     try:
         recipe = parse(doc["recipe"])
         plan = Plan.from_dict(doc["plan"])

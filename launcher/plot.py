@@ -5,6 +5,7 @@ resume): the later record wins, and resume/checkpoint/preempt events are drawn a
 reader sees where the run was interrupted. matplotlib is imported lazily with the Agg backend (no
 display needed on a cluster head node).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,8 +22,10 @@ def plot_metrics(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None
     """Write the loss curve (and tokens/s) to `out_png` (default: next to metrics.jsonl, loss.png)."""
     src = metrics_path(run_dir_or_jsonl)
     if not src.is_file():
-        raise PlotError(f"no metrics at {src} (expected RUN_DIR/{METRICS_FILE}); is this a run directory? "
-                        "`dtlaunch status` lists each job's run directory")
+        raise PlotError(
+            f"no metrics at {src} (expected RUN_DIR/{METRICS_FILE}); is this a run directory? "
+            "`dtlaunch status` lists each job's run directory"
+        )
     records = read_metrics(src)
     by_step: dict[int, dict] = {}
     for r in records:
@@ -30,8 +33,11 @@ def plot_metrics(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None
             by_step[int(r["step"])] = r
     if not by_step:
         raise PlotError(f"{src} has no logged steps yet")
-    events = [r for r in records if "event" in r and r.get("step") is not None
-              and r["event"] in ("resume", "checkpoint", "preempt")]
+    events = [
+        r
+        for r in records
+        if "event" in r and r.get("step") is not None and r["event"] in ("resume", "checkpoint", "preempt")
+    ]
     if sum(e["event"] == "checkpoint" for e in events) > 40:  # dense checkpoints would hide the curve
         events = [e for e in events if e["event"] != "checkpoint"]
     import matplotlib
@@ -47,8 +53,9 @@ def plot_metrics(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None
     seen = set()
     for e in events:
         color, ls = styles[e["event"]]
-        ax.axvline(e["step"], color=color, linestyle=ls, linewidth=1,
-                   label=e["event"] if e["event"] not in seen else None)
+        ax.axvline(
+            e["step"], color=color, linestyle=ls, linewidth=1, label=e["event"] if e["event"] not in seen else None
+        )
         seen.add(e["event"])
     ax.set_ylabel("loss")
     ax.set_title(f"{src.parent.name}: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {steps[-1]} steps")

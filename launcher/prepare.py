@@ -5,6 +5,7 @@ The recipe is a file, or a Recipe already loaded (launcher.submit from a noteboo
 data with the record of which fields the user wrote (the planner chooses a tensor degree the user left out, and
 keeps one the user wrote), never through a YAML round trip that would mark every field as written.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,9 @@ class Prepared:
     artifacts: Any
     tasks: list[tuple[str, Any, Any]] = field(default_factory=list)  # (sweep label, recipe, plan): one per task
     source: str = ""
-    choices: Any = None  # SkyPilot accelerator fallbacks as planned (plan.choices.Choices); `plan` is their shipped plan
+    choices: Any = (
+        None  # SkyPilot accelerator fallbacks as planned (plan.choices.Choices); `plan` is their shipped plan
+    )
 
     @property
     def target(self) -> str:
@@ -44,8 +47,7 @@ def source_name(source) -> str:
     return str(source) if isinstance(source, (str, os.PathLike)) else f"<recipe {getattr(source, 'name', '?')}>"
 
 
-def prepare(source, overrides: Sequence[str] = (), target: str | None = None,
-            sweeps: Sequence[str] = ()) -> Prepared:
+def prepare(source, overrides: Sequence[str] = (), target: str | None = None, sweeps: Sequence[str] = ()) -> Prepared:
     """Load, plan and render; with `sweeps`, one task per combination (a SLURM array), each planned on its own."""
     from .plan import make_plan
     from .plan.choices import for_target
@@ -75,9 +77,11 @@ def prepare(source, overrides: Sequence[str] = (), target: str | None = None,
     if shared:
         # Each task has a run id of its own, but a fixed directory is one directory: concurrent tasks refuse each
         # other's lock, and a later task resumes an earlier one's final checkpoint (trained nothing) or is refused.
-        raise DtlaunchError(f"checkpoint.dir {shared[0]!r} has no {{run_id}}: every task of the sweep would write "
-                            "its checkpoints into that one directory",
-                            fix=f"put {{run_id}} in it, e.g. --set checkpoint.dir={shared[0].rstrip('/')}/{{run_id}}")
+        raise DtlaunchError(
+            f"checkpoint.dir {shared[0]!r} has no {{run_id}}: every task of the sweep would write "
+            "its checkpoints into that one directory",
+            fix=f"put {{run_id}} in it, e.g. --set checkpoint.dir={shared[0].rstrip('/')}/{{run_id}}",
+        )
     tasks = [(" ".join(c), r, q) for c, (r, q) in zip(combos, items, strict=True)]
     return Prepared(recipe, plan, render_slurm_array(items), tasks, name)
 
@@ -94,13 +98,17 @@ def check(prep: Prepared, force: bool, action: str) -> None:
             print(f"sweep task {i} ({label}):", file=sys.stderr)
         for f in findings:
             where = (f.file or prep.source) + (f":{f.line}" if f.line else "")
-            print(f"{where}: {f.severity} [{f.rule}] {f.field}: {f.message}" + (f"\n    fix: {f.fix}" if f.fix else ""),
-                  file=sys.stderr)
+            print(
+                f"{where}: {f.severity} [{f.rule}] {f.field}: {f.message}" + (f"\n    fix: {f.fix}" if f.fix else ""),
+                file=sys.stderr,
+            )
         errors = errors or has_errors(findings)
     if errors:
         if not force:
-            raise DtlaunchError(f"{prep.source}: validation found errors for the {prep.target} target; nothing was "
-                                f"{action}", fix="fix the errors above, or pass --force to go ahead anyway")
+            raise DtlaunchError(
+                f"{prep.source}: validation found errors for the {prep.target} target; nothing was {action}",
+                fix="fix the errors above, or pass --force to go ahead anyway",
+            )
         print(f"warning: {action} despite validation errors (--force)", file=sys.stderr)
 
 

@@ -5,6 +5,7 @@ runtime its engine and checkpoint format, the renderer the ZeRO stage, validate 
 is one row here plus the code that runs it; nothing else should spell a strategy's name.
 Imports nothing of ours, so the CLI can read it without cost.
 """
+
 from __future__ import annotations
 
 from enum import Enum
@@ -67,11 +68,18 @@ STRATEGIES: dict[StrategyName, StrategySpec] = {
         StrategySpec(StrategyName.FSDP_GRAD_OP, Family.TORCH, _ALL, (), reshard_after_forward=False),
         # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together: "params".
         StrategySpec(StrategyName.FSDP, Family.TORCH, _ALL, ("params",), reshard_after_forward=True),
-        StrategySpec(StrategyName.HYBRID, Family.TORCH, _ALL, ("params",), reshard_after_forward=True,
-                     replicate_across_nodes=True),
+        StrategySpec(
+            StrategyName.HYBRID,
+            Family.TORCH,
+            _ALL,
+            ("params",),
+            reshard_after_forward=True,
+            replicate_across_nodes=True,
+        ),
         StrategySpec(StrategyName.ZERO1, Family.DEEPSPEED, frozenset({"optimizer"}), ("optimizer",), zero_stage=1),
-        StrategySpec(StrategyName.ZERO2, Family.DEEPSPEED, frozenset({"optimizer", "grads"}), ("optimizer",),
-                     zero_stage=2),
+        StrategySpec(
+            StrategyName.ZERO2, Family.DEEPSPEED, frozenset({"optimizer", "grads"}), ("optimizer",), zero_stage=2
+        ),
         StrategySpec(StrategyName.ZERO3, Family.DEEPSPEED, _ALL, ("optimizer", "params"), zero_stage=3),
     )
 }
@@ -116,7 +124,6 @@ def offload_for(strategy: str | StrategyName, offload: str) -> str:
     return modes[0] if modes else "none"
 
 
-
 def reduces_once_per_step(lay) -> bool:
     """FSDP2 gradient accumulation without communication: `set_requires_gradient_sync(False)` on all but the
     last micro-batch, so each unit's unsharded gradient (fp32: the reduce dtype) stays on every rank and is
@@ -127,8 +134,16 @@ def reduces_once_per_step(lay) -> bool:
     unsharded gradients would sit on the GPU the offload is meant to relieve), and only with more than one
     micro-batch per step. DDP always reduces once per step; DeepSpeed accumulates by its own schedule."""
     sp = spec(lay.strategy)
-    return (getattr(lay, "grad_reduce", "every_micro_batch") == "once_per_step" and sp.family is Family.TORCH
-            and sp.sharded and lay.tp == 1 and lay.pp == 1 and lay.offload == "none" and lay.grad_accum > 1)
+    return (
+        getattr(lay, "grad_reduce", "every_micro_batch") == "once_per_step"
+        and sp.family is Family.TORCH
+        and sp.sharded
+        and lay.tp == 1
+        and lay.pp == 1
+        and lay.offload == "none"
+        and lay.grad_accum > 1
+    )
+
 
 # ----------------------------------------------------------------------------- targets
 

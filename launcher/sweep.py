@@ -3,6 +3,7 @@
 Used by `plan --sweep` (compare layouts in one call) and by SLURM array jobs (one task per set). The
 product is counted before it is built, and capped: a sweep is a handful of experiments, not a search.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,13 +21,16 @@ def expand(sweeps: list[str] | tuple[str, ...]) -> list[list[str]]:
         key, sep, values = item.partition("=")
         vals = _split(values, item) if sep else []
         if not key.strip() or not vals or any(v == "" for v in vals):
-            raise DtlaunchError(f"--sweep {item[:200]!r}: expected KEY=V1,V2,...",
-                                fix="e.g. --sweep resources.nodes=1,2,4")
+            raise DtlaunchError(
+                f"--sweep {item[:200]!r}: expected KEY=V1,V2,...", fix="e.g. --sweep resources.nodes=1,2,4"
+            )
         axes.append([f"{key.strip()}={v}" for v in vals])
     n = math.prod(len(a) for a in axes)
     if n > MAX_COMBINATIONS:
-        raise DtlaunchError(f"the sweep has {n:,} combinations; at most {MAX_COMBINATIONS:,} are allowed",
-                            fix="sweep fewer values, or split the sweep into several runs")
+        raise DtlaunchError(
+            f"the sweep has {n:,} combinations; at most {MAX_COMBINATIONS:,} are allowed",
+            fix="sweep fewer values, or split the sweep into several runs",
+        )
     return [list(combo) for combo in itertools.product(*axes)] if axes else [[]]
 
 
@@ -56,5 +60,7 @@ def _split(values: str, item: str) -> list[str]:
     else:
         if not stack and not quote:
             return [*out, "".join(cur).strip()]
-    raise DtlaunchError(f"--sweep {item[:200]!r}: unbalanced brackets or quotes",
-                        fix="close each [ ], { } and quote in the value, e.g. --sweep training.betas=[0.9,0.95],[0.8,0.9]")
+    raise DtlaunchError(
+        f"--sweep {item[:200]!r}: unbalanced brackets or quotes",
+        fix="close each [ ], { } and quote in the value, e.g. --sweep training.betas=[0.9,0.95],[0.8,0.9]",
+    )

@@ -5,6 +5,7 @@ Every ending maps to one exit code from launcher.jobenv.ExitCode, with a one-par
 traceback for anything a user can act on. torchrun itself exits 1 whenever a worker fails, so each rank
 also records its code in RUN_DIR/status/rank-NNNNN.json for wrappers that decide requeue vs give up.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,12 +23,18 @@ from .runtime.status import classify, is_oom, rank_from_env, write_status
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launcher.train", description=__doc__.splitlines()[0])
     p.add_argument("--plan", required=True, help="the plan file written by `dtlaunch render` (plan.json)")
-    p.add_argument("--run-dir", default=None,
-                   help="where metrics.jsonl, the exported model and checkpoints (by default) go; "
-                        "default: $DTLAUNCH_RUN_DIR, else the plan file's directory")
-    p.add_argument("--check", action="store_true",
-                   help="check that this machine can run the plan (imports, versions, plan, data, checkpoint "
-                        "directory), print one line, and exit: 0 ok, 2 not (the job scripts run it before torchrun)")
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="where metrics.jsonl, the exported model and checkpoints (by default) go; "
+        "default: $DTLAUNCH_RUN_DIR, else the plan file's directory",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check that this machine can run the plan (imports, versions, plan, data, checkpoint "
+        "directory), print one line, and exit: 0 ok, 2 not (the job scripts run it before torchrun)",
+    )
     # The deepspeed launcher appends --local_rank=N unless started with --no_local_rank; the rank comes
     # from the environment either way.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -65,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         message = "finished"
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
         step = trainer.current
-        code, message = classify(exc, step, recipe.training.timeout_seconds,
-                                 memory_note=memory_note(plan) if is_oom(exc) else None)
+        code, message = classify(
+            exc, step, recipe.training.timeout_seconds, memory_note=memory_note(plan) if is_oom(exc) else None
+        )
         if code == ExitCode.FAILED and not isinstance(exc, (DtlaunchError, KeyboardInterrupt)):
             traceback.print_exc()  # an unexpected error is a bug: keep the traceback for the report
         label = ExitCode.name_of(code)
@@ -96,9 +104,11 @@ def memory_note(plan) -> str:
     try:
         dev = torch.cuda.current_device()
         total = torch.cuda.get_device_properties(dev).total_memory
-        return (f"this GPU: {jobenv.gb(torch.cuda.memory_allocated(dev))} allocated, "
-                f"{jobenv.gb(torch.cuda.memory_reserved(dev))} reserved, peak "
-                f"{jobenv.gb(torch.cuda.max_memory_allocated(dev))}, of {jobenv.gb(total)}; " + note)
+        return (
+            f"this GPU: {jobenv.gb(torch.cuda.memory_allocated(dev))} allocated, "
+            f"{jobenv.gb(torch.cuda.memory_reserved(dev))} reserved, peak "
+            f"{jobenv.gb(torch.cuda.max_memory_allocated(dev))}, of {jobenv.gb(total)}; " + note
+        )
     except Exception:  # noqa: BLE001 - a broken device must not hide the error itself
         return note
 
@@ -131,8 +141,11 @@ def _check(recipe, plan, run_dir: Path) -> int:
         print(f"dtlaunch: this node cannot run the plan: {e}", file=sys.stderr, flush=True)
         return e.exit_code if e.exit_code in (ExitCode.PREFLIGHT, ExitCode.STORAGE) else ExitCode.CONFIG
     except ImportError as e:  # the job scripts add how to point them at another environment
-        print(f"dtlaunch: this node cannot run the plan: {e} (install dtlaunch[train] in the job's environment)",
-              file=sys.stderr, flush=True)
+        print(
+            f"dtlaunch: this node cannot run the plan: {e} (install dtlaunch[train] in the job's environment)",
+            file=sys.stderr,
+            flush=True,
+        )
         return ExitCode.FAILED
     print(f"dtlaunch: check ok: {summary}", flush=True)
     return ExitCode.OK

@@ -17,20 +17,17 @@ FULL_SUITE_ONLY = {
     "tests/test_trace.py::test_ddp_on_real_tensors_matches_the_planner": "3 x 20 s: DDP on real tensors",
     # A real torch elastic agent given a signal, waiting out its shutdown timeout (the rendered grace's
     # arithmetic stays: test_the_rendered_grace_covers_a_step_a_save_and_the_exit).
-    "tests/runtime/test_elastic_shutdown.py::test_a_worker_within_the_grace_commits_and_one_beyond_it_is_killed":
-        "12 s",
+    "tests/runtime/test_elastic_shutdown.py::test_a_worker_within_the_grace_commits_and_one_beyond_it_is_killed": "12 s",
     # DeepSpeed's engine started in a process of its own (the config half is quick, the engine is not).
     "tests/runtime/test_gpu_paths.py::test_8_zero_offload_accepts_a_torch_optimizer_on_a_gpu_config": "11 s",
     # The 70B step traced at 64 fake ranks, twice.
     "tests/runtime/test_gpu_paths.py::test_collectives_per_step_of_the_70b_recipe_at_64_ranks": "16 s",
     # Every string field times every payload, target and launcher, each rendered job run against stubs (the
     # three other tests of the file stay: every configuration against the stubs, the head-only launch).
-    "tests/test_injection_fuzz.py::test_shell_payloads_in_every_string_field_are_refused_located_or_stay_data":
-        "21 s",
+    "tests/test_injection_fuzz.py::test_shell_payloads_in_every_string_field_are_refused_located_or_stay_data": "21 s",
     # ~300 extreme recipes through load, plan, validate and render (tests/test_bad_recipes.py's property test,
     # ~3 s, stays: no generated bad recipe ends in a traceback).
-    "tests/test_reserved_and_fuzz.py::test_fuzz_extremes_raise_only_dtlaunch_errors_and_what_validate_passes_renders":
-        "13 s",
+    "tests/test_reserved_and_fuzz.py::test_fuzz_extremes_raise_only_dtlaunch_errors_and_what_validate_passes_renders": "13 s",
 }
 
 
@@ -95,8 +92,13 @@ def pytest_collection_modifyitems(config, items):
         else:
             group = path
         item.add_marker(pytest.mark.xdist_group(group))
-        if not (item.get_closest_marker("slow") or item.get_closest_marker("gpu") or "/tests/gpu/" in path
-                or "/tests/slurm/" in path or _full_suite_only(item.nodeid)):
+        if not (
+            item.get_closest_marker("slow")
+            or item.get_closest_marker("gpu")
+            or "/tests/gpu/" in path
+            or "/tests/slurm/" in path
+            or _full_suite_only(item.nodeid)
+        ):
             item.add_marker(pytest.mark.fast)
 
 
@@ -113,7 +115,8 @@ def pytest_collection_finish(session):
     if ungrouped:
         session.config.stash[UNGROUPED] = (
             f"pytest-xdist's --dist loadgroup did not group {len(ungrouped)} tests: this pytest and pytest-xdist do "
-            "not work together. Use the versions in constraints.txt (make install), or run without -n.")
+            "not work together. Use the versions in constraints.txt (make install), or run without -n."
+        )
 
 
 def pytest_runtest_setup(item):

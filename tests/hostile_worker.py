@@ -1,5 +1,6 @@
 """Runs the hostile cases through the real CLI entry point, in a process with a memory limit, each command
 under a time limit. Usage: python hostile_worker.py N SEED OUT.json (results: one record per command)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -84,16 +85,27 @@ def main() -> None:
                 Path(path).write_text(spec["recipe"], encoding="utf-8", errors="surrogateescape")
             sets = [a for o in overrides for a in ("--set", o)]
             commands = [["validate", path, *sets], ["plan", path, *sets, "--json"]]
-            commands += [["render", path, "-t", t, "--force", "-o", str(d / f"out-{t}"), *sets]
-                         for t in ("local", "slurm", "sky")]
+            commands += [
+                ["render", path, "-t", t, "--force", "-o", str(d / f"out-{t}"), *sets]
+                for t in ("local", "slurm", "sky")
+            ]
             for argv in commands:
                 code, out, err, secs = run(argv)
                 located = code == 0 or path in err or path in out or "--set" in err + out
-                results.append({"case": cid, "command": argv[0] + (f" -t {argv[3]}" if argv[0] == "render" else ""),
-                                "code": code, "seconds": round(secs, 3), "traceback": "Traceback" in out + err,
-                                "internal": "internal error" in err, "located": located,
-                                "err": err[-400:] if (code not in (0, 1, 2, 3) or "internal error" in err
-                                                      or not located) else ""})
+                results.append(
+                    {
+                        "case": cid,
+                        "command": argv[0] + (f" -t {argv[3]}" if argv[0] == "render" else ""),
+                        "code": code,
+                        "seconds": round(secs, 3),
+                        "traceback": "Traceback" in out + err,
+                        "internal": "internal error" in err,
+                        "located": located,
+                        "err": err[-400:]
+                        if (code not in (0, 1, 2, 3) or "internal error" in err or not located)
+                        else "",
+                    }
+                )
     Path(out_path).write_text(json.dumps(results))
 
 

@@ -15,6 +15,7 @@ documented output that drifts fails the test like a failing command does.
 pytest-codeblocks and similar plugins run each block in the test's own process environment; these blocks
 need per-block working directories, a local SLURM cluster and timeouts, hence this small runner.
 """
+
 from __future__ import annotations
 
 import re
@@ -69,7 +70,7 @@ def blocks(text: str) -> tuple[list[Block], list[str]]:
                     if kind not in RUNNABLE + NOT_RUN:
                         problems.append(f"README.md:{start}: unknown marker {kind!r}")
                     expect = [e.replace('\\"', '"') for e in EXPECT.findall(m.group("rest"))]
-                    out.append(Block(kind, "\n".join(lines[start + 1:j]) + "\n", start + 1, expect))
+                    out.append(Block(kind, "\n".join(lines[start + 1 : j]) + "\n", start + 1, expect))
             i = j + 1
             continue
         i += 1

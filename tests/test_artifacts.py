@@ -1,5 +1,6 @@
 """Writing rendered artifacts: each file lands whole, and a failed write leaves the old set and no scratch
 behind."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,9 @@ from launcher.render.artifacts import Artifacts, LocalRequest
 
 
 def _artifacts(files: dict) -> Artifacts:
-    return Artifacts(target="local", job_name="j", files=files, request=LocalRequest("launch.sh"),
-                     executable={"launch.sh"})
+    return Artifacts(
+        target="local", job_name="j", files=files, request=LocalRequest("launch.sh"), executable={"launch.sh"}
+    )
 
 
 def _siblings(out):
@@ -52,6 +54,7 @@ def test_the_scratch_directory_is_private_and_a_link_in_it_is_not_followed(tmp_p
         seen["mode"] = d.stat().st_mode & 0o777
         (d / "link").symlink_to(outside)  # a link to a directory, left in the scratch directory
         return d
+
     monkeypatch.setattr(artifacts, "_scratch_dir", scratch)
     out = tmp_path / "out"
     _artifacts({"launch.sh": "echo\n"}).write(out)

@@ -1,4 +1,5 @@
 """Property test: generated bad recipes always give a clear error through the real CLI, never a traceback."""
+
 import copy
 
 import yaml
@@ -8,8 +9,12 @@ from hypothesis import strategies as st
 VALID = yaml.safe_load(open("recipes/llama70b.yaml"))
 
 WRONG_VALUES = st.one_of(
-    st.integers(min_value=-10**6, max_value=0), st.text(max_size=12), st.lists(st.integers(), max_size=3),
-    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2), st.booleans(), st.none(),
+    st.integers(min_value=-(10**6), max_value=0),
+    st.text(max_size=12),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+    st.booleans(),
+    st.none(),
     st.floats(allow_nan=True, allow_infinity=True),
 )
 
@@ -26,8 +31,20 @@ ALL_PATHS = list(paths(VALID))
 
 @st.composite
 def bad_recipe_text(draw):
-    kind = draw(st.sampled_from(["wrong_value", "unknown_key", "impossible_layout", "syntax", "empty", "binary",
-                                 "drop_section", "not_mapping"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "wrong_value",
+                "unknown_key",
+                "impossible_layout",
+                "syntax",
+                "empty",
+                "binary",
+                "drop_section",
+                "not_mapping",
+            ]
+        )
+    )
     doc = copy.deepcopy(VALID)
     if kind == "wrong_value":
         path = draw(st.sampled_from(ALL_PATHS))
@@ -40,10 +57,22 @@ def bad_recipe_text(draw):
         target = _get(doc, path) if path else doc
         target[draw(st.sampled_from(["micro_bach", "stratgy", "gpus", "foo", "node", "precison", "lr_rate"]))] = 1
     elif kind == "impossible_layout":
-        doc["parallelism"].update(draw(st.sampled_from([
-            {"tensor": 3}, {"data": 7}, {"pipeline": 500}, {"tensor": 0}, {"grad_accum": -2},
-            {"strategy": "zero4"}, {"precision": "fp8"}, {"offload": "disk"},
-        ])))
+        doc["parallelism"].update(
+            draw(
+                st.sampled_from(
+                    [
+                        {"tensor": 3},
+                        {"data": 7},
+                        {"pipeline": 500},
+                        {"tensor": 0},
+                        {"grad_accum": -2},
+                        {"strategy": "zero4"},
+                        {"precision": "fp8"},
+                        {"offload": "disk"},
+                    ]
+                )
+            )
+        )
     elif kind == "drop_section":
         doc.pop(draw(st.sampled_from(["name", "model", "training"])))
     elif kind == "not_mapping":

@@ -1,4 +1,5 @@
 """The CLI as a user runs it: fast paths import nothing heavy, JSON contract, rendered scripts execute safely."""
+
 import json
 import os
 import subprocess
@@ -15,19 +16,54 @@ HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko", "transformers", "p
 PY = sys.executable
 
 
-@pytest.mark.parametrize("args", [
-    ["--help"],
-    ["plan", RECIPES / "llama70b.yaml"],
-    ["plan", RECIPES / "llama70b.yaml", "--json"],
-    ["validate", RECIPES / "llama70b.yaml", RECIPES / "tiny.yaml"],
-    ["render", RECIPES / "tiny.yaml", "--target", "local", "-o", "{tmp}/r"],
-    ["render", RECIPES / "tiny.yaml", "--target", "slurm", "--set", "targets.slurm.submit=submitit", "-o", "{tmp}/s"],
-    ["plan", RECIPES / "llama70b.yaml", "--set", "targets.sky.accelerators=[A100-80GB:8]"],
-    ["render", RECIPES / "llama70b.yaml", "--target", "sky", "--set", "targets.sky.accelerators=[A100-80GB:8]",
-     "--set", "resources.image=nvcr.io/nvidia/pytorch:24.05-py3", "--force", "-o", "{tmp}/k"],
-    ["render", RECIPES / "tiny.yaml", "--target", "slurm", "--set", "resources.image=org/train:1", "--set",
-     "targets.slurm.container={runtime: pyxis}", "--set", "targets.slurm.submit=submitit", "-o", "{tmp}/c"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["plan", RECIPES / "llama70b.yaml"],
+        ["plan", RECIPES / "llama70b.yaml", "--json"],
+        ["validate", RECIPES / "llama70b.yaml", RECIPES / "tiny.yaml"],
+        ["render", RECIPES / "tiny.yaml", "--target", "local", "-o", "{tmp}/r"],
+        [
+            "render",
+            RECIPES / "tiny.yaml",
+            "--target",
+            "slurm",
+            "--set",
+            "targets.slurm.submit=submitit",
+            "-o",
+            "{tmp}/s",
+        ],
+        ["plan", RECIPES / "llama70b.yaml", "--set", "targets.sky.accelerators=[A100-80GB:8]"],
+        [
+            "render",
+            RECIPES / "llama70b.yaml",
+            "--target",
+            "sky",
+            "--set",
+            "targets.sky.accelerators=[A100-80GB:8]",
+            "--set",
+            "resources.image=nvcr.io/nvidia/pytorch:24.05-py3",
+            "--force",
+            "-o",
+            "{tmp}/k",
+        ],
+        [
+            "render",
+            RECIPES / "tiny.yaml",
+            "--target",
+            "slurm",
+            "--set",
+            "resources.image=org/train:1",
+            "--set",
+            "targets.slurm.container={runtime: pyxis}",
+            "--set",
+            "targets.slurm.submit=submitit",
+            "-o",
+            "{tmp}/c",
+        ],
+    ],
+)
 def test_fast_commands_import_nothing_heavy(args, tmp_path):
     args = [str(a).replace("{tmp}", str(tmp_path)) for a in args]
     heavy = [m for m in HEAVY if not (m == "jinja2" and args[0] == "render")]  # render's templates need Jinja
@@ -47,15 +83,28 @@ def test_plan_json_contract(run_cli):
     code, out, _ = run_cli("plan", RECIPES / "llama70b.yaml", "--json")
     assert code == 0
     d = json.loads(out)
-    for k, t in {"params": int, "world_size": int, "dp": int, "tp": int, "pp": int, "strategy": str,
-                 "reasons": list, "memory": dict, "candidates": list, "time": dict, "cost": dict,
-                 "checkpoint": dict}.items():
+    for k, t in {
+        "params": int,
+        "world_size": int,
+        "dp": int,
+        "tp": int,
+        "pp": int,
+        "strategy": str,
+        "reasons": list,
+        "memory": dict,
+        "candidates": list,
+        "time": dict,
+        "cost": dict,
+        "checkpoint": dict,
+    }.items():
         assert isinstance(d[k], t), k
     for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu", "fits"):
         assert k in d["memory"]
         assert all(k in c["memory"] for c in d["candidates"])
     m = d["memory"]
-    assert m["total"] == pytest.approx(sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers")), abs=8)
+    assert m["total"] == pytest.approx(
+        sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers")), abs=8
+    )
     assert m["fits"] and m["total"] <= m["gpu"]
     assert d["params"] == 70_553_706_496 and d["world_size"] == 64
     assert set(d["time"]) >= {"flops_per_step", "step_seconds", "total_hours"} and d["cost"]["usd"] > 0
@@ -88,9 +137,11 @@ def test_bad_flag_and_unknown_target_are_clear(run_cli):
 def _stub_python(tmp_path: Path) -> Path:
     """A stand-in interpreter that records its argv, one per line (a real executable, not a mock of our code)."""
     stub = tmp_path / "fakepython"
-    stub.write_text(f"#!/bin/sh\nif [ \"$1\" = -c ]; then exec {sys.executable} \"$@\"; fi\n"
-                    "for a in \"$@\"; do printf '%s\\n' \"$a\"; done > \"$DTLAUNCH_RUN_DIR/argv\"\n"
-                    "env > \"$DTLAUNCH_RUN_DIR/env\"\n")
+    stub.write_text(
+        f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+        'for a in "$@"; do printf \'%s\\n\' "$a"; done > "$DTLAUNCH_RUN_DIR/argv"\n'
+        'env > "$DTLAUNCH_RUN_DIR/env"\n'
+    )
     stub.chmod(0o755)
     return stub
 
@@ -103,7 +154,7 @@ def test_rendered_launch_script_quotes_hostile_values(run_cli, tmp_path):
         "model: {preset: micro}\n"
         "resources: {accelerator: 'cpu:2', network: loopback}\n"
         "training: {steps: 2}\n"
-        f"env: {{EVIL: '$(touch {marker})', QUOTE: \"it's \\\"quoted\\\" `touch {marker}`\"}}\n"
+        f'env: {{EVIL: \'$(touch {marker})\', QUOTE: "it\'s \\"quoted\\" `touch {marker}`"}}\n'
     )
     out = tmp_path / "r with space"
     code, _, err = run_cli("render", recipe, "--target", "local", "-o", out)
@@ -128,8 +179,10 @@ def test_rendered_launch_script_quotes_hostile_values(run_cli, tmp_path):
 def test_secret_values_never_written(run_cli, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "s3cr3t-value-123")
     recipe = tmp_path / "s.yaml"
-    recipe.write_text("name: s\nmodel: {preset: micro}\nresources: {accelerator: 'cpu:2'}\n"
-                      "training: {steps: 2}\nsecrets: [WANDB_API_KEY]\n")
+    recipe.write_text(
+        "name: s\nmodel: {preset: micro}\nresources: {accelerator: 'cpu:2'}\n"
+        "training: {steps: 2}\nsecrets: [WANDB_API_KEY]\n"
+    )
     code, _, _ = run_cli("render", recipe, "--target", "local", "-o", tmp_path / "r")
     assert code == 0
     for f in (tmp_path / "r").iterdir():
@@ -137,8 +190,18 @@ def test_secret_values_never_written(run_cli, tmp_path, monkeypatch):
 
 
 def test_sweep_renders_one_plan_per_array_task(run_cli, tmp_path):
-    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "--sweep", "training.seed=1,2",
-                             "--sweep", "training.lr=0.001,0.002", "-o", tmp_path / "a")
+    code, out, err = run_cli(
+        "render",
+        RECIPES / "tiny.yaml",
+        "-t",
+        "slurm",
+        "--sweep",
+        "training.seed=1,2",
+        "--sweep",
+        "training.lr=0.001,0.002",
+        "-o",
+        tmp_path / "a",
+    )
     assert code == 0, err
     seeds_lrs = set()
     for i in range(4):
@@ -154,22 +217,59 @@ def test_every_sweep_task_is_validated_and_none_shares_a_checkpoint_directory(ru
     """Each array task is its own recipe: validate runs on every one (it ran on the base recipe only, so DDP with
     optimizer offload was written as a task); a fixed checkpoint.dir would be shared by every task (concurrent
     tasks refuse each other's lock, a later one resumes an earlier one's final checkpoint)."""
-    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "--set", "parallelism.strategy=ddp",
-                             "--sweep", "parallelism.offload=none,optimizer", "-o", tmp_path / "a")
+    code, out, err = run_cli(
+        "render",
+        RECIPES / "tiny.yaml",
+        "-t",
+        "slurm",
+        "--set",
+        "parallelism.strategy=ddp",
+        "--sweep",
+        "parallelism.offload=none,optimizer",
+        "-o",
+        tmp_path / "a",
+    )
     assert code != 0 and not (tmp_path / "a").exists(), out + err
     assert "sweep task 1 (parallelism.offload=optimizer):" in err and "[offload-ddp]" in err
     assert "sweep task 0" not in err
-    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "--set", "checkpoint.dir=/shared/ckpt",
-                             "--sweep", "training.seed=1,2", "-o", tmp_path / "b")
+    code, out, err = run_cli(
+        "render",
+        RECIPES / "tiny.yaml",
+        "-t",
+        "slurm",
+        "--set",
+        "checkpoint.dir=/shared/ckpt",
+        "--sweep",
+        "training.seed=1,2",
+        "-o",
+        tmp_path / "b",
+    )
     assert code != 0 and "has no {run_id}" in err and "checkpoint.dir=/shared/ckpt/{run_id}" in err, out + err
-    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "--set",
-                             "checkpoint.dir=/shared/ckpt/{run_id}", "--sweep", "training.seed=1,2", "-o", tmp_path / "c")
+    code, out, err = run_cli(
+        "render",
+        RECIPES / "tiny.yaml",
+        "-t",
+        "slurm",
+        "--set",
+        "checkpoint.dir=/shared/ckpt/{run_id}",
+        "--sweep",
+        "training.seed=1,2",
+        "-o",
+        tmp_path / "c",
+    )
     assert code == 0, out + err
 
 
 def test_plan_sweep_lists_every_combination(run_cli):
-    code, out, _ = run_cli("plan", RECIPES / "llama3-8b.yaml", "--sweep", "resources.nodes=1,2",
-                           "--sweep", "parallelism.strategy=ddp,fsdp", "--json")
+    code, out, _ = run_cli(
+        "plan",
+        RECIPES / "llama3-8b.yaml",
+        "--sweep",
+        "resources.nodes=1,2",
+        "--sweep",
+        "parallelism.strategy=ddp,fsdp",
+        "--json",
+    )
     rows = json.loads(out)
     assert code == 0 and len(rows) == 4
     assert {(r["world_size"], r["strategy"]) for r in rows} == {(8, "ddp"), (8, "fsdp"), (16, "ddp"), (16, "fsdp")}
@@ -187,7 +287,7 @@ def test_plan_says_what_it_does_not_model_and_its_units(run_cli):
     assert d["units"]["gb_bytes"] == 10**9 and d["units"]["bytes_per_param_mixed_adam"] == 16
     code, out, _ = run_cli("plan", RECIPES / "llama70b.yaml")
     assert code == 0
-    line = " ".join(out[out.index("not modelled:"):].split())  # rich wraps at the terminal's width
+    line = " ".join(out[out.index("not modelled:") :].split())  # rich wraps at the terminal's width
     assert all(t in line for t in ("float8", "torch.compile", "context parallelism", "GB = 1e9 bytes"))
 
 
@@ -222,12 +322,12 @@ def test_render_refuses_a_recipe_validate_finds_errors_in(run_cli, tmp_path):
 def test_local_launch_without_an_exported_secret_stops_before_training(run_cli, tmp_path):
     """A recipe's secret that the shell does not export ends the local launch with exit 2 and its name,
     before torchrun starts (as the SLURM script and the SkyPilot backend do)."""
-    code, _, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "local", "-o", tmp_path / "r",
-                           "--set", "secrets=[MY_API_TOKEN]")
+    code, _, err = run_cli(
+        "render", RECIPES / "tiny.yaml", "-t", "local", "-o", tmp_path / "r", "--set", "secrets=[MY_API_TOKEN]"
+    )
     assert code == 0, err
     env = {k: v for k, v in os.environ.items() if k != "MY_API_TOKEN"}
-    p = subprocess.run(["bash", str(tmp_path / "r" / "launch.sh")], env=env, capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run(["bash", str(tmp_path / "r" / "launch.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "MY_API_TOKEN is not set" in p.stderr, (p.returncode, p.stderr)
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
@@ -236,12 +336,23 @@ def test_up_over_a_rendered_directory_says_so_and_leaves_no_stale_files(run_cli,
     """`up` into a directory `render` wrote replaces it with a note, and what the earlier render produced
     that this job does not (a sweep's task-N directories) is gone: the directory is exactly what is submitted."""
     out = tmp_path / "job"
-    code, _, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "-o", out,
-                           "--sweep", "training.seed=1,2", "--set", "targets.slurm.partition=debug")
+    code, _, err = run_cli(
+        "render",
+        RECIPES / "tiny.yaml",
+        "-t",
+        "slurm",
+        "-o",
+        out,
+        "--sweep",
+        "training.seed=1,2",
+        "--set",
+        "targets.slurm.partition=debug",
+    )
     assert code == 0, err
     assert any(p.name.startswith("task-") for p in out.iterdir())
-    code, _, err = run_cli("up", RECIPES / "tiny.yaml", "-t", "slurm", "-o", out, "--dry-run",
-                           "--set", "targets.slurm.partition=debug")
+    code, _, err = run_cli(
+        "up", RECIPES / "tiny.yaml", "-t", "slurm", "-o", out, "--dry-run", "--set", "targets.slurm.partition=debug"
+    )
     assert code == 0, err
     assert "replacing the files `dtlaunch render` wrote" in err, err
     assert not any(p.name.startswith("task-") for p in out.iterdir()), sorted(p.name for p in out.iterdir())
@@ -250,8 +361,16 @@ def test_up_over_a_rendered_directory_says_so_and_leaves_no_stale_files(run_cli,
 def test_a_steps_override_on_a_tokens_recipe_says_how_to_unset_tokens(run_cli):
     code, _, err = run_cli("plan", RECIPES / "llama70b.yaml", "--set", "training.steps=100")
     assert code != 0 and "--set training.tokens=null" in err, err
-    code, out, err = run_cli("plan", RECIPES / "llama70b.yaml", "--set", "training.tokens=null",
-                             "--set", "training.steps=100", "--set", "resources.nodes=16")
+    code, out, err = run_cli(
+        "plan",
+        RECIPES / "llama70b.yaml",
+        "--set",
+        "training.tokens=null",
+        "--set",
+        "training.steps=100",
+        "--set",
+        "resources.nodes=16",
+    )
     assert code == 0 and "100 steps" in out, err
 
 
@@ -265,8 +384,9 @@ def test_render_prints_a_summary_and_show_prints_the_scripts(run_cli, tmp_path):
 
 def test_a_bad_plan_ends_a_local_launch_once_with_2_before_torchrun(run_cli, tmp_path):
     """The plan is checked once before torchrun starts: exit 2 at once, never torchrun's retries."""
-    code, _, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "local", "-o", tmp_path / "r", "--force",
-                           "--set", "parallelism.tensor=3")
+    code, _, err = run_cli(
+        "render", RECIPES / "tiny.yaml", "-t", "local", "-o", tmp_path / "r", "--force", "--set", "parallelism.tensor=3"
+    )
     assert code == 0, err
     p = subprocess.run(["bash", str(tmp_path / "r" / "launch.sh")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
@@ -281,8 +401,11 @@ def test_a_loaded_recipe_plans_submits_and_validates_as_its_file_does(tmp_path):
     from launcher.prepare import prepare
     from launcher.recipe import load
 
-    text = "\n".join(line for line in (RECIPES / "llama3-405b.yaml").read_text().splitlines()
-                     if not line.strip().startswith("tensor:"))
+    text = "\n".join(
+        line
+        for line in (RECIPES / "llama3-405b.yaml").read_text().splitlines()
+        if not line.strip().startswith("tensor:")
+    )
     f = tmp_path / "r.yaml"
     f.write_text(text)
     by_path = prepare(f, (), "slurm")

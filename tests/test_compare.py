@@ -1,5 +1,6 @@
 """`dtlaunch plan --compare deepspeed`: DeepSpeed's own estimators (the installed DeepSpeed, called for real) beside
 the planner's model states, every difference with its reason, and a clear error when DeepSpeed is missing."""
+
 import json
 import os
 import subprocess
@@ -39,9 +40,13 @@ def test_zero3_offload_against_deepspeeds_own_estimate(run_cli):
     a = c["arguments"]
     assert a["total_params"] == d["params"] and a["num_nodes"] * a["num_gpus_per_node"] == d["world_size"]
     cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-        total_params=a["total_params"], largest_layer_params=a["largest_layer_params"],
-        num_gpus_per_node=a["num_gpus_per_node"], num_nodes=a["num_nodes"], cpu_offload=True,
-        cpu_offload_params=False)
+        total_params=a["total_params"],
+        largest_layer_params=a["largest_layer_params"],
+        num_gpus_per_node=a["num_gpus_per_node"],
+        num_nodes=a["num_nodes"],
+        cpu_offload=True,
+        cpu_offload_params=False,
+    )
     rows = _rows(c)
     total = rows.pop("model states per GPU")
     assert total["deepspeed_bytes"] == gpu and c["deepspeed_cpu_bytes_per_node"] == cpu
@@ -62,8 +67,7 @@ def test_zero2_without_offload_agrees_on_states_and_says_when_fp32_grads_live(ru
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     n = d["params"]
-    _, gpu = estimate_zero2_model_states_mem_needs(total_params=n, num_gpus_per_node=4, num_nodes=2,
-                                                   cpu_offload=False)
+    _, gpu = estimate_zero2_model_states_mem_needs(total_params=n, num_gpus_per_node=4, num_nodes=2, cpu_offload=False)
     rows = _rows(c)
     assert rows["model states per GPU"]["deepspeed_bytes"] == gpu
     # 2 + 18/8 bytes per parameter in both: same figures, but the fp32 gradients are only alive in the step
@@ -121,8 +125,13 @@ main()
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_without_deepspeed_says_how_to_install_it(json_flag):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-c", NO_DEEPSPEED, "plan", str(ZERO3), "--compare", "deepspeed", *json_flag],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", NO_DEEPSPEED, "plan", str(ZERO3), "--compare", "deepspeed", *json_flag],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode not in (0, 70), r.stderr  # a user error, not a bug of ours
     assert "Traceback" not in r.stderr and "internal error" not in r.stderr
     assert "needs DeepSpeed" in r.stderr and "pip install" in r.stderr

@@ -1,6 +1,7 @@
 """The user's own training code (recipe `entrypoint`): what the recipe accepts, what is shipped with the job,
 how every target starts it, and - on real torchrun runs of the rendered local script - the environment
 contract it sees and the exit codes the job scripts get from it."""
+
 from __future__ import annotations
 
 import json
@@ -47,15 +48,18 @@ def project(tmp_path: Path, script: str = "print('hi')\n") -> Path:
 # ----------------------------------------------------------------------------- the recipe
 
 
-@pytest.mark.parametrize("ep, words", [
-    ({}, "exactly one of entrypoint.script"),
-    ({"script": "a.py", "module": "a"}, "exactly one of entrypoint.script"),
-    ({"script": "/abs/train.py"}, "relative to entrypoint.workdir"),
-    ({"script": "../outside.py"}, "relative to entrypoint.workdir"),
-    ({"script": "train.sh"}, "a Python file"),
-    ({"module": "my-pkg.train"}, "is not a module name"),
-    ({"module": "pkg.train", "args": ["ok", "bad\x00arg"]}, "NUL"),
-])
+@pytest.mark.parametrize(
+    "ep, words",
+    [
+        ({}, "exactly one of entrypoint.script"),
+        ({"script": "a.py", "module": "a"}, "exactly one of entrypoint.script"),
+        ({"script": "/abs/train.py"}, "relative to entrypoint.workdir"),
+        ({"script": "../outside.py"}, "relative to entrypoint.workdir"),
+        ({"script": "train.sh"}, "a Python file"),
+        ({"module": "my-pkg.train"}, "is not a module name"),
+        ({"module": "pkg.train", "args": ["ok", "bad\x00arg"]}, "NUL"),
+    ],
+)
 def test_bad_entrypoints_are_located_errors(tmp_path, ep, words):
     p = write_recipe(tmp_path, ep)
     with pytest.raises(RecipeError) as e:
@@ -90,8 +94,16 @@ def test_only_code_is_shipped(tmp_path):
     (d / "pkg").mkdir()
     (d / "pkg" / "__init__.py").write_text("")
     (d / "pkg" / "model.py").write_text("X = 1\n")
-    for junk in (".git/HEAD", "__pycache__/train.cpython-311.pyc", ".venv/bin/python", "rendered/x/launch.sh",
-                 "data/shard0.bin", "notes.swp", "pkg.egg-info/PKG-INFO", "runs/r/metrics.jsonl"):
+    for junk in (
+        ".git/HEAD",
+        "__pycache__/train.cpython-311.pyc",
+        ".venv/bin/python",
+        "rendered/x/launch.sh",
+        "data/shard0.bin",
+        "notes.swp",
+        "pkg.egg-info/PKG-INFO",
+        "runs/r/metrics.jsonl",
+    ):
         (d / junk).parent.mkdir(parents=True, exist_ok=True)
         (d / junk).write_text("junk")
     (d / "linked_dir").symlink_to(tmp_path, target_is_directory=True)  # a loop, if followed
@@ -157,8 +169,11 @@ def test_deepspeed_launcher_runs_the_module_with_its_arguments(tmp_path):
     (d / "pkg").mkdir()
     (d / "pkg" / "__init__.py").write_text("")
     (d / "pkg" / "train.py").write_text("")
-    p = write_recipe(d, {"module": "pkg.train", "args": ["--epochs", "3"]},
-                     parallelism={"strategy": "zero2", "launcher": "deepspeed"})
+    p = write_recipe(
+        d,
+        {"module": "pkg.train", "args": ["--epochs", "3"]},
+        parallelism={"strategy": "zero2", "launcher": "deepspeed"},
+    )
     r = load(p)
     run = yaml.safe_load(render(r, make_plan(r), "sky").files["task.yaml"].split("\n", 2)[2])["run"]
     assert "--module launcher.entry --module pkg.train --epochs 3" in run
@@ -166,7 +181,7 @@ def test_deepspeed_launcher_runs_the_module_with_its_arguments(tmp_path):
 
 # ----------------------------------------------------------------------------- real runs of the rendered script
 
-CONTRACT_SCRIPT = textwrap.dedent('''
+CONTRACT_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch.distributed as dist
     from helper import MARK                      # a sibling module: sys.path as for `python train.py`
@@ -187,12 +202,18 @@ CONTRACT_SCRIPT = textwrap.dedent('''
         raise RuntimeError("boom in user code")
     if how == "message":
         sys.exit("stopping: no data")
-''')
+""")
 
 
 def run_launch(out: Path, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(out / "launch.sh")], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "DTLAUNCH_PORT": "", **env}, cwd="/")
+    return subprocess.run(
+        ["bash", str(out / "launch.sh")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "DTLAUNCH_PORT": "", **env},
+        cwd="/",
+    )
 
 
 def codes(out: Path) -> list[int]:
@@ -234,11 +255,13 @@ def test_local_module_entrypoint_and_a_missing_module_fails_once_with_config(tmp
     d = project(tmp_path)
     (d / "pkg").mkdir()
     (d / "pkg" / "__init__.py").write_text("")
-    (d / "pkg" / "train.py").write_text(textwrap.dedent('''
+    (d / "pkg" / "train.py").write_text(
+        textwrap.dedent("""
         import os, sys
         if __name__ == "__main__":
             open(os.path.join(os.environ["DTLAUNCH_RUN_DIR"], "ran-" + os.environ["RANK"]), "w").write(" ".join(sys.argv[1:]))
-    '''))
+    """)
+    )
     p = write_recipe(d, {"module": "pkg.train", "args": ["a", "b c"]})
     out = tmp_path / "out"
     r = load(p)
@@ -259,9 +282,14 @@ def test_entry_runner_maps_endings_like_the_interpreter(tmp_path, monkeypatch):
     from launcher import entry
 
     monkeypatch.chdir(tmp_path)
-    for body, want in [("pass", 0), ("import sys; sys.exit(3)", 3), ("import sys; sys.exit(None)", 0),
-                       ("import sys; sys.exit(300)", 300 & 0xFF), ("raise ValueError('x')", 1),
-                       ("import sys; sys.exit('why')", 1)]:
+    for body, want in [
+        ("pass", 0),
+        ("import sys; sys.exit(3)", 3),
+        ("import sys; sys.exit(None)", 0),
+        ("import sys; sys.exit(300)", 300 & 0xFF),
+        ("raise ValueError('x')", 1),
+        ("import sys; sys.exit('why')", 1),
+    ]:
         (tmp_path / "s.py").write_text(body + "\n")
         code, _ = entry.run("s.py", [], module=False)
         assert code == want, body

@@ -4,6 +4,7 @@
 script) checkpoints and exits 42; the next `up` resumes, and every step's loss equals an uninterrupted
 run's: nothing trained twice, nothing skipped. The same recipe runs under DDP and a ZeRO stage unchanged.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,11 +50,17 @@ def test_example_trains_and_a_preempted_run_resumes_with_nothing_lost(run_cli, t
 
     # Preempt the same run through the rendered launch script, as a scheduler would.
     run = tmp_path / "run"
-    code, out, err = run_cli("render", EXAMPLE, "-t", "local", "-o", run, "--set", "training.log_every=1",
-                             "--set", f"training.steps={STEPS}")
+    code, out, err = run_cli(
+        "render", EXAMPLE, "-t", "local", "-o", run, "--set", "training.log_every=1", "--set", f"training.steps={STEPS}"
+    )
     assert code == 0, err
-    proc = subprocess.Popen(["bash", str(run / "launch.sh")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(run / "launch.sh")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     t0 = time.time()
     while time.time() - t0 < 120:
         if (run / "metrics.jsonl").exists() and max(losses(run), default=0) >= 13:
@@ -73,8 +80,9 @@ def test_example_trains_and_a_preempted_run_resumes_with_nothing_lost(run_cli, t
     assert f"resumed from step {stopped}" in out
     resumed = losses(run)
     assert sorted(resumed) == list(range(1, STEPS + 1))
-    assert resumed == pytest.approx(reference, rel=1e-6, abs=1e-7), "the resumed run must train exactly what the " \
-                                                                     "uninterrupted one did"
+    assert resumed == pytest.approx(reference, rel=1e-6, abs=1e-7), (
+        "the resumed run must train exactly what the uninterrupted one did"
+    )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])

@@ -9,6 +9,7 @@ The head-only DeepSpeed launch (targets.sky.deepspeed_ssh) goes on through DeepS
 PDSHRunner.add_export/get_cmd, the command pdsh would run on every node; the pdsh stub runs it with bash -c in
 a clean environment, and the remote interpreter must receive the head's values unchanged.
 """
+
 from __future__ import annotations
 
 import functools
@@ -94,10 +95,12 @@ ITEM = {"path": "/data", "source": "s3://b/data"}  # a targets.sky.data_mounts i
 
 def sections(base: Path) -> dict[str, dict]:
     """Optional sections a field needs around it: a minimal valid value of each."""
-    return {"entrypoint": {"script": "train.py", "workdir": str(base.parent / "code")},
-            "targets.slurm.container": {"runtime": "pyxis", "image": "/images/train.sqsh"},
-            "targets.slurm.ssh": {"host": "login.example"},
-            "targets.sky.checkpoint_storage": {"bucket": "s3://b/ckpt", "mount": str(base / "ck")}}
+    return {
+        "entrypoint": {"script": "train.py", "workdir": str(base.parent / "code")},
+        "targets.slurm.container": {"runtime": "pyxis", "image": "/images/train.sqsh"},
+        "targets.slurm.ssh": {"host": "login.example"},
+        "targets.sky.checkpoint_storage": {"bucket": "s3://b/ckpt", "mount": str(base / "ck")},
+    }
 
 
 def overrides(field: str, payload: str, base: Path) -> list[str]:
@@ -148,8 +151,11 @@ def config_overrides(name: str, base: Path) -> list[str]:
     if target != "sky":
         return list(extra)
     # two nodes (one would make DeepSpeed launch locally, without pdsh), checkpoints on a mounted bucket
-    return ["resources.nodes=2", f"targets.sky.checkpoint_storage={{bucket: 's3://b/ckpt', mount: '{base / 'ck'}'}}",
-            *extra]
+    return [
+        "resources.nodes=2",
+        f"targets.sky.checkpoint_storage={{bucket: 's3://b/ckpt', mount: '{base / 'ck'}'}}",
+        *extra,
+    ]
 
 
 # ----------------------------------------------------------------------------- stubs
@@ -161,8 +167,10 @@ def make_stubs(root: Path) -> Path:
     bin_dir, calls = root / "bin", root / "calls"
     bin_dir.mkdir()
     calls.mkdir()
-    record = f'd="$(mktemp -d {calls}/call.XXXXXX)"; printf \'%s\\0\' "$0" "$@" > "$d/argv"; env -0 > "$d/env"; ' \
-             'printf %s "$PWD" > "$d/cwd"'
+    record = (
+        f'd="$(mktemp -d {calls}/call.XXXXXX)"; printf \'%s\\0\' "$0" "$@" > "$d/argv"; env -0 > "$d/env"; '
+        'printf %s "$PWD" > "$d/cwd"'
+    )
     stubs = {
         "python3": f"""case "$1" in -c) exec {sys.executable} "$@" ;; esac
 [ "${{2:-}}" = launcher.pdsh ] && exec {sys.executable} "$@"
@@ -178,7 +186,7 @@ exit 97""",
         "scontrol": '[ "$1 $2" = "show hostnames" ] && echo node1; exit 0',
         # as ssh would: one shell line, in a fresh environment
         "pdsh": 'while [ $# -gt 0 ]; do case "$1" in -S) shift ;; -f|-w) shift 2 ;; *) break ;; esac; done\n'
-                'exec env -i PATH="$PATH" HOME="$HOME" bash -c "$*"',
+        'exec env -i PATH="$PATH" HOME="$HOME" bash -c "$*"',
     }
     for name in ("sbatch", "squeue", "scancel", "enroot", "torchrun", "deepspeed"):
         stubs[name] = record
@@ -211,10 +219,21 @@ def reset_calls(root: Path) -> None:
 
 # ----------------------------------------------------------------------------- running what was rendered
 
-SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1", "SLURM_CPUS_PER_TASK": "2",
-             "SLURMD_NODENAME": "node1", "SLURM_NODEID": "0"}
-SKY_ENV = {"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.2", "SKYPILOT_NUM_NODES": "2",
-           "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_TASK_ID": "sky-2026-11-25-task_7"}
+SLURM_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "node1",
+    "SLURM_NNODES": "1",
+    "SLURM_CPUS_PER_TASK": "2",
+    "SLURMD_NODENAME": "node1",
+    "SLURM_NODEID": "0",
+}
+SKY_ENV = {
+    "SKYPILOT_NODE_RANK": "0",
+    "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.2",
+    "SKYPILOT_NUM_NODES": "2",
+    "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+    "SKYPILOT_TASK_ID": "sky-2026-11-25-task_7",
+}
 
 
 def run(argv, cwd, env) -> subprocess.CompletedProcess:
@@ -226,8 +245,13 @@ def execute(config: str, out: Path, root: Path, extra_env=None) -> list[subproce
     batch script, then the step it runs); the processes' results."""
     home = out.parent / "home"
     home.mkdir(exist_ok=True)
-    env = {"PATH": f"{root / 'bin'}:{os.environ['PATH']}", "HOME": str(home), "LANG": "C.UTF-8",
-           "DTLAUNCH_PYTHON": str(root / "bin" / "python3"), **(extra_env or {})}
+    env = {
+        "PATH": f"{root / 'bin'}:{os.environ['PATH']}",
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "DTLAUNCH_PYTHON": str(root / "bin" / "python3"),
+        **(extra_env or {}),
+    }
     target = CONFIGS[config][0]
     if target == "local":
         return [run(["bash", "launch.sh"], out, env)]
@@ -248,9 +272,12 @@ def execute(config: str, out: Path, root: Path, extra_env=None) -> list[subproce
     from submitit.slurm.slurm import _make_sbatch_string
 
     spec = json.loads((out / "submitit.json").read_text())
-    batch = _make_sbatch_string(command=f"{spec['python']} -u -m submitit.core._submit {out / spec['folder']}",
-                                folder=out / spec["folder"], setup=[f"source {shlex.quote(str(out / spec['setup_script']))}"],
-                                **spec["parameters"])
+    batch = _make_sbatch_string(
+        command=f"{spec['python']} -u -m submitit.core._submit {out / spec['folder']}",
+        folder=out / spec["folder"],
+        setup=[f"source {shlex.quote(str(out / spec['setup_script']))}"],
+        **spec["parameters"],
+    )
     first = run(["bash", "-c", batch], out, env)
     sub = [c for c in recorded(root) if "submitit.core._submit" in c.argv]
     if first.returncode or not sub:
@@ -280,7 +307,7 @@ def pdsh_launch(call: Call, root: Path, monkeypatch) -> tuple[subprocess.Complet
         parse_inclusion_exclusion,
     )
 
-    args = parse_args(call.argv[call.argv.index("deepspeed.launcher.runner") + 1:])
+    args = parse_args(call.argv[call.argv.index("deepspeed.launcher.runner") + 1 :])
     with monkeypatch.context() as m:
         m.chdir(call.cwd)
         m.setattr(sys, "executable", str(root / "bin" / "python3"))
@@ -304,6 +331,7 @@ def pdsh_launch(call: Call, root: Path, monkeypatch) -> tuple[subprocess.Complet
 
 def located(field: str, items: list[str], where: list[tuple[str | None, str]]) -> bool:
     """A refusal names the field (or a section around it, or a field inside it) or one of its --set items."""
+
     def near(f: str) -> bool:
         return f == field or field.startswith(f + ".") or f.startswith(field + ".")
 
@@ -341,14 +369,19 @@ class Harness:
         if errors:
             if field and not located(field, items, [(f.file, f.field) for f in errors]):
                 # the field's section alone may not go with this configuration (targets.slurm.ssh with submitit)
-                assert {f.rule for f in errors} <= self.scaffold_errors(config, field, base), f"{what}: unlocated {errors}"
+                assert {f.rule for f in errors} <= self.scaffold_errors(config, field, base), (
+                    f"{what}: unlocated {errors}"
+                )
                 return "n/a"
             assert field, errors
             return "refused"
         art = render(recipe, choices.shipped if choices else plan, target, choices)  # validate passed: it renders
         out = art.write(base / "job")
-        executable = [n for n in ("launch.sh", "job.sbatch", "step.sh", "submitit_setup.sh", "submitit.json",
-                                  "task.yaml") if n in art.files]
+        executable = [
+            n
+            for n in ("launch.sh", "job.sbatch", "step.sh", "submitit_setup.sh", "submitit.json", "task.yaml")
+            if n in art.files
+        ]
         if field and not any(MARK in art.files[n] for n in executable):
             shutil.rmtree(base)
             return "rendered"  # the payload is data only (plan.json, recipe.yaml): nothing that runs holds it
@@ -387,7 +420,7 @@ class Harness:
         self.no_marker(Path(head.cwd).parent, what)
         (remote,) = recorded(self.root) or [None]
         assert remote is not None, f"{what}: the pdsh command did not reach the interpreter\n{p.stdout}{p.stderr}"
-        assert remote.argv[-len(words):] == words, f"{what}: {remote.argv} does not end with {words}"
+        assert remote.argv[-len(words) :] == words, f"{what}: {remote.argv} does not end with {words}"
         sent = {line.split("=", 1)[0] for line in Path(head.cwd, ".deepspeed_env").read_text().splitlines()}
         for name in sent & {"DTLAUNCH_RUN_ID", "DTLAUNCH_RUN_DIR", "DTLAUNCH_PLAN", "DTLAUNCH_CHECKPOINT_DIR", KEY}:
             assert remote.env.get(name) == head.env.get(name), f"{what}: {name} {remote.env.get(name)!r}"
@@ -443,9 +476,11 @@ def test_shell_payloads_in_every_string_field_are_refused_located_or_stay_data(h
     # what must have reached a running script: the fields R06 and the review named, on the head-only launch
     for field in ("checkpoint.dir", "env.DTL_FUZZ", "entrypoint.args.0", "name"):
         assert any(f == field for f, _, _ in ran), (field, sorted(ran)[:20])
-    print(f"\n{len(outcomes)} cases: {sum(v == 'refused' for v in outcomes.values())} refused, "
-          f"{sum(v == 'rendered' for v in outcomes.values())} data only, {len(ran)} run; "
-          f"{time.monotonic() - start:.1f} s")
+    print(
+        f"\n{len(outcomes)} cases: {sum(v == 'refused' for v in outcomes.values())} refused, "
+        f"{sum(v == 'rendered' for v in outcomes.values())} data only, {len(ran)} run; "
+        f"{time.monotonic() - start:.1f} s"
+    )
 
 
 def test_the_head_only_launch_refuses_unsafe_values_at_run_time(harness):
@@ -473,16 +508,23 @@ def test_the_head_only_launch_refuses_unsafe_values_at_run_time(harness):
 
 
 def test_validate_names_the_field_line_and_fix_of_what_the_head_only_launch_would_run(run_cli, tmp_path):
-    ssh = ["--set", "parallelism.strategy=zero2", "--set", "parallelism.launcher=deepspeed", "--set",
-           "targets.sky.deepspeed_ssh=true"]
+    ssh = [
+        "--set",
+        "parallelism.strategy=zero2",
+        "--set",
+        "parallelism.launcher=deepspeed",
+        "--set",
+        "targets.sky.deepspeed_ssh=true",
+    ]
     item = "checkpoint.dir=/checkpoints/$(touch PWNED)/{run_id}"
     code, out, _ = run_cli("validate", TINY, "-t", "sky", *ssh, "--set", item)
     assert code == 1 and f"--set {item}: error [deepspeed-ssh-values] checkpoint.dir: " in out, out
     assert "holds '$'" in out and "fix: remove those characters from checkpoint.dir" in out, out
     # in a file: the line of the entry itself (an entrypoint argument, an env value)
     (tmp_path / "train.py").write_text("print('hi')\n")
-    text = TINY.read_text() + ("entrypoint:\n  script: train.py\n  args: ['a b; c', '--out=x;id']\n"
-                               "env:\n  OK: 'a b'\n  BAD: '`id`'\n")
+    text = TINY.read_text() + (
+        "entrypoint:\n  script: train.py\n  args: ['a b; c', '--out=x;id']\nenv:\n  OK: 'a b'\n  BAD: '`id`'\n"
+    )
     lines = text.splitlines()
     recipe = tmp_path / "r.yaml"
     recipe.write_text(text)

@@ -1,6 +1,7 @@
 """The registry and `up`/`status`/`down` under the reliability review's cases (round 2: R04, R05, R07, R14):
 a refused `up` changes nothing; two `up` at once submit one job; `down NAME` stops the running job; a stepped
 wall clock neither loses a job nor skips its SIGTERM; `status` stays fast with 1,000 recorded jobs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,14 +45,26 @@ def start_job(procs, tmp_path: Path, attempt: str, on_term: str = "exit 0") -> t
     return p, seen
 
 
-def record(name: str, p: subprocess.Popen | None, run_dir: Path, attempt: str, *, shift: float = 0.0,
-           created: float | None = None) -> JobRecord:
+def record(
+    name: str,
+    p: subprocess.Popen | None,
+    run_dir: Path,
+    attempt: str,
+    *,
+    shift: float = 0.0,
+    created: float | None = None,
+) -> JobRecord:
     """Record a job the way `up` does (pid, start time, start id); `shift` moves the recorded wall-clock start
     time, as a clock step moves psutil's create_time. Without a process: a long-finished job (pid gone)."""
     pid = p.pid if p else 4_190_000
-    handle = LocalHandle(pid, (local._start_time(pid) or time.time()) + shift, attempt,
-                         str(run_dir / "logs" / f"{attempt}.log"), str(run_dir / "status" / attempt / "exit_code"),
-                         local.launcher_identity(pid))
+    handle = LocalHandle(
+        pid,
+        (local._start_time(pid) or time.time()) + shift,
+        attempt,
+        str(run_dir / "logs" / f"{attempt}.log"),
+        str(run_dir / "status" / attempt / "exit_code"),
+        local.launcher_identity(pid),
+    )
     rec = JobRecord(name, "local", str(pid), str(run_dir.resolve()), handle, created or time.time())
     Registry().add(rec)
     return rec
@@ -107,10 +120,19 @@ def test_concurrent_ups_submit_one_job_and_down_stops_it(run_cli, tmp_path):
     refused cleanly, before starting anything: one log, one attempt's status, one registry row, one `start`
     event; `down tiny` stops the job that runs (it checkpoints)."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "launcher", "up", str(TINY), "-o", str(run_dir), "--detach",
-           "--set", "training.steps=2000"]
-    ups = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for _ in range(3)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "up",
+        str(TINY),
+        "-o",
+        str(run_dir),
+        "--detach",
+        "--set",
+        "training.steps=2000",
+    ]
+    ups = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     try:
         results = [(*u.communicate(timeout=120), u.returncode) for u in ups]
         results = [(code, out, err) for out, err, code in results]
@@ -184,8 +206,9 @@ def test_down_terms_a_jobs_orphaned_processes_before_any_kill(tmp_path, procs):
     """R05: the launcher gone (or not recognised), its workers still running: they get SIGTERM, so they can
     checkpoint, instead of a silent wait and a kill."""
     p, seen = start_job(procs, tmp_path, "up-orphan")
-    handle = LocalHandle(4_190_000, time.time(), "up-orphan", str(tmp_path / "log"), str(tmp_path / "exit_code"),
-                         "not-this-boot:1")
+    handle = LocalHandle(
+        4_190_000, time.time(), "up-orphan", str(tmp_path / "log"), str(tmp_path / "exit_code"), "not-this-boot:1"
+    )
     rec = JobRecord("tiny", "local", "4190000", str(tmp_path), handle)
     assert local.LocalBackend().status(rec).state == "STOPPING"
     t0 = time.monotonic()
@@ -198,12 +221,19 @@ def test_rows_written_before_the_start_id_still_work(run_cli, tmp_path, procs):
     """Registry rows from before this change have no start_id: they decode, and their job is recognised by
     its wall-clock start time as before."""
     p, _ = start_job(procs, tmp_path, "up-old")
-    old = {"pid": p.pid, "create_time": local._start_time(p.pid), "attempt": "up-old", "log": str(tmp_path / "log"),
-           "exit_file": str(tmp_path / "exit_code")}
+    old = {
+        "pid": p.pid,
+        "create_time": local._start_time(p.pid),
+        "attempt": "up-old",
+        "log": str(tmp_path / "log"),
+        "exit_file": str(tmp_path / "exit_code"),
+    }
     Registry().all()  # creates the table
     with sqlite3.connect(Registry().path) as db:
-        db.execute("INSERT INTO jobs VALUES (?,?,?,?,?,?)",
-                   ("old", "local", str(p.pid), str(tmp_path), json.dumps(old), time.time()))
+        db.execute(
+            "INSERT INTO jobs VALUES (?,?,?,?,?,?)",
+            ("old", "local", str(p.pid), str(tmp_path), json.dumps(old), time.time()),
+        )
     (rec,) = Registry().all()
     assert rec.handle.start_id is None
     assert states(run_cli) == ["RUNNING"]
@@ -228,8 +258,14 @@ def test_status_of_1000_jobs_takes_well_under_a_second(run_cli, tmp_path, procs)
         else:  # gone, or its pid since reused by another process (this one)
             pid, start_id = (4_190_000 + i if i % 2 else os.getpid()), (None if i % 3 == 0 else "boot:1")
         created = local._start_time(pid) if i < len(live) else time.time() - 86400
-        h = LocalHandle(pid, created, attempt, str(tmp_path / f"{i}.log"),
-                        str(tmp_path / "status" / attempt / "exit_code"), start_id)
+        h = LocalHandle(
+            pid,
+            created,
+            attempt,
+            str(tmp_path / f"{i}.log"),
+            str(tmp_path / "status" / attempt / "exit_code"),
+            start_id,
+        )
         rows.append(("job", "local", str(pid), str(tmp_path), json.dumps(dataclasses.asdict(h)), time.time() + i))
     with sqlite3.connect(reg.path) as db:
         db.executemany("INSERT INTO jobs VALUES (?,?,?,?,?,?)", rows)
@@ -248,8 +284,9 @@ def test_status_of_1000_jobs_takes_well_under_a_second(run_cli, tmp_path, procs)
     assert len(status_rows(reg.all())) == 1000
     fn_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "launcher", "status", "--json"], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "launcher", "status", "--json"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL
+    )
     proc_s = time.perf_counter() - t0
     print(f"status of 1,000 jobs: {fn_s:.3f} s (rows), {proc_s:.3f} s (a `dtlaunch status` subprocess)")
     assert fn_s < 1.0, fn_s

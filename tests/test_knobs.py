@@ -3,6 +3,7 @@ with a located error, rendered into #SBATCH lines, submitit's parameters or SkyP
 container plumbing appears only when asked for. The real tools accept the results in
 tests/slurm/test_knobs_cluster.py (sbatch --test-only, jobs), tests/slurm/test_containers.py (the rendered
 scripts run, with stub runtimes) and tests/sky/test_render_schema.py (sky.Task.from_yaml)."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ def rendered(recipe: str, target: str, *overrides: str, out: Path | None = None)
 
 
 def sbatch_lines(art) -> list[str]:
-    return [line[len("#SBATCH "):] for line in art.files["job.sbatch"].splitlines() if line.startswith("#SBATCH ")]
+    return [line[len("#SBATCH ") :] for line in art.files["job.sbatch"].splitlines() if line.startswith("#SBATCH ")]
 
 
 def rules(recipe: str, target: str, *overrides: str) -> dict:
@@ -50,15 +51,32 @@ def rules(recipe: str, target: str, *overrides: str) -> dict:
 
 
 def test_every_slurm_knob_is_an_sbatch_line():
-    _, art = rendered("llama3-8b", "slurm", "targets.slurm.mem_per_gpu=80G", "targets.slurm.cpus_per_gpu=8",
-                      "targets.slurm.gpu_type=h100", "targets.slurm.nodelist=[gpu01]",
-                      "targets.slurm.exclude=gpu[07-09]",
-                      "targets.slurm.reservation=big-run", "targets.slurm.dependency=afterok:123:124",
-                      "targets.slurm.mail_type=end,fail", "targets.slurm.mail_user=me@example.org")
+    _, art = rendered(
+        "llama3-8b",
+        "slurm",
+        "targets.slurm.mem_per_gpu=80G",
+        "targets.slurm.cpus_per_gpu=8",
+        "targets.slurm.gpu_type=h100",
+        "targets.slurm.nodelist=[gpu01]",
+        "targets.slurm.exclude=gpu[07-09]",
+        "targets.slurm.reservation=big-run",
+        "targets.slurm.dependency=afterok:123:124",
+        "targets.slurm.mail_type=end,fail",
+        "targets.slurm.mail_user=me@example.org",
+    )
     lines = sbatch_lines(art)
-    for want in ("--gpus-per-node=h100:8", "--cpus-per-gpu=8", "--mem-per-gpu=80G", "--reservation=big-run",
-                 "--nodelist=gpu01", "--exclude=gpu[07-09]", "--dependency=afterok:123:124", "--mail-type=END,FAIL",
-                 "--mail-user=me@example.org", "--exclusive"):
+    for want in (
+        "--gpus-per-node=h100:8",
+        "--cpus-per-gpu=8",
+        "--mem-per-gpu=80G",
+        "--reservation=big-run",
+        "--nodelist=gpu01",
+        "--exclude=gpu[07-09]",
+        "--dependency=afterok:123:124",
+        "--mail-type=END,FAIL",
+        "--mail-user=me@example.org",
+        "--exclusive",
+    ):
         assert want in lines, (want, lines)
     # --mem-per-gpu replaces the --mem=0 an exclusive job otherwise gets: sbatch refuses both together.
     assert not any(line.startswith("--mem=") for line in lines)
@@ -84,50 +102,73 @@ def test_per_gpu_options_need_gpus():
 
 
 def test_submitit_gets_the_knobs_as_named_parameters():
-    _, art = rendered("llama3-8b", "slurm", "targets.slurm.submit=submitit", "targets.slurm.mem_per_gpu=80G",
-                      "targets.slurm.cpus_per_gpu=8", "targets.slurm.gpu_request=gres", "targets.slurm.nodelist=gpu01",
-                      "targets.slurm.exclude=gpu07", "targets.slurm.reservation=big",
-                      "targets.slurm.dependency=singleton",
-                      "targets.slurm.mail_type=[ALL]", "targets.slurm.mail_user=me")
+    _, art = rendered(
+        "llama3-8b",
+        "slurm",
+        "targets.slurm.submit=submitit",
+        "targets.slurm.mem_per_gpu=80G",
+        "targets.slurm.cpus_per_gpu=8",
+        "targets.slurm.gpu_request=gres",
+        "targets.slurm.nodelist=gpu01",
+        "targets.slurm.exclude=gpu07",
+        "targets.slurm.reservation=big",
+        "targets.slurm.dependency=singleton",
+        "targets.slurm.mail_type=[ALL]",
+        "targets.slurm.mail_user=me",
+    )
     p = SubmititSpec.from_json(art.files["submitit.json"]).parameters
-    assert (p["gres"], p["mem_per_gpu"], p["nodelist"], p["exclude"], p["dependency"], p["mail_type"], p["mail_user"]) \
-        == ("gpu:8", "80G", "gpu01", "gpu07", "singleton", "ALL", "me")
+    assert (
+        p["gres"],
+        p["mem_per_gpu"],
+        p["nodelist"],
+        p["exclude"],
+        p["dependency"],
+        p["mail_type"],
+        p["mail_user"],
+    ) == ("gpu:8", "80G", "gpu01", "gpu07", "singleton", "ALL", "me")
     # No submitit parameter (reservation), or one that warns wrongly on every submit (cpus_per_gpu).
-    assert p["additional_parameters"] == {"cpus-per-gpu": 8, "reservation": "big", "signal": "B:USR2@120",
-                                          "requeue": True}
+    assert p["additional_parameters"] == {
+        "cpus-per-gpu": 8,
+        "reservation": "big",
+        "signal": "B:USR2@120",
+        "requeue": True,
+    }
     assert "mem" not in p and "gpus_per_node" not in p
 
 
 # ----------------------------------------------------------------------------- SLURM: checking
 
 
-@pytest.mark.parametrize("override,words", [
-    ("targets.slurm.dependency=afterOK:12", "did you mean 'afterok'"),
-    ("targets.slurm.dependency=afterok:12?afterany:3,afterok:4", "one separator"),
-    ("targets.slurm.dependency=afterok:$(id)", "is not a job id"),
-    ("targets.slurm.dependency=afterok", "is not a dependency"),
-    ("targets.slurm.nodelist=node[3-1]", "runs backwards"),
-    ("targets.slurm.nodelist=/etc/hosts", "as a file"),
-    ("targets.slurm.exclude=node[1-99999999]", "more than 100,000 hosts"),
-    ("targets.slurm.nodelist=node 1", "is not a host name"),
-    ("targets.slurm.mail_type=[END, FIAL]", "did you mean 'FAIL'"),
-    ("targets.slurm.mail_user=me; rm -rf /", "should match pattern"),
-    ("targets.slurm.reservation=a b", "should match pattern"),
-    ("targets.slurm.mem_per_gpu=80 GB", "is not a SLURM memory size"),
-    ("targets.slurm.mem_per_gpu=0", "above 0"),
-    ("targets.slurm.gpu_request=tres", "gpus_per_node"),
-    ("targets.slurm.gpu_type=a100:8", "should match pattern"),
-    ("resources.image=docker://nvcr.io/nvidia/pytorch:24.05-py3", "without a scheme"),
-    ("resources.image=/shared/train.sif", "targets.slurm.container.image"),
-    ("resources.image=NVIDIA/PyTorch", "names are lowercase"),
-    ("targets.slurm.container={runtime: docker}", "pyxis"),
-    ("targets.slurm.container={runtime: pyxis, mounts: ['/a,/b']}", "no ',' or ':' inside a path"),
-    ("targets.slurm.container={runtime: pyxis, mounts: ['data:/data']}", "absolute paths"),
-    ("targets.slurm.container={runtime: pyxis, mounts: ['/a:/b:rprivate']}", "ro|rw"),
-    ("targets.slurm.container={runtime: pyxis, image: '-v /x'}", "not starting with '-'"),
-    ("targets.slurm.container={runtime: apptainer, image: '$(id).sif'}", "no spaces, commas, quotes or $"),
-    ("targets.slurm.container={runtime: pyxis, workdir: relative/dir}", "should match pattern"),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("targets.slurm.dependency=afterOK:12", "did you mean 'afterok'"),
+        ("targets.slurm.dependency=afterok:12?afterany:3,afterok:4", "one separator"),
+        ("targets.slurm.dependency=afterok:$(id)", "is not a job id"),
+        ("targets.slurm.dependency=afterok", "is not a dependency"),
+        ("targets.slurm.nodelist=node[3-1]", "runs backwards"),
+        ("targets.slurm.nodelist=/etc/hosts", "as a file"),
+        ("targets.slurm.exclude=node[1-99999999]", "more than 100,000 hosts"),
+        ("targets.slurm.nodelist=node 1", "is not a host name"),
+        ("targets.slurm.mail_type=[END, FIAL]", "did you mean 'FAIL'"),
+        ("targets.slurm.mail_user=me; rm -rf /", "should match pattern"),
+        ("targets.slurm.reservation=a b", "should match pattern"),
+        ("targets.slurm.mem_per_gpu=80 GB", "is not a SLURM memory size"),
+        ("targets.slurm.mem_per_gpu=0", "above 0"),
+        ("targets.slurm.gpu_request=tres", "gpus_per_node"),
+        ("targets.slurm.gpu_type=a100:8", "should match pattern"),
+        ("resources.image=docker://nvcr.io/nvidia/pytorch:24.05-py3", "without a scheme"),
+        ("resources.image=/shared/train.sif", "targets.slurm.container.image"),
+        ("resources.image=NVIDIA/PyTorch", "names are lowercase"),
+        ("targets.slurm.container={runtime: docker}", "pyxis"),
+        ("targets.slurm.container={runtime: pyxis, mounts: ['/a,/b']}", "no ',' or ':' inside a path"),
+        ("targets.slurm.container={runtime: pyxis, mounts: ['data:/data']}", "absolute paths"),
+        ("targets.slurm.container={runtime: pyxis, mounts: ['/a:/b:rprivate']}", "ro|rw"),
+        ("targets.slurm.container={runtime: pyxis, image: '-v /x'}", "not starting with '-'"),
+        ("targets.slurm.container={runtime: apptainer, image: '$(id).sif'}", "no spaces, commas, quotes or $"),
+        ("targets.slurm.container={runtime: pyxis, workdir: relative/dir}", "should match pattern"),
+    ],
+)
 def test_bad_values_are_located_recipe_errors(override, words):
     with pytest.raises(RecipeError) as e:
         load(RECIPES / "tiny.yaml", [override])
@@ -137,8 +178,7 @@ def test_bad_values_are_located_recipe_errors(override, words):
 
 
 def test_mutually_exclusive_options_are_refused_at_the_later_field_with_its_line(tmp_path):
-    text = (RECIPES / "tiny.yaml").read_text() + "\n".join([
-        "  # appended", "", ""])
+    text = (RECIPES / "tiny.yaml").read_text() + "\n".join(["  # appended", "", ""])
     doc = yaml.safe_load(text)
     doc["targets"]["slurm"] = {"mem": "100G", "mem_per_gpu": "10G", "cpus_per_task": 4, "cpus_per_gpu": 2}
     f = tmp_path / "r.yaml"
@@ -147,8 +187,10 @@ def test_mutually_exclusive_options_are_refused_at_the_later_field_with_its_line
         load(f)
     by_field = {p.field: p for p in e.value.problems}
     lines = f.read_text().splitlines()
-    for field, words in (("targets.slurm.mem_per_gpu", "only one of `mem`"),
-                         ("targets.slurm.cpus_per_gpu", "only one of `cpus_per_task`")):
+    for field, words in (
+        ("targets.slurm.mem_per_gpu", "only one of `mem`"),
+        ("targets.slurm.cpus_per_gpu", "only one of `cpus_per_task`"),
+    ):
         p = by_field[field]
         assert words in p.message and p.file == str(f)
         assert lines[p.line - 1].strip().startswith(field.rsplit(".", 1)[1] + ":"), (p.line, lines[p.line - 1])
@@ -164,15 +206,18 @@ def test_host_lists_and_dependencies_parse_like_slurm():
     assert load(RECIPES / "tiny.yaml", [f"targets.slurm.dependency={dep}"]).targets.slurm.dependency == dep
 
 
-@pytest.mark.parametrize("extra,clash", [
-    ('["--mem-per-gpu=10G"]', "--mem=0"),  # beside the --mem=0 an exclusive job gets
-    ('["--mem=10G"]', "--mem=0"),
-    ('["-w node1"]', None),
-    ('["--comment=nightly", "--hold"]', None),
-    ('["--gres=nvme:1"]', None),  # another generic resource is fine
-    ('["--gres=gpu:2"]', "--gpus-per-node"),
-    ('["--time=1:00:00"]', "--time=24:00:00"),
-])
+@pytest.mark.parametrize(
+    "extra,clash",
+    [
+        ('["--mem-per-gpu=10G"]', "--mem=0"),  # beside the --mem=0 an exclusive job gets
+        ('["--mem=10G"]', "--mem=0"),
+        ('["-w node1"]', None),
+        ('["--comment=nightly", "--hold"]', None),
+        ('["--gres=nvme:1"]', None),  # another generic resource is fine
+        ('["--gres=gpu:2"]', "--gpus-per-node"),
+        ('["--time=1:00:00"]', "--time=24:00:00"),
+    ],
+)
 def test_extra_sbatch_must_not_repeat_a_field(extra, clash):
     found = rules("llama3-8b", "slurm", f"targets.slurm.extra_sbatch={extra}")
     f = found.get("slurm-extra-sbatch-field")
@@ -187,9 +232,18 @@ def test_extra_sbatch_must_not_repeat_a_field(extra, clash):
 
 
 def test_knob_rules_stay_quiet_when_used_as_meant():
-    found = rules("llama3-8b", "slurm", "targets.slurm.mem_per_gpu=80G", "targets.slurm.cpus_per_gpu=8",
-                  "targets.slurm.nodelist=gpu01", "targets.slurm.exclude=gpu[02-09]", "targets.slurm.mail_type=[END]",
-                  "targets.slurm.mail_user=me", f"resources.image={IMAGE}", "targets.slurm.container={runtime: pyxis}")
+    found = rules(
+        "llama3-8b",
+        "slurm",
+        "targets.slurm.mem_per_gpu=80G",
+        "targets.slurm.cpus_per_gpu=8",
+        "targets.slurm.nodelist=gpu01",
+        "targets.slurm.exclude=gpu[02-09]",
+        "targets.slurm.mail_type=[END]",
+        "targets.slurm.mail_user=me",
+        f"resources.image={IMAGE}",
+        "targets.slurm.container={runtime: pyxis}",
+    )
     before = rules("llama3-8b", "slurm")
     assert set(found) == set(before), found
 
@@ -199,13 +253,23 @@ def test_recipe_hash_is_unchanged_by_fields_left_unset():
     pinned: a new field missing from schema.LATER_FIELDS changes them (the second recipe also holds the optional
     sections, so a field added inside one of those shows too)."""
     base = {"name": "digest", "model": {"preset": "tiny"}, "training": {"steps": 10}}
-    full = {**base, "entrypoint": {"script": "train.py"},
-            "targets": {"slurm": {"container": {"runtime": "pyxis"}, "ssh": {"host": "login"}},
-                        "sky": {"checkpoint_storage": {"bucket": "s3://b/ckpt"}}}}
+    full = {
+        **base,
+        "entrypoint": {"script": "train.py"},
+        "targets": {
+            "slurm": {"container": {"runtime": "pyxis"}, "ssh": {"host": "login"}},
+            "sky": {"checkpoint_storage": {"bucket": "s3://b/ckpt"}},
+        },
+    }
     assert (parse(base).digest(), parse(full).digest()) == ("a6af125dfb378db7", "7bdcafa06bcfa8c4")
     r = load(RECIPES / "tiny.yaml")
-    for written in ("targets.slurm.gpu_request=gpus_per_node", "targets.sky.accelerators=[]",
-                    "targets.sky.fallback=ordered", "targets.sky.ports=[]", "parallelism.pipeline_schedule=1f1b"):
+    for written in (
+        "targets.slurm.gpu_request=gpus_per_node",
+        "targets.sky.accelerators=[]",
+        "targets.sky.fallback=ordered",
+        "targets.sky.ports=[]",
+        "parallelism.pipeline_schedule=1f1b",
+    ):
         assert load(RECIPES / "tiny.yaml", [written]).digest() == r.digest(), written  # a default written out
     for changed in ("targets.slurm.reservation=x", "targets.slurm.gpu_request=gres", "resources.image=org/train:1"):
         assert load(RECIPES / "tiny.yaml", [changed]).digest() != r.digest(), changed
@@ -232,11 +296,18 @@ def test_no_container_renders_nothing_of_it():
 
 
 def test_pyxis_flags_on_srun_and_the_check_inside_the_image(tmp_path):
-    _, art = rendered("tiny", "slurm", f"resources.image={IMAGE}", "checkpoint.dir=/shared/ckpt/{run_id}",
-                      "targets.slurm.container={runtime: pyxis, mounts: ['/datasets:/data:ro', /scratch]}")
+    _, art = rendered(
+        "tiny",
+        "slurm",
+        f"resources.image={IMAGE}",
+        "checkpoint.dir=/shared/ckpt/{run_id}",
+        "targets.slurm.container={runtime: pyxis, mounts: ['/datasets:/data:ro', /scratch]}",
+    )
     job, step = art.files["job.sbatch"], art.files["step.sh"]
-    flags = ("'--container-image=nvcr.io#nvidia/pytorch:24.05-py3' \"--container-mounts=$CONTAINER_MOUNTS\" "
-             "\"--container-workdir=$SUBMIT_DIR\" \"--container-name=dtlaunch-$SLURM_JOB_ID\"")
+    flags = (
+        "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3' \"--container-mounts=$CONTAINER_MOUNTS\" "
+        '"--container-workdir=$SUBMIT_DIR" "--container-name=dtlaunch-$SLURM_JOB_ID"'
+    )
     assert f'{flags} bash "$SUBMIT_DIR/step.sh" > >(tee' in job  # the training step
     # the check on every node, before the training step (each node imports the image outside the join window)
     check = f'srun "--nodes=$SLURM_NNODES" "--ntasks=$SLURM_NNODES" --ntasks-per-node=1 {flags} bash "$SUBMIT_DIR/step.sh" --check'
@@ -245,49 +316,68 @@ def test_pyxis_flags_on_srun_and_the_check_inside_the_image(tmp_path):
     assert job.index('export DTLAUNCH_JOB_ENV="$JOB_DIR/env-$ATTEMPT.sh"') < job.index(check)
     assert '. "$DTLAUNCH_JOB_ENV"' in step
     # the named container removed on every node when the job ends for good
-    assert ('srun "--nodes=$SLURM_NNODES" "--ntasks=$SLURM_NNODES" --ntasks-per-node=1 enroot remove --force '
-            '"pyxis_dtlaunch-$SLURM_JOB_ID"') in job
-    assert ('CONTAINER_MOUNTS="$SUBMIT_DIR:$SUBMIT_DIR",/shared/ckpt:/shared/ckpt,/datasets:/data:ro,/scratch:/scratch'
-            in job)
+    assert (
+        'srun "--nodes=$SLURM_NNODES" "--ntasks=$SLURM_NNODES" --ntasks-per-node=1 enroot remove --force '
+        '"pyxis_dtlaunch-$SLURM_JOB_ID"'
+    ) in job
+    assert (
+        'CONTAINER_MOUNTS="$SUBMIT_DIR:$SUBMIT_DIR",/shared/ckpt:/shared/ckpt,/datasets:/data:ro,/scratch:/scratch'
+        in job
+    )
     assert "mkdir -p /shared/ckpt ||" in job
     # The batch shell (on the host) resolves no interpreter; step.sh does, inside the container.
     assert "command -v python3" not in job and 'PYTHON="${DTLAUNCH_PYTHON:-$(command -v python3' in step
     assert '"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check' in step
 
 
-@pytest.mark.parametrize("runtime,recipe,nv", [("apptainer", "tiny", False), ("apptainer", "llama3-8b", True),
-                                               ("singularity", "tiny", False)])
+@pytest.mark.parametrize(
+    "runtime,recipe,nv",
+    [("apptainer", "tiny", False), ("apptainer", "llama3-8b", True), ("singularity", "tiny", False)],
+)
 def test_apptainer_wraps_torchrun_and_the_check(runtime, recipe, nv):
     _, art = rendered(recipe, "slurm", f"resources.image={IMAGE}", f"targets.slurm.container={{runtime: {runtime}}}")
     job, step = art.files["job.sbatch"], art.files["step.sh"]
     sif = re.search(r'SIF="\$SUBMIT_DIR/"(image-[0-9a-f]{12}\.sif)', job).group(1)
-    assert f"{runtime} pull \"$SIF.part-$SLURM_JOB_ID\" docker://{IMAGE}" in job  # once, into the submit directory
-    prefix = (f'{runtime} exec {"--nv " if nv else ""}--bind "$CONTAINER_MOUNTS" --env-file "$DTLAUNCH_JOB_ENV" '
-              f'--pwd "$PWD" "$SUBMIT_DIR/{sif}"')
+    assert f'{runtime} pull "$SIF.part-$SLURM_JOB_ID" docker://{IMAGE}' in job  # once, into the submit directory
+    prefix = (
+        f'{runtime} exec {"--nv " if nv else ""}--bind "$CONTAINER_MOUNTS" --env-file "$DTLAUNCH_JOB_ENV" '
+        f'--pwd "$PWD" "$SUBMIT_DIR/{sif}"'
+    )
     assert f'{prefix} "$PYTHON" -m launcher.elastic' in step
     assert f'{prefix} "$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check' in step
     assert 'PYTHON="${DTLAUNCH_PYTHON:-python3}"' in step  # looked up on the image's PATH
-    assert ('srun "--nodes=$SLURM_NNODES" "--ntasks=$SLURM_NNODES" --ntasks-per-node=1 bash "$SUBMIT_DIR/step.sh" '
-            '--check || CHECK_RC=$?') in job  # on every node
+    assert (
+        'srun "--nodes=$SLURM_NNODES" "--ntasks=$SLURM_NNODES" --ntasks-per-node=1 bash "$SUBMIT_DIR/step.sh" '
+        "--check || CHECK_RC=$?"
+    ) in job  # on every node
     assert "--container-" not in job and ("--nv" in step) == nv and "enroot" not in job
 
 
 def test_site_image_and_workdir_are_used_as_written():
-    _, art = rendered("tiny", "slurm", "targets.slurm.container={runtime: apptainer, image: /shared/img/train.sif, "
-                                       "workdir: /workspace}")
+    _, art = rendered(
+        "tiny",
+        "slurm",
+        "targets.slurm.container={runtime: apptainer, image: /shared/img/train.sif, workdir: /workspace}",
+    )
     assert "--pwd /workspace /shared/img/train.sif" in art.files["step.sh"]
-    _, art = rendered("tiny", "slurm", "targets.slurm.container={runtime: pyxis, image: /shared/img/train.sqsh, "
-                                       "workdir: /workspace}")
+    _, art = rendered(
+        "tiny", "slurm", "targets.slurm.container={runtime: pyxis, image: /shared/img/train.sqsh, workdir: /workspace}"
+    )
     assert "--container-image=/shared/img/train.sqsh --container-mounts" in art.files["job.sbatch"].replace('"', "")
     assert "--container-workdir=/workspace" in art.files["job.sbatch"]
 
 
-@pytest.mark.parametrize("variant", [
-    ["targets.slurm.container={runtime: pyxis}"], ["targets.slurm.container={runtime: apptainer}"],
-    ["targets.slurm.container={runtime: pyxis}", "targets.slurm.submit=submitit"],
-    ["targets.slurm.container={runtime: apptainer}", "targets.slurm.submit=submitit"],
-    ["targets.slurm.container={runtime: pyxis, mounts: [/data]}", "entrypoint={module: train, workdir: .}"],
-], ids=["pyxis", "apptainer", "pyxis-submitit", "apptainer-submitit", "pyxis-entrypoint"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["targets.slurm.container={runtime: pyxis}"],
+        ["targets.slurm.container={runtime: apptainer}"],
+        ["targets.slurm.container={runtime: pyxis}", "targets.slurm.submit=submitit"],
+        ["targets.slurm.container={runtime: apptainer}", "targets.slurm.submit=submitit"],
+        ["targets.slurm.container={runtime: pyxis, mounts: [/data]}", "entrypoint={module: train, workdir: .}"],
+    ],
+    ids=["pyxis", "apptainer", "pyxis-submitit", "apptainer-submitit", "pyxis-entrypoint"],
+)
 def test_container_scripts_pass_bash_n_and_shellcheck(variant, tmp_path):
     _, art = rendered("tiny", "slurm", f"resources.image={IMAGE}", *variant, out=tmp_path)
     for name in ("job.sbatch", "step.sh", "submitit_setup.sh"):
@@ -301,28 +391,48 @@ def test_container_scripts_pass_bash_n_and_shellcheck(variant, tmp_path):
 def test_submitit_with_a_container_keeps_the_host_python_for_itself():
     """submitit's own process runs on the host (it needs submitit and dtlaunch there); the plan check and the
     training run in the image."""
-    _, art = rendered("tiny", "slurm", f"resources.image={IMAGE}", "targets.slurm.container={runtime: pyxis}",
-                      "targets.slurm.submit=submitit")
+    _, art = rendered(
+        "tiny",
+        "slurm",
+        f"resources.image={IMAGE}",
+        "targets.slurm.container={runtime: pyxis}",
+        "targets.slurm.submit=submitit",
+    )
     pre = art.files["submitit_setup.sh"]
     assert 'PYTHON="${DTLAUNCH_PYTHON:-$(command -v python3' in pre
     assert '"$PYTHON" -m launcher.train' not in pre and 'bash "$SUBMIT_DIR/step.sh" --check' in pre
     assert pre.index('bash "$SUBMIT_DIR/step.sh" --check') < pre.index("import submitit")
     srun = SubmititSpec.from_json(art.files["submitit.json"]).step["srun"]
-    assert srun[-4:] == ["--container-workdir=$SUBMIT_DIR", "--container-name=dtlaunch-$SLURM_JOB_ID", "bash",
-                         "$SUBMIT_DIR/step.sh"]
+    assert srun[-4:] == [
+        "--container-workdir=$SUBMIT_DIR",
+        "--container-name=dtlaunch-$SLURM_JOB_ID",
+        "bash",
+        "$SUBMIT_DIR/step.sh",
+    ]
     assert "--container-image=nvcr.io#nvidia/pytorch:24.05-py3" in srun
 
 
 def test_container_rules():
     assert "slurm-image-no-container" in rules("tiny", "slurm", f"resources.image={IMAGE}")
     assert "slurm-container-no-image" in rules("tiny", "slurm", "targets.slurm.container={runtime: pyxis}")
-    found = rules("tiny", "slurm", f"resources.image={IMAGE}", "targets.slurm.container={runtime: pyxis}",
-                  "training.data.source=file", "training.data.path=/datasets/t.bin")
+    found = rules(
+        "tiny",
+        "slurm",
+        f"resources.image={IMAGE}",
+        "targets.slurm.container={runtime: pyxis}",
+        "training.data.source=file",
+        "training.data.path=/datasets/t.bin",
+    )
     assert "/datasets:/datasets:ro" in found["slurm-container-input-unmounted"].fix
     assert found["slurm-container-input-unmounted"].severity == "error"
-    found = rules("tiny", "slurm", f"resources.image={IMAGE}",
-                  "targets.slurm.container={runtime: pyxis, mounts: ['/datasets:/datasets:ro']}",
-                  "training.data.source=file", "training.data.path=/datasets/t.bin")
+    found = rules(
+        "tiny",
+        "slurm",
+        f"resources.image={IMAGE}",
+        "targets.slurm.container={runtime: pyxis, mounts: ['/datasets:/datasets:ro']}",
+        "training.data.source=file",
+        "training.data.path=/datasets/t.bin",
+    )
     assert "slurm-container-input-unmounted" not in found
 
 
@@ -331,9 +441,11 @@ def test_inputs_must_lie_under_a_mount_on_the_cloud():
     data = ("training.data.source=file", "training.data.path=/inputs/t.bin")
     assert "sky-input-unmounted" in rules("tiny", "sky", *data)
     assert "sky-input-unmounted" not in rules(
-        "tiny", "sky", *data, "targets.sky.data_mounts=[{path: /inputs, source: s3://b/tok, mode: MOUNT}]")
+        "tiny", "sky", *data, "targets.sky.data_mounts=[{path: /inputs, source: s3://b/tok, mode: MOUNT}]"
+    )
     assert "sky-input-unmounted" not in rules(
-        "tiny", "sky", *data, "targets.sky.data_mounts=[{path: /inputs, source: /home/me/tok, mode: COPY}]")
+        "tiny", "sky", *data, "targets.sky.data_mounts=[{path: /inputs, source: /home/me/tok, mode: COPY}]"
+    )
 
 
 # ----------------------------------------------------------------------------- SkyPilot
@@ -359,8 +471,12 @@ def test_fallbacks_are_planned_one_by_one_and_the_shipped_plan_fits_all():
 
 def test_a_fallback_that_does_not_fit_is_dropped_and_the_rest_ship_the_primarys_plan():
     # DDP keeps 16 bytes per parameter on every GPU: 3B parameters fit 80 GB devices, not 24 GB ones.
-    over = ["model={params: 3000000000}", "parallelism.strategy=ddp", "resources.accelerator=H100:2",
-            "targets.sky.accelerators=[L4:2, A100-80GB:2]"]
+    over = [
+        "model={params: 3000000000}",
+        "parallelism.strategy=ddp",
+        "resources.accelerator=H100:2",
+        "targets.sky.accelerators=[L4:2, A100-80GB:2]",
+    ]
     ch = plan_choices(load(RECIPES / "tiny.yaml", over))
     (l4,) = [c for c in ch.choices if c.accelerator == "L4:2"]
     assert l4.dropped.startswith("its own plan (ddp) needs") and "of 24 GB" in l4.dropped
@@ -369,9 +485,16 @@ def test_a_fallback_that_does_not_fit_is_dropped_and_the_rest_ship_the_primarys_
 
 
 def test_sky_task_lists_the_kept_accelerators_and_ships_their_plan():
-    r, art = rendered("llama70b", "sky", FALLBACKS, "targets.sky.checkpoint_storage={bucket: 's3://b/c'}",
-                      "checkpoint.dir=null", f"resources.image={IMAGE}", "targets.sky.disk_tier=best",
-                      "targets.sky.ports=[8888, '10000-10010']")
+    r, art = rendered(
+        "llama70b",
+        "sky",
+        FALLBACKS,
+        "targets.sky.checkpoint_storage={bucket: 's3://b/c'}",
+        "checkpoint.dir=null",
+        f"resources.image={IMAGE}",
+        "targets.sky.disk_tier=best",
+        "targets.sky.ports=[8888, '10000-10010']",
+    )
     res = yaml.safe_load(art.files["task.yaml"])["resources"]
     assert res["ordered"] == [{"accelerators": "H100:8"}, {"accelerators": "A100-80GB:8"}, {"accelerators": "L4:8"}]
     assert "accelerators" not in res and res["image_id"] == f"docker:{IMAGE}"
@@ -386,21 +509,30 @@ def test_sky_task_lists_the_kept_accelerators_and_ships_their_plan():
 
 
 def test_sky_instance_cpus_memory():
-    _, art = rendered("tiny", "sky", "targets.sky.instance_type=n2-standard-8", "targets.sky.cpus=8+",
-                      "targets.sky.memory=32")
+    _, art = rendered(
+        "tiny", "sky", "targets.sky.instance_type=n2-standard-8", "targets.sky.cpus=8+", "targets.sky.memory=32"
+    )
     res = yaml.safe_load(art.files["task.yaml"])["resources"]
     assert (res["instance_type"], res["cpus"], res["memory"]) == ("n2-standard-8", "8+", "32")
     assert rules("tiny", "sky", "targets.sky.cpus=1").get("sky-cpus-fewer-than-ranks")
 
 
-@pytest.mark.parametrize("override,words", [
-    ("targets.sky.ports=[0]", "1-65535"), ("targets.sky.ports=['9000-8000']", "LOW-HIGH"),
-    ("targets.sky.ports=[true]", "not true/false"), ("targets.sky.cpus=-1", "positive number"),
-    ("targets.sky.memory=lots", "positive number"), ("targets.sky.disk_tier=fastest", "'best'"),
-    ("targets.sky.accelerators=[H100:eight]", "whole number"), ("targets.sky.accelerators=[cpu:8]", "no cpu"),
-    ("targets.sky.accelerators=[H1000:8]", "did you mean 'H100'"), ("targets.sky.fallback=cheapest", "any_of"),
-    ("targets.sky.instance_type=p5 48xlarge", "should match pattern"),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("targets.sky.ports=[0]", "1-65535"),
+        ("targets.sky.ports=['9000-8000']", "LOW-HIGH"),
+        ("targets.sky.ports=[true]", "not true/false"),
+        ("targets.sky.cpus=-1", "positive number"),
+        ("targets.sky.memory=lots", "positive number"),
+        ("targets.sky.disk_tier=fastest", "'best'"),
+        ("targets.sky.accelerators=[H100:eight]", "whole number"),
+        ("targets.sky.accelerators=[cpu:8]", "no cpu"),
+        ("targets.sky.accelerators=[H1000:8]", "did you mean 'H100'"),
+        ("targets.sky.fallback=cheapest", "any_of"),
+        ("targets.sky.instance_type=p5 48xlarge", "should match pattern"),
+    ],
+)
 def test_bad_sky_values_are_located_recipe_errors(override, words):
     with pytest.raises(RecipeError) as e:
         load(RECIPES / "tiny.yaml", [override])
@@ -424,15 +556,31 @@ def test_plan_shows_the_per_accelerator_table(run_cli):
 def test_up_after_adds_the_dependency_by_id_or_name(run_cli, tmp_path):
     Registry().add(JobRecord("train", "slurm", "77", str(tmp_path), SlurmHandle(str(tmp_path), "train")))
     Registry().add(JobRecord("cloud", "sky", "5", str(tmp_path), SkyHandle("c", False, 5)))
-    code, out, err = run_cli("up", RECIPES / "tiny.yaml", "-t", "slurm", "--dry-run", "-o", tmp_path / "a",
-                             "--after", "train", "--after", "80", "--set", "targets.slurm.dependency=afterany:5")
+    code, out, err = run_cli(
+        "up",
+        RECIPES / "tiny.yaml",
+        "-t",
+        "slurm",
+        "--dry-run",
+        "-o",
+        tmp_path / "a",
+        "--after",
+        "train",
+        "--after",
+        "80",
+        "--set",
+        "targets.slurm.dependency=afterany:5",
+    )
     assert code == 0, err
     assert "#SBATCH --dependency=afterany:5,afterok:77:80" in (tmp_path / "a" / "job.sbatch").read_text()
     assert "dependency: afterany:5,afterok:77:80" in (tmp_path / "a" / "recipe.yaml").read_text()
-    for args, words in ((["--after", "cloud"], "that is a sky job"), (["--after", "nope"], "no job named 'nope'"),
-                        (["--after", "80", "-t", "local"], "--after chains SLURM jobs"),
-                        (["--after", "80", "--set", "targets.slurm.dependency=afterok:1?afterok:2"], "'any of'"),
-                        (["--after", "80", "--set", "targets.slurm.ssh={host: login.example}"], "job ids are per")):
+    for args, words in (
+        (["--after", "cloud"], "that is a sky job"),
+        (["--after", "nope"], "no job named 'nope'"),
+        (["--after", "80", "-t", "local"], "--after chains SLURM jobs"),
+        (["--after", "80", "--set", "targets.slurm.dependency=afterok:1?afterok:2"], "'any of'"),
+        (["--after", "80", "--set", "targets.slurm.ssh={host: login.example}"], "job ids are per"),
+    ):
         if "job ids are per" in words:
             args = ["--after", "train", *args[2:]]
         code, _, err = run_cli("up", RECIPES / "tiny.yaml", "-t", "slurm", "--dry-run", "-o", tmp_path / "b", *args)

@@ -2,6 +2,7 @@
 each `up` keeps its own log and exit code; a resumed longer run uses its own schedule's rate; one job per run
 directory; a killed launcher takes its workers down (they checkpoint); `down` never signals a process that
 is not the job's."""
+
 from __future__ import annotations
 
 import json
@@ -57,12 +58,24 @@ def test_up_status_logs_plot_and_history_per_attempt(run_cli, tmp_path):
     # tiny: lr 3e-3, warmup 4, cosine over 8 steps: step 7 trains at progress (6-4)/(8-4) = 0.5, factor 0.5.
     assert step7["lr"] == pytest.approx(1.5e-3, rel=1e-6), "the resumed step must use this run's schedule"
     # A third attempt that fails keeps the earlier ones' history intact.
-    code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=10",
-                             "--set", "targets.local.max_restarts=0",
-                             "--set", "env.DTLAUNCH_FAULT=exit:rank=1:step=9:code=3")
+    code, out, err = run_cli(
+        "up",
+        TINY,
+        "-o",
+        run_dir,
+        "--set",
+        "training.steps=10",
+        "--set",
+        "targets.local.max_restarts=0",
+        "--set",
+        "env.DTLAUNCH_FAULT=exit:rank=1:step=9:code=3",
+    )
     assert code == 1, out + err
     assert [(r["state"], r["exit_code"]) for r in status_rows(run_cli)] == [
-        ("COMPLETED", 0), ("COMPLETED", 0), ("FAILED", 1)]
+        ("COMPLETED", 0),
+        ("COMPLETED", 0),
+        ("FAILED", 1),
+    ]
     code, out, _ = run_cli("logs", status_rows(run_cli)[0]["job_id"])
     assert code == 0 and "done: 6 steps" in out and "done: 8 steps" not in out
     code, out, err = run_cli("plot", run_dir)
@@ -111,8 +124,13 @@ def test_down_never_signals_a_process_that_is_not_the_job(run_cli, tmp_path):
     the job's DTLAUNCH_ATTEMPT, so `down` leaves it alone."""
     other = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
-        handle = LocalHandle(other.pid, time.time() - 3600, "up-gone-attempt", str(tmp_path / "log"),
-                             str(tmp_path / "status" / "exit_code"))
+        handle = LocalHandle(
+            other.pid,
+            time.time() - 3600,
+            "up-gone-attempt",
+            str(tmp_path / "log"),
+            str(tmp_path / "status" / "exit_code"),
+        )
         Registry().add(JobRecord("ghost", "local", str(other.pid), str(tmp_path), handle))
         code, out, _ = run_cli("down", "ghost")
         assert code == 0 and "not running" in out

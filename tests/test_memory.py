@@ -1,4 +1,5 @@
 """The memory model against its sources: the ZeRO paper's worked example and Korthikanti et al.'s Table 2."""
+
 import pytest
 
 from launcher.catalog import ModelShape
@@ -89,17 +90,19 @@ def test_zero_offload_keeps_only_16bit_weights_on_the_gpu(strategy):
     assert max(tl_on[m]["grads"] for m in tl_on) > 0
 
 
-
-@pytest.mark.parametrize("strategy, per_param", [
-    # [ZeRO] mixed-precision Adam: 16-bit weights 2, 16-bit grads 2, fp32 master + two moments 12; ZeRO-3 shards
-    # all three over the data-parallel ranks, ZeRO-2 the grads and the optimizer, ZeRO-1 the optimizer
-    ("zero3", (2 / 64, 2 / 64, 12 / 64)),
-    ("zero2", (2, 2 / 64, 12 / 64)),
-    ("zero1", (2, 2, 12 / 64)),
-    # torch keeps fp32 weights (the master copy) and fp32 grads, and Adam's two fp32 moments: 4 + 4 + 8
-    ("fsdp", (4 / 64, 4 / 64, 8 / 64)),
-    ("ddp", (4, 4, 8)),
-])
+@pytest.mark.parametrize(
+    "strategy, per_param",
+    [
+        # [ZeRO] mixed-precision Adam: 16-bit weights 2, 16-bit grads 2, fp32 master + two moments 12; ZeRO-3 shards
+        # all three over the data-parallel ranks, ZeRO-2 the grads and the optimizer, ZeRO-1 the optimizer
+        ("zero3", (2 / 64, 2 / 64, 12 / 64)),
+        ("zero2", (2, 2 / 64, 12 / 64)),
+        ("zero1", (2, 2, 12 / 64)),
+        # torch keeps fp32 weights (the master copy) and fp32 grads, and Adam's two fp32 moments: 4 + 4 + 8
+        ("fsdp", (4 / 64, 4 / 64, 8 / 64)),
+        ("ddp", (4, 4, 8)),
+    ],
+)
 def test_plan_json_carries_the_model_states_per_gpu(strategy, per_param):
     """`memory.model_states` is what the strategy keeps on a GPU for the whole step, the figure of the ZeRO paper
     and DeepSpeed's estimators, in bytes: for 7.5B parameters on 64 GPUs in bf16, worked out by hand."""
@@ -113,8 +116,9 @@ training: {{steps: 10, global_batch: 64}}
 """)
     states = make_plan(r).to_dict()["memory"]["model_states"]
     params, grads, optim = (k * n for k in per_param)
-    assert states == pytest.approx({"params": params, "grads": grads, "optimizer": optim,
-                                    "total": params + grads + optim}, abs=1)
+    assert states == pytest.approx(
+        {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}, abs=1
+    )
 
 
 def test_model_states_do_not_depend_on_the_peak_moment():
@@ -124,34 +128,41 @@ def test_model_states_do_not_depend_on_the_peak_moment():
     from launcher.plan import Plan
 
     n = 8_030_261_248
-    p = make_plan(load_text("""
+    p = make_plan(
+        load_text("""
 name: states
 model: {preset: llama3-8b, seq_len: 2048}
 parallelism: {strategy: fsdp, grad_reduce: once_per_step}
 resources: {accelerator: "H100:8"}
 training: {micro_batch: 1, global_batch: 64, steps: 10}
-"""))
+""")
+    )
     assert p.params == n and p.layout.reduces_once_per_step
     states = p.to_dict()["memory"]["model_states"]
-    assert states == pytest.approx({"params": 4 * n / 8, "grads": 4 * n / 8, "optimizer": 8 * n / 8,
-                                    "total": 16 * n / 8}, abs=1)
+    assert states == pytest.approx(
+        {"params": 4 * n / 8, "grads": 4 * n / 8, "optimizer": 8 * n / 8, "total": 16 * n / 8}, abs=1
+    )
     assert p.memory.grads > 3 * n  # the peak's gradients: unsharded
     assert Plan.from_dict(p.to_dict()).memory.model_states == pytest.approx(states, abs=1)
+
 
 # ----- activations: Korthikanti et al. 2022, Table 2 (GPT layer), independent restatement of the formulas
 GPT = ModelShape(layers=96, hidden=12288, ffn_hidden=4 * 12288, heads=96, kv_heads=96, vocab=51200, seq_len=2048)
 s, b, h, a = 2048, 1, 12288, 96
 
 
-@pytest.mark.parametrize("t,sp,ac,expected", [
-    (1, False, "none", s * b * h * (34 + 5 * a * s / h)),
-    (8, False, "none", s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))),
-    (8, True, "none", s * b * h / 8 * (34 + 5 * a * s / h)),
-    (8, False, "selective", s * b * h * (10 + 24 / 8)),
-    (8, True, "selective", s * b * h * 34 / 8),
-    (1, False, "full", 2 * s * b * h),
-    (8, True, "full", 2 * s * b * h / 8),
-])
+@pytest.mark.parametrize(
+    "t,sp,ac,expected",
+    [
+        (1, False, "none", s * b * h * (34 + 5 * a * s / h)),
+        (8, False, "none", s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))),
+        (8, True, "none", s * b * h / 8 * (34 + 5 * a * s / h)),
+        (8, False, "selective", s * b * h * (10 + 24 / 8)),
+        (8, True, "selective", s * b * h * 34 / 8),
+        (1, False, "full", 2 * s * b * h),
+        (8, True, "full", 2 * s * b * h / 8),
+    ],
+)
 def test_korthikanti_table2(t, sp, ac, expected):
     assert activation_bytes_per_layer(GPT, "gpt", s, b, t, sp, ac) == pytest.approx(expected)
 
@@ -186,9 +197,10 @@ def test_activation_orderings():
     assert f(ac="full") < f(ac="selective") < f()
     assert f(t=8, sp=True) < f(t=8) < f()
     # linear in the micro-batch, but for the per-block RoPE table copies, which do not depend on it
-    per_sequence = (activation_bytes_per_layer(sh, "llama", 4096, 1, 1, False, "none", cast_inputs=False))
+    per_sequence = activation_bytes_per_layer(sh, "llama", 4096, 1, 1, False, "none", cast_inputs=False)
     assert activation_bytes_per_layer(sh, "llama", 4096, 2, 1, False, "none", cast_inputs=False) == pytest.approx(
-        2 * per_sequence)
+        2 * per_sequence
+    )
 
 
 def test_pipeline_first_stage_holds_all_layers_worth():

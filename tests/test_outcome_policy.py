@@ -2,6 +2,7 @@
 decision function and the submitit job's Python decisions agree on every exit code, signal and count; the
 SkyPilot task recovers only on the policy's resume codes and ends a final code's later launches at once; the
 README's exit-code table says what the policy says."""
+
 from __future__ import annotations
 
 import itertools
@@ -42,19 +43,25 @@ def test_sbatch_and_submitit_decide_alike_on_every_code_signal_and_count():
     """The rendered job.sbatch's dtl_decide (bash, run here) and slurm_decisions.decide (Python, the submitit
     path) over every combination: the same action, state and ledger. A diverged run (45) was retried by the
     submitit path and not by the sbatch path."""
-    job = rendered("slurm", f"targets.slurm.max_requeues={MAX_REQUEUES}",
-                   f"targets.slurm.max_failures={MAX_FAILURES}").files["job.sbatch"]
-    fn = job[job.index("# >>> dtl_decide"):job.index("# <<< dtl_decide")]
+    job = rendered(
+        "slurm", f"targets.slurm.max_requeues={MAX_REQUEUES}", f"targets.slurm.max_failures={MAX_FAILURES}"
+    ).files["job.sbatch"]
+    fn = job[job.index("# >>> dtl_decide") : job.index("# <<< dtl_decide")]
     combos = list(itertools.product(CODES, ("none", "USR2", "TERM"), (0, 1), (0, 1), (0, 1, 2), (0, 1, 2)))
-    calls = "\n".join(f'dtl_decide {" ".join(map(str, c))}' for c in combos)
+    calls = "\n".join(f"dtl_decide {' '.join(map(str, c))}" for c in combos)
     p = subprocess.run(["bash", "-c", fn + "\n" + calls], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert len(lines) == len(combos)
     for (rc, sig, tl, prog, req, fails), line in zip(combos, lines, strict=True):
         action, state, ledger, _ = line.split(" ", 3)
-        d = decide(Outcome(rc, None if sig == "none" else sig, bool(tl), bool(prog)), requeues=req, failures=fails,
-                   max_requeues=MAX_REQUEUES, max_failures=MAX_FAILURES)
+        d = decide(
+            Outcome(rc, None if sig == "none" else sig, bool(tl), bool(prog)),
+            requeues=req,
+            failures=fails,
+            max_requeues=MAX_REQUEUES,
+            max_failures=MAX_FAILURES,
+        )
         assert (action, state, ledger) == (d.action, d.state, d.ledger or "-"), (rc, sig, tl, prog, req, fails, line)
     for code in jobenv.FINAL_CODES:  # never retried, whatever the counts
         assert decide(Outcome(code), requeues=0, failures=0, max_requeues=9, max_failures=9).action == "fail"
@@ -63,14 +70,21 @@ def test_sbatch_and_submitit_decide_alike_on_every_code_signal_and_count():
 def test_the_time_limit_slack_is_the_policys():
     job = rendered("slurm").files["job.sbatch"]
     rec = load(RECIPES / "tiny.yaml")
-    assert f'-le {rec.targets.slurm.signal_seconds + jobenv.TIME_LIMIT_SLACK_S} ]' in job
+    assert f"-le {rec.targets.slurm.signal_seconds + jobenv.TIME_LIMIT_SLACK_S} ]" in job
 
 
 def _node_env(task: dict, tmp_path: Path, py: Path, task_id: str) -> dict:
-    return {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "DTLAUNCH_PYTHON": str(py),
-            **{k: str(v) for k, v in task["envs"].items()}, "SKYPILOT_NODE_RANK": "0",
-            "SKYPILOT_NODE_IPS": "127.0.0.1", "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NUM_GPUS_PER_NODE": "0",
-            "SKYPILOT_TASK_ID": task_id}
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "DTLAUNCH_PYTHON": str(py),
+        **{k: str(v) for k, v in task["envs"].items()},
+        "SKYPILOT_NODE_RANK": "0",
+        "SKYPILOT_NODE_IPS": "127.0.0.1",
+        "SKYPILOT_NUM_NODES": "1",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+        "SKYPILOT_TASK_ID": task_id,
+    }
 
 
 @pytest.mark.parametrize("final", [ExitCode.CONFIG, ExitCode.DIVERGED])
@@ -89,14 +103,22 @@ def test_skypilot_ends_a_final_codes_later_launches_at_once(tmp_path, final):
     if final == ExitCode.CONFIG:  # the node check refuses the plan
         launch = 'case " $* " in *" --check "*) exit 2 ;; esac\nexit 0'
     else:  # the ranks stop on a diverged loss, each writing its code where dtl_outcome reads it
-        launch = ('case " $* " in *" --check "*) exit 0 ;; esac\nmkdir -p "$DTLAUNCH_STATUS"\n'
-                  'echo "45 9 0" > "$DTLAUNCH_STATUS/rank-00000.code"\nexit 1')
+        launch = (
+            'case " $* " in *" --check "*) exit 0 ;; esac\nmkdir -p "$DTLAUNCH_STATUS"\n'
+            'echo "45 9 0" > "$DTLAUNCH_STATUS/rank-00000.code"\nexit 1'
+        )
     py.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\necho "$*" >> {log}\n{launch}\n')
     py.chmod(0o755)
 
     def launch_task(task_id: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-c", task["run"]], cwd=out, env=_node_env(task, tmp_path, py, task_id),
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            ["bash", "-c", task["run"]],
+            cwd=out,
+            env=_node_env(task, tmp_path, py, task_id),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     first = launch_task("task-1")
     assert first.returncode == final, first.stdout + first.stderr
@@ -116,8 +138,8 @@ def test_skypilot_ends_a_final_codes_later_launches_at_once(tmp_path, final):
 
 def test_the_readme_table_says_what_the_policy_does():
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = text[text.index("<!-- exit codes:"):]
-    rows = re.findall(r"^\| (\d+) \| (\w+) \| (.*?) \| (.*?) \|$", table, flags=re.M)[:len(ExitCode)]
+    table = text[text.index("<!-- exit codes:") :]
+    rows = re.findall(r"^\| (\d+) \| (\w+) \| (.*?) \| (.*?) \|$", table, flags=re.M)[: len(ExitCode)]
     assert [int(r[0]) for r in rows] == [int(c) for c in ExitCode]
     for code, _, _, then in rows:
         kind = outcome(int(code))
@@ -136,8 +158,8 @@ def test_progress_counts_checkpoints_committed_by_ranks_that_left_no_exit_record
     from launcher.targets.slurm_decisions import JobFiles
 
     job = rendered("slurm").files["job.sbatch"]
-    fns = job[job.index("newest_checkpoint() {"):job.index('CHECKPOINT_AT_START="$(newest_checkpoint)"')]
-    fns += job[job.index("progress() {"):job.index("requeue() {")]
+    fns = job[job.index("newest_checkpoint() {") : job.index('CHECKPOINT_AT_START="$(newest_checkpoint)"')]
+    fns += job[job.index("progress() {") : job.index("requeue() {")]
     root = tmp_path / "ckpt"
     for step in (4, 12, 16):
         ckptdir.step_path(root, step).mkdir(parents=True)
@@ -148,8 +170,12 @@ def test_progress_counts_checkpoints_committed_by_ranks_that_left_no_exit_record
     status.mkdir()
 
     def bash(script: str, start: int) -> subprocess.CompletedProcess:
-        env = {**os.environ, "DTLAUNCH_CHECKPOINT_DIR": str(root), "DTLAUNCH_STATUS": str(status),
-               "CHECKPOINT_AT_START": str(start)}
+        env = {
+            **os.environ,
+            "DTLAUNCH_CHECKPOINT_DIR": str(root),
+            "DTLAUNCH_STATUS": str(status),
+            "CHECKPOINT_AT_START": str(start),
+        }
         return subprocess.run(["bash", "-c", fns + script], env=env, capture_output=True, text=True, timeout=30)
 
     assert bash("newest_checkpoint", 0).stdout.strip() == str(ckptdir.newest_step(root)) == "12"

@@ -1,4 +1,5 @@
 """Parameter counts against the released checkpoints' published sizes."""
+
 import pytest
 
 from launcher.catalog import PRESETS

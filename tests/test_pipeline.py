@@ -2,6 +2,7 @@
 operations it replays for interleaved 1F1B is torch's, rank by rank; the micro-batches it keeps in flight
 follow the schedule chosen; and the split into stages is the one the runtime makes, for the tiny test model
 and for Llama 3 405B."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,11 @@ def torch_order(pp: int, v: int, m: int, rank: int) -> list[tuple[str, int]]:
     s.n_local_stages, s.pp_group_size, s._n_microbatches = v, pp, m
     s.number_of_rounds = max(1, m // pp)
     s.microbatches_per_round = m // s.number_of_rounds
-    return [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index)
-            for a in s._calculate_single_rank_operations(rank) if a is not None]
+    return [
+        ("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index)
+        for a in s._calculate_single_rank_operations(rank)
+        if a is not None
+    ]
 
 
 @pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (2, 6), (4, 4), (4, 8), (4, 12), (8, 8), (8, 16), (8, 32)])
@@ -96,10 +100,23 @@ def test_405b_pipeline_ranks_under_each_schedule():
     n = count_params(sh)
     acts = {}
     for sched in ("1f1b", "interleaved_1f1b"):
-        lay = Layout(strategy="fsdp", dp=2, tp=8, pp=8, grad_accum=16, precision="bf16", sequence_parallel=True,
-                     activation_checkpointing="full", pp_schedule=sched)
-        per_rank = [timeline(sh, "llama", rank_params(sh, "llama", n, lay, part_of(sh, lay, r)), 8192, lay,
-                             part_of(sh, lay, r))["layer backward"]["activations"] for r in range(8)]
+        lay = Layout(
+            strategy="fsdp",
+            dp=2,
+            tp=8,
+            pp=8,
+            grad_accum=16,
+            precision="bf16",
+            sequence_parallel=True,
+            activation_checkpointing="full",
+            pp_schedule=sched,
+        )
+        per_rank = [
+            timeline(
+                sh, "llama", rank_params(sh, "llama", n, lay, part_of(sh, lay, r)), 8192, lay, part_of(sh, lay, r)
+            )["layer backward"]["activations"]
+            for r in range(8)
+        ]
         assert per_rank[0] == max(per_rank)
         acts[sched] = per_rank[0]
         mem = breakdown(sh, "llama", n, 8192, lay, 80e9)

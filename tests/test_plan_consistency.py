@@ -1,6 +1,7 @@
 """A plan never contradicts itself (issue 30, item 5): what `why:` says fits is what memory.total says, the table's
 chosen row is the plan's figure, the batch line is true arithmetic, and validate finds nothing in a fitting plan
 that `strategy: auto` could have avoided. Planner-only and fast: a few hundred plans in about a second."""
+
 from __future__ import annotations
 
 import itertools
@@ -30,8 +31,9 @@ def _variant(base, mb: int, seq: int, ac: str, sp: bool | None):
     par = base.parallelism.replace(activation_checkpointing=ac)
     if sp is not None:  # written by the recipe; None leaves it to `auto`
         par = par.replace(sequence_parallel=sp)
-    return base.replace(model=base.model.replace(seq_len=seq), training=base.training.replace(micro_batch=mb),
-                        parallelism=par)
+    return base.replace(
+        model=base.model.replace(seq_len=seq), training=base.training.replace(micro_batch=mb), parallelism=par
+    )
 
 
 def _inconsistencies(r, p) -> list[str]:
@@ -69,8 +71,12 @@ def test_plans_over_a_sweep_never_contradict_themselves():
     plan's total, e.g. 72.5 GB against 411.4."""
     base = load(LLAMA70B)
     bad, n = [], 0
-    for mb, seq, ac, sp in itertools.product([1, 2, 3, 4, 8, 16], [2048, 4096, 8192, 12288, 16384, 24576, 32768],
-                                             ["auto", "none", "selective", "full"], [None, False]):
+    for mb, seq, ac, sp in itertools.product(
+        [1, 2, 3, 4, 8, 16],
+        [2048, 4096, 8192, 12288, 16384, 24576, 32768],
+        ["auto", "none", "selective", "full"],
+        [None, False],
+    ):
         r = _variant(base, mb, seq, ac, sp)
         p = make_plan(r)
         n += 1
@@ -115,13 +121,19 @@ def test_an_indivisible_global_batch_is_said_not_multiplied_out_falsely():
     assert "batch: micro 1 x dp 64 x grad_accum 8 = global 512 sequences" in ok.output
 
 
-@pytest.mark.parametrize("sets, blames, not_in_fix", [
-    # auto with sequence parallelism forbidden: nothing fits, activations dominate; the fix must not say "use auto"
-    (["training.micro_batch=2", "model.seq_len=32768", "parallelism.sequence_parallel=false"],
-     "the activations take the most", "use strategy: auto"),
-    # DDP's full copies, where they are the reason
-    (["parallelism.strategy=ddp"], "DDP keeps a full copy", None),
-])
+@pytest.mark.parametrize(
+    "sets, blames, not_in_fix",
+    [
+        # auto with sequence parallelism forbidden: nothing fits, activations dominate; the fix must not say "use auto"
+        (
+            ["training.micro_batch=2", "model.seq_len=32768", "parallelism.sequence_parallel=false"],
+            "the activations take the most",
+            "use strategy: auto",
+        ),
+        # DDP's full copies, where they are the reason
+        (["parallelism.strategy=ddp"], "DDP keeps a full copy", None),
+    ],
+)
 def test_does_not_fit_names_what_takes_the_memory(sets, blames, not_in_fix):
     r = load(LLAMA70B, sets)
     p = make_plan(r)

@@ -1,5 +1,6 @@
 """`prepare`, the one way render, up and launcher.submit go: the plan is made once per target, and what validate
 checks is the plan the job ships."""
+
 from __future__ import annotations
 
 import launcher.plan as plan_module

@@ -1,6 +1,7 @@
 """A job whose pre-start check fails (the checkpoint directory cannot be written) ends with the check's own
 exit code recorded for `status`, and with the check's own advice: it used to end LOST (exit code 1, none
 recorded) with advice to set DTLAUNCH_PYTHON, which is about a broken environment, not storage."""
+
 from __future__ import annotations
 
 import json

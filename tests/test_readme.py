@@ -6,6 +6,7 @@ Runnable blocks run as a newcomer would run them after `make install`: bash, the
 (the README says to activate it), a private DTLAUNCH_HOME, and a scratch directory holding the repository's
 recipes/, examples/ and scripts/ (so `runs/` and `rendered/` land there, not in the checkout).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,7 +43,7 @@ def test_the_exit_code_table_is_the_runtimes():
     from launcher.jobenv import ExitCode
 
     text = (ROOT / "README.md").read_text()
-    table = text[text.index("| code | name | meaning |"):].split("\n\n")[0].splitlines()[2:]
+    table = text[text.index("| code | name | meaning |") :].split("\n\n")[0].splitlines()[2:]
     rows = [tuple(c.strip() for c in line.strip("|").split("|")[:2]) for line in table]
     assert rows == [(str(int(c)), c.name) for c in ExitCode]
 
@@ -77,18 +78,32 @@ def _workspace(tmp: Path) -> Path:
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.runnable], ids=lambda b: b.id)
 def test_runnable_block(block, tmp_path):
     cwd = ROOT if block.kind == "repo" else _workspace(tmp_path)
-    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "DTLAUNCH_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "DTLAUNCH_HOME": str(tmp_path / "home"),
+        "PYTHONUNBUFFERED": "1",
+    }
     for k in list(env):  # nothing of the test session's own cluster or faults leaks into a newcomer's shell
         if k.startswith(("SLURM_", "DTLAUNCH_TEST_")) or k in ("DTLAUNCH_FAULT", "DTLAUNCH_RUN_ID"):
             env.pop(k)
     try:
-        p = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=cwd, env=env, capture_output=True,
-                           text=True, timeout=900)
+        p = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block.code],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     finally:
         if block.kind == "slurm-local":  # the block stops its cluster; a block that failed half-way has not
-            subprocess.run(["bash", str(ROOT / "scripts" / "slurm-local.sh"), "stop", "--purge"], env=env,
-                           capture_output=True, timeout=300)
+            subprocess.run(
+                ["bash", str(ROOT / "scripts" / "slurm-local.sh"), "stop", "--purge"],
+                env=env,
+                capture_output=True,
+                timeout=300,
+            )
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"README.md:{block.line} ({block.kind}) exited {p.returncode}:\n{out[-4000:]}"
     for text in block.expect:

@@ -1,4 +1,5 @@
 """Recipe loading: every error names file, line and field, says what is wrong and how to fix it."""
+
 import pytest
 
 from launcher.errors import RecipeError
@@ -58,12 +59,15 @@ def test_missing_required_sections():
     assert all("add `" in p.fix for p in ps)
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("", "empty"),
-    ("name: [unclosed\n", "YAML syntax error"),
-    ("- a\n- b\n", "must be a mapping"),
-    ("just a string", "must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("", "empty"),
+        ("name: [unclosed\n", "YAML syntax error"),
+        ("- a\n- b\n", "must be a mapping"),
+        ("just a string", "must be a mapping"),
+    ],
+)
 def test_malformed_files(text, needle):
     [p] = problems(text)
     assert needle in p.message
@@ -115,14 +119,23 @@ def test_a_recipe_round_trips_through_json_unchanged():
 
 
 def test_every_mistake_is_listed_not_only_the_first():
-    ps = problems(GOOD.replace("  steps: 10", "  steps: 10\n  lr: -1\n  micro_bach: 2\n  tokens: 5")
-                  + "resources: {nodes: true, accelerator: H1000:8}\nparallelism: {strategy: zero4}\n"
-                  + "secrets: [A=b]\n")
+    ps = problems(
+        GOOD.replace("  steps: 10", "  steps: 10\n  lr: -1\n  micro_bach: 2\n  tokens: 5")
+        + "resources: {nodes: true, accelerator: H1000:8}\nparallelism: {strategy: zero4}\n"
+        + "secrets: [A=b]\n"
+    )
     by_field = {p.field: p for p in ps}
     # training's own check (steps and tokens both set) holds whatever else is wrong in it, and a failed
     # section check does not end the search: secrets, checked at the top level, is still reached.
-    assert set(by_field) == {"training.lr", "training.micro_bach", "training", "resources.nodes",
-                             "resources.accelerator", "parallelism.strategy", "secrets"}, [p.render() for p in ps]
+    assert set(by_field) == {
+        "training.lr",
+        "training.micro_bach",
+        "training",
+        "resources.nodes",
+        "resources.accelerator",
+        "parallelism.strategy",
+        "secrets",
+    }, [p.render() for p in ps]
     assert by_field["training.lr"].line == 6 and "> 0" in by_field["training.lr"].message
     assert "only one of `steps`" in by_field["training"].message
     assert "true/false" in by_field["resources.nodes"].message
@@ -130,17 +143,23 @@ def test_every_mistake_is_listed_not_only_the_first():
     assert "did you mean 'zero3'" in by_field["parallelism.strategy"].message
 
 
-
 def test_every_bad_item_of_a_list_is_listed_at_its_own_index_and_line():
     """A bad item is taken out alone (not its whole list), so the list's later bad items are reported too,
     at their indices and lines in the file, not the shrunk copy's; a fixed-length list's own length rule,
     broken only by that taking out, is not reported."""
-    text = (GOOD.replace("  steps: 10", "  steps: 10\n  betas: [0.9, x]") + "secrets: [A=b, 3, C=d]\n"
-            "targets:\n  slurm:\n    setup:\n      - ok\n      - 1\n      - fine\n      - {a: 2}\n      - [x]\n")
+    text = (
+        GOOD.replace("  steps: 10", "  steps: 10\n  betas: [0.9, x]") + "secrets: [A=b, 3, C=d]\n"
+        "targets:\n  slurm:\n    setup:\n      - ok\n      - 1\n      - fine\n      - {a: 2}\n      - [x]\n"
+    )
     ps = problems(text)
     got = {p.field: p for p in ps}
-    assert set(got) == {"training.betas.1", "targets.slurm.setup.1", "targets.slurm.setup.3",
-                        "targets.slurm.setup.4", "secrets.1"}, [p.render() for p in ps]
+    assert set(got) == {
+        "training.betas.1",
+        "targets.slurm.setup.1",
+        "targets.slurm.setup.3",
+        "targets.slurm.setup.4",
+        "secrets.1",
+    }, [p.render() for p in ps]
     line_of = {t: n for n, t in enumerate(text.splitlines(), 1)}
     for index, item, kind in [(1, "1", "whole number"), (3, "{a: 2}", "mapping"), (4, "[x]", "a list")]:
         p = got[f"targets.slurm.setup.{index}"]
@@ -172,14 +191,21 @@ def test_validate_says_how_many_problems_it_did_not_list(tmp_path, run_cli):
 
 
 def test_a_line_break_in_an_sbatch_value_is_named_as_such():
-    [p] = problems(GOOD + "targets: {slurm: {partition: \"gpu\\ntouch /tmp/pwned\"}}\n")
+    [p] = problems(GOOD + 'targets: {slurm: {partition: "gpu\\ntouch /tmp/pwned"}}\n')
     assert p.field == "targets.slurm.partition" and "single line" in p.message
 
 
-@pytest.mark.parametrize("override", [
-    'targets.slurm.partition="gpu\\n"', 'targets.slurm.gpu_type="a100\\n"', 'secrets=["A\\n"]',
-    'run_id="r1\\n"', 'resources.socket_ifname="eth0\\n"', 'targets.slurm.extra_sbatch=["--comment=x\\n"]',
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        'targets.slurm.partition="gpu\\n"',
+        'targets.slurm.gpu_type="a100\\n"',
+        'secrets=["A\\n"]',
+        'run_id="r1\\n"',
+        'resources.socket_ifname="eth0\\n"',
+        'targets.slurm.extra_sbatch=["--comment=x\\n"]',
+    ],
+)
 def test_a_trailing_line_break_is_refused_too(override):
     """`$` in a Python pattern also matches before a final line break: the patterns end with \\Z instead."""
     ps = problems(GOOD, overrides=[override])
@@ -195,8 +221,11 @@ def test_numbers_and_booleans_yaml_left_as_text_are_read():
 
 
 def test_later_mistakes_are_found_past_a_missing_field_a_text_key_and_an_alias():
-    ps = problems(GOOD + "targets: {slurm: {container: {mounts: [/a]}}}\nenv: {1: x}\n"
-                  "parallelism: &p {tensor: 0}\ncheckpoint: *p\n")
+    ps = problems(
+        GOOD + "targets: {slurm: {container: {mounts: [/a]}}}\nenv: {1: x}\n"
+        "parallelism: &p {tensor: 0}\ncheckpoint: *p\n"
+    )
     fields = {p.field for p in ps}
-    assert {"targets.slurm.container.runtime", "env", "parallelism.tensor", "checkpoint.tensor"} <= fields, \
-        [p.render() for p in ps]
+    assert {"targets.slurm.container.runtime", "env", "parallelism.tensor", "checkpoint.tensor"} <= fields, [
+        p.render() for p in ps
+    ]

@@ -1,5 +1,6 @@
 """The job registry fails safe: a registry that cannot record a job stops `up` before anything starts; a
 damaged database or row gives a clear error with the fix (or is skipped) instead of breaking every command."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """Review 1170c19 (reliability round 2): R11 reserved env names, R12 internal errors, R13 extra_sbatch that validate
 passed and render refused, `--sweep` list values; and a small fuzz over well-typed extreme values, which holds that
 validate, plan and render only ever raise dtlaunch's own errors and that what validate passes, render renders."""
+
 from __future__ import annotations
 
 import functools
@@ -25,9 +26,24 @@ L70 = RECIPES / "llama70b.yaml"
 # ----------------------------------------------------------------------------- R11: reserved env names
 
 
-@pytest.mark.parametrize("name", ["DTLAUNCH_ATTEMPT", "DTLAUNCH_STATUS", "DTLAUNCH_RUN_ID", "DTLAUNCH_PLAN",
-                                  "DTLAUNCH_SOMETHING_LATER", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
-                                  "MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "DTLAUNCH_ATTEMPT",
+        "DTLAUNCH_STATUS",
+        "DTLAUNCH_RUN_ID",
+        "DTLAUNCH_PLAN",
+        "DTLAUNCH_SOMETHING_LATER",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID",
+        "MASTER_PORT",
+        "MASTER_ADDR",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "GROUP_RANK",
+    ],
+)
 def test_recipe_env_cannot_set_a_variable_dtlaunch_or_torchrun_sets(run_cli, name):
     code, out, _ = run_cli("validate", TINY, "--set", f"env.{name}=mine")
     assert code == 1, out
@@ -45,8 +61,18 @@ def test_a_reserved_env_name_in_the_file_is_reported_at_its_line():
 
 
 def test_ordinary_env_and_the_documented_inputs_still_pass(run_cli):
-    code, out, _ = run_cli("validate", TINY, "--set", "env.MY_SETTING=1", "--set", "env.RANKING=top",
-                           "--set", "env.NCCL_DEBUG=INFO", "--set", "env.DTLAUNCH_PYTHON=/opt/venv/bin/python")
+    code, out, _ = run_cli(
+        "validate",
+        TINY,
+        "--set",
+        "env.MY_SETTING=1",
+        "--set",
+        "env.RANKING=top",
+        "--set",
+        "env.NCCL_DEBUG=INFO",
+        "--set",
+        "env.DTLAUNCH_PYTHON=/opt/venv/bin/python",
+    )
     assert code == 0, out
 
 
@@ -89,8 +115,7 @@ BAD_ENTRIES = [
 @pytest.mark.parametrize("entry,words", BAD_ENTRIES)
 def test_an_extra_sbatch_entry_render_refuses_is_refused_located_by_every_command(run_cli, tmp_path, entry, words):
     item = f"targets.slurm.extra_sbatch={json.dumps([entry])}"
-    for args in (["validate", L70, "-t", "slurm"], ["render", L70, "-t", "slurm", "-o", tmp_path / "r"],
-                 ["plan", L70]):
+    for args in (["validate", L70, "-t", "slurm"], ["render", L70, "-t", "slurm", "-o", tmp_path / "r"], ["plan", L70]):
         code, out, err = run_cli(*args, "--set", item)
         text = out + err
         assert code not in (0, 70) and "internal error" not in text, (args, text)
@@ -100,8 +125,9 @@ def test_an_extra_sbatch_entry_render_refuses_is_refused_located_by_every_comman
         assert "fix: " in text
 
 
-@pytest.mark.parametrize("entry,words", [("-w node1", "submitit writes long options only"),
-                                         ("--comment=a\\b", "backslash")])
+@pytest.mark.parametrize(
+    "entry,words", [("-w node1", "submitit writes long options only"), ("--comment=a\\b", "backslash")]
+)
 def test_what_submitit_refuses_in_extra_sbatch_is_refused_located(run_cli, entry, words):
     item = f"targets.slurm.extra_sbatch={json.dumps([entry])}"
     code, out, _ = run_cli("validate", L70, "-t", "slurm", "--set", "targets.slurm.submit=submitit", "--set", item)
@@ -121,8 +147,13 @@ def test_an_extra_sbatch_entry_in_the_file_is_reported_at_its_line():
 
 
 def test_the_plan_options_rule_reads_every_entry_the_loader_passes():
-    for entry, hit in (("-N 2", True), ("--nodes=2", True), ("--ntasks-per-node 2", True), ("--hold", False),
-                       ("-w node1", False)):
+    for entry, hit in (
+        ("-N 2", True),
+        ("--nodes=2", True),
+        ("--ntasks-per-node 2", True),
+        ("--hold", False),
+        ("-w node1", False),
+    ):
         r = load(TINY, [f"targets.slurm.extra_sbatch={json.dumps([entry])}"])
         rules = {f.rule for f in validate(r, make_plan(r), "slurm")}
         assert ("slurm-extra-sbatch-plan" in rules) == hit, entry
@@ -133,8 +164,11 @@ def test_the_plan_options_rule_reads_every_entry_the_loader_passes():
 
 def test_a_bracketed_sweep_value_is_one_item(run_cli):
     assert expand(["training.betas=[0.9,0.95],[0.8, 0.9]", "training.seed=1,2"]) == [
-        ["training.betas=[0.9,0.95]", "training.seed=1"], ["training.betas=[0.9,0.95]", "training.seed=2"],
-        ["training.betas=[0.8, 0.9]", "training.seed=1"], ["training.betas=[0.8, 0.9]", "training.seed=2"]]
+        ["training.betas=[0.9,0.95]", "training.seed=1"],
+        ["training.betas=[0.9,0.95]", "training.seed=2"],
+        ["training.betas=[0.8, 0.9]", "training.seed=1"],
+        ["training.betas=[0.8, 0.9]", "training.seed=2"],
+    ]
     assert expand(["env={A: '1,2'},{A: 3}"]) == [["env={A: '1,2'}"], ["env={A: 3}"]]
     assert expand(["name='a,b',c"]) == [["name='a,b'"], ["name=c"]]
     assert expand(["name=it's,b"]) == [["name=it's"], ["name=b"]]  # a quote inside a word is text
@@ -190,9 +224,21 @@ EXTREMES = {
     "checkpoint.grace_seconds": [1, 86_400],
     "checkpoint.dir": ["relative/{run_id}", "/x/{run_id}/{run_id}"],
     "targets.local.max_restarts": [0],
-    "targets.slurm.extra_sbatch": [[""], ["comment=x"], ["--comment=x"], ["-x"], ["-"], ["--"], ["--comment=#x y"],
-                                   ["-w node1"], ["--comment=a\\b"], ["--hold", "  --hold  "], ["--nodes=2"],
-                                   ["-N 2"], ["--comment x"]],
+    "targets.slurm.extra_sbatch": [
+        [""],
+        ["comment=x"],
+        ["--comment=x"],
+        ["-x"],
+        ["-"],
+        ["--"],
+        ["--comment=#x y"],
+        ["-w node1"],
+        ["--comment=a\\b"],
+        ["--hold", "  --hold  "],
+        ["--nodes=2"],
+        ["-N 2"],
+        ["--comment x"],
+    ],
     "targets.slurm.time": ["0", "1", "0:1", "00:00:01", "365-00:00:00", "UNLIMITED", "infinite", 10**9],
     "targets.slurm.signal_seconds": [1, 65535],
     "targets.slurm.submit": ["submitit"],
@@ -233,8 +279,15 @@ def _cases():
         for field in ("partition", "account", "qos", "constraint"):
             yield "tiny", [SUBMITIT, f"targets.slurm.{field}={json.dumps(value)}"]
     yield "tiny", [SUBMITIT, "targets.slurm.time=0"]
-    yield "tiny", ["parallelism.launcher=deepspeed", "parallelism.strategy=zero2", "targets.sky.deepspeed_ssh=true",
-                   "checkpoint.dir=/checkpoints/$(touch PWNED)/{run_id}"]
+    yield (
+        "tiny",
+        [
+            "parallelism.launcher=deepspeed",
+            "parallelism.strategy=zero2",
+            "targets.sky.deepspeed_ssh=true",
+            "checkpoint.dir=/checkpoints/$(touch PWNED)/{run_id}",
+        ],
+    )
 
 
 def test_fuzz_extremes_raise_only_dtlaunch_errors_and_what_validate_passes_renders(monkeypatch):

@@ -1,6 +1,7 @@
 """The hostile inputs of the reliability review that the generic property test (tests/test_hostile.py) only
 checks for "no traceback, no hang": each one here must be refused by `validate` as a located recipe error
 (the file and line, or the --set item, and the field), never accepted, never an internal error."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,8 @@ CASES = {
     "F18-inf-gpu-memory": (None, ["resources.gpu_memory_gb=.inf"], "gpu_memory_gb"),
     "F19-heads": (None, ["model.heads=3", "model.kv_heads=3"], "model"),
     "F19-betas": (None, ["training.betas=[2, 3]"], "training.betas"),
-    "F19-seed": (None, [f"training.seed={2 ** 70}"], "training.seed"),
-    "F19-timeout": (None, [f"training.timeout_seconds={10 ** 15}"], "training.timeout_seconds"),
+    "F19-seed": (None, [f"training.seed={2**70}"], "training.seed"),
+    "F19-timeout": (None, [f"training.timeout_seconds={10**15}"], "training.timeout_seconds"),
     "F20-inf-lr": (None, ["training.lr=.inf"], "training.lr"),
     "F20-tiny-storage": (None, ["resources.storage_gbps_per_node=1e-300"], "storage_gbps_per_node"),
     "F21-duplicate-key": ("name: again\n", [], "name"),
@@ -52,12 +53,25 @@ def test_a_checkpoint_of_another_recipe_is_refused_unless_allowed():
     from launcher.runtime.checkpoint.compat import check_compatible, identity
     from launcher.runtime.failures import ConfigError
 
-    base = {"model": {"preset": "tiny"}, "training": {"lr": 3e-3, "seed": 0, "steps": 40,
-                                                      "data": {"source": "synthetic", "num_tokens": 200000}}}
-    other = {"model": {"preset": "tiny"}, "training": {"lr": 1e-4, "seed": 0, "steps": 80,
-                                                       "data": {"source": "synthetic", "num_tokens": 999}}}
-    meta = lambda r: {"format": 1, "shape": "tiny", "family": "torch", "strategy": "fsdp",  # noqa: E731
-                      "world_size": 2, "identity": identity(r)}
+    base = {
+        "model": {"preset": "tiny"},
+        "training": {"lr": 3e-3, "seed": 0, "steps": 40, "data": {"source": "synthetic", "num_tokens": 200000}},
+    }
+    other = {
+        "model": {"preset": "tiny"},
+        "training": {"lr": 1e-4, "seed": 0, "steps": 80, "data": {"source": "synthetic", "num_tokens": 999}},
+    }
+
+    def meta(r):
+        return {
+            "format": 1,
+            "shape": "tiny",
+            "family": "torch",
+            "strategy": "fsdp",  # noqa: E731
+            "world_size": 2,
+            "identity": identity(r),
+        }
+
     with pytest.raises(ConfigError, match=r"different recipe.*training\.data\.num_tokens.*training\.lr") as e:
         check_compatible(meta(base), meta(other), world_size=2, deepspeed=False, allow_changed_recipe=False, fmt=1)
     assert "resume_changed_recipe" in e.value.fix

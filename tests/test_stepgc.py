@@ -1,5 +1,6 @@
 """The training loop's garbage-collection policy: no automatic collection inside the loop, a full one on the
 same steps on every rank, and the interpreter's own settings back afterwards (even when the loop raises)."""
+
 from __future__ import annotations
 
 import gc

@@ -1,4 +1,5 @@
 """The `strategy: auto` decision rules on several models and cluster sizes."""
+
 import pytest
 
 from launcher.plan import make_plan
@@ -6,13 +7,15 @@ from launcher.recipe import load_text
 
 
 def plan_for(model: str, accel: str, nodes: int = 1, extra: str = "", training: str = "micro_batch: 1, steps: 10"):
-    return make_plan(load_text(f"""
+    return make_plan(
+        load_text(f"""
 name: t
 model: {{{model}}}
 parallelism: {{strategy: auto{extra}}}
 resources: {{accelerator: "{accel}", nodes: {nodes}}}
 training: {{{training}}}
-"""))
+""")
+    )
 
 
 def test_small_model_uses_ddp():
@@ -56,27 +59,34 @@ def test_nothing_fits_says_so():
 
 
 def test_more_gpus_shrink_sharded_memory():
-    small = plan_for("preset: llama2-13b, seq_len: 4096", "A100-80GB:8", nodes=1, extra=", activation_checkpointing: full")
-    big = plan_for("preset: llama2-13b, seq_len: 4096", "A100-80GB:8", nodes=4, extra=", activation_checkpointing: full")
+    small = plan_for(
+        "preset: llama2-13b, seq_len: 4096", "A100-80GB:8", nodes=1, extra=", activation_checkpointing: full"
+    )
+    big = plan_for(
+        "preset: llama2-13b, seq_len: 4096", "A100-80GB:8", nodes=4, extra=", activation_checkpointing: full"
+    )
     assert big.memory.total <= small.memory.total
 
 
 def test_explicit_strategy_is_respected_even_if_it_does_not_fit():
     p = plan_for("preset: llama2-70b", "A100:8")
-    q = make_plan(load_text("""
+    q = make_plan(
+        load_text("""
 name: t
 model: {preset: llama2-70b}
 parallelism: {strategy: ddp}
 resources: {accelerator: "A100:8"}
 training: {steps: 10}
-"""))
+""")
+    )
     assert q.strategy == "ddp" and not q.memory.fits
     assert p.strategy != "ddp"
 
 
 def test_batch_split_and_time_and_cost():
-    p = plan_for("preset: llama3-8b, seq_len: 8192", "H100:8", nodes=2,
-                 training="micro_batch: 1, global_batch: 256, steps: 100")
+    p = plan_for(
+        "preset: llama3-8b, seq_len: 8192", "H100:8", nodes=2, training="micro_batch: 1, global_batch: 256, steps: 100"
+    )
     assert p.grad_accum * p.layout.micro_batch * p.layout.dp == 256
     assert p.tokens_per_step == 256 * 8192
     # 6N + attention flops per token, at the assumed MFU over 16 H100s
@@ -92,15 +102,24 @@ def test_checkpoint_interval_follows_young_daly():
     assert b.checkpoint_every * b.step_seconds < a.checkpoint_every * a.step_seconds
 
 
-def _accumulating(strategy: str, accel: str, grad_reduce: str = "auto", preset: str = "llama3-8b", ac: str = "auto",
-                  global_batch: int = 64, nodes: int = 1):
-    return make_plan(load_text(f"""
+def _accumulating(
+    strategy: str,
+    accel: str,
+    grad_reduce: str = "auto",
+    preset: str = "llama3-8b",
+    ac: str = "auto",
+    global_batch: int = 64,
+    nodes: int = 1,
+):
+    return make_plan(
+        load_text(f"""
 name: t
 model: {{preset: {preset}, seq_len: 2048}}
 parallelism: {{strategy: {strategy}, grad_reduce: {grad_reduce}, activation_checkpointing: {ac}}}
 resources: {{accelerator: "{accel}", nodes: {nodes}}}
 training: {{micro_batch: 1, global_batch: {global_batch}, steps: 10}}
-"""))
+""")
+    )
 
 
 def test_fsdp_reduces_once_per_step_when_the_unsharded_gradients_fit():
@@ -150,13 +169,18 @@ def _405b(*sets: str):
     return load(str(RECIPES / "llama3-405b.yaml"), ["resources.nodes=32", *sets])
 
 
-@pytest.mark.parametrize("sets, problem", [
-    # global_batch 16 of micro-batches of 2 over tp8 pp8 (dp 4) is 2 micro-batches per step, and 1F1B needs 8
-    (("training.global_batch=16", "training.micro_batch=2"), "1F1B needs at least as many micro-batches"),
-    # the runtime refuses fp16 under a pipeline (the loss, which the scaler scales, is on the last stage only)
-    (("training.global_batch=64", "training.micro_batch=2", "parallelism.precision=fp16"),
-     "fp16 loss scaling is not supported with pipeline parallelism"),
-])
+@pytest.mark.parametrize(
+    "sets, problem",
+    [
+        # global_batch 16 of micro-batches of 2 over tp8 pp8 (dp 4) is 2 micro-batches per step, and 1F1B needs 8
+        (("training.global_batch=16", "training.micro_batch=2"), "1F1B needs at least as many micro-batches"),
+        # the runtime refuses fp16 under a pipeline (the loss, which the scaler scales, is on the last stage only)
+        (
+            ("training.global_batch=64", "training.micro_batch=2", "parallelism.precision=fp16"),
+            "fp16 loss scaling is not supported with pipeline parallelism",
+        ),
+    ],
+)
 def test_auto_does_not_pick_a_pipeline_the_job_could_not_run(sets, problem):
     """The search skips a tensor/pipeline degree validate would refuse, with the rule's own words; what it picks
     then passes validate's pipeline rules (here: no pipeline at all, since none runs)."""

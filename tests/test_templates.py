@@ -4,6 +4,7 @@ files show any change to a rendered script as a reviewable diff.
 
 Update the golden files after an intended change with: DTLAUNCH_UPDATE_GOLDEN=1 make test
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,12 @@ def test_every_dtlaunch_name_a_template_spells_is_one_jobenv_defines():
     a renamed or mistyped variable would otherwise read as unset in the job."""
     known = {v for v in vars(jobenv).values() if isinstance(v, str) and v.startswith("DTLAUNCH_")}
     known |= {n for n in jobenv.ENV_INPUTS if n.startswith("DTLAUNCH_")}
-    unknown = {f"{t.name}: {name}" for t in TEMPLATES.glob("*.j2")
-               for name in re.findall(r"DTLAUNCH_[A-Z_]*[A-Z]", t.read_text()) if name not in known}
+    unknown = {
+        f"{t.name}: {name}"
+        for t in TEMPLATES.glob("*.j2")
+        for name in re.findall(r"DTLAUNCH_[A-Z_]*[A-Z]", t.read_text())
+        if name not in known
+    }
     assert not unknown, sorted(unknown)
 
 
@@ -68,27 +73,58 @@ def _scripts(recipe: str, target: str, overrides=()) -> dict[str, str]:
     if target == "sky":
         task = yaml.safe_load(art.files["task.yaml"])
         return {"task.yaml": art.files["task.yaml"], "setup.sh": task["setup"], "run.sh": task["run"]}
-    return {name: art.files[name] for name in ("job.sbatch", "step.sh", "launch.sh", "submitit_setup.sh")
-            if name in art.files}
+    return {
+        name: art.files[name]
+        for name in ("job.sbatch", "step.sh", "launch.sh", "submitit_setup.sh")
+        if name in art.files
+    }
 
 
 SLURM_SETUP = ("targets.slurm.setup=['module load cuda', 'export CUDA_CACHE_DISABLE=1']",)  # run as written
 # The user's own code, with an argument, a secret and an env value a shell would misread if unquoted.
-ENTRYPOINT = ("entrypoint={module: train, workdir: ., args: ['--lr', '1e-3; rm -rf /']}", "secrets=[MY_TOKEN]",
-              "env={A_B: 'x y $HOME'}")
-CASES = [("tiny", "local", ()), ("tiny", "slurm", ()), ("tiny", "sky", ()), ("llama70b", "slurm", ()),
-         ("llama70b", "sky", ()), ("llama2-13b-zero3", "slurm", ()), ("llama3-405b", "slurm", ()),
-         ("llama3-405b", "sky", ()), ("llama3-8b", "sky", ()),
-         ("tiny", "sky", ("resources.image=nvcr.io/nvidia/pytorch:24.05-py3",)),
-         ("tiny", "slurm", ("resources.image=org/train:1", "targets.slurm.container={runtime: pyxis}")),
-         ("tiny", "slurm", ("resources.image=org/train:1", "targets.slurm.container={runtime: apptainer}")),
-         ("tiny", "sky", ("resources.nodes=2", "parallelism.strategy=zero2", "parallelism.launcher=deepspeed",
-                          "targets.sky.checkpoint_storage={bucket: 's3://b/c'}")),
-         ("tiny", "sky", ("resources.nodes=2", "parallelism.strategy=zero2", "parallelism.launcher=deepspeed",
-                          "targets.sky.deepspeed_ssh=true", "targets.sky.checkpoint_storage={bucket: 's3://b/c'}")),
-         ("tiny", "slurm", ("targets.slurm.submit=submitit", *SLURM_SETUP)),
-         ("tiny", "sky", ("targets.sky.setup=['pip install foo']", "checkpoint.dir=/ckpt/{run_id}")),
-         *(("tiny", target, ENTRYPOINT) for target in ("local", "slurm", "sky"))]
+ENTRYPOINT = (
+    "entrypoint={module: train, workdir: ., args: ['--lr', '1e-3; rm -rf /']}",
+    "secrets=[MY_TOKEN]",
+    "env={A_B: 'x y $HOME'}",
+)
+CASES = [
+    ("tiny", "local", ()),
+    ("tiny", "slurm", ()),
+    ("tiny", "sky", ()),
+    ("llama70b", "slurm", ()),
+    ("llama70b", "sky", ()),
+    ("llama2-13b-zero3", "slurm", ()),
+    ("llama3-405b", "slurm", ()),
+    ("llama3-405b", "sky", ()),
+    ("llama3-8b", "sky", ()),
+    ("tiny", "sky", ("resources.image=nvcr.io/nvidia/pytorch:24.05-py3",)),
+    ("tiny", "slurm", ("resources.image=org/train:1", "targets.slurm.container={runtime: pyxis}")),
+    ("tiny", "slurm", ("resources.image=org/train:1", "targets.slurm.container={runtime: apptainer}")),
+    (
+        "tiny",
+        "sky",
+        (
+            "resources.nodes=2",
+            "parallelism.strategy=zero2",
+            "parallelism.launcher=deepspeed",
+            "targets.sky.checkpoint_storage={bucket: 's3://b/c'}",
+        ),
+    ),
+    (
+        "tiny",
+        "sky",
+        (
+            "resources.nodes=2",
+            "parallelism.strategy=zero2",
+            "parallelism.launcher=deepspeed",
+            "targets.sky.deepspeed_ssh=true",
+            "targets.sky.checkpoint_storage={bucket: 's3://b/c'}",
+        ),
+    ),
+    ("tiny", "slurm", ("targets.slurm.submit=submitit", *SLURM_SETUP)),
+    ("tiny", "sky", ("targets.sky.setup=['pip install foo']", "checkpoint.dir=/ckpt/{run_id}")),
+    *(("tiny", target, ENTRYPOINT) for target in ("local", "slurm", "sky")),
+]
 
 
 @pytest.mark.parametrize("recipe,target,overrides", CASES, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(CASES)])
@@ -113,8 +149,10 @@ def test_rendered_scripts_match_the_golden_files(recipe, target, overrides):
             golden.parent.mkdir(parents=True, exist_ok=True)
             golden.write_text(text)
         assert golden.is_file(), f"no golden file {golden}: run with DTLAUNCH_UPDATE_GOLDEN=1 and review the diff"
-        assert text == golden.read_text(), (f"{name} of {recipe} for {target} changed; if intended, regenerate the "
-                                            "golden files with DTLAUNCH_UPDATE_GOLDEN=1 and review `git diff tests/golden`")
+        assert text == golden.read_text(), (
+            f"{name} of {recipe} for {target} changed; if intended, regenerate the "
+            "golden files with DTLAUNCH_UPDATE_GOLDEN=1 and review `git diff tests/golden`"
+        )
 
 
 def test_a_value_the_renderer_did_not_pass_is_an_error_not_an_empty_word():

@@ -7,6 +7,7 @@ The expectations are the tracker's measurements, never the planner's own numbers
 tested. Fast by design (~20 s): the tiny preset is traced whole, an 8B shape at 3 and 5 layers and
 extrapolated (each moment's memory is affine in the depth; one test checks that claim on real traces).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,8 @@ def _assert_matches(planned, traced, exact_split: bool):
     assert max(planned, key=lambda m: sum(planned[m].values())) == traced.peak_at, "the peak is at another moment"
     for row in compare(planned[traced.peak_at], traced.moments[traced.peak_at], exact_split):
         assert abs(row.planned - row.traced) <= max(TOLERANCE * row.traced, FLOOR), (
-            f"at the peak ({traced.peak_at}): {row.term} planned {row.planned:,.0f} B, traced {row.traced:,.0f} B")
+            f"at the peak ({traced.peak_at}): {row.term} planned {row.planned:,.0f} B, traced {row.traced:,.0f} B"
+        )
     for moment in planned:
         p, t = sum(planned[moment].values()), traced.totals[moment]
         assert p == pytest.approx(t, rel=WARN_RATIO), f"{moment}: planned {p:,.0f} B, traced {t:,.0f} B"
@@ -81,9 +83,14 @@ def test_tiny_preset_traced_in_full_matches_the_planner_term_by_term(tiny):
 
 def test_8b_shape_extrapolated_from_3_and_5_layers_matches_the_planner():
     """The shipped 8B layout (FSDP, no checkpointing, micro-batch 1 of 8192 tokens, 128K vocabulary)."""
-    recipe, plan = _plan("llama3-8b.yaml", "parallelism.strategy=fsdp", "parallelism.activation_checkpointing=none",
-                         "parallelism.offload=none", "training.micro_batch=1",
-                         "parallelism.grad_reduce=every_micro_batch")
+    recipe, plan = _plan(
+        "llama3-8b.yaml",
+        "parallelism.strategy=fsdp",
+        "parallelism.activation_checkpointing=none",
+        "parallelism.offload=none",
+        "training.micro_batch=1",
+        "parallelism.grad_reduce=every_micro_batch",
+    )
     traced = trace(recipe, plan, depths=(3, 5))
     assert not traced.exact and traced.layers == 32
     _assert_matches(_planned(recipe, plan), traced, exact_split=True)
@@ -105,28 +112,54 @@ def test_small_vocabulary_shape_peaks_at_the_second_layers_backward():
     assert traced.peak_at == "layer backward"
 
 
-@pytest.mark.parametrize("sets", [
-    # bf16, SwiGLU recomputed, one micro-step (gradients appear unit by unit)
-    ("parallelism.precision=bf16", "parallelism.activation_checkpointing=selective", "training.global_batch=8"),
-    # bf16, blocks recomputed, reshard_after_forward=False (every unit stays gathered through the loss)
-    ("parallelism.precision=bf16", "parallelism.activation_checkpointing=full", "parallelism.strategy=fsdp_grad_op"),
-    # hybrid sharding, reducing once per step (the plan's choice here: it fits)
-    ("parallelism.precision=bf16", "parallelism.strategy=hybrid", "resources.accelerator=cpu:1",
-     "resources.nodes=2"),
-    # hybrid sharding, reduce-scatter every micro-step, all-reduce across replicas at the last one
-    ("parallelism.precision=bf16", "parallelism.strategy=hybrid", "resources.accelerator=cpu:1",
-     "resources.nodes=2", "parallelism.grad_reduce=every_micro_batch"),
-    # fp32, sharded gradients accumulated across micro-steps (reduce-scatter on each)
-    ("parallelism.grad_reduce=every_micro_batch",),
-    # bf16: each micro-step's 16-bit gradients added into the kept fp32 ones
-    ("parallelism.precision=bf16", "parallelism.grad_reduce=once_per_step"),
-    # tied embeddings (one weight in the root): the head's gradient waits in autograd for the embedding's
-    ("model.tied_embeddings=true",),
-    ("model.tied_embeddings=true", "parallelism.precision=bf16", "parallelism.grad_reduce=every_micro_batch"),
-    # fp16 with dynamic loss scaling (the default): the scaler's overflow check reads a value fake tensors lack
-    ("parallelism.precision=fp16",),
-], ids=["bf16-selective-one-micro-step", "bf16-full-grad_op", "bf16-hybrid-once", "bf16-hybrid-every-micro",
-        "fp32-every-micro", "bf16-once", "tied-fp32-once", "tied-bf16-every-micro", "fp16-dynamic-loss-scaling"])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        # bf16, SwiGLU recomputed, one micro-step (gradients appear unit by unit)
+        ("parallelism.precision=bf16", "parallelism.activation_checkpointing=selective", "training.global_batch=8"),
+        # bf16, blocks recomputed, reshard_after_forward=False (every unit stays gathered through the loss)
+        (
+            "parallelism.precision=bf16",
+            "parallelism.activation_checkpointing=full",
+            "parallelism.strategy=fsdp_grad_op",
+        ),
+        # hybrid sharding, reducing once per step (the plan's choice here: it fits)
+        (
+            "parallelism.precision=bf16",
+            "parallelism.strategy=hybrid",
+            "resources.accelerator=cpu:1",
+            "resources.nodes=2",
+        ),
+        # hybrid sharding, reduce-scatter every micro-step, all-reduce across replicas at the last one
+        (
+            "parallelism.precision=bf16",
+            "parallelism.strategy=hybrid",
+            "resources.accelerator=cpu:1",
+            "resources.nodes=2",
+            "parallelism.grad_reduce=every_micro_batch",
+        ),
+        # fp32, sharded gradients accumulated across micro-steps (reduce-scatter on each)
+        ("parallelism.grad_reduce=every_micro_batch",),
+        # bf16: each micro-step's 16-bit gradients added into the kept fp32 ones
+        ("parallelism.precision=bf16", "parallelism.grad_reduce=once_per_step"),
+        # tied embeddings (one weight in the root): the head's gradient waits in autograd for the embedding's
+        ("model.tied_embeddings=true",),
+        ("model.tied_embeddings=true", "parallelism.precision=bf16", "parallelism.grad_reduce=every_micro_batch"),
+        # fp16 with dynamic loss scaling (the default): the scaler's overflow check reads a value fake tensors lack
+        ("parallelism.precision=fp16",),
+    ],
+    ids=[
+        "bf16-selective-one-micro-step",
+        "bf16-full-grad_op",
+        "bf16-hybrid-once",
+        "bf16-hybrid-every-micro",
+        "fp32-every-micro",
+        "bf16-once",
+        "tied-fp32-once",
+        "tied-bf16-every-micro",
+        "fp16-dynamic-loss-scaling",
+    ],
+)
 def test_tiny_variants_match_the_planner(sets):
     recipe, plan = _plan("tiny.yaml", *sets)
     _assert_matches(_planned(recipe, plan), trace(recipe, plan), exact_split=False)
@@ -155,8 +188,7 @@ def test_plan_trace_prints_the_comparison_as_json(tiny, monkeypatch):
 
 
 def test_deepspeed_cannot_be_traced_and_says_what_to_do():
-    res = CliRunner().invoke(cli, ["plan", str(RECIPES / "llama2-13b-zero3.yaml"), "--trace"],
-                             standalone_mode=False)
+    res = CliRunner().invoke(cli, ["plan", str(RECIPES / "llama2-13b-zero3.yaml"), "--trace"], standalone_mode=False)
     assert isinstance(res.exception, TraceError)
     assert "cannot be traced" in str(res.exception) and "parallelism.strategy=fsdp" in str(res.exception)
 
@@ -164,8 +196,9 @@ def test_deepspeed_cannot_be_traced_and_says_what_to_do():
 def test_a_refused_trace_still_prints_the_plan_as_json():
     """`--trace --json` on a plan that cannot be traced: the plan on stdout with the refusal in "trace", then the
     error and its exit code, as text mode prints the plan and then the error."""
-    res = CliRunner().invoke(cli, ["plan", str(RECIPES / "llama2-13b-zero3.yaml"), "--trace", "--json"],
-                             standalone_mode=False)
+    res = CliRunner().invoke(
+        cli, ["plan", str(RECIPES / "llama2-13b-zero3.yaml"), "--trace", "--json"], standalone_mode=False
+    )
     assert isinstance(res.exception, TraceError) and res.exception.exit_code == 2
     d = json.loads(res.stdout)
     assert d["strategy"] == "zero3" and d["memory"]["total"] > 0
@@ -173,15 +206,21 @@ def test_a_refused_trace_still_prints_the_plan_as_json():
     assert "cannot be traced" in d["trace"]["refused"]
 
 
-@pytest.mark.parametrize("sets, says, fix", [
-    # the runtime builds Llama blocks only: a GPT plan traced as a Llama would compare two different models
-    (("model.architecture=gpt",), "architecture 'gpt' cannot be traced", "model.architecture=llama"),
-    # FSDP2 offloads the optimizer only with the parameters: the refusal says why it names params
-    (("parallelism.offload=optimizer", "resources.accelerator=H100:2"),
-     "the recipe asks for optimizer offload, which fsdp does as params offload", "parallelism.offload=none"),
-    # there is no model.shape field: name the fields there are
-    (("model.preset=null", "model.params=1000000"), "given by `params` only", "model.layers/hidden"),
-])
+@pytest.mark.parametrize(
+    "sets, says, fix",
+    [
+        # the runtime builds Llama blocks only: a GPT plan traced as a Llama would compare two different models
+        (("model.architecture=gpt",), "architecture 'gpt' cannot be traced", "model.architecture=llama"),
+        # FSDP2 offloads the optimizer only with the parameters: the refusal says why it names params
+        (
+            ("parallelism.offload=optimizer", "resources.accelerator=H100:2"),
+            "the recipe asks for optimizer offload, which fsdp does as params offload",
+            "parallelism.offload=none",
+        ),
+        # there is no model.shape field: name the fields there are
+        (("model.preset=null", "model.params=1000000"), "given by `params` only", "model.layers/hidden"),
+    ],
+)
 def test_untraceable_plans_are_refused_with_the_reason(sets, says, fix):
     recipe, plan = _plan("tiny.yaml", *sets)
     with pytest.raises(TraceError) as e:
@@ -205,9 +244,15 @@ def test_trace_without_torch_is_an_error_with_a_fix(monkeypatch):
     assert "dtlaunch[trace]" in e.value.fix
 
 
-@pytest.mark.parametrize("sets", [("parallelism.precision=fp32",), ("parallelism.precision=bf16",),
-                                  ("parallelism.precision=bf16", "parallelism.activation_checkpointing=selective")],
-                         ids=["fp32", "bf16-autocast", "bf16-autocast-selective"])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ("parallelism.precision=fp32",),
+        ("parallelism.precision=bf16",),
+        ("parallelism.precision=bf16", "parallelism.activation_checkpointing=selective"),
+    ],
+    ids=["fp32", "bf16-autocast", "bf16-autocast-selective"],
+)
 def test_ddp_on_real_tensors_matches_the_planner(sets, tmp_path):
     """DDP cannot run on fake tensors (its C++ reducer and `module.to` need real storage), so its formulas are
     pinned on the tiny model's real tensors, in a gloo world of one rank (DDP keeps the same per rank at any
@@ -222,8 +267,9 @@ def test_ddp_on_real_tensors_matches_the_planner(sets, tmp_path):
     from launcher.runtime.models import build_model
     from launcher.runtime.parallel import wrap_model
 
-    recipe, plan = _plan("tiny.yaml", "parallelism.strategy=ddp", "resources.accelerator=cpu:1", "model.layers=2",
-                         *sets)
+    recipe, plan = _plan(
+        "tiny.yaml", "parallelism.strategy=ddp", "resources.accelerator=cpu:1", "model.layers=2", *sets
+    )
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", rank=0, world_size=1, store=store)
     try:
@@ -231,8 +277,9 @@ def test_ddp_on_real_tensors_matches_the_planner(sets, tmp_path):
         torch.manual_seed(0)
         module = build_model(recipe.model.shape(), layout.activation_checkpointing, device="cpu")
         training = recipe.training.replace(grad_clip=0.0)
-        engine = wrap_model(module, layout, recipe.replace(training=training), plan, 10,
-                            torch.device("cpu"), is_gpu=False)
+        engine = wrap_model(
+            module, layout, recipe.replace(training=training), plan, 10, torch.device("cpu"), is_gpu=False
+        )
         for group in engine.optimizer.param_groups:
             group["foreach"] = True  # as on CUDA
         batches = [torch.randint(0, 512, (layout.micro_batch, plan.seq_len + 1)) for _ in range(layout.grad_accum)]

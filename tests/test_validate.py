@@ -1,5 +1,6 @@
 """Each validation rule fires on the sharp edge it names (for its target), stays quiet on the shipped
 recipes, and every finding names the file and line of its field, or the --set item that gave it."""
+
 import json
 
 import pytest
@@ -35,30 +36,80 @@ CASES = [
     (["parallelism.data=3"], "layout-world-size", None),
     (["training.global_batch=12"], "batch-divisible", None),
     (["training.global_batch=4"], "batch-too-small", None),
-    (["parallelism.tensor=4", "parallelism.data=auto", "model.kv_heads=4", "model.heads=8", "model.hidden=128",
-      "model.preset=null", "model.layers=2", "model.ffn_hidden=256", "model.vocab=256", "parallelism.tensor=16",
-      "resources.nodes=2", "training.global_batch=16"], "tp-across-nodes", None),
+    (
+        [
+            "parallelism.tensor=4",
+            "parallelism.data=auto",
+            "model.kv_heads=4",
+            "model.heads=8",
+            "model.hidden=128",
+            "model.preset=null",
+            "model.layers=2",
+            "model.ffn_hidden=256",
+            "model.vocab=256",
+            "parallelism.tensor=16",
+            "resources.nodes=2",
+            "training.global_batch=16",
+        ],
+        "tp-across-nodes",
+        None,
+    ),
     (["parallelism.tensor=4"], "heads-tp", None),
     (["parallelism.offload=optimizer"], "offload-ddp", None),
     (["parallelism.strategy=zero2", "parallelism.offload=params"], "offload-params-stage", None),
-    (["model.preset=llama3-8b", "model.seq_len=32768", "parallelism.strategy=fsdp",
-      "parallelism.activation_checkpointing=none"], "long-seq-no-ac", None),
+    (
+        [
+            "model.preset=llama3-8b",
+            "model.seq_len=32768",
+            "parallelism.strategy=fsdp",
+            "parallelism.activation_checkpointing=none",
+        ],
+        "long-seq-no-ac",
+        None,
+    ),
     (["resources.nodes=16", "model.seq_len=1024", "training.global_batch=128"], "tiny-batch-many-gpus", None),
-    (["resources.nodes=2", "checkpoint.dir=/tmp/ckpt/{run_id}", "training.global_batch=16"], "checkpoint-dir-multinode",
-     "slurm"),
+    (
+        ["resources.nodes=2", "checkpoint.dir=/tmp/ckpt/{run_id}", "training.global_batch=16"],
+        "checkpoint-dir-multinode",
+        "slurm",
+    ),
     (["parallelism.precision=fp32"], "fp32-on-bf16-gpu", None),
     (["parallelism.precision=fp32"], "fp32-gqa-gpu", None),  # the tiny preset: 4 heads, 2 kv heads
-    (["model.preset=llama3-70b", "parallelism.strategy=fsdp", "resources.nodes=4", "training.global_batch=2048",
-      "training.timeout_seconds=120"], "step-longer-than-watchdog", None),
+    (
+        [
+            "model.preset=llama3-70b",
+            "parallelism.strategy=fsdp",
+            "resources.nodes=4",
+            "training.global_batch=2048",
+            "training.timeout_seconds=120",
+        ],
+        "step-longer-than-watchdog",
+        None,
+    ),
     (["targets.sky.infra=k8s", "targets.sky.disk_tier=high"], "sky-k8s-unsupported", "sky"),
     (["targets.sky.infra=k8s", "targets.sky.autodown=false"], "sky-k8s-unsupported", "sky"),
-    (["targets.sky.infra=k8s", "targets.sky.spot=true", "targets.sky.checkpoint_storage={bucket: 's3://b/c'}"],
-     "sky-k8s-spot", "sky"),
-    (["model.preset=llama3-70b", "parallelism.strategy=fsdp", "resources.nodes=2", "training.global_batch=64",
-      "targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "targets.sky.disk_size=200"],
-     "sky-disk-checkpoint-cache", "sky"),
-    (["parallelism.strategy=zero2", "parallelism.offload=optimizer", "training.optimizer=sgd"],
-     "offload-torch-optimizer", None),
+    (
+        ["targets.sky.infra=k8s", "targets.sky.spot=true", "targets.sky.checkpoint_storage={bucket: 's3://b/c'}"],
+        "sky-k8s-spot",
+        "sky",
+    ),
+    (
+        [
+            "model.preset=llama3-70b",
+            "parallelism.strategy=fsdp",
+            "resources.nodes=2",
+            "training.global_batch=64",
+            "targets.sky.checkpoint_storage={bucket: 's3://b/c'}",
+            "targets.sky.disk_size=200",
+        ],
+        "sky-disk-checkpoint-cache",
+        "sky",
+    ),
+    (
+        ["parallelism.strategy=zero2", "parallelism.offload=optimizer", "training.optimizer=sgd"],
+        "offload-torch-optimizer",
+        None,
+    ),
     (["checkpoint.async=true", "checkpoint.keep=1"], "async-keep", None),
     (["resources.accelerator=V100:8"], "bf16-unsupported", None),
     (["secrets=[WANDB_API_KEY]", "env={WANDB_API_KEY: abc}"], "secret-in-env", None),
@@ -67,29 +118,56 @@ CASES = [
     (["parallelism.sequence_parallel=true"], "sequence-parallel-no-tp", None),
     (["parallelism.launcher=deepspeed"], "deepspeed-launcher-strategy", None),
     (["resources.mfu=0.9"], "mfu-optimistic", None),
-    (["resources.accelerator=cpu:2", "parallelism.strategy=zero2", "parallelism.precision=fp16"],
-     "deepspeed-fp16-cpu", None),
-    (["parallelism.tensor=2", "parallelism.strategy=zero3", "parallelism.backend=deepspeed"],
-     "deepspeed-model-parallel", None),
+    (
+        ["resources.accelerator=cpu:2", "parallelism.strategy=zero2", "parallelism.precision=fp16"],
+        "deepspeed-fp16-cpu",
+        None,
+    ),
+    (
+        ["parallelism.tensor=2", "parallelism.strategy=zero3", "parallelism.backend=deepspeed"],
+        "deepspeed-model-parallel",
+        None,
+    ),
     (["parallelism.tensor=2", "model.tied_embeddings=true"], "tied-model-parallel", None),
     (["parallelism.tensor=2", "model.ffn_hidden=351"], "tp-shape", None),
     (["parallelism.pipeline=2", "training.global_batch=4"], "pipeline-schedule", None),
     (["parallelism.pipeline=2", "parallelism.precision=fp16"], "fp16-pipeline", None),
-    (["model={hf_config: {model_type: llama, hidden_size: 64, intermediate_size: 176, num_hidden_layers: 2, "
-      "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256}}", "parallelism.pipeline=2"],
-     "hf-model-parallel", None),
+    (
+        [
+            "model={hf_config: {model_type: llama, hidden_size: 64, intermediate_size: 176, num_hidden_layers: 2, "
+            "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256}}",
+            "parallelism.pipeline=2",
+        ],
+        "hf-model-parallel",
+        None,
+    ),
     (["parallelism.pipeline=8"], "pipeline-layers", None),
     (["parallelism.strategy=fsdp", "parallelism.offload=optimizer"], "fsdp-optimizer-offload", None),
     (["parallelism.strategy=ddp", "parallelism.grad_reduce=once_per_step"], "grad-reduce-ignored", None),
-    (["parallelism.strategy=fsdp", "parallelism.grad_reduce=once_per_step", "training.global_batch=8"],
-     "grad-reduce-ignored", None),
+    (
+        ["parallelism.strategy=fsdp", "parallelism.grad_reduce=once_per_step", "training.global_batch=8"],
+        "grad-reduce-ignored",
+        None,
+    ),
     (["resources.nodes=2", "checkpoint.dir=ckpt/run", "training.global_batch=16"], "checkpoint-dir-relative", "slurm"),
     (["parallelism.strategy=hybrid"], "hybrid-single-node", None),
     (["parallelism.strategy=zero2"], "backend-strategy", None),
-    (["resources.accelerator=cpu:2", "resources.nodes=2", "training.global_batch=8",
-      "targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "checkpoint.dir=null"], "cpu-multi-node", "sky"),
-    (["model.preset=llama3-70b", "parallelism.strategy=fsdp", "targets.slurm.signal_seconds=1"], "slurm-time-short",
-     "slurm"),
+    (
+        [
+            "resources.accelerator=cpu:2",
+            "resources.nodes=2",
+            "training.global_batch=8",
+            "targets.sky.checkpoint_storage={bucket: 's3://b/c'}",
+            "checkpoint.dir=null",
+        ],
+        "cpu-multi-node",
+        "sky",
+    ),
+    (
+        ["model.preset=llama3-70b", "parallelism.strategy=fsdp", "targets.slurm.signal_seconds=1"],
+        "slurm-time-short",
+        "slurm",
+    ),
     (["training.data.source=file", "training.data.path=/nonexistent/tokens.bin"], "data-path", None),
     # runtime refusals, found before the queue
     (["training.steps=null"], "no-training-length", None),
@@ -99,16 +177,52 @@ CASES = [
     # SkyPilot
     (["resources.nodes=2", "training.global_batch=16"], "sky-checkpoint-storage", "sky"),
     (["targets.sky.managed=true"], "sky-checkpoint-storage", "sky"),
-    (["targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "checkpoint.dir=/elsewhere/{run_id}"],
-     "sky-checkpoint-dir-outside-storage", "sky"),
-    (["resources.nodes=2", "training.global_batch=16", "targets.sky.infra=aws",
-      "targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "checkpoint.dir=null"], "sky-aws-efa-interfaces", "sky"),
-    (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed", "targets.sky.deepspeed_ssh=true",
-      "env={X: '$(id)'}"], "deepspeed-ssh-env", "sky"),
-    (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed", "targets.sky.deepspeed_ssh=true",
-      "checkpoint.dir='/ckpt/$(id)/{run_id}'"], "deepspeed-ssh-values", "sky"),
-    (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed", "targets.sky.deepspeed_ssh=true",
-      "secrets=[HF_TOKEN]"], "deepspeed-ssh-secrets", "sky"),
+    (
+        ["targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "checkpoint.dir=/elsewhere/{run_id}"],
+        "sky-checkpoint-dir-outside-storage",
+        "sky",
+    ),
+    (
+        [
+            "resources.nodes=2",
+            "training.global_batch=16",
+            "targets.sky.infra=aws",
+            "targets.sky.checkpoint_storage={bucket: 's3://b/c'}",
+            "checkpoint.dir=null",
+        ],
+        "sky-aws-efa-interfaces",
+        "sky",
+    ),
+    (
+        [
+            "parallelism.strategy=zero2",
+            "parallelism.launcher=deepspeed",
+            "targets.sky.deepspeed_ssh=true",
+            "env={X: '$(id)'}",
+        ],
+        "deepspeed-ssh-env",
+        "sky",
+    ),
+    (
+        [
+            "parallelism.strategy=zero2",
+            "parallelism.launcher=deepspeed",
+            "targets.sky.deepspeed_ssh=true",
+            "checkpoint.dir='/ckpt/$(id)/{run_id}'",
+        ],
+        "deepspeed-ssh-values",
+        "sky",
+    ),
+    (
+        [
+            "parallelism.strategy=zero2",
+            "parallelism.launcher=deepspeed",
+            "targets.sky.deepspeed_ssh=true",
+            "secrets=[HF_TOKEN]",
+        ],
+        "deepspeed-ssh-secrets",
+        "sky",
+    ),
     # SLURM
     (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"], "deepspeed-launcher-target", "slurm"),
     (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"], "deepspeed-launcher-target", "local"),
@@ -125,18 +239,39 @@ CASES = [
     (["targets.slurm.mail_user=me@example.org"], "slurm-mail-user-no-type", "slurm"),
     (["resources.image=nvcr.io/nvidia/pytorch:24.05-py3"], "slurm-image-no-container", "slurm"),
     (["targets.slurm.container={runtime: pyxis}"], "slurm-container-no-image", "slurm"),
-    (["resources.image=org/train:1", "targets.slurm.container={runtime: apptainer}",
-      "checkpoint.dir=/my ckpt/{run_id}"], "slurm-container-checkpoint-mount", "slurm"),
-    (["resources.image=org/train:1", "targets.slurm.container={runtime: pyxis}", "training.data.source=file",
-      "training.data.path=/datasets/tokens.bin"], "slurm-container-input-unmounted", "slurm"),
-    (["resources.nodes=2", "training.data.source=file", "training.data.path=/tmp/tokens.bin"],
-     "slurm-input-node-local", "slurm"),
+    (
+        [
+            "resources.image=org/train:1",
+            "targets.slurm.container={runtime: apptainer}",
+            "checkpoint.dir=/my ckpt/{run_id}",
+        ],
+        "slurm-container-checkpoint-mount",
+        "slurm",
+    ),
+    (
+        [
+            "resources.image=org/train:1",
+            "targets.slurm.container={runtime: pyxis}",
+            "training.data.source=file",
+            "training.data.path=/datasets/tokens.bin",
+        ],
+        "slurm-container-input-unmounted",
+        "slurm",
+    ),
+    (
+        ["resources.nodes=2", "training.data.source=file", "training.data.path=/tmp/tokens.bin"],
+        "slurm-input-node-local",
+        "slurm",
+    ),
     (["training.data.source=file", "training.data.path=/home/me/tokens.bin"], "sky-input-unmounted", "sky"),
     (["resources.image=org/train:1"], "image-local", "local"),
     # SkyPilot knobs
     (["targets.sky.accelerators=[V100:8]"], "sky-fallback-dropped", "sky"),
-    (["targets.sky.instance_type=p5.48xlarge", "targets.sky.accelerators=[A100-80GB:8]"], "sky-instance-type-fallbacks",
-     "sky"),
+    (
+        ["targets.sky.instance_type=p5.48xlarge", "targets.sky.accelerators=[A100-80GB:8]"],
+        "sky-instance-type-fallbacks",
+        "sky",
+    ),
     (["resources.accelerator=cpu:4", "targets.sky.cpus=2"], "sky-cpus-fewer-than-ranks", "sky"),
     # the user's entrypoint
     (["entrypoint={script: no_such_train.py, workdir: /}"], "entrypoint-missing", None),
@@ -164,8 +299,10 @@ def test_target_rules_stay_out_of_other_targets():
 def test_findings_name_the_line_or_the_set_item():
     r = load_text(BASE.replace("global_batch: 8", "global_batch: 12"), "base.yaml")
     (f,) = [f for f in validate(r, make_plan(r)) if f.rule == "batch-divisible"]
-    assert (f.file, f.line) == ("base.yaml", BASE.splitlines().index(
-        "training: {micro_batch: 1, global_batch: 8, steps: 100}") + 1)
+    assert (f.file, f.line) == (
+        "base.yaml",
+        BASE.splitlines().index("training: {micro_batch: 1, global_batch: 8, steps: 100}") + 1,
+    )
     f = findings("training.global_batch=12")["batch-divisible"]
     assert (f.file, f.line) == ("--set training.global_batch=12", None)
 
@@ -191,5 +328,7 @@ def test_validate_cli_exit_codes_json_and_lines(run_cli, tmp_path):
     assert code == 1 and f"{bad}:6: error [batch-divisible]" in out
     code, out, _ = run_cli("validate", tiny)
     assert code == 0 and "ok" in out
-    code, out, _ = run_cli("validate", "-t", "sky", tiny, "--set", "resources.nodes=2", "--set", "resources.accelerator=cpu:1")
+    code, out, _ = run_cli(
+        "validate", "-t", "sky", tiny, "--set", "resources.nodes=2", "--set", "resources.accelerator=cpu:1"
+    )
     assert code == 1 and "tiny.yaml:28: error [sky-checkpoint-storage]" in out

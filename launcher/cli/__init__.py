@@ -4,6 +4,7 @@ Importing this package must stay cheap: no torch, deepspeed, sky, submitit or pa
 imported only by the commands that draw tables. Every user mistake ends in one located message and an exit
 code; only a bug of ours says "internal error".
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,11 @@ def main() -> None:
     except Exception as e:  # a bug of ours: one line, and the traceback only on request
         if os.environ.get("DTLAUNCH_DEBUG"):
             raise
-        click.secho(f"internal error: {type(e).__name__}: {e} (set DTLAUNCH_DEBUG=1 for the traceback, and please "
-                    "report it)", fg="red", err=True)
+        click.secho(
+            f"internal error: {type(e).__name__}: {e} (set DTLAUNCH_DEBUG=1 for the traceback, and please report it)",
+            fg="red",
+            err=True,
+        )
         sys.exit(70)
 
 

@@ -1,4 +1,5 @@
 """`python -m launcher.cli ...`, the same as the `dtlaunch` script."""
+
 from . import main
 
 main()

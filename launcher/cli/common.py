@@ -1,16 +1,28 @@
 """What several commands share: the --set/--sweep options, loading a recipe with its plan, printing findings."""
+
 from __future__ import annotations
 
 import click
 
 from ..strategies import TARGET_NAMES
 
-OVERRIDE = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                        help="Override a recipe field, e.g. --set training.steps=100 (repeatable).")
-SWEEP = click.option("--sweep", "sweeps", multiple=True, metavar="KEY=V1,V2",
-                     help="SLURM: one array task per combination, e.g. --sweep training.seed=1,2,3 (repeatable).")
-TARGET = click.option("--target", "-t", type=click.Choice(TARGET_NAMES), default=None,
-                      help="Default: the recipe's targets.default.")
+OVERRIDE = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a recipe field, e.g. --set training.steps=100 (repeatable).",
+)
+SWEEP = click.option(
+    "--sweep",
+    "sweeps",
+    multiple=True,
+    metavar="KEY=V1,V2",
+    help="SLURM: one array task per combination, e.g. --sweep training.seed=1,2,3 (repeatable).",
+)
+TARGET = click.option(
+    "--target", "-t", type=click.Choice(TARGET_NAMES), default=None, help="Default: the recipe's targets.default."
+)
 
 
 def load(path: str, overrides=()):

@@ -6,6 +6,7 @@ they print, then the same layout term by term in the planner's unit (GB = 1e9 by
 and labels it GB), each difference with its reason. DeepSpeed (and torch) are imported here only, and only
 for this flag.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,10 +44,24 @@ class Comparison:
     notes: list[str]
 
     def to_dict(self) -> dict:
-        return {"deepspeed_version": self.version, "function": self.function, "arguments": self.args,
-                "printed": self.printed, "layout": self.layout, "deepspeed_cpu_bytes_per_node": int(self.deepspeed_cpu),
-                "rows": [{"term": r.term, "dtlaunch_bytes": int(round(r.ours)), "deepspeed_bytes": int(round(r.deepspeed)),
-                          "why": r.why} for r in self.rows], "notes": list(self.notes)}
+        return {
+            "deepspeed_version": self.version,
+            "function": self.function,
+            "arguments": self.args,
+            "printed": self.printed,
+            "layout": self.layout,
+            "deepspeed_cpu_bytes_per_node": int(self.deepspeed_cpu),
+            "rows": [
+                {
+                    "term": r.term,
+                    "dtlaunch_bytes": int(round(r.ours)),
+                    "deepspeed_bytes": int(round(r.deepspeed)),
+                    "why": r.why,
+                }
+                for r in self.rows
+            ],
+            "notes": list(self.notes),
+        }
 
 
 def _deepspeed():
@@ -61,10 +76,11 @@ def _deepspeed():
             import deepspeed
             from deepspeed.runtime.zero import stage3, stage_1_and_2
     except Exception as e:  # noqa: BLE001 - reported as one line with the fix, never as a traceback
-        raise CompareError(f"--compare deepspeed needs DeepSpeed, which is not importable here "
-                           f"({type(e).__name__}: {e})",
-                           fix="pip install 'dtlaunch[deepspeed]' (DeepSpeed builds against the installed torch: "
-                               "pip install torch first, then pip install --no-build-isolation deepspeed)") from None
+        raise CompareError(
+            f"--compare deepspeed needs DeepSpeed, which is not importable here ({type(e).__name__}: {e})",
+            fix="pip install 'dtlaunch[deepspeed]' (DeepSpeed builds against the installed torch: "
+            "pip install torch first, then pip install --no-build-isolation deepspeed)",
+        ) from None
     import logging
 
     for h in logging.getLogger("DeepSpeed").handlers:  # its later warnings too
@@ -89,8 +105,9 @@ def largest_module_params(shape) -> int:
     if shape is None:
         return 0
     kv = shape.hidden // shape.heads * shape.kv_heads
-    return max(shape.vocab * shape.hidden, shape.hidden * shape.ffn_hidden, shape.hidden * shape.hidden,
-               shape.hidden * kv)
+    return max(
+        shape.vocab * shape.hidden, shape.hidden * shape.ffn_hidden, shape.hidden * shape.hidden, shape.hidden * kv
+    )
 
 
 def compare(recipe, plan) -> Comparison:
@@ -102,12 +119,16 @@ def compare(recipe, plan) -> Comparison:
     sp = spec(lay.strategy)
     stage = sp.zero_stage
     if stage is None:
-        raise CompareError(f"the plan uses {lay.strategy}; DeepSpeed's estimators cover ZeRO-2 and ZeRO-3",
-                           fix="compare a ZeRO plan: --set parallelism.strategy=zero3 (or zero1, zero2)")
+        raise CompareError(
+            f"the plan uses {lay.strategy}; DeepSpeed's estimators cover ZeRO-2 and ZeRO-3",
+            fix="compare a ZeRO plan: --set parallelism.strategy=zero3 (or zero1, zero2)",
+        )
     if lay.tp * lay.pp > 1:
-        raise CompareError(f"the plan combines {lay.strategy} with tensor {lay.tp} x pipeline {lay.pp}; DeepSpeed's "
-                           "estimators (and dtlaunch's DeepSpeed runtime) cover data parallelism only",
-                           fix="--set parallelism.tensor=1 --set parallelism.pipeline=1")
+        raise CompareError(
+            f"the plan combines {lay.strategy} with tensor {lay.tp} x pipeline {lay.pp}; DeepSpeed's "
+            "estimators (and dtlaunch's DeepSpeed runtime) cover data parallelism only",
+            fix="--set parallelism.tensor=1 --set parallelism.pipeline=1",
+        )
     version, z12, z3 = _deepspeed()
     shape = recipe.model.shape()
     n = plan.params
@@ -117,10 +138,12 @@ def compare(recipe, plan) -> Comparison:
     offload_par = lay.offload == "params"
     w = 2 if lay.precision in ("bf16", "fp16") else 4
     st = states(n, lay)
-    notes = [f"DeepSpeed's estimators count model states only (16-bit weights and gradients, fp32 master weights, "
-             f"Adam's moments); the planner's per-GPU total ({plan.memory.total / GB:.1f} GB) also holds activations, "
-             f"buffers, the CUDA context and fragmentation.",
-             "DeepSpeed prints GiB (2**30 bytes) labelled GB; the table above gives both columns in GB = 1e9 bytes."]
+    notes = [
+        f"DeepSpeed's estimators count model states only (16-bit weights and gradients, fp32 master weights, "
+        f"Adam's moments); the planner's per-GPU total ({plan.memory.total / GB:.1f} GB) also holds activations, "
+        f"buffers, the CUDA context and fragmentation.",
+        "DeepSpeed prints GiB (2**30 bytes) labelled GB; the table above gives both columns in GB = 1e9 bytes.",
+    ]
     if w != 2:
         notes.append(f"DeepSpeed's estimators assume 16-bit weights; this plan trains in {lay.precision}.")
 
@@ -128,13 +151,23 @@ def compare(recipe, plan) -> Comparison:
     rows: list[Row] = []
     if stage == 3:
         big = largest_module_params(shape) or n / 40
-        args = {"total_params": int(n), "largest_layer_params": int(big), "num_gpus_per_node": per_node,
-                "num_nodes": nodes}
+        args = {
+            "total_params": int(n),
+            "largest_layer_params": int(big),
+            "num_gpus_per_node": per_node,
+            "num_nodes": nodes,
+        }
         with contextlib.redirect_stdout(printed):
             z3.estimate_zero3_model_states_mem_needs_all_cold(**args)
         cpu, gpu, layer = z3.estimate_zero3_model_states_mem_needs(
-            total_params=int(n), largest_layer_params=int(big), num_gpus_per_node=per_node, num_nodes=nodes,
-            cpu_offload=offload_opt, cpu_offload_params=offload_par, zero_init=True)
+            total_params=int(n),
+            largest_layer_params=int(big),
+            num_gpus_per_node=per_node,
+            num_nodes=nodes,
+            cpu_offload=offload_opt,
+            cpu_offload_params=offload_par,
+            zero_init=True,
+        )
         function = "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_cold"
         ds_params = 0.0 if offload_par else 2 * n / d
         ds_grads = 0.0 if offload_opt else 2 * n / d
@@ -144,16 +177,23 @@ def compare(recipe, plan) -> Comparison:
         unit = max(u.layer, u.emb, u.head, u.root)
         rows.append(Row("16-bit weights (partition)", st.params, ds_params, ""))
         gathered = deepspeed_buffers(u, lay, w)
-        rows.append(Row("gathered layer", gathered, layer,
-                        f"DeepSpeed: the largest single module ({big / 1e6:.0f}M params) with its 16-bit weight and "
-                        f"gradient, 4 bytes/param; dtlaunch: a whole block ({unit / 1e6:.0f}M params), in use and "
-                        f"prefetched (2 x {w} bytes) plus its fp32 gradient (4 bytes)"))
+        rows.append(
+            Row(
+                "gathered layer",
+                gathered,
+                layer,
+                f"DeepSpeed: the largest single module ({big / 1e6:.0f}M params) with its 16-bit weight and "
+                f"gradient, 4 bytes/param; dtlaunch: a whole block ({unit / 1e6:.0f}M params), in use and "
+                f"prefetched (2 x {w} bytes) plus its fp32 gradient (4 bytes)",
+            )
+        )
     else:
         args = {"total_params": int(n), "num_gpus_per_node": per_node, "num_nodes": nodes}
         with contextlib.redirect_stdout(printed):
             z12.estimate_zero2_model_states_mem_needs_all_cold(**args)
-        cpu, gpu = z12.estimate_zero2_model_states_mem_needs(total_params=int(n), num_gpus_per_node=per_node,
-                                                             num_nodes=nodes, cpu_offload=offload_opt)
+        cpu, gpu = z12.estimate_zero2_model_states_mem_needs(
+            total_params=int(n), num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=offload_opt
+        )
         function = "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold"
         ds_params = 2 * n
         ds_grads = 0.0 if offload_opt else 2 * n / d
@@ -161,8 +201,9 @@ def compare(recipe, plan) -> Comparison:
         ds_optim = 0.0 if offload_opt else 12 * n / d
         rows.append(Row("16-bit weights", st.params, ds_params, ""))
         if stage == 1:
-            notes.append("DeepSpeed has no ZeRO-1 estimator; its ZeRO-2 one is used (ZeRO-1 keeps every rank's "
-                         "gradients whole).")
+            notes.append(
+                "DeepSpeed has no ZeRO-1 estimator; its ZeRO-2 one is used (ZeRO-1 keeps every rank's gradients whole)."
+            )
     grads_why = ""
     if stage == 1 and not offload_opt:
         grads_why = "ZeRO-1 keeps each rank's 16-bit gradients whole; DeepSpeed's ZeRO-2 estimator shards them"
@@ -170,28 +211,44 @@ def compare(recipe, plan) -> Comparison:
     fp32 = deepspeed_step_fp32_grads(n, lay)
     fp32_why = ""
     if ds_fp32g:
-        fp32_why = ("DeepSpeed counts it for the whole step; it exists only in the optimizer step (built from the "
-                    "reduced 16-bit gradients, deleted after the update), where dtlaunch counts it")
+        fp32_why = (
+            "DeepSpeed counts it for the whole step; it exists only in the optimizer step (built from the "
+            "reduced 16-bit gradients, deleted after the update), where dtlaunch counts it"
+        )
         if fp32 < ds_fp32g - 1:
             fp32_why += "; ZeRO-3 builds it one sub-group (1e9 elements) at a time"
     rows.append(Row("fp32 gradients (optimizer step)", fp32, ds_fp32g, fp32_why))
-    rows.append(Row("fp32 weights + Adam moments", st.optimizer, ds_optim,
-                    "" if abs(st.optimizer - ds_optim) < 1 else
-                    f"{lay.optimizer} here; DeepSpeed's estimators assume Adam (12 bytes/param)"))
+    rows.append(
+        Row(
+            "fp32 weights + Adam moments",
+            st.optimizer,
+            ds_optim,
+            ""
+            if abs(st.optimizer - ds_optim) < 1
+            else f"{lay.optimizer} here; DeepSpeed's estimators assume Adam (12 bytes/param)",
+        )
+    )
     for r in rows:
         if not r.why and abs(r.ours - r.deepspeed) >= 0.005 * GB:
-            r.why = (f"{lay.precision} training: 4-byte weights and gradients, no separate fp32 master copy; "
-                     "DeepSpeed's estimators assume 16-bit ones" if w == 4 else
-                     f"dtlaunch's formula for {lay.strategy} with offload={lay.offload} (launcher/plan/states.py, "
-                     "model_states) differs from DeepSpeed's here")
+            r.why = (
+                f"{lay.precision} training: 4-byte weights and gradients, no separate fp32 master copy; "
+                "DeepSpeed's estimators assume 16-bit ones"
+                if w == 4
+                else f"dtlaunch's formula for {lay.strategy} with offload={lay.offload} (launcher/plan/states.py, "
+                "model_states) differs from DeepSpeed's here"
+            )
     ours = sum(r.ours for r in rows)
     total_why = "the differences of the lines above" if abs(ours - gpu) >= 0.005 * GB else ""
     rows.append(Row("model states per GPU", ours, gpu, total_why))
     if offload_opt:
-        notes.append("optimizer offload: as in DeepSpeed's estimate and the ZeRO-Offload paper, only the 16-bit "
-                     "weights stay on the GPU; gradients and optimizer state live in host memory.")
-    layout = (f"{lay.strategy} (ZeRO-{stage}), offload={lay.offload}, {plan.world_size} GPUs "
-              f"({nodes} node(s) x {per_node}), {lay.precision}")
+        notes.append(
+            "optimizer offload: as in DeepSpeed's estimate and the ZeRO-Offload paper, only the 16-bit "
+            "weights stay on the GPU; gradients and optimizer state live in host memory."
+        )
+    layout = (
+        f"{lay.strategy} (ZeRO-{stage}), offload={lay.offload}, {plan.world_size} GPUs "
+        f"({nodes} node(s) x {per_node}), {lay.precision}"
+    )
     return Comparison(version, printed.getvalue().rstrip(), function, args, layout, rows, float(cpu), notes)
 
 
@@ -210,9 +267,12 @@ def print_comparison(c: Comparison) -> None:
     width = max(len(r.term) for r in c.rows)
     click.echo(f"  {'term':{width}s}  {'dtlaunch':>9s}  {'DeepSpeed':>9s}")
     for r in c.rows:
-        click.echo(f"  {r.term:{width}s}  {_gb(r.ours):>9s}  {_gb(r.deepspeed):>9s}  "
-                   f"{'why: ' + r.why if r.why else 'same'}")
-    click.echo(f"DeepSpeed's host memory for this layout: {c.deepspeed_cpu / GB:.1f} GB per node "
-               f"({c.deepspeed_cpu / GIB:.1f} GiB); dtlaunch does not plan host memory.")
+        click.echo(
+            f"  {r.term:{width}s}  {_gb(r.ours):>9s}  {_gb(r.deepspeed):>9s}  {'why: ' + r.why if r.why else 'same'}"
+        )
+    click.echo(
+        f"DeepSpeed's host memory for this layout: {c.deepspeed_cpu / GB:.1f} GB per node "
+        f"({c.deepspeed_cpu / GIB:.1f} GiB); dtlaunch does not plan host memory."
+    )
     for n in c.notes:
         click.echo(f"  note: {n}")

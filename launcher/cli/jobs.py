@@ -1,4 +1,5 @@
 """`status`, `logs`, `down` and `plot`: following a job after `up`."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,24 @@ from ..errors import DtlaunchError
 from ..jobenv import last_logged_step
 
 # States in which a job still runs (or waits to), on any target: `down NAME` acts on such a job.
-LIVE = frozenset({"RUNNING", "STOPPING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
-                  "INIT", "STARTING", "SETTING_UP", "RECOVERING", "CANCELLING", "SUBMITTED"})
+LIVE = frozenset(
+    {
+        "RUNNING",
+        "STOPPING",
+        "PENDING",
+        "CONFIGURING",
+        "COMPLETING",
+        "REQUEUED",
+        "RESIZING",
+        "SUSPENDED",
+        "INIT",
+        "STARTING",
+        "SETTING_UP",
+        "RECOVERING",
+        "CANCELLING",
+        "SUBMITTED",
+    }
+)
 
 
 def status_rows(recs) -> list[dict]:
@@ -29,8 +46,16 @@ def status_rows(recs) -> list[dict]:
             st = JobStatus("UNKNOWN", detail=str(e))
         if r.run_dir not in steps:
             steps[r.run_dir] = last_logged_step(r.run_dir) if r.run_dir and Path(r.run_dir).is_dir() else None
-        rows.append({"name": r.name, "target": r.target, "job_id": r.job_id, "run_dir": r.run_dir, **st.to_dict(),
-                     "last_step": steps[r.run_dir]})
+        rows.append(
+            {
+                "name": r.name,
+                "target": r.target,
+                "job_id": r.job_id,
+                "run_dir": r.run_dir,
+                **st.to_dict(),
+                "last_step": steps[r.run_dir],
+            }
+        )
     return rows
 
 
@@ -52,8 +77,9 @@ def status_cmd(job, as_json):
         extra = f" exit={row['exit_code']}" if row.get("exit_code") is not None else ""
         detail = f" ({row['detail']})" if row.get("detail") else ""
         progress = f"\t{describe_step(row['last_step'])}" if row.get("last_step") else ""
-        click.echo(f"{row['name']}\t{row['target']}:{row['job_id']}\t{row['state']}{extra}{detail}\t{row['run_dir']}"
-                   f"{progress}")
+        click.echo(
+            f"{row['name']}\t{row['target']}:{row['job_id']}\t{row['state']}{extra}{detail}\t{row['run_dir']}{progress}"
+        )
 
 
 def describe_step(rec: dict) -> str:
@@ -121,8 +147,10 @@ def running_one(hits: list, key: str):
             continue
     if len(live) > 1:
         ids = ", ".join(f"{r.target}:{r.job_id} ({r.run_dir})" for r in live)
-        raise DtlaunchError(f"{len(live)} jobs named {key!r} are running: {ids}",
-                            fix=f"name one by its id, e.g. `dtlaunch down {live[-1].job_id}`")
+        raise DtlaunchError(
+            f"{len(live)} jobs named {key!r} are running: {ids}",
+            fix=f"name one by its id, e.g. `dtlaunch down {live[-1].job_id}`",
+        )
     return live[0] if live else hits[-1]
 
 

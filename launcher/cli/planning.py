@@ -1,4 +1,5 @@
 """`plan`, `validate` and `schema`: what fits and why, and what would go wrong, before any GPU is paid for."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,9 @@ def table(headers: list[str], rows: list[list[str]], left: tuple[str, ...] = (),
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
     def line(cells):
-        return "  ".join(c.ljust(w) if h in left else c.rjust(w) for c, w, h in zip(cells, widths, headers,
-                                                                                    strict=True)).rstrip()
+        return "  ".join(
+            c.ljust(w) if h in left else c.rjust(w) for c, w, h in zip(cells, widths, headers, strict=True)
+        ).rstrip()
 
     out = [line(headers), "  ".join("-" * w for w in widths)]
     for i, r in enumerate(rows):
@@ -37,33 +39,58 @@ def _print_plan(recipe, p) -> None:
     echo = click.echo
     shape = recipe.model.shape()
     model = recipe.model.preset or ("custom" if shape else "params-only")
-    echo(f"{click.style(recipe.name, bold=True)}: {model}, {p.params / 1e9:.2f}B parameters, seq {p.seq_len}, "
-         f"{p.nodes} node(s) x {p.gpus_per_node} {p.accelerator} = {p.world_size} devices")
+    echo(
+        f"{click.style(recipe.name, bold=True)}: {model}, {p.params / 1e9:.2f}B parameters, seq {p.seq_len}, "
+        f"{p.nodes} node(s) x {p.gpus_per_node} {p.accelerator} = {p.world_size} devices"
+    )
     echo(f"Per-device memory, GB (1e9 bytes), of {_gb(p.memory.gpu)} GB")
     rows, styles = [], []
     for name, m in p.candidates:
         chosen = name == p.strategy
-        rows.append([("* " if chosen else "  ") + name, _gb(m.params), _gb(m.grads), _gb(m.optimizer),
-                     _gb(m.activations), _gb(m.buffers), _gb(m.total), "yes" if m.fits else "no"])
+        rows.append(
+            [
+                ("* " if chosen else "  ") + name,
+                _gb(m.params),
+                _gb(m.grads),
+                _gb(m.optimizer),
+                _gb(m.activations),
+                _gb(m.buffers),
+                _gb(m.total),
+                "yes" if m.fits else "no",
+            ]
+        )
         styles.append({"fg": "green", "bold": True} if chosen else None)
-    for ln in table(["strategy", "weights", "grads", "optim", "activ", "buffers", "total", "fits"], rows,
-                    left=("strategy", "fits"), styles=styles):
+    for ln in table(
+        ["strategy", "weights", "grads", "optim", "activ", "buffers", "total", "fits"],
+        rows,
+        left=("strategy", "fits"),
+        styles=styles,
+    ):
         echo("  " + ln)
     echo("* = chosen")
     lay = p.layout
-    extra = (" sequence_parallel" if lay.tp > 1 and lay.sequence_parallel else "") + \
-        (f" pipeline_schedule={lay.pp_schedule}" if lay.pp > 1 else "") + \
-        (" grad_reduce=once_per_step" if lay.reduces_once_per_step else "")
-    echo(f"layout: strategy={lay.strategy} dp={lay.dp} tp={lay.tp} pp={lay.pp}{extra} precision={lay.precision} "
-         f"activation_checkpointing={lay.activation_checkpointing} offload={lay.offload}")
+    extra = (
+        (" sequence_parallel" if lay.tp > 1 and lay.sequence_parallel else "")
+        + (f" pipeline_schedule={lay.pp_schedule}" if lay.pp > 1 else "")
+        + (" grad_reduce=once_per_step" if lay.reduces_once_per_step else "")
+    )
+    echo(
+        f"layout: strategy={lay.strategy} dp={lay.dp} tp={lay.tp} pp={lay.pp}{extra} precision={lay.precision} "
+        f"activation_checkpointing={lay.activation_checkpointing} offload={lay.offload}"
+    )
     per_step = lay.micro_batch * lay.dp * p.grad_accum
     if per_step == p.global_batch:
-        echo(f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = global {p.global_batch} "
-             f"sequences ({p.tokens_per_step:,} tokens/step)")
+        echo(
+            f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = global {p.global_batch} "
+            f"sequences ({p.tokens_per_step:,} tokens/step)"
+        )
     else:  # the recipe's batch does not split: the product is not the global batch (the notes say why)
-        echo(f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = {per_step} sequences per "
-             f"step, " + click.style(f"not the recipe's global_batch {p.global_batch}", fg="red")
-             + " (see the note below; validate refuses it)")
+        echo(
+            f"batch: micro {lay.micro_batch} x dp {lay.dp} x grad_accum {p.grad_accum} = {per_step} sequences per "
+            f"step, "
+            + click.style(f"not the recipe's global_batch {p.global_batch}", fg="red")
+            + " (see the note below; validate refuses it)"
+        )
     echo(click.style("why:", bold=True))
     for r in p.reasons:
         echo(f"  - {r}")
@@ -74,13 +101,20 @@ def _print_plan(recipe, p) -> None:
         echo(step + "; total time and cost need a training length (training.steps or training.tokens)")
     else:
         echo(step + f", {p.steps:,} steps = {p.total_hours:,.1f} h")
-        echo(f"cost: ${p.usd:,.0f} ({p.world_size} x {p.total_hours:,.1f} h x "
-             f"${recipe.resources.device().usd_per_hour}/h)")
-    echo(f"checkpoint: every {p.checkpoint_every} steps (write ~{p.checkpoint_write_seconds:.1f} s"
-         + (", Young/Daly)" if recipe.checkpoint.every == "auto" else ")"))
-    echo("not modelled: " + "; ".join(n.split(" (")[0] for n in NOT_MODELLED)
-         + " (memory and time figures leave them out). GB = 1e9 bytes; mixed-precision Adam states 16 "
-         "bytes/param (+4 in DeepSpeed's optimizer step).")
+        echo(
+            f"cost: ${p.usd:,.0f} ({p.world_size} x {p.total_hours:,.1f} h x "
+            f"${recipe.resources.device().usd_per_hour}/h)"
+        )
+    echo(
+        f"checkpoint: every {p.checkpoint_every} steps (write ~{p.checkpoint_write_seconds:.1f} s"
+        + (", Young/Daly)" if recipe.checkpoint.every == "auto" else ")")
+    )
+    echo(
+        "not modelled: "
+        + "; ".join(n.split(" (")[0] for n in NOT_MODELLED)
+        + " (memory and time figures leave them out). GB = 1e9 bytes; mixed-precision Adam states 16 "
+        "bytes/param (+4 in DeepSpeed's optimizer step)."
+    )
 
 
 def _plan_sweep(recipe_path, overrides, sweeps, as_json):
@@ -95,31 +129,51 @@ def _plan_sweep(recipe_path, overrides, sweeps, as_json):
         return
     for r in rows:
         m = r["memory"]
-        length = (f"{r['time']['total_hours']:10.1f} h ${r['cost']['usd']:,.0f}" if r["steps"] is not None
-                  else "  (no training length)")
-        click.echo(f"{' '.join(r['overrides']):50s} {r['strategy']:13s} tp={r['tp']} pp={r['pp']} dp={r['dp']:<5d} "
-                   f"ac={r['activation_checkpointing']:9s} {m['total'] / 1e9:7.1f} GB "
-                   f"{'fits' if m['fits'] else 'NO FIT'} {length}")
+        length = (
+            f"{r['time']['total_hours']:10.1f} h ${r['cost']['usd']:,.0f}"
+            if r["steps"] is not None
+            else "  (no training length)"
+        )
+        click.echo(
+            f"{' '.join(r['overrides']):50s} {r['strategy']:13s} tp={r['tp']} pp={r['pp']} dp={r['dp']:<5d} "
+            f"ac={r['activation_checkpointing']:9s} {m['total'] / 1e9:7.1f} GB "
+            f"{'fits' if m['fits'] else 'NO FIT'} {length}"
+        )
 
 
 @click.command("plan")
 @click.argument("recipe_path", metavar="RECIPE")
 @OVERRIDE
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (a stable contract).")
-@click.option("--sweep", "sweeps", multiple=True, metavar="KEY=V1,V2",
-              help="Plan every combination, one line each, e.g. --sweep resources.nodes=1,2,4 (repeatable).")
-@click.option("--trace", "trace", is_flag=True,
-              help="Also run the runtime's own model and FSDP2 wrapping for this plan on fake tensors under "
-                   "PyTorch's memory tracker, and compare it with the estimate term by term (needs torch).")
-@click.option("--compare", "compare", type=click.Choice(["deepspeed"]), default=None,
-              help="Also print DeepSpeed's own ZeRO memory estimators for this layout beside the planner's "
-                   "figures, with the reason for each difference (needs DeepSpeed).")
+@click.option(
+    "--sweep",
+    "sweeps",
+    multiple=True,
+    metavar="KEY=V1,V2",
+    help="Plan every combination, one line each, e.g. --sweep resources.nodes=1,2,4 (repeatable).",
+)
+@click.option(
+    "--trace",
+    "trace",
+    is_flag=True,
+    help="Also run the runtime's own model and FSDP2 wrapping for this plan on fake tensors under "
+    "PyTorch's memory tracker, and compare it with the estimate term by term (needs torch).",
+)
+@click.option(
+    "--compare",
+    "compare",
+    type=click.Choice(["deepspeed"]),
+    default=None,
+    help="Also print DeepSpeed's own ZeRO memory estimators for this layout beside the planner's "
+    "figures, with the reason for each difference (needs DeepSpeed).",
+)
 def plan_cmd(recipe_path, overrides, as_json, sweeps, trace, compare):
     """Show per-GPU memory for each strategy, the chosen one and why, step time, total time and cost."""
     if sweeps:
         if trace or compare:
-            raise click.UsageError("--trace and --compare check one plan: drop --sweep, or pick the combination "
-                                   "with --set")
+            raise click.UsageError(
+                "--trace and --compare check one plan: drop --sweep, or pick the combination with --set"
+            )
         return _plan_sweep(recipe_path, overrides, sweeps, as_json)
     recipe, p = load(recipe_path, overrides)
     if as_json:
@@ -176,14 +230,36 @@ def validate_cmd(recipe_paths, overrides, fmt, target):
             recipe, p = load(path, overrides)
         except RecipeError as e:
             failed = True
-            results.append({"file": path, "ok": False, "findings": [
-                {"rule": "recipe", "severity": "error", "field": pr.field, "message": pr.message, "fix": pr.fix,
-                 "file": pr.file, "line": pr.line} for pr in e.problems], "more": e.more})
+            results.append(
+                {
+                    "file": path,
+                    "ok": False,
+                    "findings": [
+                        {
+                            "rule": "recipe",
+                            "severity": "error",
+                            "field": pr.field,
+                            "message": pr.message,
+                            "fix": pr.fix,
+                            "file": pr.file,
+                            "line": pr.line,
+                        }
+                        for pr in e.problems
+                    ],
+                    "more": e.more,
+                }
+            )
             continue
         findings = run_rules(recipe, p, target)
         failed |= has_errors(findings)
-        results.append({"file": path, "ok": not has_errors(findings), "target": target or recipe.targets.default,
-                        "findings": [f.to_dict() for f in findings]})
+        results.append(
+            {
+                "file": path,
+                "ok": not has_errors(findings),
+                "target": target or recipe.targets.default,
+                "findings": [f.to_dict() for f in findings],
+            }
+        )
     if fmt == "json":
         click.echo(json.dumps(results, indent=2))
     else:

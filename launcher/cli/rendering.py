@@ -1,4 +1,5 @@
 """`render` and `up`: the artifacts a user can run by hand, and submitting exactly those."""
+
 from __future__ import annotations
 
 import sys
@@ -37,8 +38,10 @@ def render_cmd(recipe_path, target, out_dir, overrides, sweeps, show, force):
                 click.echo(f"# ---- {out / rel}")
                 click.echo(text.rstrip("\n"))
     _notes(art)
-    click.echo(f"wrote {len(art.files)} files to {out}: {', '.join(sorted(art.files)[:8])}"
-               + (" ..." if len(art.files) > 8 else ""))
+    click.echo(
+        f"wrote {len(art.files)} files to {out}: {', '.join(sorted(art.files)[:8])}"
+        + (" ..." if len(art.files) > 8 else "")
+    )
     click.echo(f"submit by hand: cd {out} && {' '.join(art.submit_command)}")
 
 
@@ -61,17 +64,24 @@ def _after(recipe_path, overrides, target, after) -> str:
         rec = Registry().find(key)
         rec_host = (rec.handle.ssh or {}).get("host") if rec.target == "slurm" else None
         if rec.target != "slurm":
-            raise DtlaunchError(f"--after {key}: that is a {rec.target} job; SLURM can only wait for SLURM jobs",
-                                fix="chain SLURM jobs, or wait for it yourself")
+            raise DtlaunchError(
+                f"--after {key}: that is a {rec.target} job; SLURM can only wait for SLURM jobs",
+                fix="chain SLURM jobs, or wait for it yourself",
+            )
         if rec_host != host:
             there, here = ("to " + rec_host if rec_host else "here"), ("to " + host if host else "here")
-            raise DtlaunchError(f"--after {key}: job {rec.job_id} was submitted {there}, this one goes {here}: job ids "
-                                "are per cluster", fix="chain jobs on the same cluster")
+            raise DtlaunchError(
+                f"--after {key}: job {rec.job_id} was submitted {there}, this one goes {here}: job ids are per cluster",
+                fix="chain jobs on the same cluster",
+            )
         ids.append(rec.job_id)
     existing = recipe.targets.slurm.dependency
     if existing and "?" in existing:
-        raise DtlaunchError(f"targets.slurm.dependency {existing!r} is 'any of' (?); --after adds 'all of' (,), and "
-                            "SLURM allows one kind per job", fix="write the whole dependency in the recipe instead")
+        raise DtlaunchError(
+            f"targets.slurm.dependency {existing!r} is 'any of' (?); --after adds 'all of' (,), and "
+            "SLURM allows one kind per job",
+            fix="write the whole dependency in the recipe instead",
+        )
     dep = ",".join(x for x in (existing, "afterok:" + ":".join(ids)) if x)
     try:
         parse_dependency(dep)
@@ -92,17 +102,30 @@ def _out_dir(recipe, art, out_dir) -> Path:
 @click.argument("recipe_path", metavar="RECIPE")
 @TARGET
 @OVERRIDE
-@click.option("-o", "--out", "out_dir", default=None,
-              help="Where the job's files go (default: runs/<job name> locally, runs/<job name>-<target> otherwise).")
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    default=None,
+    help="Where the job's files go (default: runs/<job name> locally, runs/<job name>-<target> otherwise).",
+)
 @click.option("--dry-run", is_flag=True, help="Render and print the submit command without submitting.")
-@click.option("--detach/--wait", default=None,
-              help="Return after submitting, or stream the log until the job ends (default: wait for local jobs, "
-                   "detach from SLURM and SkyPilot).")
+@click.option(
+    "--detach/--wait",
+    default=None,
+    help="Return after submitting, or stream the log until the job ends (default: wait for local jobs, "
+    "detach from SLURM and SkyPilot).",
+)
 @click.option("--force", is_flag=True, help="Submit even if validate finds errors.")
 @SWEEP
-@click.option("--after", "after", multiple=True, metavar="JOB",
-              help="SLURM: start only after JOB (a recorded job's name, or a job id) completed successfully, e.g. an "
-                   "evaluation after its training run (adds afterok:ID to targets.slurm.dependency; repeatable).")
+@click.option(
+    "--after",
+    "after",
+    multiple=True,
+    metavar="JOB",
+    help="SLURM: start only after JOB (a recorded job's name, or a job id) completed successfully, e.g. an "
+    "evaluation after its training run (adds afterok:ID to targets.slurm.dependency; repeatable).",
+)
 def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, sweeps, after):
     """Validate, render and submit a job; record it so status/logs/down can follow it."""
     from ..render.artifacts import read_manifest
@@ -126,8 +149,9 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, swee
     with claim_run_dir(out, registry, lock=not dry_run):
         _, origin = read_manifest(out)
         if origin == "render":
-            click.echo(f"note: replacing the files `dtlaunch render` wrote in {out} (use -o for another directory)",
-                       err=True)
+            click.echo(
+                f"note: replacing the files `dtlaunch render` wrote in {out} (use -o for another directory)", err=True
+            )
         out = art.write(out, origin="up")
         _notes(art)
         if dry_run:
@@ -139,12 +163,18 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, swee
         try:
             registry.add(rec)
         except DtlaunchError as e:
-            click.secho(f"warning: the job is running but could not be recorded ({e}); follow it by hand: "
-                        f"{art.target} job {rec.job_id}, files in {rec.run_dir}", fg="yellow", err=True)
+            click.secho(
+                f"warning: the job is running but could not be recorded ({e}); follow it by hand: "
+                f"{art.target} job {rec.job_id}, files in {rec.run_dir}",
+                fg="yellow",
+                err=True,
+            )
     click.echo(f"submitted {rec.name} ({art.target} job {rec.job_id}); files in {rec.run_dir}")
     wait = (not detach) if detach is not None else art.target == "local"
     if not wait:
-        click.echo(f"follow it: dtlaunch status {rec.name}; dtlaunch logs -f {rec.name}; stop it: dtlaunch down {rec.name}")
+        click.echo(
+            f"follow it: dtlaunch status {rec.name}; dtlaunch logs -f {rec.name}; stop it: dtlaunch down {rec.name}"
+        )
         return
     rc = be.wait(rec)
     click.echo(f"{rec.name}: {be.status(rec).state} (exit code {rc})")

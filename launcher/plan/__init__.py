@@ -3,6 +3,7 @@
 The Plan is the typed seam between the layers: `render` and the runtime take a Plan, and the plan file
 a job reads is `Plan.to_dict()` (the `plan --json` contract), read back with `Plan.from_dict`.
 """
+
 from __future__ import annotations
 
 import math
@@ -104,23 +105,41 @@ class Plan(msgspec.Struct):
         spec = STRATEGIES.get(d["strategy"]) if isinstance(d.get("strategy"), str) else None
         hybrid = spec is not None and spec.replicate_across_nodes
         layout = Layout(
-            strategy=d["strategy"], dp=int(d["dp"]), tp=int(d.get("tp", 1)), pp=int(d.get("pp", 1)),
-            shard=int(d["shard"]) if hybrid and d.get("shard") else None, precision=d["precision"],
-            activation_checkpointing=d["activation_checkpointing"], offload=d.get("offload", "none"),
-            micro_batch=int(d["micro_batch"]), grad_accum=int(d["grad_accum"]),
-            sequence_parallel=bool(d.get("sequence_parallel", False)), optimizer=d.get("optimizer", "adamw"),
-            pp_schedule=d.get("pipeline_schedule", "1f1b"), grad_reduce=d.get("grad_reduce", "every_micro_batch"),
+            strategy=d["strategy"],
+            dp=int(d["dp"]),
+            tp=int(d.get("tp", 1)),
+            pp=int(d.get("pp", 1)),
+            shard=int(d["shard"]) if hybrid and d.get("shard") else None,
+            precision=d["precision"],
+            activation_checkpointing=d["activation_checkpointing"],
+            offload=d.get("offload", "none"),
+            micro_batch=int(d["micro_batch"]),
+            grad_accum=int(d["grad_accum"]),
+            sequence_parallel=bool(d.get("sequence_parallel", False)),
+            optimizer=d.get("optimizer", "adamw"),
+            pp_schedule=d.get("pipeline_schedule", "1f1b"),
+            grad_reduce=d.get("grad_reduce", "every_micro_batch"),
         )
         return cls(
-            params=int(d["params"]), world_size=int(d["world_size"]), nodes=int(d["nodes"]),
-            gpus_per_node=int(d["gpus_per_node"]), accelerator=d["accelerator"], layout=layout,
-            global_batch=int(d["global_batch"]), seq_len=int(d["seq_len"]),
-            steps=None if d.get("steps") is None else int(d["steps"]), tokens_per_step=int(d["tokens_per_step"]),
-            reasons=list(d.get("reasons", [])), memory=Memory.from_dict(d["memory"]),
+            params=int(d["params"]),
+            world_size=int(d["world_size"]),
+            nodes=int(d["nodes"]),
+            gpus_per_node=int(d["gpus_per_node"]),
+            accelerator=d["accelerator"],
+            layout=layout,
+            global_batch=int(d["global_batch"]),
+            seq_len=int(d["seq_len"]),
+            steps=None if d.get("steps") is None else int(d["steps"]),
+            tokens_per_step=int(d["tokens_per_step"]),
+            reasons=list(d.get("reasons", [])),
+            memory=Memory.from_dict(d["memory"]),
             candidates=[(c["strategy"], Memory.from_dict(c["memory"])) for c in d.get("candidates", [])],
-            flops_per_step=float(d["time"]["flops_per_step"]), step_seconds=float(d["time"]["step_seconds"]),
-            usd=d["cost"].get("usd"), checkpoint_every=int(d["checkpoint"]["every_steps"]),
-            checkpoint_write_seconds=float(d["checkpoint"]["write_seconds"]), notes=list(d.get("notes", [])),
+            flops_per_step=float(d["time"]["flops_per_step"]),
+            step_seconds=float(d["time"]["step_seconds"]),
+            usd=d["cost"].get("usd"),
+            checkpoint_every=int(d["checkpoint"]["every_steps"]),
+            checkpoint_write_seconds=float(d["checkpoint"]["write_seconds"]),
+            notes=list(d.get("notes", [])),
         )
 
 
@@ -139,9 +158,17 @@ def make_plan(recipe: Recipe) -> Plan:
     dp = par.data if isinstance(par.data, int) else max(world // (tp * pp), 1)
     grad_accum, _ = grad_accum_for(tr.global_batch, tr.micro_batch, dp, par.grad_accum)
     base = Layout(
-        strategy="ddp", dp=dp, tp=tp, pp=pp, precision=par.precision, micro_batch=tr.micro_batch,
-        grad_accum=grad_accum, sequence_parallel=par.sequence_parallel, optimizer=tr.optimizer,
-        shard=res.per_node if par.strategy == "hybrid" else None, pp_schedule=par.pipeline_schedule,
+        strategy="ddp",
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        precision=par.precision,
+        micro_batch=tr.micro_batch,
+        grad_accum=grad_accum,
+        sequence_parallel=par.sequence_parallel,
+        optimizer=tr.optimizer,
+        shard=res.per_node if par.strategy == "hybrid" else None,
+        pp_schedule=par.pipeline_schedule,
         grad_reduce="once_per_step" if par.grad_reduce == "once_per_step" else "every_micro_batch",
     )
     ctx = Context(shape, arch, n, seq, dev.memory_gb * 1e9, dev.is_gpu, res.per_node, res.nodes)
@@ -149,25 +176,39 @@ def make_plan(recipe: Recipe) -> Plan:
     hf = model.hf_config is not None
     # `auto` decides sequence parallelism unless the recipe says (the schema's default is off)
     searched_sp = par.strategy == "auto" and "sequence_parallel" not in fields_set and not hf
-    req = Request(par.strategy, par.backend, par.activation_checkpointing, par.offload,
-                  tp_fixed="tensor" in fields_set, pp_fixed="pipeline" in fields_set,
-                  global_batch=tr.global_batch, grad_accum=par.grad_accum,
-                  sequence_parallel=None if searched_sp else par.sequence_parallel, hf=hf)
+    req = Request(
+        par.strategy,
+        par.backend,
+        par.activation_checkpointing,
+        par.offload,
+        tp_fixed="tensor" in fields_set,
+        pp_fixed="pipeline" in fields_set,
+        global_batch=tr.global_batch,
+        grad_accum=par.grad_accum,
+        sequence_parallel=None if searched_sp else par.sequence_parallel,
+        hf=hf,
+    )
     lay, reasons = choose(ctx, base, req)  # sized at the grad_accum of the degrees it chose
     _, global_batch = grad_accum_for(tr.global_batch, tr.micro_batch, lay.dp, par.grad_accum)
     problem = batch_problem(tr.global_batch, tr.micro_batch, lay.dp, par.grad_accum)
     if problem:  # said here as validate says it, so that `plan` never prints a product that is not the batch
-        notes.append(f"{problem[0]}: each step would run micro_batch x dp x grad_accum = "
-                     f"{lay.micro_batch * lay.dp * lay.grad_accum} sequences, not global_batch {global_batch} "
-                     f"(fix: {problem[1]})")
+        notes.append(
+            f"{problem[0]}: each step would run micro_batch x dp x grad_accum = "
+            f"{lay.micro_batch * lay.dp * lay.grad_accum} sequences, not global_batch {global_batch} "
+            f"(fix: {problem[1]})"
+        )
     if par.grad_reduce == "auto":
         lay, why = prefer_once_per_step(ctx, lay)
         reasons += why
     mem = ctx.memory(lay)
     candidates = []
     for s, sp in STRATEGIES.items():
-        c = replace(lay, strategy=s.value, offload=offload_for(s, lay.offload),
-                    shard=(lay.shard or res.per_node) if sp.replicate_across_nodes else None)
+        c = replace(
+            lay,
+            strategy=s.value,
+            offload=offload_for(s, lay.offload),
+            shard=(lay.shard or res.per_node) if sp.replicate_across_nodes else None,
+        )
         if par.grad_reduce == "auto":  # each strategy with the reduction it would get
             c = prefer_once_per_step(ctx, replace(c, grad_reduce="every_micro_batch"))[0]
         candidates.append((s.value, ctx.memory(c)))
@@ -191,11 +232,25 @@ def make_plan(recipe: Recipe) -> Plan:
             every = min(steps, every)
     usd = None if steps is None else steps * step_s / 3600 * world * dev.usd_per_hour
     return Plan(
-        params=n, world_size=world, nodes=res.nodes, gpus_per_node=res.per_node, accelerator=dev.name,
-        layout=lay, global_batch=global_batch, seq_len=seq, steps=steps,
-        tokens_per_step=tokens_per_step, reasons=reasons, memory=mem, candidates=candidates,
-        flops_per_step=flops, step_seconds=step_s, usd=usd, checkpoint_every=every,
-        checkpoint_write_seconds=write_s, notes=notes,
+        params=n,
+        world_size=world,
+        nodes=res.nodes,
+        gpus_per_node=res.per_node,
+        accelerator=dev.name,
+        layout=lay,
+        global_batch=global_batch,
+        seq_len=seq,
+        steps=steps,
+        tokens_per_step=tokens_per_step,
+        reasons=reasons,
+        memory=mem,
+        candidates=candidates,
+        flops_per_step=flops,
+        step_seconds=step_s,
+        usd=usd,
+        checkpoint_every=every,
+        checkpoint_write_seconds=write_s,
+        notes=notes,
     )
 
 

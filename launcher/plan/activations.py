@@ -9,6 +9,7 @@ by op (which tensors autograd keeps, and when each is freed), and checked agains
 fake tensors by `dtlaunch plan --trace` and tests/test_trace.py. GPT terms are [MLM3] Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", sec. 4, Table 2.
 """
+
 from __future__ import annotations
 
 from ..catalog import ModelShape
@@ -34,8 +35,18 @@ def kv_width_heads(shape: ModelShape, act_bytes: int) -> int:
     return shape.heads if act_bytes == 4 else shape.kv_heads
 
 
-def activation_bytes_per_layer(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, ac: str,
-                               act_bytes: int = 2, cast_inputs: bool = True, autocast: bool = False) -> float:
+def activation_bytes_per_layer(
+    shape: ModelShape,
+    arch: str,
+    s: int,
+    b: int,
+    t: int,
+    sp: bool,
+    ac: str,
+    act_bytes: int = 2,
+    cast_inputs: bool = True,
+    autocast: bool = False,
+) -> float:
     """Activations one transformer layer keeps for backward, per GPU, between its forward and its backward.
 
     Llama block of the runtime (pre-norm RMSNorm, GQA attention through SDPA with `enable_gqa`, SwiGLU):
@@ -86,8 +97,9 @@ def _residual_bytes(act_bytes: int, autocast: bool) -> int:
     return 4 if autocast else act_bytes
 
 
-def layer_backward_extra(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, act_bytes: int,
-                         autocast: bool = False) -> float:
+def layer_backward_extra(
+    shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, act_bytes: int, autocast: bool = False
+) -> float:
     """What one layer's backward holds on top of the activations it saved in forward (no checkpointing).
 
     In the runtime's block the backward peaks in SwiGLU, right after w2's backward: alive are the gradient of
@@ -102,17 +114,28 @@ def layer_backward_extra(shape: ModelShape, arch: str, s: int, b: int, t: int, s
     return _residual_bytes(e, autocast) * s * b * shape.hidden / (t if sp else 1) + 2 * e * s * b * f / t
 
 
-def layer_in_backward(shape: ModelShape, arch: str, s: int, b: int, t: int, sp: bool, act_bytes: int,
-                      cast_inputs: bool = True, autocast: bool = False) -> float:
+def layer_in_backward(
+    shape: ModelShape,
+    arch: str,
+    s: int,
+    b: int,
+    t: int,
+    sp: bool,
+    act_bytes: int,
+    cast_inputs: bool = True,
+    autocast: bool = False,
+) -> float:
     """One layer at its backward's peak, whatever the checkpointing: with `selective` or `full`, backward first
     recomputes what forward did not keep, so the layer holds its no-checkpointing activations, then adds
     `layer_backward_extra`."""
-    return (activation_bytes_per_layer(shape, arch, s, b, t, sp, "none", act_bytes, cast_inputs, autocast)
-            + layer_backward_extra(shape, arch, s, b, t, sp, act_bytes, autocast))
+    return activation_bytes_per_layer(
+        shape, arch, s, b, t, sp, "none", act_bytes, cast_inputs, autocast
+    ) + layer_backward_extra(shape, arch, s, b, t, sp, act_bytes, autocast)
 
 
-def norm_backward_extra(shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autocast: bool = False,
-                        sp: bool = False) -> float:
+def norm_backward_extra(
+    shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autocast: bool = False, sp: bool = False
+) -> float:
     """What an RMSNorm's backward holds beyond its input, per element of sbh.
 
     The runtime recomputes the norm in backward (`_rms_norm` under a checkpoint) and autograd differentiates
@@ -126,8 +149,9 @@ def norm_backward_extra(shape: ModelShape, s: int, b: int, t: int, act_bytes: in
     return per_element * s * b * shape.hidden / (t if sp else 1)  # a norm runs on the whole stream unless SP
 
 
-def head_bytes(shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autocast: bool = False,
-               sp: bool = False) -> float:
+def head_bytes(
+    shape: ModelShape, s: int, b: int, t: int, act_bytes: int, autocast: bool = False, sp: bool = False
+) -> float:
     """The final RMSNorm's saved input and its output, kept by the output projection: 2e sbh (under autocast
     an fp32 input and the projection's 16-bit cast of the output). Under tensor parallelism both are whole
     (replicated); with sequence parallelism the input is a slice and the output the gathered copy."""

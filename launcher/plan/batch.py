@@ -4,6 +4,7 @@ One home for these facts: the planner derives grad_accum for every layout it siz
 `strategy: auto` search refuses a tensor/pipeline degree that would break a split the recipe's own degrees keep
 (`batch_problem`), `plan` prints the split as it is, and validate's batch rules say the same words.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,24 +28,31 @@ def indivisible_batch(global_batch: int | None, micro_batch: int, dp: int, grad_
         return None
     per_step = micro_batch * dp
     if global_batch % per_step:
-        return (f"global_batch {global_batch} is not a multiple of micro_batch {micro_batch} x data-parallel {dp} = "
-                f"{per_step}",
-                f"use a global_batch such as {max(1, global_batch // per_step) * per_step} or change micro_batch")
+        return (
+            f"global_batch {global_batch} is not a multiple of micro_batch {micro_batch} x data-parallel {dp} = "
+            f"{per_step}",
+            f"use a global_batch such as {max(1, global_batch // per_step) * per_step} or change micro_batch",
+        )
     if isinstance(grad_accum, int) and global_batch != per_step * grad_accum:
-        return (f"global_batch {global_batch} != micro_batch {micro_batch} x dp {dp} x grad_accum {grad_accum}",
-                "set grad_accum: auto, or make the three agree")
+        return (
+            f"global_batch {global_batch} != micro_batch {micro_batch} x dp {dp} x grad_accum {grad_accum}",
+            "set grad_accum: auto, or make the three agree",
+        )
     return None
 
 
 def batch_too_small(global_batch: int | None, micro_batch: int, dp: int) -> tuple[str, str] | None:
     """(message, fix) when one micro-batch on every data-parallel rank is already more than the global batch."""
     if global_batch is not None and global_batch < micro_batch * dp:
-        return (f"global_batch {global_batch} < micro_batch x dp = {micro_batch * dp}: some ranks would get no data",
-                f"raise global_batch to at least {micro_batch * dp}")
+        return (
+            f"global_batch {global_batch} < micro_batch x dp = {micro_batch * dp}: some ranks would get no data",
+            f"raise global_batch to at least {micro_batch * dp}",
+        )
     return None
 
 
 def batch_problem(global_batch: int | None, micro_batch: int, dp: int, grad_accum) -> tuple[str, str] | None:
     """The first thing wrong with the split, (message, fix), or None."""
-    return batch_too_small(global_batch, micro_batch, dp) or indivisible_batch(global_batch, micro_batch, dp,
-                                                                               grad_accum)
+    return batch_too_small(global_batch, micro_batch, dp) or indivisible_batch(
+        global_batch, micro_batch, dp, grad_accum
+    )

@@ -19,6 +19,7 @@ Only the count per node must be the same everywhere: the world size is part of t
 accelerator's overrides (resources.gpu_memory_gb, peak_tflops, usd_per_gpu_hour) describe that device
 only; the others use the catalogue.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -53,8 +54,7 @@ def with_accelerator(recipe: Recipe, accelerator: str) -> Recipe:
     """The recipe on another accelerator; the primary's device overrides do not carry over."""
     if accelerator == recipe.resources.accelerator:
         return recipe
-    res = recipe.resources.replace(accelerator=accelerator, gpu_memory_gb=None, peak_tflops=None,
-                                   usd_per_gpu_hour=None)
+    res = recipe.resources.replace(accelerator=accelerator, gpu_memory_gb=None, peak_tflops=None, usd_per_gpu_hour=None)
     return recipe.replace(resources=res)
 
 
@@ -72,8 +72,9 @@ def _why_not(recipe: Recipe, r: Recipe, p: Plan) -> str | None:
     if r is not recipe and not recipe.resources.device().is_gpu:
         return "the primary accelerator is cpu: a CPU job asks for vCPUs, not for one of several GPUs"
     if r.resources.per_node != recipe.resources.per_node:
-        return (f"{r.resources.per_node} devices per node, not {recipe.resources.per_node}: one plan serves one "
-                "world size")
+        return (
+            f"{r.resources.per_node} devices per node, not {recipe.resources.per_node}: one plan serves one world size"
+        )
     if recipe.parallelism.precision == "bf16" and dev.is_gpu and not dev.bf16:
         return f"{dev.name} has no bf16"
     if not p.memory.fits:
@@ -103,12 +104,19 @@ def plan_choices(recipe: Recipe, primary: Plan | None = None, order: str | None 
     for a, r, p, why in planned:
         dev = r.resources.device()
         if why is None and need > dev.memory_gb * 1e9:
-            why = (f"the shipped layout ({shipped.strategy}, from {basis}) needs {need / 1e9:.1f} GB of "
-                   f"{dev.memory_gb:g} GB")
+            why = (
+                f"the shipped layout ({shipped.strategy}, from {basis}) needs {need / 1e9:.1f} GB of "
+                f"{dev.memory_gb:g} GB"
+            )
         step = usd = None
         if why is None:
-            step = cost.step_seconds(shipped.flops_per_step, shipped.world_size, dev.peak_tflops,
-                                     recipe.resources.mfu, shipped.layout.activation_checkpointing)
+            step = cost.step_seconds(
+                shipped.flops_per_step,
+                shipped.world_size,
+                dev.peak_tflops,
+                recipe.resources.mfu,
+                shipped.layout.activation_checkpointing,
+            )
             if shipped.steps is not None:
                 usd = shipped.steps * step / 3600 * shipped.world_size * dev.usd_per_hour
         choices.append(Choice(a, dev, p, why, step, usd))
@@ -118,8 +126,10 @@ def plan_choices(recipe: Recipe, primary: Plan | None = None, order: str | None 
     elif order == "ordered" and len(kept_choices) > 1:
         notes.append("no training length: the accelerators are asked for in the recipe's order, not by cost")
     if len(choices) > 1 and basis != recipe.resources.accelerator:
-        notes.append(f"the job ships the layout planned for {basis} (the least memory per device), valid on every "
-                     "accelerator the task may get")
+        notes.append(
+            f"the job ships the layout planned for {basis} (the least memory per device), valid on every "
+            "accelerator the task may get"
+        )
     for c in choices:
         if c.dropped:
             notes.append(f"{c.accelerator} dropped: {c.dropped}")

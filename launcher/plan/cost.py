@@ -1,4 +1,5 @@
 """FLOPs, step time, total time, dollars and the checkpoint interval. Pure arithmetic."""
+
 from __future__ import annotations
 
 import math

@@ -2,6 +2,7 @@
 `deepspeed.initialize`, so what a user reviews is what runs. Pure: no torch, no deepspeed import; shared
 by the renderer, the runtime and the planner (which sizes DeepSpeed's buffers from the same constants).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -30,9 +31,16 @@ def uses_cpu_adam(recipe: Recipe, offload: str, is_gpu: bool) -> bool:
     return offload in ("optimizer", "params") and is_gpu and recipe.training.optimizer == "adamw"
 
 
-def deepspeed_config(recipe: Recipe, plan: Plan, *, dp: int | None = None, grad_accum: int | None = None,
-                     offload: str | None = None, is_gpu: bool | None = None,
-                     client_optimizer: bool = False) -> dict[str, Any]:
+def deepspeed_config(
+    recipe: Recipe,
+    plan: Plan,
+    *,
+    dp: int | None = None,
+    grad_accum: int | None = None,
+    offload: str | None = None,
+    is_gpu: bool | None = None,
+    client_optimizer: bool = False,
+) -> dict[str, Any]:
     """The config dict for `plan` (a ZeRO strategy). `dp`/`grad_accum` override the plan's when the job
     runs on a different world size than planned (the global batch stays the same). `client_optimizer`: the
     optimizer is the user's own (`job.wrap(optimizer=...)`), not the one the recipe names."""
@@ -55,13 +63,15 @@ def deepspeed_config(recipe: Recipe, plan: Plan, *, dp: int | None = None, grad_
         "overlap_comm": bool(is_gpu),  # overlap needs a second stream; on CPU it only adds copies
     }
     if stage == 3:
-        zero.update({
-            "stage3_prefetch_bucket_size": STAGE3_PREFETCH_BUCKET,
-            "stage3_max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS,
-            "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
-            "stage3_param_persistence_threshold": STAGE3_PARAM_PERSISTENCE_THRESHOLD,
-            "stage3_gather_16bit_weights_on_model_save": False,
-        })
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": STAGE3_PREFETCH_BUCKET,
+                "stage3_max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS,
+                "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
+                "stage3_param_persistence_threshold": STAGE3_PARAM_PERSISTENCE_THRESHOLD,
+                "stage3_gather_16bit_weights_on_model_save": False,
+            }
+        )
     offload = offload if offload is not None else lay.offload
     if offload in ("optimizer", "params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": bool(is_gpu)}

@@ -1,4 +1,5 @@
 """How one model replica is split and trained: the planner's decision, and what the job is told to run."""
+
 from __future__ import annotations
 
 import msgspec

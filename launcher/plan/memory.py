@@ -34,6 +34,7 @@ Choices where the sources disagree (`UNITS`, `NOT_MODELLED`; the plan states the
 - Not modelled (`NOT_MODELLED`): float8 linears, torch.compile and context parallelism; the recipe cannot ask
   for them, and a run that adds them in its own code is outside these figures.
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,8 +57,7 @@ NOT_MODELLED = (
     "context parallelism (sequence sharded across ranks in attention)",
 )
 # The output's units: GB = 1e9 bytes (DeepSpeed's estimators print GiB labelled GB).
-UNITS = {"gb_bytes": int(GB), "bytes_per_param_mixed_adam": 16,
-         "deepspeed_step_fp32_grads_bytes_per_param": 4}
+UNITS = {"gb_bytes": int(GB), "bytes_per_param_mixed_adam": 16, "deepspeed_step_fp32_grads_bytes_per_param": 4}
 
 # CUDA context, cuBLAS workspace and NCCL's own buffers on a GPU: ~1 GB measured on H100s with NCCL 2.2x.
 GPU_CONTEXT_BYTES = 1.0 * GB
@@ -65,8 +65,19 @@ CPU_CONTEXT_BYTES = 0.2 * GB
 # The caching allocator rarely packs perfectly; keep this fraction of the peak's tensors as slack.
 FRAGMENTATION = 0.05
 
-__all__ = ["NOT_MODELLED", "UNITS", "Memory", "breakdown", "activations", "activation_bytes_per_layer", "model_states",
-           "optimizer_state_bytes", "Layout", "MOMENTS", "TERMS"]
+__all__ = [
+    "NOT_MODELLED",
+    "UNITS",
+    "Memory",
+    "breakdown",
+    "activations",
+    "activation_bytes_per_layer",
+    "model_states",
+    "optimizer_state_bytes",
+    "Layout",
+    "MOMENTS",
+    "TERMS",
+]
 
 
 class Memory(msgspec.Struct, frozen=True):
@@ -91,8 +102,10 @@ class Memory(msgspec.Struct, frozen=True):
     model_states: dict[str, float] = msgspec.field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        d = {k: int(round(getattr(self, k))) for k in ("params", "grads", "optimizer", "activations", "buffers",
-                                                        "total", "gpu")}
+        d = {
+            k: int(round(getattr(self, k)))
+            for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu")
+        }
         d["fits"] = self.fits
         d["peak_at"] = self.peak_at
         d["terms"] = {k: int(round(v)) for k, v in self.terms.items()}
@@ -102,10 +115,14 @@ class Memory(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_dict(cls, d: dict) -> Memory:
-        return cls(*(float(d[k]) for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu")),
-                   bool(d["fits"]), d.get("peak_at", ""), {k: float(v) for k, v in d.get("terms", {}).items()},
-                   {k: float(v) for k, v in d.get("moments", {}).items()},
-                   {k: float(v) for k, v in d.get("model_states", {}).items()})
+        return cls(
+            *(float(d[k]) for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu")),
+            bool(d["fits"]),
+            d.get("peak_at", ""),
+            {k: float(v) for k, v in d.get("terms", {}).items()},
+            {k: float(v) for k, v in d.get("moments", {}).items()},
+            {k: float(v) for k, v in d.get("model_states", {}).items()},
+        )
 
 
 def activations(shape: ModelShape, arch: str, seq: int, lay: Layout) -> float:
@@ -114,8 +131,9 @@ def activations(shape: ModelShape, arch: str, seq: int, lay: Layout) -> float:
 
 
 @functools.lru_cache(maxsize=16384)
-def breakdown(shape: ModelShape | None, arch: str, n_params: int, seq: int, lay: Layout, gpu_bytes: float,
-              is_gpu: bool = True) -> Memory:
+def breakdown(
+    shape: ModelShape | None, arch: str, n_params: int, seq: int, lay: Layout, gpu_bytes: float, is_gpu: bool = True
+) -> Memory:
     """The whole per-GPU picture for one layout: the largest moment of the step, with context and slack; under
     pipeline parallelism, of the rank (first or last stage) whose step peaks higher.
 
@@ -140,5 +158,17 @@ def breakdown(shape: ModelShape | None, arch: str, n_params: int, seq: int, lay:
     acts = t["activations"] + t["backward"] + t["loss"]
     bufs = t["buffers"] + t["context"] + t["fragmentation"]
     where = f"{peak_at} on pipeline rank {part.rank}" if lay.pp > 1 else peak_at
-    return Memory(t["params"], t["grads"], t["optimizer"], acts, bufs, total, gpu_bytes, total <= gpu_bytes,
-                  where, t, totals, {"params": p, "grads": g, "optimizer": o, "total": p + g + o})
+    return Memory(
+        t["params"],
+        t["grads"],
+        t["optimizer"],
+        acts,
+        bufs,
+        total,
+        gpu_bytes,
+        total <= gpu_bytes,
+        where,
+        t,
+        totals,
+        {"params": p, "grads": g, "optimizer": o, "total": p + g + o},
+    )

@@ -35,6 +35,7 @@ when the runtime reduce-scatters on every micro-step, unsharded ones when it red
 embedding, each block, the output head, and the root with the final norm; or, for tables no larger than a
 block (`params.embedding_units_apart`), each block and a root holding the embedding, the head and the norm.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -49,8 +50,15 @@ from .params import embedding_params, embedding_units_apart, layer_params, layer
 from .parts import WHOLE_MODEL, Part, pipeline_parts
 from .states import fsdp_group, states
 
-MOMENTS = ("forward", "loss forward", "loss backward", "head backward", "layer backward", "end of backward",
-           "optimizer step")
+MOMENTS = (
+    "forward",
+    "loss forward",
+    "loss backward",
+    "head backward",
+    "layer backward",
+    "end of backward",
+    "optimizer step",
+)
 # Tensor terms of a moment; `activations` is what the layers keep (L x per layer), `backward` what the layer
 # in backward adds, `loss` the head, logits and loss temporaries, `buffers` the strategy's communication and
 # gathered-weight buffers.
@@ -135,7 +143,10 @@ def _fsdp_buffers(u: Units, n: float, lay: Layout, w: float, once: bool = False)
         "loss forward": kept,
         "loss backward": kept,
         "head backward": root + kept_but_head + 2 * w * u.head + hg_new + (0.0 if keep else ag * w * u.layer),
-        "head backward (reduce)": root + (kept_but_head if keep else ag * w * u.layer) + w * u.head + hg
+        "head backward (reduce)": root
+        + (kept_but_head if keep else ag * w * u.layer)
+        + w * u.head
+        + hg
         + 4 * u.head * (1 + 1 / d),
         "head backward (norm)": root + (kept_but_head if keep else ag * w * u.layer) + 4 * u.head + hg,
         "layer backward": root + layer_bw + fresh * w * u.w2 + 4 * u.head + hg,
@@ -169,15 +180,17 @@ def _pipeline_buffers(u: Units, n: float, lay: Layout, w: float) -> dict[str, fl
     fresh = w < 4  # fp32 gradients are accumulated in place
     unit = max(u.layer, u.emb, u.head, u.root)
     out = dict.fromkeys((*MOMENTS, *VARIANTS), gathered)
-    out.update({
-        "head backward": gathered + (w * u.head if fresh else 0.0),
-        "layer backward": gathered + (w * u.w2 if fresh else 0.0),
-        "layer backward (second)": gathered + (w * u.w2 if fresh else 0.0),
-        "layer backward (end)": gathered + (w * u.layer if fresh else 0.0),
-        "layer backward (end, second)": gathered + (w * u.layer if fresh else 0.0),
-        "end of backward (reduce)": gathered + 4 * unit * (1 + 1 / fsdp_group(lay)),
-        "optimizer step": 0.0,
-    })
+    out.update(
+        {
+            "head backward": gathered + (w * u.head if fresh else 0.0),
+            "layer backward": gathered + (w * u.w2 if fresh else 0.0),
+            "layer backward (second)": gathered + (w * u.w2 if fresh else 0.0),
+            "layer backward (end)": gathered + (w * u.layer if fresh else 0.0),
+            "layer backward (end, second)": gathered + (w * u.layer if fresh else 0.0),
+            "end of backward (reduce)": gathered + 4 * unit * (1 + 1 / fsdp_group(lay)),
+            "optimizer step": 0.0,
+        }
+    )
     return out
 
 
@@ -198,10 +211,17 @@ def _grads_at(moment: str, g: float, n: float, u: Units, lay: Layout) -> float:
     with one micro-step, only those of the units already reduce-scattered in this backward."""
     if lay.grad_accum > 1 or g == 0 or not n:
         return g
-    done = {"head backward (norm)": u.head, "layer backward": u.head, "layer backward (second)": u.head + u.layer,
-            "layer backward (end)": u.head, "layer backward (end, second)": u.head + u.layer,
-            # the embedding's backward, then its reduce-scatter; the root's comes last
-            "end of backward": n - u.emb - u.root, "end of backward (reduce)": n - u.emb - u.root, "optimizer step": n}
+    done = {
+        "head backward (norm)": u.head,
+        "layer backward": u.head,
+        "layer backward (second)": u.head + u.layer,
+        "layer backward (end)": u.head,
+        "layer backward (end, second)": u.head + u.layer,
+        # the embedding's backward, then its reduce-scatter; the root's comes last
+        "end of backward": n - u.emb - u.root,
+        "end of backward (reduce)": n - u.emb - u.root,
+        "optimizer step": n,
+    }
     return g * done.get(moment, 0.0) / n
 
 
@@ -218,8 +238,9 @@ def model_parallel(lay: Layout) -> bool:
     return lay.tp > 1 or lay.pp > 1
 
 
-def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layout,
-             part: Part | None = None) -> dict[str, dict[str, float]]:
+def timeline(
+    shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layout, part: Part | None = None
+) -> dict[str, dict[str, float]]:
     """moment -> term -> bytes per GPU, for `n` parameters on this rank (`rank_params`); `part` is what the
     rank holds (default: the first pipeline rank, or the whole model)."""
     part = part if part is not None else pipeline_parts(shape, lay)[0]
@@ -253,9 +274,15 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
     for m in (*MOMENTS, *VARIANTS):
         rows[m] = {
             "params": st.params + rope,
-            "grads": (_pipeline_grads(m, st.grads, n, u, lay, part) if piped
-                      else _once_per_step_grads(m, st.grads, n, u, lay) if once
-                      else _grads_at(m, st.grads, n, u, lay) if fsdp else st.grads)
+            "grads": (
+                _pipeline_grads(m, st.grads, n, u, lay, part)
+                if piped
+                else _once_per_step_grads(m, st.grads, n, u, lay)
+                if once
+                else _grads_at(m, st.grads, n, u, lay)
+                if fsdp
+                else st.grads
+            )
             + (st.step_grads if m == "optimizer step" else 0.0),
             "optimizer": st.optimizer + (st.step_temp if m == "optimizer step" else 0.0),
             "activations": acts.layers if acts.during_step(m) else 0.0,
@@ -271,16 +298,20 @@ def timeline(shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layou
         one = replace(lay, grad_accum=1)
         new = w * (u.emb or u.root) if w >= 4 else 0.0  # in 16-bit, counted as new in any micro-batch
         rows["end of backward (first micro-batch)"] = {
-            **rows["end of backward"], "grads": _grads_at("end of backward", 4 * n, n, u, one),
-            "buffers": buffers["end of backward"] - 4 * u.layer + new}
+            **rows["end of backward"],
+            "grads": _grads_at("end of backward", 4 * n, n, u, one),
+            "buffers": buffers["end of backward"] - 4 * u.layer + new,
+        }
         variants = {**VARIANTS, "end of backward (first micro-batch)": "end of backward"}
     if piped and acts.one:
         # A micro-batch's backward ends with the first stage's embedding (or a stage's first block) while the
         # other micro-batches in flight keep their activations: the step's "end of backward" is not the only one.
         rows["end of backward (micro-batch)"] = {
-            **rows["end of backward"], "grads": _pipeline_grads("layer backward", st.grads, n, u, lay, part),
+            **rows["end of backward"],
+            "grads": _pipeline_grads("layer backward", st.grads, n, u, lay, part),
             "activations": acts.layers - acts.one,
-            "buffers": buffers["layer backward"] + (w * u.emb if w < 4 else 0.0) - (w * u.w2 if w < 4 else 0.0)}
+            "buffers": buffers["layer backward"] + (w * u.emb if w < 4 else 0.0) - (w * u.w2 if w < 4 else 0.0),
+        }
         variants = {**VARIANTS, "end of backward (micro-batch)": "end of backward"}
     for variant, moment in variants.items():
         if sum(rows[variant].values()) > sum(rows[moment].values()):
@@ -310,8 +341,7 @@ def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: 
     fsdp = torch_family and (lay.spec.sharded or model_parallel(lay))
     cast = fsdp  # FSDP2 casts each block's inputs
     autocast = torch_family and not fsdp and e < 4  # DDP in 16-bit runs under torch.autocast
-    per = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, lay.activation_checkpointing, e, cast,
-                                         autocast)
+    per = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, lay.activation_checkpointing, e, cast, autocast)
     whole = act.activation_bytes_per_layer(shape, arch, seq, b, t, spar, "none", e, cast, autocast)
     in_bw = act.layer_in_backward(shape, arch, seq, b, t, spar, e, cast, autocast) - per
     head = act.head_bytes(shape, seq, b, t, e, autocast, spar)
@@ -332,19 +362,23 @@ def _activations(shape: ModelShape | None, arch: str, seq: int, lay: Layout, e: 
         "forward (last block)": whole - per + sbh,
         "end of backward": sbh,  # the embedding's (or the stage input's) gradient
     }
-    loss = {
-        "forward": head + logits,
-        "loss forward": head + act.loss_forward(shape, seq, b, t, e),
-        "loss backward": head + act.loss_backward(shape, seq, b, t, e),
-        # the output projection's backward: the logits' gradient and the gradient of the norm's output
-        "head backward": head + logits + sbh,
-        # the head's reduce-scatter (its post-backward comes before the final norm's backward): the norm's
-        # input and the gradient of its output
-        "head backward (reduce)": 2 * sbh,
-        # then the final norm's backward: its input and its recompute (the incoming gradient is freed by the
-        # first op of its backward)
-        "head backward (norm)": sbh + norm_extra,
-    } if part.head else {}
+    loss = (
+        {
+            "forward": head + logits,
+            "loss forward": head + act.loss_forward(shape, seq, b, t, e),
+            "loss backward": head + act.loss_backward(shape, seq, b, t, e),
+            # the output projection's backward: the logits' gradient and the gradient of the norm's output
+            "head backward": head + logits + sbh,
+            # the head's reduce-scatter (its post-backward comes before the final norm's backward): the norm's
+            # input and the gradient of its output
+            "head backward (reduce)": 2 * sbh,
+            # then the final norm's backward: its input and its recompute (the incoming gradient is freed by the
+            # first op of its backward)
+            "head backward (norm)": sbh + norm_extra,
+        }
+        if part.head
+        else {}
+    )
     # The step's token ids: grad_accum micro-batches of (b, s+1) int64, loaded at the start of the step.
     tokens = lay.grad_accum * 8 * b * (seq + 1)
     # A pipeline stage keeps each micro-batch's output until its backward (the next stage has its own copy).

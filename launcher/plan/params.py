@@ -1,4 +1,5 @@
 """Exact parameter counts from a model's shape."""
+
 from __future__ import annotations
 
 from ..catalog import ModelShape

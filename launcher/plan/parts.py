@@ -1,6 +1,7 @@
 """What one rank holds of the model: its pipeline stages' blocks, the embedding and the head, and how many
 micro-batches' activations its schedule keeps at once (`pipeline`). The planner sizes the first and the last
 pipeline rank (`pipeline_parts`); the memory test sizes each rank of a real run (`part_of`)."""
+
 from __future__ import annotations
 
 import math
@@ -47,12 +48,17 @@ def part_of(shape: ModelShape, lay: Layout, rank: int) -> Part:
         counts = [math.ceil(shape.layers / stages)] * stages
     ids = stages_of_rank(rank, lay.pp, lay.pp_schedule)
     blocks = {i: float(counts[i]) for i in ids}
-    return Part(emb=0 in ids, head=stages - 1 in ids, blocks=sum(blocks.values()), stage_blocks=max(blocks.values()),
-                in_flight=in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, rank, blocks),
-                outputs=in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, rank,
-                                  {i: 1.0 for i in ids if i != stages - 1}),
-                recv=lay.grad_accum * sum((i != 0) + (i != stages - 1) for i in ids),
-                steady=steady(lay.pp_schedule, lay.pp, lay.grad_accum, rank), rank=rank)
+    return Part(
+        emb=0 in ids,
+        head=stages - 1 in ids,
+        blocks=sum(blocks.values()),
+        stage_blocks=max(blocks.values()),
+        in_flight=in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, rank, blocks),
+        outputs=in_flight(lay.pp_schedule, lay.pp, lay.grad_accum, rank, {i: 1.0 for i in ids if i != stages - 1}),
+        recv=lay.grad_accum * sum((i != 0) + (i != stages - 1) for i in ids),
+        steady=steady(lay.pp_schedule, lay.pp, lay.grad_accum, rank),
+        rank=rank,
+    )
 
 
 def rank_params(shape: ModelShape | None, arch: str, n_params: float, lay: Layout, part: Part) -> float:

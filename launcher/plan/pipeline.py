@@ -10,6 +10,7 @@ Schedules (torch.distributed.pipelining):
   r + pp, ...): smaller bubbles for more activations in flight; `in_flight` replays torch's order of
   operations (its warm-up count and stage indices) to find the largest number alive on a rank.
 """
+
 from __future__ import annotations
 
 SCHEDULES = ("1f1b", "interleaved_1f1b")
@@ -30,8 +31,9 @@ def stage_layers(layers: int, stages: int) -> list[int]:
         return [layers]
     eff = layers + 2
     if stages > eff:
-        raise ValueError(f"{stages} pipeline stages for {layers} blocks (+ the embedding and the head): some "
-                         "stages would be empty")
+        raise ValueError(
+            f"{stages} pipeline stages for {layers} blocks (+ the embedding and the head): some stages would be empty"
+        )
     per, extra = divmod(eff, stages)
     counts = [per + (1 if i < extra else 0) for i in range(stages)]
     counts[0] -= 1
@@ -53,16 +55,22 @@ def schedule_problem(schedule: str, pp: int, micro_batches: int, layers: int | N
         return f"unknown pipeline schedule {schedule!r} (known: {', '.join(SCHEDULES)})"
     stages = num_stages(pp, schedule)
     if layers is not None and stages > layers + 2:
-        return (f"{schedule} with pipeline {pp} makes {stages} stages, more than the model's {layers} blocks plus "
-                "the embedding and the head")
+        return (
+            f"{schedule} with pipeline {pp} makes {stages} stages, more than the model's {layers} blocks plus "
+            "the embedding and the head"
+        )
     if schedule == "1f1b" and micro_batches < pp:
-        return (f"1F1B needs at least as many micro-batches per step as pipeline stages: grad_accum {micro_batches} "
-                f"< pipeline {pp}")
+        return (
+            f"1F1B needs at least as many micro-batches per step as pipeline stages: grad_accum {micro_batches} "
+            f"< pipeline {pp}"
+        )
     if schedule == "interleaved_1f1b":
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
-            return (f"interleaved 1F1B needs the micro-batches per step ({micro_batches}) to be a multiple of "
-                    f"{rounds} (micro-batches // pipeline)")
+            return (
+                f"interleaved 1F1B needs the micro-batches per step ({micro_batches}) to be a multiple of "
+                f"{rounds} (micro-batches // pipeline)"
+            )
     return None
 
 

@@ -1,5 +1,6 @@
 """Model states per GPU: the parameters, gradients and optimizer state each strategy keeps for the whole
 step, and what its optimizer step adds. The moments of a step (`moments`) stand on these."""
+
 from __future__ import annotations
 
 import msgspec

@@ -15,6 +15,7 @@ Each (tensor, pipeline) degree is sized as it would run: its own data-parallel d
 would refuse (1F1B with fewer micro-batches than stages, fp16 under a pipeline, a batch split the recipe's own
 degrees keep and this one breaks) is not tried.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -74,8 +75,9 @@ def describe(lay: Layout) -> str:
     if lay.offload != "none":
         extra.append(f"{lay.offload} offload")
     if lay.tp > 1 or lay.pp > 1:
-        extra.append(f"tp={lay.tp} pp={lay.pp}" + (" sequence parallel" if lay.tp > 1 and lay.sequence_parallel
-                                                    else ""))
+        extra.append(
+            f"tp={lay.tp} pp={lay.pp}" + (" sequence parallel" if lay.tp > 1 and lay.sequence_parallel else "")
+        )
     return lay.strategy + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -141,13 +143,18 @@ def model_parallel_degrees(ctx: Context, base: Layout, req: Request) -> tuple[li
     tps = [base.tp]
     # tied embeddings: one weight that tensor parallelism would split as two tensors and a pipeline would put on
     # its first and last stages (the runtime refuses both); DeepSpeed runs neither (the runtime's are torch's)
-    search = (req.strategy == "auto" and not (ctx.shape is not None and ctx.shape.tied_embeddings)
-              and req.backend != "deepspeed")
+    search = (
+        req.strategy == "auto"
+        and not (ctx.shape is not None and ctx.shape.tied_embeddings)
+        and req.backend != "deepspeed"
+    )
     if search and not req.tp_fixed and base.tp == 1:
         t = largest_tp(ctx)
         if t > 1 and ctx.n_params > TP_PARAM_THRESHOLD:
-            reasons.append(f"{ctx.n_params / 1e9:.0f}B parameters > {TP_PARAM_THRESHOLD / 1e9:.0f}B: "
-                           f"tensor parallel {t} within each node")
+            reasons.append(
+                f"{ctx.n_params / 1e9:.0f}B parameters > {TP_PARAM_THRESHOLD / 1e9:.0f}B: "
+                f"tensor parallel {t} within each node"
+            )
             tps = [t]
         elif t > 1:
             tps = [1, t]
@@ -171,8 +178,18 @@ def candidates(ctx: Context, base: Layout, req: Request, tp: int, pp: int) -> It
     seen = set()
     for off, ac, s in itertools.product(offloads, acs, strategies):
         shard = (base.shard or ctx.per_node) if spec(s).replicate_across_nodes else None
-        lay = replace(base, tp=tp, pp=pp, dp=dp, grad_accum=ga, sequence_parallel=sp, strategy=s,
-                      activation_checkpointing=ac, offload=offload_for(s, off), shard=shard)
+        lay = replace(
+            base,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            grad_accum=ga,
+            sequence_parallel=sp,
+            strategy=s,
+            activation_checkpointing=ac,
+            offload=offload_for(s, off),
+            shard=shard,
+        )
         if lay not in seen:  # a strategy without the offload asked for is the same layout as without offload
             seen.add(lay)
             yield lay
@@ -187,8 +204,10 @@ def prefer_hybrid(ctx: Context, lay: Layout, req: Request) -> tuple[Layout, list
     mem = ctx.memory(hyb)
     if hyb.shard_group <= 1 or not mem.fits:
         return lay, []
-    return hyb, [f"hybrid sharding also fits ({gb(mem.total)}): shard inside each node, replicate across nodes, "
-                 f"so parameter all-gathers stay on the node's fast links"]
+    return hyb, [
+        f"hybrid sharding also fits ({gb(mem.total)}): shard inside each node, replicate across nodes, "
+        f"so parameter all-gathers stay on the node's fast links"
+    ]
 
 
 def prefer_once_per_step(ctx: Context, lay: Layout) -> tuple[Layout, list[str]]:
@@ -201,10 +220,14 @@ def prefer_once_per_step(ctx: Context, lay: Layout) -> tuple[Layout, list[str]]:
         return lay, []
     mem = ctx.memory(once)
     if not mem.fits:
-        return lay, [f"gradients reduce-scattered on each of the {lay.grad_accum} micro-batches: keeping them "
-                     f"unsharded until the step's last one would need {gb(mem.total)} > {gb(mem.gpu)}"]
-    return once, [f"gradients reduce-scattered once per step, not on each of the {lay.grad_accum} micro-batches: "
-                  f"every rank keeps them unsharded in fp32 meanwhile, and that fits ({gb(mem.total)})"]
+        return lay, [
+            f"gradients reduce-scattered on each of the {lay.grad_accum} micro-batches: keeping them "
+            f"unsharded until the step's last one would need {gb(mem.total)} > {gb(mem.gpu)}"
+        ]
+    return once, [
+        f"gradients reduce-scattered once per step, not on each of the {lay.grad_accum} micro-batches: "
+        f"every rank keeps them unsharded in fp32 meanwhile, and that fits ({gb(mem.total)})"
+    ]
 
 
 def choose(ctx: Context, base: Layout, req: Request) -> tuple[Layout, list[str]]:
@@ -231,29 +254,37 @@ def choose(ctx: Context, base: Layout, req: Request) -> tuple[Layout, list[str]]
                 lay, why = prefer_hybrid(ctx, lay, req)
                 mem = ctx.memory(lay)
                 return lay, reasons + tried + why + _sp_reason(lay, req) + [
-                    f"{describe(lay)} fits: {gb(mem.total)} of {gb(mem.gpu)} per GPU"]
-            tried.append(f"{describe(lay)} needs {gb(mem.total)} > {gb(mem.gpu)} at its peak, the {mem.peak_at} "
-                         f"(states {gb(mem.params + mem.grads + mem.optimizer)}, activations {gb(mem.activations)}, "
-                         f"buffers {gb(mem.buffers)})")
+                    f"{describe(lay)} fits: {gb(mem.total)} of {gb(mem.gpu)} per GPU"
+                ]
+            tried.append(
+                f"{describe(lay)} needs {gb(mem.total)} > {gb(mem.gpu)} at its peak, the {mem.peak_at} "
+                f"(states {gb(mem.params + mem.grads + mem.optimizer)}, activations {gb(mem.activations)}, "
+                f"buffers {gb(mem.buffers)})"
+            )
             if group_best is None or mem.total < group_best[1].total:
                 group_best = (lay, mem)
         assert group_best is not None
         if smallest is None or group_best[1].total < smallest[1].total:
             smallest = group_best
         if i + 1 < len(runnable):  # summarise this degree and move on; the last one's attempts are listed in full
-            reasons.append(f"nothing fits at tp={tp} pp={pp} (smallest: {describe(group_best[0])} needs "
-                           f"{gb(group_best[1].total)}); trying tp={runnable[i + 1][0]} pp={runnable[i + 1][1]}")
+            reasons.append(
+                f"nothing fits at tp={tp} pp={pp} (smallest: {describe(group_best[0])} needs "
+                f"{gb(group_best[1].total)}); trying tp={runnable[i + 1][0]} pp={runnable[i + 1][1]}"
+            )
         else:
             reasons += tried
     assert smallest is not None
     lay, mem = smallest
     return lay, reasons + _sp_reason(lay, req) + [
         f"nothing fits: the smallest layout tried, {describe(lay)}, needs {gb(mem.total)} per GPU; add GPUs or "
-        "nodes, raise tensor/pipeline, or lower micro_batch or seq_len"]
+        "nodes, raise tensor/pipeline, or lower micro_batch or seq_len"
+    ]
 
 
 def _sp_reason(lay: Layout, req: Request) -> list[str]:
     if req.sequence_parallel is None and lay.sequence_parallel:
-        return [f"sequence parallelism with tensor {lay.tp}: the norms and the residual stream are split over the "
-                "sequence as well, less activation memory for the same communication volume"]
+        return [
+            f"sequence parallelism with tensor {lay.tp}: the norms and the residual stream are split over the "
+            "sequence as well, less activation memory for the same communication volume"
+        ]
     return []

@@ -53,8 +53,13 @@ def Int(ge: int = 0, le: int = 10**12, description: str | None = None):  # noqa:
     return Annotated[int, Meta(ge=ge, le=le, description=description)]
 
 
-def Float(gt: float | None = None, ge: float | None = None, le: float | None = None,
-          lt: float | None = None, description: str | None = None):  # noqa: N802
+def Float(
+    gt: float | None = None,
+    ge: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    description: str | None = None,
+):  # noqa: N802
     """A number within bounds. Every Float has an upper bound, so .inf fails it, and .nan fails every bound."""
     assert le is not None or lt is not None, "an unbounded float would accept .inf"
     return Annotated[float, Meta(gt=gt, ge=ge, le=le, lt=lt, description=description)]
@@ -94,4 +99,3 @@ class Spec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if hasattr(self, "__dict__"):
             out.__dict__.update(self.__dict__)
         return out
-

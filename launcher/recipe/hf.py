@@ -7,6 +7,7 @@ rotary positions + SwiGLU, which is what these are. Their differences that chang
 kept in the shape (Qwen2's q/k/v biases; Llama's optional attention and MLP biases), so the plan counts
 exactly what `transformers` builds from the same config. Torch- and transformers-free.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,17 +72,23 @@ def shape_fields(cfg: dict, seq_len: int | None = None) -> dict[str, Any]:
     """The ModelShape fields for a config.json dict; HFConfigError for what is not a supported decoder."""
     kind = cfg.get("model_type")
     if kind not in SUPPORTED:
-        raise HFConfigError(f"config.json: model_type {kind!r} is not a decoder dtlaunch can plan and train "
-                            f"(supported: {', '.join(SUPPORTED)})")
+        raise HFConfigError(
+            f"config.json: model_type {kind!r} is not a decoder dtlaunch can plan and train "
+            f"(supported: {', '.join(SUPPORTED)})"
+        )
     hidden, heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
     kv = _int(cfg, "num_key_value_heads", heads) if cfg.get("num_key_value_heads") is not None else heads
     if hidden % heads or heads % kv:
-        raise HFConfigError(f"config.json: hidden_size {hidden}, num_attention_heads {heads} and "
-                            f"num_key_value_heads {kv} do not divide evenly")
+        raise HFConfigError(
+            f"config.json: hidden_size {hidden}, num_attention_heads {heads} and "
+            f"num_key_value_heads {kv} do not divide evenly"
+        )
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim != hidden // heads:
-        raise HFConfigError(f"config.json: head_dim {head_dim} differs from hidden_size/num_attention_heads = "
-                            f"{hidden // heads}; dtlaunch's planner models head_dim = hidden/heads only")
+        raise HFConfigError(
+            f"config.json: head_dim {head_dim} differs from hidden_size/num_attention_heads = "
+            f"{hidden // heads}; dtlaunch's planner models head_dim = hidden/heads only"
+        )
     if cfg.get("rope_scaling") not in (None, {}) and not isinstance(cfg.get("rope_scaling"), dict):
         raise HFConfigError("config.json: rope_scaling must be an object or null")
     biased_attention = bool(cfg.get("attention_bias", False))

@@ -9,6 +9,7 @@ the node, after the job has waited in the queue:
 
 So the recipe holds the plain reference, checked here, and the renderers convert it.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,8 +20,10 @@ _HOST = re.compile(rf"(?:{_LABEL})(?:\.{_LABEL})*(?::\d{{1,5}})?", re.ASCII)
 _COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*", re.ASCII)
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)
 _DIGEST = re.compile(r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}", re.ASCII)
-FORMS = ("a Docker/OCI image reference, [REGISTRY[:PORT]/]NAME[:TAG][@DIGEST], e.g. "
-         "nvcr.io/nvidia/pytorch:24.05-py3 or pytorch/pytorch:2.3.1-cuda12.1-cudnn8-runtime")
+FORMS = (
+    "a Docker/OCI image reference, [REGISTRY[:PORT]/]NAME[:TAG][@DIGEST], e.g. "
+    "nvcr.io/nvidia/pytorch:24.05-py3 or pytorch/pytorch:2.3.1-cuda12.1-cudnn8-runtime"
+)
 
 
 class ImageRef(NamedTuple):
@@ -39,11 +42,15 @@ class ImageRef(NamedTuple):
 def parse_image(ref: str) -> ImageRef:
     """ValueError with the accepted form; a scheme (docker://) or a file path is refused with the reason."""
     if "://" in ref or ref.startswith("docker:"):
-        raise ValueError(f"{ref[:80]!r}: write the image without a scheme ({FORMS}); dtlaunch adds the spelling each "
-                         "runtime wants (docker: for SkyPilot, docker:// for Apptainer, REGISTRY# for pyxis)")
+        raise ValueError(
+            f"{ref[:80]!r}: write the image without a scheme ({FORMS}); dtlaunch adds the spelling each "
+            "runtime wants (docker: for SkyPilot, docker:// for Apptainer, REGISTRY# for pyxis)"
+        )
     if ref.startswith(("/", ".", "~")):
-        raise ValueError(f"{ref[:80]!r} is a file, not an image reference: put a cluster's image file in "
-                         "targets.slurm.container.image instead")
+        raise ValueError(
+            f"{ref[:80]!r} is a file, not an image reference: put a cluster's image file in "
+            "targets.slurm.container.image instead"
+        )
     rest, digest = ref, None
     if "@" in rest:
         rest, _, digest = rest.partition("@")

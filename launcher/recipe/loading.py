@@ -7,6 +7,7 @@ crashed this process at ~100,000 levels), at most MAX_VALUES values after YAML a
 overwritten, and at most MAX_PROBLEMS problems listed. Each problem names the file (or the `--set` item),
 the line, the field, what is wrong and a fix.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,7 @@ class SourceMap(msgspec.Struct, frozen=True):
     def locate(self, field: str) -> tuple[str, int | None]:
         path = tuple(int(p) if p.isdigit() else p for p in field.split(".")) if field else ()
         for opath, item in reversed(self.overrides):
-            if path[:len(opath)] == opath:
+            if path[: len(opath)] == opath:
                 return f"--set {item[:200]}", None
         for n in range(len(path), -1, -1):
             if path[:n] in self.lines:
@@ -91,7 +92,9 @@ def _check_depth(text: str, source: str) -> None:
 def parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
     """(data, node) of one YAML document, within the depth bound; YAML errors become located Problems."""
     if "\x00" in text:
-        _fail(source, "this is not a text YAML file (it contains NUL bytes)", fix="point dtlaunch at a recipe .yaml file")
+        _fail(
+            source, "this is not a text YAML file (it contains NUL bytes)", fix="point dtlaunch at a recipe .yaml file"
+        )
     try:
         _check_depth(text, source)
         loader = _Loader(text)
@@ -103,10 +106,18 @@ def parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         problem = getattr(e, "problem", None) or str(e)
-        _fail(source, f"YAML syntax error: {problem}", mark.line + 1 if mark else None,
-              "check indentation, colons and quotes on that line")
+        _fail(
+            source,
+            f"YAML syntax error: {problem}",
+            mark.line + 1 if mark else None,
+            "check indentation, colons and quotes on that line",
+        )
     except RecursionError:
-        _fail(source, "the YAML refers to itself (a recursive alias)", fix="remove the alias (*name) that points at its own parent")
+        _fail(
+            source,
+            "the YAML refers to itself (a recursive alias)",
+            fix="remove the alias (*name) that points at its own parent",
+        )
     return data, node
 
 
@@ -122,11 +133,19 @@ def _line_map(root: yaml.Node, source: str) -> dict[Path_, int]:
         node, path = stack.pop()
         budget -= 1
         if len(path) > MAX_DEPTH:  # only aliases can nest this deep now: the text itself was checked
-            _fail(source, f"the recipe nests more than {MAX_DEPTH} levels deep through YAML aliases",
-                  node.start_mark.line + 1, "remove the alias (*name) that refers to its own parent")
+            _fail(
+                source,
+                f"the recipe nests more than {MAX_DEPTH} levels deep through YAML aliases",
+                node.start_mark.line + 1,
+                "remove the alias (*name) that refers to its own parent",
+            )
         if budget < 0:
-            _fail(source, f"the recipe expands to more than {MAX_VALUES:,} values (YAML aliases expand each time "
-                          "they are used)", node.start_mark.line + 1, "write the values out, or use fewer aliases (*name)")
+            _fail(
+                source,
+                f"the recipe expands to more than {MAX_VALUES:,} values (YAML aliases expand each time they are used)",
+                node.start_mark.line + 1,
+                "write the values out, or use fewer aliases (*name)",
+            )
         lines.setdefault(path, node.start_mark.line + 1)
         if isinstance(node, yaml.MappingNode):
             seen: dict[str, int] = {}
@@ -136,8 +155,14 @@ def _line_map(root: yaml.Node, source: str) -> dict[Path_, int]:
                     _fail(source, "a key must be plain text, not a list or mapping", line, field=dotted(path))
                 key = k.value
                 if key in seen and k.tag != "tag:yaml.org,2002:merge":
-                    _fail(source, f"duplicate key {key!r} (first given at line {seen[key]}); YAML would silently keep "
-                                  "only the last one", line, "keep one of them", field=dotted(path + (key,)))
+                    _fail(
+                        source,
+                        f"duplicate key {key!r} (first given at line {seen[key]}); YAML would silently keep "
+                        "only the last one",
+                        line,
+                        "keep one of them",
+                        field=dotted(path + (key,)),
+                    )
                 seen[key] = line
                 lines[path + (key,)] = line
                 stack.append((v, path + (key,)))
@@ -160,13 +185,21 @@ def parse_override(item: str) -> tuple[Path_, Any]:
     key, sep, raw = item.partition("=")
     parts = tuple(p.strip() for p in key.split("."))
     if not sep or not key.strip() or any(not p for p in parts):
-        _fail(source, "expected KEY=VALUE with a dotted KEY, e.g. --set training.steps=100", field=key.strip() or "(key)",
-              fix="write --set SECTION.FIELD=VALUE")
+        _fail(
+            source,
+            "expected KEY=VALUE with a dotted KEY, e.g. --set training.steps=100",
+            field=key.strip() or "(key)",
+            fix="write --set SECTION.FIELD=VALUE",
+        )
     if len(raw.encode()) > MAX_OVERRIDE_BYTES:
         _fail(source, f"the value is longer than {MAX_OVERRIDE_BYTES:,} bytes", field=key.strip())
     if raw.strip() == "":
-        _fail(source, "the value is empty", field=key.strip(),
-              fix=f"give a value, e.g. --set {key.strip()}=VALUE, or --set {key.strip()}=null to unset it")
+        _fail(
+            source,
+            "the value is empty",
+            field=key.strip(),
+            fix=f"give a value, e.g. --set {key.strip()}=VALUE, or --set {key.strip()}=null to unset it",
+        )
     try:
         value, _ = parse_yaml(raw, source)
     except RecipeError as e:
@@ -183,8 +216,12 @@ def _apply(data: dict, path: Path_, value: Any, item: str) -> None:
         if nxt is None:
             nxt = cur[k] = {}
         elif not isinstance(nxt, dict):
-            _fail(f"--set {item[:200]}", f"{dotted(path[:i + 1])} is a value, not a section: it has no field "
-                                         f"{path[i + 1]!r}", field=dotted(path), fix="check the key against `dtlaunch schema`")
+            _fail(
+                f"--set {item[:200]}",
+                f"{dotted(path[: i + 1])} is a value, not a section: it has no field {path[i + 1]!r}",
+                field=dotted(path),
+                fix="check the key against `dtlaunch schema`",
+            )
         cur = nxt
     cur[path[-1]] = value
 
@@ -192,24 +229,37 @@ def _apply(data: dict, path: Path_, value: Any, item: str) -> None:
 # ----------------------------------------------------------------------------- entry points
 
 
-def load_text(text: str, source: str = "<recipe>", overrides: list[str] | None = None,
-              base_dir: str | None = None) -> Recipe:
+def load_text(
+    text: str, source: str = "<recipe>", overrides: list[str] | None = None, base_dir: str | None = None
+) -> Recipe:
     """Parse and validate a recipe, raising RecipeError (never a traceback) on any problem."""
     if len(text) > MAX_BYTES:
-        _fail(source, f"the recipe is {len(text):,} characters long; a recipe is at most {MAX_BYTES:,} bytes",
-              fix="point dtlaunch at a recipe .yaml file")
+        _fail(
+            source,
+            f"the recipe is {len(text):,} characters long; a recipe is at most {MAX_BYTES:,} bytes",
+            fix="point dtlaunch at a recipe .yaml file",
+        )
     data, node = parse_yaml(text, source)
     if data is None:
         _fail(source, "the recipe is empty", 1, "start from recipes/tiny.yaml")
     if not isinstance(data, dict):
-        _fail(source, f"the recipe must be a mapping of sections (name, model, ...), got a {type(data).__name__}", 1,
-              "start from recipes/tiny.yaml")
+        _fail(
+            source,
+            f"the recipe must be a mapping of sections (name, model, ...), got a {type(data).__name__}",
+            1,
+            "start from recipes/tiny.yaml",
+        )
     lines = _line_map(node, source) if node is not None else {}
     return load_data(data, source, overrides, base_dir, lines)
 
 
-def load_data(data: dict, source: str = "<recipe>", overrides: list[str] | None = None, base_dir: str | None = None,
-              lines: dict | None = None) -> Recipe:
+def load_data(
+    data: dict,
+    source: str = "<recipe>",
+    overrides: list[str] | None = None,
+    base_dir: str | None = None,
+    lines: dict | None = None,
+) -> Recipe:
     """A recipe from plain data (what the YAML held), with `--set` overrides applied: load_text's second half, and
     the way in for a recipe that is already data (launcher.submit of a Recipe: no YAML round trip)."""
     lines = lines or {}
@@ -232,8 +282,11 @@ def load_data(data: dict, source: str = "<recipe>", overrides: list[str] | None 
         problems, more = collect(data, e, source, lines, applied)
         raise RecipeError(problems, more) from None
     except RecursionError:
-        _fail(source, "the recipe refers to itself (a recursive alias)", fix="remove the alias (*name) that points "
-                                                                           "at its own parent")
+        _fail(
+            source,
+            "the recipe refers to itself (a recursive alias)",
+            fix="remove the alias (*name) that points at its own parent",
+        )
 
 
 def _read_hf_config(data: dict, source: str, lines: dict, base_dir: str | None) -> None:
@@ -248,9 +301,14 @@ def _read_hf_config(data: dict, source: str, lines: dict, base_dir: str | None) 
     try:
         cfg = read_config(d)
     except HFConfigError as e:
-        _fail(source, str(e), lines.get(("model", "hf")), "point model.hf at a Llama, Mistral or Qwen2 model "
-              "directory (config.json, optionally *.safetensors); relative paths start at the recipe file",
-              field="model.hf")
+        _fail(
+            source,
+            str(e),
+            lines.get(("model", "hf")),
+            "point model.hf at a Llama, Mistral or Qwen2 model "
+            "directory (config.json, optionally *.safetensors); relative paths start at the recipe file",
+            field="model.hf",
+        )
     model["hf"] = str(d)
     model["hf_config"] = cfg
     if model.get("hf_weights") is None and weight_files(d):

@@ -11,8 +11,10 @@ class ModelSpec(Spec, kw_only=True):
     """Either a preset, an explicit shape, or only a parameter count (model states only)."""
 
     preset: Doc("e.g. llama3-70b, llama2-7b, tiny", str | None) = None
-    architecture: Doc("gpt = the Korthikanti et al. reference layer (planning only: the runtime trains llama)",
-                      Literal["llama", "gpt"]) = "llama"
+    architecture: Doc(
+        "gpt = the Korthikanti et al. reference layer (planning only: the runtime trains llama)",
+        Literal["llama", "gpt"],
+    ) = "llama"
     layers: Int(1, 100000) | None = None
     hidden: Int(1, 10000000) | None = None
     ffn_hidden: Int(1, 100000000) | None = None
@@ -20,20 +22,30 @@ class ModelSpec(Spec, kw_only=True):
     kv_heads: Int(1, 100000) | None = None
     vocab: Int(1, 100000000) | None = None
     tied_embeddings: bool | None = None
-    params: Int(1, 10 ** 15, "parameter count, when the shape is unknown") | None = None
+    params: Int(1, 10**15, "parameter count, when the shape is unknown") | None = None
     seq_len: Int(1, 100000000) | None = None
     rope_theta: Float(gt=0, le=1000000000000.0) | None = None
-    hf: Doc("a Hugging Face model directory (config.json, optional *.safetensors), relative to the recipe file: "
-            "Llama, Mistral or Qwen2; the runtime builds it with transformers", Str | None) = None
-    hf_config: Doc("filled in by dtlaunch from model.hf's config.json (the resolved recipe carries it)",
-                   dict[str, Any] | None) = None
-    hf_weights: Doc("the directory of the *.safetensors weights as the nodes see it (default: model.hf when it "
-                    "holds weights); unset: train from random initialisation", Str | None) = None
+    hf: Doc(
+        "a Hugging Face model directory (config.json, optional *.safetensors), relative to the recipe file: "
+        "Llama, Mistral or Qwen2; the runtime builds it with transformers",
+        Str | None,
+    ) = None
+    hf_config: Doc(
+        "filled in by dtlaunch from model.hf's config.json (the resolved recipe carries it)", dict[str, Any] | None
+    ) = None
+    hf_weights: Doc(
+        "the directory of the *.safetensors weights as the nodes see it (default: model.hf when it "
+        "holds weights); unset: train from random initialisation",
+        Str | None,
+    ) = None
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in catalog.PRESETS:
-            raise Invalid("preset", f"unknown preset {self.preset!r}{suggest(self.preset, catalog.PRESETS)}; "
-                                    f"known: {', '.join(catalog.PRESETS)}")
+            raise Invalid(
+                "preset",
+                f"unknown preset {self.preset!r}{suggest(self.preset, catalog.PRESETS)}; "
+                f"known: {', '.join(catalog.PRESETS)}",
+            )
         if self.hf is not None or self.hf_config is not None:
             return self._hf_complete()
         if self.hf_weights is not None:
@@ -46,20 +58,39 @@ class ModelSpec(Spec, kw_only=True):
         s = self.shape()
         if s is not None:
             if s.hidden % s.heads:
-                raise ValueError(f"hidden {s.hidden} is not divisible by heads {s.heads}: each head gets hidden/heads "
-                                 "dimensions")
+                raise ValueError(
+                    f"hidden {s.hidden} is not divisible by heads {s.heads}: each head gets hidden/heads dimensions"
+                )
             if s.heads % s.kv_heads:
-                raise ValueError(f"heads {s.heads} is not divisible by kv_heads {s.kv_heads}: each kv head serves "
-                                 "heads/kv_heads query heads")
+                raise ValueError(
+                    f"heads {s.heads} is not divisible by kv_heads {s.kv_heads}: each kv head serves "
+                    "heads/kv_heads query heads"
+                )
             if (s.hidden // s.heads) % 2:
-                raise ValueError(f"the head dimension hidden/heads = {s.hidden // s.heads} is odd: rotary position "
-                                 "embeddings rotate pairs of dimensions")
+                raise ValueError(
+                    f"the head dimension hidden/heads = {s.hidden // s.heads} is odd: rotary position "
+                    "embeddings rotate pairs of dimensions"
+                )
 
     def _hf_complete(self) -> None:
         from .hf import HFConfigError, shape_fields
 
-        others = [f for f in ("preset", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab",
-                              "tied_embeddings", "params", "rope_theta") if getattr(self, f) is not None]
+        others = [
+            f
+            for f in (
+                "preset",
+                "layers",
+                "hidden",
+                "ffn_hidden",
+                "heads",
+                "kv_heads",
+                "vocab",
+                "tied_embeddings",
+                "params",
+                "rope_theta",
+            )
+            if getattr(self, f) is not None
+        ]
         if others:
             raise ValueError(f"model.hf gives the whole shape; remove {', '.join(others)} (seq_len may stay)")
         if self.hf_config is None:
@@ -81,8 +112,17 @@ class ModelSpec(Spec, kw_only=True):
         if base is None and self.layers is None:
             return None
         vals = {}
-        for f in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "tied_embeddings", "seq_len",
-                  "rope_theta"):
+        for f in (
+            "layers",
+            "hidden",
+            "ffn_hidden",
+            "heads",
+            "kv_heads",
+            "vocab",
+            "tied_embeddings",
+            "seq_len",
+            "rope_theta",
+        ):
             v = getattr(self, f)
             vals[f] = v if v is not None else (getattr(base, f) if base else None)
         if None in (vals["layers"], vals["hidden"], vals["heads"], vals["vocab"]):

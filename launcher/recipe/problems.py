@@ -6,6 +6,7 @@ So `collect` reads the path and the kind of each error, rewords it, then takes t
 copy of the document (its field falls back to its default) and converts again, until the copy converts or a
 required field is missing. Imported only when a recipe has a mistake.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,8 +34,15 @@ _TYPE_FIX = {
     "object": "give a mapping of key: value lines",
     "array": "give a list, e.g. [A, B]",
 }
-_TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "text", "bool": "true/false",
-               "object": "a mapping", "array": "a list", "null": "null (nothing)"}
+_TYPE_WORDS = {
+    "int": "a whole number",
+    "float": "a number",
+    "str": "text",
+    "bool": "true/false",
+    "object": "a mapping",
+    "array": "a list",
+    "null": "null (nothing)",
+}
 
 
 def _words(spelled: str) -> str:
@@ -49,8 +57,8 @@ def _split(err: msgspec.ValidationError) -> tuple[str, Path_, BaseException | No
     text, cause = str(err), err.__cause__
     msg, loc = text, ""
     if cause is not None and text.startswith(str(cause)):
-        msg, rest = str(cause), text[len(str(cause)):]
-        loc = rest[len(" - at `"):-1] if rest.startswith(" - at `") else ""
+        msg, rest = str(cause), text[len(str(cause)) :]
+        loc = rest[len(" - at `") : -1] if rest.startswith(" - at `") else ""
     elif m := re.fullmatch(r"(.*) - at `key` in `(\$[^`]*)`", text, re.S):
         got = re.search(r"got `([^`]*)`", m.group(1))  # e.g. `1: x` under env
         msg, loc = "a key must be text" + (f", not {_words(got.group(1))}" if got else ""), m.group(2)
@@ -169,8 +177,12 @@ def _message(err: msgspec.ValidationError, data: Any) -> tuple[Path_, str, str |
     if m := re.fullmatch(r"Object contains unknown field `(.*)`", msg, re.S):
         key = m.group(1)
         names = _keys_at(path)
-        return (path + (key,), f"unknown key {key!r}{suggest(key, names)}",
-                "allowed keys here: " + ", ".join(names) if names else "remove it", "field")
+        return (
+            path + (key,),
+            f"unknown key {key!r}{suggest(key, names)}",
+            "allowed keys here: " + ", ".join(names) if names else "remove it",
+            "field",
+        )
     if m := re.fullmatch(r"Object missing required field `(.*)`", msg, re.S):
         return path + (m.group(1),), "required field is missing", f"add `{m.group(1)}:`", "missing"
     return (path, *_value_message(msg, path, _value_at(data, path)), "field")
@@ -184,8 +196,10 @@ def _value_message(msg: str, path: Path_, value: Any) -> tuple[str, str | None]:
         listed = ("one of " if len(choices) > 1 else "") + ", ".join(map(repr, choices))
         if _takes_int(path):  # e.g. grad_accum: a number or 'auto'
             listed = "a whole number or " + listed
-        return (f"{str(v)[:80]!r} is not {listed}{suggest(v, choices)}" if choices else msg,
-                "use one of the listed values")
+        return (
+            f"{str(v)[:80]!r} is not {listed}{suggest(v, choices)}" if choices else msg,
+            "use one of the listed values",
+        )
     if isinstance(value, float) and not math.isfinite(value):
         return f"must be a finite number{_got(value)}", _TYPE_FIX["finite"]
     if m := re.fullmatch(r"Expected `([^`]*)`, got `([^`]*)`", msg):
@@ -194,8 +208,10 @@ def _value_message(msg: str, path: Path_, value: Any) -> tuple[str, str | None]:
     if m := re.fullmatch(r"Expected `(\w+)` (>=|>|<=|<) (\S+)", msg):
         return f"must be {m.group(2)} {m.group(3)}{_got(value)}", None
     if m := re.fullmatch(r"Expected `array` of length (\d+), got (\d+)", msg):
-        return (f"expected a list of {m.group(1)} items, got {m.group(2)}",
-                "give a list of two numbers, e.g. [0.9, 0.95]" if m.group(1) == "2" else None)
+        return (
+            f"expected a list of {m.group(1)} items, got {m.group(2)}",
+            "give a list of two numbers, e.g. [0.9, 0.95]" if m.group(1) == "2" else None,
+        )
     if m := re.fullmatch(r"Expected `(str|array|object)` of length (<=|>=) (\d+)", msg):
         n = len(value) if isinstance(value, (str, list, dict)) else None
         what = {"str": "characters", "array": "items", "object": "entries"}[m.group(1)]
@@ -203,22 +219,25 @@ def _value_message(msg: str, path: Path_, value: Any) -> tuple[str, str | None]:
         return f"{most} {int(m.group(3)):,} {what}" + (f", got {n:,}" if n is not None else ""), None
     if m := re.fullmatch(r"Expected `str` matching regex '(.*)'", msg, re.S):
         if m.group(1) in (ONE_LINE, repr(ONE_LINE)[1:-1]):  # msgspec prints the pattern as its repr
-            return ("must be a single line (no line break or NUL): it goes into an #SBATCH line of the job script",
-                    "write it on one line")
+            return (
+                "must be a single line (no line break or NUL): it goes into an #SBATCH line of the job script",
+                "write it on one line",
+            )
         return f"should match pattern {m.group(1)!r}{_got(value)}", None
     return msg, None
 
 
-def _problem(path: Path_, msg: str, fix: str | None, source: str, lines: dict[Path_, int],
-             overrides: list[tuple[Path_, str]]) -> Problem:
+def _problem(
+    path: Path_, msg: str, fix: str | None, source: str, lines: dict[Path_, int], overrides: list[tuple[Path_, str]]
+) -> Problem:
     field = dotted(path)
     if fix is None:
         fix = f"see the `{path[-1] if path else 'recipe'}` entry of `dtlaunch schema` for what this field accepts"
     # An error inside a value that --set gave belongs to that --set item, not to a line of the file.
     for opath, item in reversed(overrides):
-        if path[:len(opath)] == opath:
+        if path[: len(opath)] == opath:
             return Problem(f"--set {item[:200]}", field, msg, fix)
-    touched = [item for opath, item in overrides if opath[:len(path)] == path and path]
+    touched = [item for opath, item in overrides if opath[: len(path)] == path and path]
     if touched:
         msg += f" (after --set {', --set '.join(t[:80] for t in touched)})"
     line = None
@@ -277,8 +296,7 @@ def _take_out_item(work: Any, path: Path_, kept: dict[Path_, list[int]]) -> bool
     return True
 
 
-def _take_out_mistake(work: Any, wpath: Path_, kept: dict[Path_, list[int]], removed: set[Path_],
-                      alone: bool) -> bool:
+def _take_out_mistake(work: Any, wpath: Path_, kept: dict[Path_, list[int]], removed: set[Path_], alone: bool) -> bool:
     """Take out a refused value: a list item alone if it can go alone, else its field (the whole list)."""
     if alone and wpath and isinstance(wpath[-1], int) and _take_out_item(work, wpath, kept):
         return True
@@ -288,8 +306,9 @@ def _take_out_mistake(work: Any, wpath: Path_, kept: dict[Path_, list[int]], rem
     return _take_out(work, cut, removed, _original(cut, kept))
 
 
-def collect(data: Any, first: msgspec.ValidationError, source: str, lines: dict[Path_, int],
-              overrides: list[tuple[Path_, str]]) -> tuple[list[Problem], int]:
+def collect(
+    data: Any, first: msgspec.ValidationError, source: str, lines: dict[Path_, int], overrides: list[tuple[Path_, str]]
+) -> tuple[list[Problem], int]:
     """Every mistake in the document: report one, take its value out of a copy, convert again. A bad list
     item goes alone, so the next bad item of the same list is reported too; paths in the copy are mapped
     back to the document's (its lines, its indices) before they are reported."""
@@ -303,7 +322,7 @@ def collect(data: Any, first: msgspec.ValidationError, source: str, lines: dict[
     for _ in range(MAX_ROUNDS):
         wpath, msg, fix, kind = _message(err, work)
         path = _original(wpath, kept)
-        if any(path[:len(s)] == s for s in standins):
+        if any(path[: len(s)] == s for s in standins):
             break  # an empty stand-in is not valid either: nothing more can be learned
         if kind == "missing":
             parent = _value_at(work, wpath[:-1])
@@ -325,8 +344,9 @@ def collect(data: Any, first: msgspec.ValidationError, source: str, lines: dict[
         else:
             # A section's check that names a field taken out of it failed because of that: nothing new.
             consequence = kind == "section" and any(
-                r[:len(path)] == path and len(r) == len(path) + 1 and re.search(rf"\b{re.escape(str(r[-1]))}\b", msg)
-                for r in removed)
+                r[: len(path)] == path and len(r) == len(path) + 1 and re.search(rf"\b{re.escape(str(r[-1]))}\b", msg)
+                for r in removed
+            )
             # So did a list's own rule (its length) once items were taken out of it.
             consequence = consequence or path in kept
             if path not in seen and not consequence:

@@ -41,25 +41,36 @@ from .target_specs import LocalTarget, SkyTarget, SlurmTarget
 
 class ParallelismSpec(Spec, kw_only=True, dict=True):
     strategy: Strategy = "auto"
-    backend: Doc("which family `auto` picks from: torch (DDP/FSDP2) or deepspeed (ZeRO)",
-                 Literal["torch", "deepspeed"]) = "torch"
+    backend: Doc(
+        "which family `auto` picks from: torch (DDP/FSDP2) or deepspeed (ZeRO)", Literal["torch", "deepspeed"]
+    ) = "torch"
     data: AutoInt(10_000_000, "data-parallel degree; auto = world / (tensor*pipeline)") = "auto"
     tensor: Int(1, 1024) = 1
     pipeline: Int(1, 1024) = 1
-    sequence_parallel: Doc("with tensor > 1: split the residual stream and the norms over the sequence across the "
-                           "tensor-parallel group", bool) = False
-    pipeline_schedule: Doc("with pipeline > 1: 1F1B (one stage per rank), or interleaved 1F1B (two stages per rank: "
-                           "smaller bubbles, more activations in flight)", Literal["1f1b", "interleaved_1f1b"]) = "1f1b"
+    sequence_parallel: Doc(
+        "with tensor > 1: split the residual stream and the norms over the sequence across the tensor-parallel group",
+        bool,
+    ) = False
+    pipeline_schedule: Doc(
+        "with pipeline > 1: 1F1B (one stage per rank), or interleaved 1F1B (two stages per rank: "
+        "smaller bubbles, more activations in flight)",
+        Literal["1f1b", "interleaved_1f1b"],
+    ) = "1f1b"
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     loss_scaling: Doc("fp16 only: dynamic loss scaling", Literal["dynamic", "none"]) = "dynamic"
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "auto"
     offload: Literal["auto", "none", "optimizer", "params"] = "auto"
     grad_accum: AutoInt(1_000_000) = "auto"
-    grad_reduce: Doc("FSDP2 with grad_accum > 1: reduce-scatter gradients on every micro-batch (they stay sharded), "
-                     "or once per step (each rank keeps the unsharded fp32 gradients meanwhile); auto = once per step "
-                     "when that fits", Literal["auto", "every_micro_batch", "once_per_step"]) = "auto"
-    launcher: Doc("how DeepSpeed recipes start: torchrun on every node, or the deepspeed launcher",
-                  Literal["torchrun", "deepspeed"]) = "torchrun"
+    grad_reduce: Doc(
+        "FSDP2 with grad_accum > 1: reduce-scatter gradients on every micro-batch (they stay sharded), "
+        "or once per step (each rank keeps the unsharded fp32 gradients meanwhile); auto = once per step "
+        "when that fits",
+        Literal["auto", "every_micro_batch", "once_per_step"],
+    ) = "auto"
+    launcher: Doc(
+        "how DeepSpeed recipes start: torchrun on every node, or the deepspeed launcher",
+        Literal["torchrun", "deepspeed"],
+    ) = "torchrun"
 
     @property
     def fields_set(self) -> frozenset[str]:
@@ -90,23 +101,41 @@ class ResourcesSpec(Spec, kw_only=True):
     mfu: Float(gt=0, le=1, description="assumed model FLOPs utilisation for time estimates") = 0.40
     gpu_mtbf_hours: Float(gt=0, le=1e9, description="mean time between failures per GPU") = catalog.GPU_MTBF_HOURS
     storage_gbps_per_node: Float(ge=0.001, le=1_000_000) = catalog.STORAGE_GBPS_PER_NODE
-    socket_ifname: Text(256, "NCCL/gloo network interface(s), e.g. eth0 or ^docker; unset = let NCCL choose (best)",
-                        r"^[A-Za-z0-9_.:^,=-]+\Z") | None = None
-    image: Text(512, "a Docker/OCI image every target's job runs in, e.g. nvcr.io/nvidia/pytorch:24.05-py3 "
-                     "(SkyPilot: image_id; SLURM: targets.slurm.container picks pyxis or Apptainer)") | None = None
+    socket_ifname: (
+        Text(
+            256,
+            "NCCL/gloo network interface(s), e.g. eth0 or ^docker; unset = let NCCL choose (best)",
+            r"^[A-Za-z0-9_.:^,=-]+\Z",
+        )
+        | None
+    ) = None
+    image: (
+        Text(
+            512,
+            "a Docker/OCI image every target's job runs in, e.g. nvcr.io/nvidia/pytorch:24.05-py3 "
+            "(SkyPilot: image_id; SLURM: targets.slurm.container picks pyxis or Apptainer)",
+        )
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         name, _ = checked("accelerator", catalog.parse_accelerator, self.accelerator)
         if name not in catalog.ACCELERATORS:
-            raise Invalid("accelerator", f"unknown accelerator {name!r}{suggest(name, catalog.ACCELERATORS)}; "
-                                         f"known: {', '.join(catalog.ACCELERATORS)}")
+            raise Invalid(
+                "accelerator",
+                f"unknown accelerator {name!r}{suggest(name, catalog.ACCELERATORS)}; "
+                f"known: {', '.join(catalog.ACCELERATORS)}",
+            )
         if self.image is not None:
             from .images import parse_image
 
             checked("image", parse_image, self.image)
         if self.network not in catalog.NETWORKS:
-            raise Invalid("network", f"unknown network {self.network!r}{suggest(self.network, catalog.NETWORKS)}; "
-                                     f"known: {', '.join(catalog.NETWORKS)}")
+            raise Invalid(
+                "network",
+                f"unknown network {self.network!r}{suggest(self.network, catalog.NETWORKS)}; "
+                f"known: {', '.join(catalog.NETWORKS)}",
+            )
 
     @property
     def accel_name(self) -> str:
@@ -150,9 +179,9 @@ Beta = Float(ge=0, lt=1)
 
 class TrainingSpec(Spec, kw_only=True):
     micro_batch: Int(1, 1_000_000, "sequences per GPU per forward pass") = 1
-    global_batch: Int(1, 10 ** 9, "sequences per optimizer step, all GPUs") | None = None
-    steps: Int(1, 10 ** 12) | None = None
-    tokens: Int(1, 10 ** 17, "alternative to steps: total training tokens") | None = None
+    global_batch: Int(1, 10**9, "sequences per optimizer step, all GPUs") | None = None
+    steps: Int(1, 10**12) | None = None
+    tokens: Int(1, 10**17, "alternative to steps: total training tokens") | None = None
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: Float(gt=0, le=10) = 3e-4
     min_lr: Float(ge=0, le=10) = 0.0
@@ -169,14 +198,17 @@ class TrainingSpec(Spec, kw_only=True):
     deterministic: bool = False
     max_nonfinite_steps: Int(1, 1000, "end the run (exit 45) after this many steps in a row with a NaN/inf loss") = 3
     preflight: bool = True
-    min_allreduce_fraction: Float(ge=0, le=1, description="fail preflight below this fraction of the network's "
-                                                          "expected bandwidth") = 0.0
+    min_allreduce_fraction: Float(
+        ge=0, le=1, description="fail preflight below this fraction of the network's expected bandwidth"
+    ) = 0.0
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.tokens is not None:
-            raise FieldError("set only one of `steps` (optimizer steps) and `tokens` (training tokens)",
-                             "keep one; to override one on the command line, unset the other: "
-                             "--set training.steps=100 --set training.tokens=null")
+            raise FieldError(
+                "set only one of `steps` (optimizer steps) and `tokens` (training tokens)",
+                "keep one; to override one on the command line, unset the other: "
+                "--set training.steps=100 --set training.tokens=null",
+            )
 
 
 class CheckpointSpec(Spec, kw_only=True):
@@ -185,10 +217,16 @@ class CheckpointSpec(Spec, kw_only=True):
     keep: Int(1, 10_000) = 3
     async_: bool = msgspec.field(default=False, name="async")
     export: Literal["none", "safetensors", "torch"] = "safetensors"
-    resume_changed_recipe: Doc("resume a checkpoint written by a recipe with another model, optimizer, schedule or "
-                               "data (normally refused: it is another run's checkpoint)", bool) = False
-    grace_seconds: AutoInt(86_400, "after TERM/USR2, how long torchrun waits for the workers to checkpoint and exit "
-                                   "before it kills them; auto = 3 checkpoint writes + 30 s (at least 30)") = "auto"
+    resume_changed_recipe: Doc(
+        "resume a checkpoint written by a recipe with another model, optimizer, schedule or "
+        "data (normally refused: it is another run's checkpoint)",
+        bool,
+    ) = False
+    grace_seconds: AutoInt(
+        86_400,
+        "after TERM/USR2, how long torchrun waits for the workers to checkpoint and exit "
+        "before it kills them; auto = 3 checkpoint writes + 30 s (at least 30)",
+    ) = "auto"
 
 
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z", re.ASCII)
@@ -197,29 +235,41 @@ MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z"
 class EntrypointSpec(Spec, kw_only=True):
     """The user's own training code, started by the job instead of `python -m launcher.train`."""
 
-    script: Doc("a Python file, relative to workdir (shipped with the job): torchrun runs it on every rank",
-                Str | None) = None
+    script: Doc(
+        "a Python file, relative to workdir (shipped with the job): torchrun runs it on every rank", Str | None
+    ) = None
     module: Text(512, "a module importable from workdir, run like `python -m MODULE`") | None = None
-    args: Annotated[list[Text(4096)], Meta(max_length=1000, description="arguments passed to the script or module, "
-                                                                        "as written")] = []
-    workdir: Doc("the directory shipped with the job (relative to the recipe file, default: the recipe file's "
-                 "directory); the code runs from its copy", Str | None) = None
-    exclude: Annotated[list[Text(512)], Meta(
-        max_length=200, description="glob patterns of files not to ship (e.g. data/*, *.ckpt), besides .git, caches "
-                                    "and venvs")] = []
+    args: Annotated[
+        list[Text(4096)], Meta(max_length=1000, description="arguments passed to the script or module, as written")
+    ] = []
+    workdir: Doc(
+        "the directory shipped with the job (relative to the recipe file, default: the recipe file's "
+        "directory); the code runs from its copy",
+        Str | None,
+    ) = None
+    exclude: Annotated[
+        list[Text(512)],
+        Meta(
+            max_length=200,
+            description="glob patterns of files not to ship (e.g. data/*, *.ckpt), besides .git, caches and venvs",
+        ),
+    ] = []
 
     def __post_init__(self) -> None:
         v = self.script
         if v is not None:
             parts = v.replace("\\", "/").split("/")
             if not v.strip() or v.startswith("/") or v.startswith("~") or ".." in parts or "\x00" in v:
-                raise Invalid("script", f"{v!r}: a path relative to entrypoint.workdir, inside it (the job runs a copy "
-                                        "of workdir)")
+                raise Invalid(
+                    "script",
+                    f"{v!r}: a path relative to entrypoint.workdir, inside it (the job runs a copy of workdir)",
+                )
             if not v.endswith(".py"):
                 raise Invalid("script", f"{v!r}: a Python file (.py); for a package use entrypoint.module")
         if self.module is not None and not MODULE_NAME.match(self.module):
-            raise Invalid("module", f"{self.module!r} is not a module name (dotted Python identifiers, e.g. "
-                                    "mypkg.train)")
+            raise Invalid(
+                "module", f"{self.module!r} is not a module name (dotted Python identifiers, e.g. mypkg.train)"
+            )
         for a in self.args:
             if "\x00" in a:
                 raise Invalid("args", "contains a NUL byte, which no command-line argument can hold")
@@ -236,32 +286,39 @@ class TargetsSpec(Spec, kw_only=True):
 
 class Recipe(Spec, kw_only=True, dict=True):
     name: Text(200)
-    run_id: Doc("the run's identity (checkpoints, metrics): set it to resume an earlier run; default: the "
-                "scheduler's job id (SLURM), the managed job's task id (SkyPilot), the name (local)",
-                str | None) = None
+    run_id: Doc(
+        "the run's identity (checkpoints, metrics): set it to resume an earlier run; default: the "
+        "scheduler's job id (SLURM), the managed job's task id (SkyPilot), the name (local)",
+        str | None,
+    ) = None
     model: ModelSpec
     parallelism: ParallelismSpec = msgspec.field(default_factory=ParallelismSpec)
     resources: ResourcesSpec = msgspec.field(default_factory=ResourcesSpec)
     training: TrainingSpec
     checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
-    entrypoint: Doc("the user's own training code; default: dtlaunch's trainer (python -m launcher.train)",
-                    EntrypointSpec | None) = None
+    entrypoint: Doc(
+        "the user's own training code; default: dtlaunch's trainer (python -m launcher.train)", EntrypointSpec | None
+    ) = None
     targets: TargetsSpec = msgspec.field(default_factory=TargetsSpec)
     env: Annotated[dict[str, Any], Meta(max_length=1000, description="plain environment variables for the job")] = {}
-    secrets: Annotated[list[str], Meta(max_length=100, description="names of environment variables passed "
-                                                                   "through; never values")] = []
+    secrets: Annotated[
+        list[str], Meta(max_length=100, description="names of environment variables passed through; never values")
+    ] = []
 
     def __post_init__(self) -> None:
         if not self.name.strip():
             raise Invalid("name", "must not be empty")
         if self.run_id is not None and not RUN_ID.match(self.run_id):
-            raise Invalid("run_id", f"{self.run_id!r}: a run id is 1-128 letters, digits, '.', '_' or '-', starting "
-                                    "with a letter or digit")
+            raise Invalid(
+                "run_id",
+                f"{self.run_id!r}: a run id is 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit",
+            )
         self.env = _env_values(self.env)
         for s in self.secrets:
             if not ENV_NAME.match(s):
-                raise Invalid("secrets", f"{s!r} is not an environment variable name; secrets lists names only, "
-                                         "never values")
+                raise Invalid(
+                    "secrets", f"{s!r} is not an environment variable name; secrets lists names only, never values"
+                )
 
     def set_source(self, source: Any) -> None:
         """Remember where the recipe came from (loading.SourceMap: file and line of each field)."""
@@ -334,8 +391,11 @@ def _env_values(v: dict) -> dict[str, str]:
         if who := env_owner(k):
             sets = f"{who} sets it for every " + ("rank" if who == "torchrun" else "job")
             instead = f" (set {_ENV_FIELDS[k]} instead)" if k in _ENV_FIELDS else ""
-            raise Invalid(("env", k), f"{k} is reserved: {sets}, and the recipe's value would override it",
-                          f"remove env.{k}: {sets}{instead}")
+            raise Invalid(
+                ("env", k),
+                f"{k} is reserved: {sets}, and the recipe's value would override it",
+                f"remove env.{k}: {sets}{instead}",
+            )
         if isinstance(val, (dict, list)) or val is None:
             raise Invalid("env", f"{k}: value must be a string or number")
         if isinstance(val, float) and (val != val or val in (float("inf"), float("-inf"))):
@@ -365,12 +425,27 @@ def parse(data: Any) -> Recipe:
 # (tests/test_knobs.py pins two digests, which change until it is listed).
 LATER_FIELDS: tuple[str, ...] = (
     "resources.image",
-    "targets.slurm.mem_per_gpu", "targets.slurm.gpu_request", "targets.slurm.gpu_type", "targets.slurm.nodelist",
-    "targets.slurm.exclude", "targets.slurm.reservation", "targets.slurm.dependency", "targets.slurm.mail_type",
-    "targets.slurm.mail_user", "targets.slurm.container",
-    "targets.sky.accelerators", "targets.sky.fallback", "targets.sky.instance_type", "targets.sky.cpus",
-    "targets.sky.memory", "targets.sky.ports", "targets.sky.disk_tier",
-    "entrypoint", "model.hf", "model.hf_config", "model.hf_weights",
+    "targets.slurm.mem_per_gpu",
+    "targets.slurm.gpu_request",
+    "targets.slurm.gpu_type",
+    "targets.slurm.nodelist",
+    "targets.slurm.exclude",
+    "targets.slurm.reservation",
+    "targets.slurm.dependency",
+    "targets.slurm.mail_type",
+    "targets.slurm.mail_user",
+    "targets.slurm.container",
+    "targets.sky.accelerators",
+    "targets.sky.fallback",
+    "targets.sky.instance_type",
+    "targets.sky.cpus",
+    "targets.sky.memory",
+    "targets.sky.ports",
+    "targets.sky.disk_tier",
+    "entrypoint",
+    "model.hf",
+    "model.hf_config",
+    "model.hf_weights",
     "parallelism.pipeline_schedule",
 )
 

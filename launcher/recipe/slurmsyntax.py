@@ -1,6 +1,7 @@
 """SLURM's own little languages (memory sizes, host lists, dependencies, mail types), parsed strictly so a
 typo is a located recipe error instead of an sbatch rejection after the job has queued, or a value sbatch
 reads differently from what was meant (a `/` in a host list makes sbatch read a file of that name)."""
+
 from __future__ import annotations
 
 import itertools
@@ -15,8 +16,10 @@ _MEM = re.compile(r"\d{1,9}[KMGT]?", re.ASCII)
 def parse_mem(text: str, *, zero: bool = True) -> str:
     """A memory size as sbatch's --mem/--mem-per-gpu take it; `zero` allows 0 (--mem=0: all of the node's)."""
     if not _MEM.fullmatch(text):
-        raise ValueError(f"{text!r} is not a SLURM memory size: use {MEM_FORMS}"
-                         + (", or 0 for all of the node's memory" if zero else ""))
+        raise ValueError(
+            f"{text!r} is not a SLURM memory size: use {MEM_FORMS}"
+            + (", or 0 for all of the node's memory" if zero else "")
+        )
     if not zero and int(text.rstrip("KMGT")) == 0:
         raise ValueError(f"{text!r}: a memory size per GPU must be above 0 ({MEM_FORMS})")
     return text
@@ -73,8 +76,10 @@ def parse_hostlist(value: str | list) -> str:
     if not isinstance(value, str):
         raise ValueError("a host list is a string (node[1-4],gpu7) or a list of node names")
     if "/" in value:
-        raise ValueError(f"{value[:80]!r}: sbatch reads a host list with a '/' as a file on the submitting "
-                         f"machine; list the nodes instead ({HOSTLIST_FORMS})")
+        raise ValueError(
+            f"{value[:80]!r}: sbatch reads a host list with a '/' as a file on the submitting "
+            f"machine; list the nodes instead ({HOSTLIST_FORMS})"
+        )
     for item in _split_top(value):
         if not _HOST.fullmatch(item):
             raise ValueError(f"{item[:80]!r} is not a host name or range: use {HOSTLIST_FORMS}")
@@ -102,9 +107,10 @@ def expand_hostlist(value: str) -> list[str]:
 # ----------------------------------------------------------------------------- dependencies
 
 DEPENDENCY_TYPES = ("after", "afterany", "afterburstbuffer", "aftercorr", "afternotok", "afterok")
-DEPENDENCY_FORMS = ("TYPE:JOBID[:JOBID...] joined by ',' (all) or '?' (any), e.g. afterok:123:124,afterany:125, "
-                    "after:123+10 (minutes after it starts), or singleton; TYPE is one of "
-                    + ", ".join(DEPENDENCY_TYPES))
+DEPENDENCY_FORMS = (
+    "TYPE:JOBID[:JOBID...] joined by ',' (all) or '?' (any), e.g. afterok:123:124,afterany:125, "
+    "after:123+10 (minutes after it starts), or singleton; TYPE is one of " + ", ".join(DEPENDENCY_TYPES)
+)
 _JOB = re.compile(r"\d{1,10}(?:_\d{1,10})?", re.ASCII)  # a job, or one task of an array job (123_4)
 _JOB_DELAY = re.compile(r"\d{1,10}(?:_\d{1,10})?(?:\+\d{1,7})?", re.ASCII)
 
@@ -126,16 +132,31 @@ def parse_dependency(text: str) -> str:
         pattern = _JOB_DELAY if kind == "after" else _JOB
         for job in jobs.split(":"):
             if not pattern.fullmatch(job):
-                raise ValueError(f"{item[:80]!r}: {job[:40]!r} is not a job id"
-                                 + (" (with an optional +MINUTES)" if kind == "after" else "")
-                                 + f"; use {DEPENDENCY_FORMS}")
+                raise ValueError(
+                    f"{item[:80]!r}: {job[:40]!r} is not a job id"
+                    + (" (with an optional +MINUTES)" if kind == "after" else "")
+                    + f"; use {DEPENDENCY_FORMS}"
+                )
     return t
 
 
 # ----------------------------------------------------------------------------- mail
 
-MAIL_TYPES = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT",
-              "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS")
+MAIL_TYPES = (
+    "NONE",
+    "BEGIN",
+    "END",
+    "FAIL",
+    "REQUEUE",
+    "ALL",
+    "INVALID_DEPEND",
+    "STAGE_OUT",
+    "TIME_LIMIT",
+    "TIME_LIMIT_90",
+    "TIME_LIMIT_80",
+    "TIME_LIMIT_50",
+    "ARRAY_TASKS",
+)
 
 
 def parse_mail_types(value: str | list) -> list[str]:
@@ -148,8 +169,10 @@ def parse_mail_types(value: str | list) -> list[str]:
         if not isinstance(it, str) or it.strip().upper() not in MAIL_TYPES:
             from .fields import suggest
 
-            raise ValueError(f"{str(it)[:40]!r} is not a SLURM mail type{suggest(str(it).upper(), MAIL_TYPES)}; "
-                             f"known: {', '.join(MAIL_TYPES)}")
+            raise ValueError(
+                f"{str(it)[:40]!r} is not a SLURM mail type{suggest(str(it).upper(), MAIL_TYPES)}; "
+                f"known: {', '.join(MAIL_TYPES)}"
+            )
         name = it.strip().upper()
         if name not in out:
             out.append(name)
@@ -168,13 +191,17 @@ def parse_sbatch_option(entry: str, *, submitit: bool = False) -> str:
     cannot carry it: submitit writes `--name=value` pairs only (`submitit_value` for the rest)."""
     e = entry.strip()
     if not _SBATCH_OPTION.fullmatch(e):
-        raise FieldError(f"{e[:80]!r} is not an sbatch option",
-                         "start each entry with -- and the option's name, e.g. --comment=nightly (or a one-letter "
-                         "option, e.g. -w node1)")
+        raise FieldError(
+            f"{e[:80]!r} is not an sbatch option",
+            "start each entry with -- and the option's name, e.g. --comment=nightly (or a one-letter "
+            "option, e.g. -w node1)",
+        )
     if submitit:
         if not e.startswith("--") or any(c.isspace() for c in e.partition("=")[0]):
-            raise FieldError(f"{e[:80]!r}: submitit writes long options only, as --name=value", "use the long form, "
-                             "e.g. --nodelist=node1 instead of -w node1, or targets.slurm.submit: sbatch")
+            raise FieldError(
+                f"{e[:80]!r}: submitit writes long options only, as --name=value",
+                "use the long form, e.g. --nodelist=node1 instead of -w node1, or targets.slurm.submit: sbatch",
+            )
         submitit_value(e)
     return entry
 
@@ -183,6 +210,9 @@ def submitit_value(value: str) -> str:
     """A value submitit writes into an #SBATCH line: it quotes with shlex.quote, and sbatch still reads a
     backslash inside those single quotes as an escape."""
     if "\\" in value:
-        raise FieldError(f"{value[:80]!r} contains a backslash, which sbatch reads as an escape even inside the "
-                         "single quotes submitit writes", "remove the backslash, or use targets.slurm.submit: sbatch")
+        raise FieldError(
+            f"{value[:80]!r} contains a backslash, which sbatch reads as an escape even inside the "
+            "single quotes submitit writes",
+            "remove the backslash, or use targets.slurm.submit: sbatch",
+        )
     return value

@@ -1,4 +1,5 @@
 """SLURM's time-limit syntax (sbatch --time), parsed strictly so a typo fails before the queue does."""
+
 from __future__ import annotations
 
 import re
@@ -31,7 +32,8 @@ def parse_time(text: str) -> int:
         for i, (unit, v) in enumerate(zip(units, values, strict=True)):
             bounded = i > 0 or (unit == "h" and len(units) > 1 and units[0] == "d")
             if bounded and unit in _MAX and v > _MAX[unit]:
-                raise ValueError(f"{text!r}: {v} is out of range for {_NAMES[unit]} (at most {_MAX[unit]}); "
-                                 f"use {FORMS}")
+                raise ValueError(
+                    f"{text!r}: {v} is out of range for {_NAMES[unit]} (at most {_MAX[unit]}); use {FORMS}"
+                )
         return sum(_SECONDS[u] * v for u, v in zip(units, values, strict=True))
     raise ValueError(f"{text!r} is not a SLURM time limit; use {FORMS}")

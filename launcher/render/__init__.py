@@ -1,4 +1,5 @@
 """Plan -> artifacts for a target. Pure: returns text; writing and submitting happen elsewhere."""
+
 from __future__ import annotations
 
 import json

@@ -6,6 +6,7 @@ target's backend submits exactly the request it is handed, without re-reading th
 The records are msgspec structs rather than dataclasses: `validate` imports this module, and five dataclasses
 cost it ~2 ms of start-up (each one compiles its methods), structs next to nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,9 +48,20 @@ class SubmititSpec(msgspec.Struct, frozen=True):
     step: Mapping[str, Any]  # the job-side callable's settings (launcher.targets.submitit_job.StepJob)
 
     def to_json(self) -> str:
-        return json.dumps({"folder": self.folder, "setup_script": self.setup_script, "python": self.python,
-                           "max_num_timeout": self.max_num_timeout, "parameters": dict(self.parameters),
-                           "step": dict(self.step)}, indent=2) + "\n"
+        return (
+            json.dumps(
+                {
+                    "folder": self.folder,
+                    "setup_script": self.setup_script,
+                    "python": self.python,
+                    "max_num_timeout": self.max_num_timeout,
+                    "parameters": dict(self.parameters),
+                    "step": dict(self.step),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
     @classmethod
     def from_json(cls, text: str) -> SubmititSpec:
@@ -123,8 +135,9 @@ class Artifacts(msgspec.Struct):
                 raise DtlaunchError(f"{out} exists and is not a directory", fix="pick another -o/--out directory")
             tmp = _scratch_dir(out)
         except OSError as e:
-            raise DtlaunchError(f"cannot write into {out}: {e.strerror}",
-                                fix="pick a directory you can write to with -o/--out") from None
+            raise DtlaunchError(
+                f"cannot write into {out}: {e.strerror}", fix="pick a directory you can write to with -o/--out"
+            ) from None
         try:
             for rel, content in self.files.items():
                 p = tmp / rel
@@ -148,8 +161,9 @@ class Artifacts(msgspec.Struct):
                     _prune_empty_dirs(stale.parent, out)
             _write_manifest(out, set(self.files), origin)
         except OSError as e:
-            raise DtlaunchError(f"cannot write into {out}: {e.strerror}",
-                                fix="pick a directory you can write to with -o/--out") from None
+            raise DtlaunchError(
+                f"cannot write into {out}: {e.strerror}", fix="pick a directory you can write to with -o/--out"
+            ) from None
         finally:
             _remove_scratch(tmp)
         return out
@@ -164,8 +178,12 @@ def read_manifest(out: Path) -> tuple[set[str], str | None]:
         lines = (out / MANIFEST).read_text().splitlines()
     except OSError:
         return set(), None
-    origin = lines[0][len("# written by dtlaunch "):].strip() if lines and lines[0].startswith("# written by") else None
-    files = {ln for ln in lines if ln and not ln.startswith("#") and ".." not in ln.split("/") and not ln.startswith("/")}
+    origin = (
+        lines[0][len("# written by dtlaunch ") :].strip() if lines and lines[0].startswith("# written by") else None
+    )
+    files = {
+        ln for ln in lines if ln and not ln.startswith("#") and ".." not in ln.split("/") and not ln.startswith("/")
+    }
     return files, origin
 
 
@@ -196,5 +214,3 @@ def _prune_empty_dirs(d: Path, stop: Path) -> None:
     while d != stop and d.is_dir() and not any(d.iterdir()):
         d.rmdir()
         d = d.parent
-
-

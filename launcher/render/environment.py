@@ -2,6 +2,7 @@
 
 Secrets never appear here: they are passed by name by each target (exported from the submitting shell).
 """
+
 from __future__ import annotations
 
 from ..catalog import NETWORKS
@@ -12,8 +13,13 @@ from ..recipe import Recipe
 def job_env(recipe: Recipe) -> dict[str, str]:
     res = recipe.resources
     is_gpu = res.device().is_gpu
-    env = job_environment(NETWORKS[res.network].nccl_env, is_gpu=is_gpu, socket_ifname=res.socket_ifname,
-                          omp_threads=None if is_gpu else 1, deterministic=recipe.training.deterministic)
+    env = job_environment(
+        NETWORKS[res.network].nccl_env,
+        is_gpu=is_gpu,
+        socket_ifname=res.socket_ifname,
+        omp_threads=None if is_gpu else 1,
+        deterministic=recipe.training.deterministic,
+    )
     env.update(recipe.env)
     return env
 

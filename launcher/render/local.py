@@ -2,6 +2,7 @@
 
 Unlike a cluster job, the interpreter that rendered the script is the right default here (same machine).
 """
+
 from __future__ import annotations
 
 import sys
@@ -22,17 +23,30 @@ SETUP_HINT = "set DTLAUNCH_PYTHON to the python of an environment that has dtlau
 
 def launch_script(recipe: Recipe, plan: Plan, python: str | None = None) -> str:
     cmd = torchrun_command(
-        recipe, plan, python=ShellExpr("$PYTHON"), nnodes="1", nproc_per_node=str(plan.gpus_per_node),
-        rdzv_endpoint=ShellExpr("127.0.0.1:$PORT"), rdzv_id=ShellExpr("$DTLAUNCH_RUN_ID"),
-        max_restarts=recipe.targets.local.max_restarts, is_host="1", local_addr="127.0.0.1",
+        recipe,
+        plan,
+        python=ShellExpr("$PYTHON"),
+        nnodes="1",
+        nproc_per_node=str(plan.gpus_per_node),
+        rdzv_endpoint=ShellExpr("127.0.0.1:$PORT"),
+        rdzv_id=ShellExpr("$DTLAUNCH_RUN_ID"),
+        max_restarts=recipe.targets.local.max_restarts,
+        is_host="1",
+        local_addr="127.0.0.1",
         entry=entry_args(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR")),
     )
     return render_template(
-        "local_launch.sh.j2", env=job_env(recipe), default_run_id=recipe.run_id or recipe.job_name,
-        checkpoint_template=checkpoint_template(recipe), secrets=recipe.secrets, setup_hint=SETUP_HINT,
-        default_python=python or sys.executable, torchrun=cmd,
+        "local_launch.sh.j2",
+        env=job_env(recipe),
+        default_run_id=recipe.run_id or recipe.job_name,
+        checkpoint_template=checkpoint_template(recipe),
+        secrets=recipe.secrets,
+        setup_hint=SETUP_HINT,
+        default_python=python or sys.executable,
+        torchrun=cmd,
         # an exported run directory or attempt (`dtlaunch up` names the attempt) wins over these defaults
-        run_dir=exported_or(RUN_DIR, "$HERE"), plan_file=ShellExpr("$HERE/plan.json"),
+        run_dir=exported_or(RUN_DIR, "$HERE"),
+        plan_file=ShellExpr("$HERE/plan.json"),
         attempt=exported_or(ATTEMPT, "manual-$(date +%s)-$$"),
         code_dir=ShellExpr(f"$HERE/{CODE_DIR}") if recipe.entrypoint else None,
     )

@@ -7,6 +7,7 @@ standard wheel next to the job's files. The wheel is repacked from the installed
 regular or an editable install), needs no build tools, and is byte-for-byte reproducible for the same
 code (fixed timestamps, sorted entries).
 """
+
 from __future__ import annotations
 
 import base64
@@ -66,15 +67,21 @@ def _dist_info() -> list[tuple[str, bytes]]:
     try:
         dist = metadata.distribution(DIST)
     except metadata.PackageNotFoundError:
-        raise DtlaunchError("dtlaunch is not installed as a package, so its wheel cannot be built for the job",
-                            fix="install it (pip install -e . in the source tree, or pip install dtlaunch)") from None
+        raise DtlaunchError(
+            "dtlaunch is not installed as a package, so its wheel cannot be built for the job",
+            fix="install it (pip install -e . in the source tree, or pip install dtlaunch)",
+        ) from None
     meta = dist.read_text("METADATA") or dist.read_text("PKG-INFO")  # an egg-info (source tree) has PKG-INFO
     if not meta:
         raise DtlaunchError("the installed dtlaunch has no METADATA", fix="reinstall dtlaunch")
     info = f"{DIST}-{__version__}.dist-info"
-    files = [(f"{info}/METADATA", meta.encode()),
-             (f"{info}/WHEEL", b"Wheel-Version: 1.0\nGenerator: dtlaunch render\nRoot-Is-Purelib: true\n"
-                               b"Tag: py3-none-any\n")]
+    files = [
+        (f"{info}/METADATA", meta.encode()),
+        (
+            f"{info}/WHEEL",
+            b"Wheel-Version: 1.0\nGenerator: dtlaunch render\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        ),
+    ]
     entry_points = dist.read_text("entry_points.txt")
     if entry_points:
         files.append((f"{info}/entry_points.txt", entry_points.encode()))

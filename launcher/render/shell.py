@@ -4,6 +4,7 @@ A `ShellExpr` marks a fragment that must be expanded by the shell at run time (e
 is emitted inside double quotes so it expands to one word. Everything else is a literal and goes through
 shlex.quote, so `name: "x; touch /tmp/pwned"` stays a harmless string.
 """
+
 from __future__ import annotations
 
 import re
@@ -62,8 +63,10 @@ def sbatch_value(value: object, field: str = "a SLURM option") -> str:
     """
     s = str(value)
     if "\n" in s or "\r" in s or "\x00" in s:
-        raise DtlaunchError(f"{field}: the value {s[:80]!r} contains a newline or NUL; it cannot go into an "
-                            "#SBATCH line", fix=f"remove the line break from {field}")
+        raise DtlaunchError(
+            f"{field}: the value {s[:80]!r} contains a newline or NUL; it cannot go into an #SBATCH line",
+            fix=f"remove the line break from {field}",
+        )
     if _SAFE_SBATCH.match(s):
         return s
     return '"' + re.sub(r'(["\\#])', r"\\\1", s) + '"'

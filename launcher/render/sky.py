@@ -10,6 +10,7 @@ launch` clusters stop themselves when idle. Recipe values reach the shell only t
 quoting filters; environment values travel in `envs:` (SkyPilot exports them); secrets are listed by name
 and supplied with `--secret NAME` from the submitting shell.
 """
+
 from __future__ import annotations
 
 import os
@@ -102,8 +103,7 @@ def resources(recipe: Recipe, choices: Choices | None = None) -> dict:
     if sk.disk_size is not None:  # on Kubernetes a disk_size is an ephemeral-storage request pods must meet
         out["disk_size"] = sk.disk_size
     # The machine's own fields, where the recipe sets them.
-    out.update({k: v for k, v in (("disk_tier", sk.disk_tier), ("ports", list(sk.ports or [])))
-                if v})
+    out.update({k: v for k, v in (("disk_tier", sk.disk_tier), ("ports", list(sk.ports or []))) if v})
     if res.image:  # the job runs in this container on every node (setup and run alike)
         out["image_id"] = images.for_sky(res.image)
     out.update(_lifecycle(recipe))
@@ -134,15 +134,17 @@ def _lifecycle(recipe: Recipe) -> dict:
     """A managed job's recovery, or an unmanaged cluster's autostop."""
     sk = recipe.targets.sky
     if is_managed(recipe):
-        return {"job_recovery": {
-            # Spot capacity vanishes region-wide; on-demand failures are usually one bad node.
-            "strategy": "EAGER_NEXT_REGION" if sk.spot else "FAILOVER",
-            "max_restarts_on_errors": sk.max_restarts_on_errors,
-            # Only the policy's "resume" codes (PREEMPTED) recover without limit: SkyPilot does not count these
-            # recoveries, and a reproducible hang (43) must count against max_restarts_on_errors like any
-            # error. Final codes (2, 45) cannot be told apart here: the run's terminal marker ends them.
-            "recover_on_exit_codes": list(RESUME_CODES),
-        }}
+        return {
+            "job_recovery": {
+                # Spot capacity vanishes region-wide; on-demand failures are usually one bad node.
+                "strategy": "EAGER_NEXT_REGION" if sk.spot else "FAILOVER",
+                "max_restarts_on_errors": sk.max_restarts_on_errors,
+                # Only the policy's "resume" codes (PREEMPTED) recover without limit: SkyPilot does not count these
+                # recoveries, and a reproducible hang (43) must count against max_restarts_on_errors like any
+                # error. Final codes (2, 45) cannot be told apart here: the run's terminal marker ends them.
+                "recover_on_exit_codes": list(RESUME_CODES),
+            }
+        }
     if sk.autostop_minutes:
         return {"autostop": {"idle_minutes": sk.autostop_minutes, "down": sk.autodown}}
     return {}
@@ -178,8 +180,14 @@ def setup_script(recipe: Recipe, plan: Plan) -> str:
     # With an image, its torch stays: the wheel without its dependencies, then those besides torch
     # (package.image_requirements); the run's check says which torch the plan needs.
     image_deps = image_requirements() if recipe.resources.image else None
-    return render_template("sky_setup.sh.j2", wheel_requirement=wheel, extra_requirements=extra, image_deps=image_deps,
-                           install_pdsh=head_only and recipe.resources.nodes > 1, setup=recipe.targets.sky.setup)
+    return render_template(
+        "sky_setup.sh.j2",
+        wheel_requirement=wheel,
+        extra_requirements=extra,
+        image_deps=image_deps,
+        install_pdsh=head_only and recipe.resources.nodes > 1,
+        setup=recipe.targets.sky.setup,
+    )
 
 
 def _nproc(recipe: Recipe, plan: Plan) -> Word:
@@ -197,25 +205,54 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
     job_dir, _ = _job_paths(recipe)
     entry = entry_args(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR"))
     torchrun = torchrun_command(
-        recipe, plan, python=ShellExpr("$PYTHON"), nnodes=ShellExpr("$SKYPILOT_NUM_NODES"),
-        nproc_per_node=_nproc(recipe, plan), rdzv_endpoint=ShellExpr("$MASTER_ADDR:$PORT"),
-        rdzv_id=ShellExpr("$DTLAUNCH_RUN_ID"), max_restarts=recipe.targets.sky.max_restarts,
-        is_host=ShellExpr("$IS_HOST"), local_addr=ShellExpr("$NODE_ADDR"), entry=entry)
+        recipe,
+        plan,
+        python=ShellExpr("$PYTHON"),
+        nnodes=ShellExpr("$SKYPILOT_NUM_NODES"),
+        nproc_per_node=_nproc(recipe, plan),
+        rdzv_endpoint=ShellExpr("$MASTER_ADDR:$PORT"),
+        rdzv_id=ShellExpr("$DTLAUNCH_RUN_ID"),
+        max_restarts=recipe.targets.sky.max_restarts,
+        is_host=ShellExpr("$IS_HOST"),
+        local_addr=ShellExpr("$NODE_ADDR"),
+        entry=entry,
+    )
     module, module_args = entry_module(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR"))
     ds_args: list[Word] = [
-        flag("--hostfile", ShellExpr("$HOSTFILE")), flag("--master_addr", ShellExpr("$MASTER_ADDR")),
-        flag("--master_port", ShellExpr("$PORT")), "--no_local_rank", "--module",
+        flag("--hostfile", ShellExpr("$HOSTFILE")),
+        flag("--master_addr", ShellExpr("$MASTER_ADDR")),
+        flag("--master_port", ShellExpr("$PORT")),
+        "--no_local_rank",
+        "--module",
     ]
     return render_template(
-        "sky_run.sh.j2", job_dir=job_dir, code_dir=code_dir(recipe, job_dir),
+        "sky_run.sh.j2",
+        job_dir=job_dir,
+        code_dir=code_dir(recipe, job_dir),
         default_run_id=recipe.run_id or ShellExpr("$SKYPILOT_TASK_ID"),
-        run_dir=exported_or(RUN_DIR, f"$JOB_DIR/runs/${RUN_ID}"), plan_file=ShellExpr("$JOB_DIR/plan.json"),
-        attempt=ShellExpr("sky-$(date +%s)-$$"), final_codes=FINAL_CODES, final_marker=FINAL_MARKER,
-        checkpoint_template=checkpoint_dir(recipe), port=DEFAULT_PORT, setup_hint=SETUP_HINT, default_python=None,
-        deepspeed=recipe.parallelism.launcher == "deepspeed", deepspeed_ssh=recipe.targets.sky.deepspeed_ssh,
-        nproc=_nproc(recipe, plan), ds_env=envs(recipe), torchrun=torchrun, ds_module=[module, *module_args],
-        deepspeed_node=[*_DEEPSPEED, "--no_ssh", flag("--node_rank", ShellExpr("$SKYPILOT_NODE_RANK")), *ds_args,
-                        module, *module_args],
+        run_dir=exported_or(RUN_DIR, f"$JOB_DIR/runs/${RUN_ID}"),
+        plan_file=ShellExpr("$JOB_DIR/plan.json"),
+        attempt=ShellExpr("sky-$(date +%s)-$$"),
+        final_codes=FINAL_CODES,
+        final_marker=FINAL_MARKER,
+        checkpoint_template=checkpoint_dir(recipe),
+        port=DEFAULT_PORT,
+        setup_hint=SETUP_HINT,
+        default_python=None,
+        deepspeed=recipe.parallelism.launcher == "deepspeed",
+        deepspeed_ssh=recipe.targets.sky.deepspeed_ssh,
+        nproc=_nproc(recipe, plan),
+        ds_env=envs(recipe),
+        torchrun=torchrun,
+        ds_module=[module, *module_args],
+        deepspeed_node=[
+            *_DEEPSPEED,
+            "--no_ssh",
+            flag("--node_rank", ShellExpr("$SKYPILOT_NODE_RANK")),
+            *ds_args,
+            module,
+            *module_args,
+        ],
         # the head's module words are DS_MODULE, which the script checks before it launches
         deepspeed_head=[*_DEEPSPEED, "--log_level=warning", *ds_args, ShellExpr("${DS_MODULE[@]}")],
     )
@@ -224,8 +261,7 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
 def task(recipe: Recipe, plan: Plan, choices: Choices | None = None) -> dict:
     """`choices`: the accelerator fallbacks as planned (plan.choices.for_target), `plan` their shipped plan."""
     sk = recipe.targets.sky
-    out: dict = {"name": recipe.job_name, "num_nodes": recipe.resources.nodes,
-                 "resources": resources(recipe, choices)}
+    out: dict = {"name": recipe.job_name, "num_nodes": recipe.resources.nodes, "resources": resources(recipe, choices)}
     mounts: dict = {}
     if sk.workdir:  # the user's project is the workdir; the rendered files ride along as a mount
         out["workdir"] = os.path.expanduser(sk.workdir)
@@ -255,8 +291,7 @@ def request(recipe: Recipe) -> SkyRequest:
 
 def render_sky(recipe: Recipe, plan: Plan, files: dict[str, str], choices: Choices | None = None) -> Artifacts:
     req = request(recipe)
-    header = ("# Rendered by dtlaunch for SkyPilot. Submit from this directory:\n#   "
-              + " ".join(req.argv) + "\n")
+    header = "# Rendered by dtlaunch for SkyPilot. Submit from this directory:\n#   " + " ".join(req.argv) + "\n"
     out: dict[str, str | bytes] = dict(files)
     out[TASK_FILE] = header + yaml.dump(task(recipe, plan, choices), Dumper=_Dumper, sort_keys=False, width=1000)
     out[wheel_name()] = build_wheel()
@@ -267,11 +302,17 @@ def _notes(recipe: Recipe, choices: Choices | None) -> list[str]:
     notes = list(choices.notes) if choices else []
     sk = recipe.targets.sky
     if sk.checkpoint_storage is None and (recipe.resources.nodes > 1 or is_managed(recipe)):
-        notes.append("no targets.sky.checkpoint_storage: checkpoints stay on each node's disk, so other nodes cannot "
-                     "see them and a recovered job starts on fresh VMs from step 0")
+        notes.append(
+            "no targets.sky.checkpoint_storage: checkpoints stay on each node's disk, so other nodes cannot "
+            "see them and a recovered job starts on fresh VMs from step 0"
+        )
     if recipe.secrets:
-        notes.append("export " + ", ".join(recipe.secrets) + " in the submitting shell: `--secret NAME` reads them there")
+        notes.append(
+            "export " + ", ".join(recipe.secrets) + " in the submitting shell: `--secret NAME` reads them there"
+        )
     if not is_managed(recipe) and sk.autostop_minutes:
-        notes.append(f"the cluster {'is torn down' if sk.autodown else 'stops'} after {sk.autostop_minutes} idle "
-                     "minutes (targets.sky.autostop_minutes: null keeps it up)")
+        notes.append(
+            f"the cluster {'is torn down' if sk.autodown else 'stops'} after {sk.autostop_minutes} idle "
+            "minutes (targets.sky.autostop_minutes: null keeps it up)"
+        )
     return notes

@@ -34,6 +34,7 @@ so the check's import is reused by training; the job removes it on every node wh
 Signals need nothing extra: slurmstepd signals every process of a step, and the processes in a pyxis
 container or under `apptainer exec` (no PID namespace) are processes of the step.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,11 +53,26 @@ MOUNTS_VAR = "CONTAINER_MOUNTS"
 CHECK_ARG = "--check"  # step.sh's argument for the interpreter check only
 JOB_ENV = "DTLAUNCH_JOB_ENV"  # the file of the job's environment, read inside the container
 # Writable caches inside a container (read-only root filesystem, no HOME), relative to the submit directory.
-CACHE_DIRS = {"XDG_CACHE_HOME": "cache", "TORCH_EXTENSIONS_DIR": "cache/torch_extensions",
-              "HF_HOME": "cache/huggingface", "TRITON_CACHE_DIR": "cache/triton"}
+CACHE_DIRS = {
+    "XDG_CACHE_HOME": "cache",
+    "TORCH_EXTENSIONS_DIR": "cache/torch_extensions",
+    "HF_HOME": "cache/huggingface",
+    "TRITON_CACHE_DIR": "cache/triton",
+}
 # What the batch shell exports for the job besides the recipe's env: the container must see the host's values.
-JOB_VARS = (jobenv.RUN_ID, jobenv.RUN_DIR, jobenv.PLAN, jobenv.ATTEMPT, jobenv.STATUS, jobenv.CHECKPOINT_DIR,
-            jobenv.CODE_DIR, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "PYTHONPATH", "MASTER_ADDR", "MASTER_PORT")
+JOB_VARS = (
+    jobenv.RUN_ID,
+    jobenv.RUN_DIR,
+    jobenv.PLAN,
+    jobenv.ATTEMPT,
+    jobenv.STATUS,
+    jobenv.CHECKPOINT_DIR,
+    jobenv.CODE_DIR,
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    "PYTHONPATH",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 CONTAINER_NAME = "dtlaunch-$SLURM_JOB_ID"
 
 
@@ -116,30 +132,35 @@ def container(recipe: Recipe) -> Container | None:
         return None
     image = image_for(recipe)
     if image is None:
-        raise DtlaunchError("targets.slurm.container has no image",
-                            fix="set resources.image (e.g. nvcr.io/nvidia/pytorch:24.05-py3) or "
-                                "targets.slurm.container.image")
+        raise DtlaunchError(
+            "targets.slurm.container has no image",
+            fix="set resources.image (e.g. nvcr.io/nvidia/pytorch:24.05-py3) or targets.slurm.container.image",
+        )
     root = checkpoint_root(recipe)
     mounts, make = [], []
     if root and root != "/":
         if not MOUNT_PATH.fullmatch(root):
-            raise DtlaunchError(f"checkpoint.dir {recipe.checkpoint.dir!r} cannot be bind-mounted into the container "
-                                "(a mount path holds no ',', ':', spaces or quotes)",
-                                fix="use a plainer checkpoint.dir, or a relative one (under the submit directory)")
+            raise DtlaunchError(
+                f"checkpoint.dir {recipe.checkpoint.dir!r} cannot be bind-mounted into the container "
+                "(a mount path holds no ',', ':', spaces or quotes)",
+                fix="use a plainer checkpoint.dir, or a relative one (under the submit directory)",
+            )
         mounts.append(f"{root}:{root}")
         make.append(root)
     mounts += [m for m in c.mounts if m not in mounts]
     caches = tuple((k, v) for k, v in CACHE_DIRS.items() if k not in recipe.env)  # the recipe's own value wins
-    return Container(c.runtime, image, tuple(mounts), tuple(make), c.workdir, recipe.resources.device().is_gpu,
-                     caches)
+    return Container(c.runtime, image, tuple(mounts), tuple(make), c.workdir, recipe.resources.device().is_gpu, caches)
 
 
 def srun_flags(c: Container) -> list[Word]:
     """pyxis's srun options. The container is named per job: the check step imports the image once on the
     first node, and the training step there reuses it instead of importing it again."""
-    return [f"--container-image={c.image}", ShellExpr(f"--container-mounts=${MOUNTS_VAR}"),
-            f"--container-workdir={c.workdir}" if c.workdir else ShellExpr("--container-workdir=$SUBMIT_DIR"),
-            ShellExpr(f"--container-name={CONTAINER_NAME}")]
+    return [
+        f"--container-image={c.image}",
+        ShellExpr(f"--container-mounts=${MOUNTS_VAR}"),
+        f"--container-workdir={c.workdir}" if c.workdir else ShellExpr("--container-workdir=$SUBMIT_DIR"),
+        ShellExpr(f"--container-name={CONTAINER_NAME}"),
+    ]
 
 
 def exec_prefix(c: Container) -> list[Word]:
@@ -147,8 +168,15 @@ def exec_prefix(c: Container) -> list[Word]:
     words: list[Word] = [c.runtime, "exec"]
     if c.gpu:
         words.append("--nv")
-    words += ["--bind", ShellExpr(f"${MOUNTS_VAR}"), "--env-file", ShellExpr(f"${JOB_ENV}"), "--pwd",
-              c.workdir or ShellExpr("$PWD"), ShellExpr(f"$SUBMIT_DIR/{c.sif}") if c.sif else c.image]
+    words += [
+        "--bind",
+        ShellExpr(f"${MOUNTS_VAR}"),
+        "--env-file",
+        ShellExpr(f"${JOB_ENV}"),
+        "--pwd",
+        c.workdir or ShellExpr("$PWD"),
+        ShellExpr(f"$SUBMIT_DIR/{c.sif}") if c.sif else c.image,
+    ]
     return words
 
 
@@ -161,8 +189,12 @@ def cleanup_command(c: Container | None) -> list[Word] | None:
 
 
 # One task on every node of the allocation: the node checks and the container's removal.
-EVERY_NODE: list[Word] = ["srun", ShellExpr("--nodes=$SLURM_NNODES"), ShellExpr("--ntasks=$SLURM_NNODES"),
-                          "--ntasks-per-node=1"]
+EVERY_NODE: list[Word] = [
+    "srun",
+    ShellExpr("--nodes=$SLURM_NNODES"),
+    ShellExpr("--ntasks=$SLURM_NNODES"),
+    "--ntasks-per-node=1",
+]
 
 
 def check_command(c: Container, step_script: ShellExpr) -> list[Word]:

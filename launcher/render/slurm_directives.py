@@ -2,24 +2,65 @@
 user's extra_sbatch entries, with the clashes between them. Apart from the job script's templates, so that
 `validate` can check extra_sbatch against what the job script will say without loading the renderer.
 """
+
 from __future__ import annotations
 
 from ..plan import Plan
 from ..recipe import Recipe
 
 # Options dtlaunch derives from the plan: extra_sbatch must not contradict them.
-PLAN_OPTIONS = ("--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node", "--gpus-per-node", "--gpus", "-G",
-                "--array", "-a", "--signal", "--requeue", "--no-requeue", "--output", "-o", "--open-mode",
-                "--job-name", "-J")
+PLAN_OPTIONS = (
+    "--nodes",
+    "-N",
+    "--ntasks",
+    "-n",
+    "--ntasks-per-node",
+    "--gpus-per-node",
+    "--gpus",
+    "-G",
+    "--array",
+    "-a",
+    "--signal",
+    "--requeue",
+    "--no-requeue",
+    "--output",
+    "-o",
+    "--open-mode",
+    "--job-name",
+    "-J",
+)
 # Options a targets.slurm field writes (the field that does), with sbatch's short spellings: an extra_sbatch
 # entry naming one of these, while directives() already writes it, is a second value for the same thing.
-FIELD_OPTIONS = {"--time": "time", "--mem": "mem", "--mem-per-gpu": "mem_per_gpu", "--cpus-per-task": "cpus_per_task",
-                 "--cpus-per-gpu": "cpus_per_gpu", "--gres": "gpu_request", "--partition": "partition",
-                 "--account": "account", "--qos": "qos", "--constraint": "constraint", "--exclusive": "exclusive",
-                 "--reservation": "reservation", "--nodelist": "nodelist", "--exclude": "exclude",
-                 "--dependency": "dependency", "--mail-type": "mail_type", "--mail-user": "mail_user"}
-SHORT_OPTIONS = {"-t": "--time", "-c": "--cpus-per-task", "-p": "--partition", "-A": "--account", "-q": "--qos",
-                 "-C": "--constraint", "-w": "--nodelist", "-x": "--exclude", "-d": "--dependency"}
+FIELD_OPTIONS = {
+    "--time": "time",
+    "--mem": "mem",
+    "--mem-per-gpu": "mem_per_gpu",
+    "--cpus-per-task": "cpus_per_task",
+    "--cpus-per-gpu": "cpus_per_gpu",
+    "--gres": "gpu_request",
+    "--partition": "partition",
+    "--account": "account",
+    "--qos": "qos",
+    "--constraint": "constraint",
+    "--exclusive": "exclusive",
+    "--reservation": "reservation",
+    "--nodelist": "nodelist",
+    "--exclude": "exclude",
+    "--dependency": "dependency",
+    "--mail-type": "mail_type",
+    "--mail-user": "mail_user",
+}
+SHORT_OPTIONS = {
+    "-t": "--time",
+    "-c": "--cpus-per-task",
+    "-p": "--partition",
+    "-A": "--account",
+    "-q": "--qos",
+    "-C": "--constraint",
+    "-w": "--nodelist",
+    "-x": "--exclude",
+    "-d": "--dependency",
+}
 # sbatch refuses two of one group together (e.g. --mem with --mem-per-gpu), whichever wrote them.
 EXCLUSIVE_GROUPS = (("--mem", "--mem-per-gpu", "--mem-per-cpu"), ("--cpus-per-task", "--cpus-per-gpu"))
 
@@ -28,7 +69,9 @@ def directives(recipe: Recipe, plan: Plan, array: str | None = None) -> list[tup
     """(option, value) pairs for the #SBATCH lines; the template quotes them for sbatch's own parser."""
     opts = _field_directives(recipe, plan, array)
     for extra in recipe.targets.slurm.extra_sbatch:
-        extra = extra.strip()  # an sbatch option: the recipe loader refused anything else (slurmsyntax.parse_sbatch_option)
+        extra = (
+            extra.strip()
+        )  # an sbatch option: the recipe loader refused anything else (slurmsyntax.parse_sbatch_option)
         name, sep, val = extra.partition("=")
         opts.append((name, val if sep else None))
     return opts
@@ -53,8 +96,9 @@ def field_clashes(recipe: Recipe, plan: Plan) -> list[tuple[str, str, str]]:
             continue
         if name == "--gres":  # another generic resource is fine, unless the GPUs are already a --gres
             if "--gres" in written or "gpu" in entry.partition("=")[2]:
-                out.append((entry, f"--gres={written['--gres']}" if "--gres" in written else "--gpus-per-node",
-                            "gpu_request"))
+                out.append(
+                    (entry, f"--gres={written['--gres']}" if "--gres" in written else "--gpus-per-node", "gpu_request")
+                )
             continue
         for group in EXCLUSIVE_GROUPS:
             if name in group:

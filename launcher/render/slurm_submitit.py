@@ -12,6 +12,7 @@ parameters where it has one (it writes those itself, e.g. --time and --job-name)
 quotes but still treats a backslash in them as an escape, and a line break would end the #SBATCH line and
 start a shell command, so such values are refused here instead of being mangled or run.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,15 +40,31 @@ PYTHON = 'exec "$PYTHON"'
 # sbatch options submitit has a parameter for (it writes these lines itself, under these names).
 # --cpus-per-gpu and --reservation go through additional_parameters: submitit has no `reservation`, and its
 # `cpus_per_gpu` warns that it "requires gpus_per_task" (untrue for a --gpus-per-node job) on every submit.
-NAMED = {"--job-name": "job_name", "--nodes": "nodes", "--ntasks-per-node": "ntasks_per_node",
-         "--gpus-per-node": "gpus_per_node", "--cpus-per-task": "cpus_per_task", "--mem": "mem",
-         "--mem-per-gpu": "mem_per_gpu", "--gres": "gres", "--partition": "partition", "--account": "account",
-         "--qos": "qos", "--constraint": "constraint", "--exclude": "exclude", "--nodelist": "nodelist",
-         "--dependency": "dependency", "--mail-type": "mail_type", "--mail-user": "mail_user"}
+NAMED = {
+    "--job-name": "job_name",
+    "--nodes": "nodes",
+    "--ntasks-per-node": "ntasks_per_node",
+    "--gpus-per-node": "gpus_per_node",
+    "--cpus-per-task": "cpus_per_task",
+    "--mem": "mem",
+    "--mem-per-gpu": "mem_per_gpu",
+    "--gres": "gres",
+    "--partition": "partition",
+    "--account": "account",
+    "--qos": "qos",
+    "--constraint": "constraint",
+    "--exclude": "exclude",
+    "--nodelist": "nodelist",
+    "--dependency": "dependency",
+    "--mail-type": "mail_type",
+    "--mail-user": "mail_user",
+}
 # submitit writes the job's log into its own folder (--output/--error with %j) and appends across requeues.
 SUBMITIT_WRITES = ("--output", "--open-mode")
-SUBMITIT_HINT = ("the batch step runs submitit in the job's own interpreter: install dtlaunch[slurm] (submitit) in "
-                 "the environment targets.slurm.setup activates")
+SUBMITIT_HINT = (
+    "the batch step runs submitit in the job's own interpreter: install dtlaunch[slurm] (submitit) in "
+    "the environment targets.slurm.setup activates"
+)
 
 
 def minutes(time: str) -> int:
@@ -58,9 +75,11 @@ def minutes(time: str) -> int:
 def _check(option: str, value: object) -> None:
     sbatch_value(value, f"targets.slurm ({option})")  # refuses line breaks and NUL
     if "\\" in str(value):
-        raise DtlaunchError(f"targets.slurm ({option}): {str(value)[:80]!r} contains a backslash, which sbatch reads "
-                            "as an escape even inside the single quotes submitit writes",
-                            fix="remove the backslash, or use targets.slurm.submit: sbatch")
+        raise DtlaunchError(
+            f"targets.slurm ({option}): {str(value)[:80]!r} contains a backslash, which sbatch reads "
+            "as an escape even inside the single quotes submitit writes",
+            fix="remove the backslash, or use targets.slurm.submit: sbatch",
+        )
 
 
 def parameters(recipe: Recipe, plan: Plan) -> dict[str, Any]:
@@ -85,8 +104,10 @@ def parameters(recipe: Recipe, plan: Plan) -> dict[str, Any]:
             # --requeue lets `scontrol requeue` requeue the job; the recipe's extra_sbatch follows.
             extra[option[2:]] = True if value is None else value
         else:
-            raise DtlaunchError(f"targets.slurm.extra_sbatch: {option!r}: submitit writes long options only",
-                                fix="use the long form, e.g. --nodelist=node1 instead of -w node1")
+            raise DtlaunchError(
+                f"targets.slurm.extra_sbatch: {option!r}: submitit writes long options only",
+                fix="use the long form, e.g. --nodelist=node1 instead of -w node1",
+            )
     params["additional_parameters"] = extra
     return params
 
@@ -117,16 +138,36 @@ def step_settings(recipe: Recipe, plan: Plan) -> dict[str, Any]:
     }
 
 
-def render_submitit(recipe: Recipe, plan: Plan, files: dict[str, str], *, batch_context: dict,
-                    notes: list[str]) -> Artifacts:
+def render_submitit(
+    recipe: Recipe, plan: Plan, files: dict[str, str], *, batch_context: dict, notes: list[str]
+) -> Artifacts:
     """`files` holds plan.json, recipe.yaml, step.sh (and ds_config.json for ZeRO)."""
-    spec = SubmititSpec(FOLDER, SETUP_SCRIPT, PYTHON, max_num_timeout(recipe, plan), parameters(recipe, plan),
-                        step_settings(recipe, plan))
-    setup = render_template("submitit_setup.sh.j2", setup_script=SETUP_SCRIPT, step_script=STEP_SCRIPT,
-                            outside_hint=f"submitit's batch script sources {SETUP_SCRIPT}",
-                            submitit_hint=SUBMITIT_HINT, host_python=True, **batch_context)
+    spec = SubmititSpec(
+        FOLDER,
+        SETUP_SCRIPT,
+        PYTHON,
+        max_num_timeout(recipe, plan),
+        parameters(recipe, plan),
+        step_settings(recipe, plan),
+    )
+    setup = render_template(
+        "submitit_setup.sh.j2",
+        setup_script=SETUP_SCRIPT,
+        step_script=STEP_SCRIPT,
+        outside_hint=f"submitit's batch script sources {SETUP_SCRIPT}",
+        submitit_hint=SUBMITIT_HINT,
+        host_python=True,
+        **batch_context,
+    )
     out = {**files, SETUP_SCRIPT: setup, REQUEST_FILE: spec.to_json()}
-    request = SlurmRequest(REQUEST_FILE, recipe.targets.slurm, secrets=tuple(recipe.secrets), submit="submitit",
-                           submitit=spec)
-    return Artifacts("slurm", recipe.job_name, out, request, {STEP_SCRIPT},
-                     notes=[*notes, f"submitit: the job's log and pickles go to {FOLDER}/ in the submit directory"])
+    request = SlurmRequest(
+        REQUEST_FILE, recipe.targets.slurm, secrets=tuple(recipe.secrets), submit="submitit", submitit=spec
+    )
+    return Artifacts(
+        "slurm",
+        recipe.job_name,
+        out,
+        request,
+        {STEP_SCRIPT},
+        notes=[*notes, f"submitit: the job's log and pickles go to {FOLDER}/ in the submit directory"],
+    )

@@ -6,6 +6,7 @@ checked again where it meets the shell), `int` (a whole number) and `verbatim`, 
 exception (targets.*.setup lines, run as written). tests/test_templates.py checks that no template
 inserts a value any other way.
 """
+
 from __future__ import annotations
 
 from ..errors import DtlaunchError
@@ -34,4 +35,3 @@ def whole(value: object) -> int:
 
 
 FILTERS = {"q": quote, "cmd": join, "sbatch": sbatch_value, "envname": envname, "verbatim": verbatim, "int": whole}
-

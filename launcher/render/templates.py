@@ -7,6 +7,7 @@ this is shell, not HTML, nothing is autoescaped: a value enters a script only th
 pass is an error, not an empty word. Every template also sees `code` (the exit codes) and `jobenv` (the
 names launcher/jobenv.py gives the job's environment, e.g. `{{ jobenv.RUN_ID }}`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,14 @@ def environment():
     the file's last line break is kept."""
     import jinja2
 
-    env = jinja2.Environment(loader=jinja2.PackageLoader(__package__), undefined=jinja2.StrictUndefined,
-                             autoescape=False, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader(__package__),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     env.filters.update(FILTERS)
     env.globals.update(code=jobenv.ExitCode, jobenv=jobenv)
     return env

@@ -1,4 +1,5 @@
 """The one launch command every target runs, with the per-target values filled in."""
+
 from __future__ import annotations
 
 import math
@@ -48,24 +49,37 @@ def entry_args(recipe: Recipe, plan_path: Word, run_dir: Word) -> list[Word]:
     return ["-m", module, *args]
 
 
-def torchrun_command(recipe: Recipe, plan: Plan, *, python: Word, nnodes: Word, nproc_per_node: Word,
-                     rdzv_endpoint: Word, rdzv_id: Word, max_restarts: int, is_host: Word, local_addr: Word,
-                     entry: list[Word]) -> list[Word]:
+def torchrun_command(
+    recipe: Recipe,
+    plan: Plan,
+    *,
+    python: Word,
+    nnodes: Word,
+    nproc_per_node: Word,
+    rdzv_endpoint: Word,
+    rdzv_id: Word,
+    max_restarts: int,
+    is_host: Word,
+    local_addr: Word,
+    entry: list[Word],
+) -> list[Word]:
     """c10d rendezvous with an explicit endpoint (never a silent localhost fallback), an explicit store host
     (`is_host`) and an explicit address for this node (`--local-addr`): torch's own guesses use the hostname,
     which on cloud images resolves to 127.0.1.1 and on some sites differs from the scheduler's node name, so
     no node would host the store, or the workers' store would be announced at an address others cannot
     reach. No --node-rank: with c10d the ranks are assigned at rendezvous."""
     return [
-        python, "-m", "launcher.elastic",
+        python,
+        "-m",
+        "launcher.elastic",
         flag("--nnodes", nnodes),
         flag("--nproc-per-node", nproc_per_node),
         "--rdzv-backend=c10d",
         flag("--rdzv-endpoint", rdzv_endpoint),
         flag("--rdzv-id", rdzv_id),
         ShellExpr(f"--rdzv-conf=join_timeout={int(recipe.training.init_timeout_seconds)},is_host={is_host}")
-        if isinstance(is_host, ShellExpr) else
-        f"--rdzv-conf=join_timeout={int(recipe.training.init_timeout_seconds)},is_host={is_host}",
+        if isinstance(is_host, ShellExpr)
+        else f"--rdzv-conf=join_timeout={int(recipe.training.init_timeout_seconds)},is_host={is_host}",
         flag("--local-addr", local_addr),
         f"--max-restarts={int(max_restarts)}",
         f"--signals-to-handle={SIGNALS}",

@@ -10,6 +10,7 @@
 or all of it at once with `Trainer(recipe, plan, run_dir).run()` (what `python -m launcher.train` does).
 Names are imported lazily so `import launcher.runtime` stays cheap until something is used.
 """
+
 from __future__ import annotations
 
 import importlib

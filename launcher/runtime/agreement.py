@@ -12,6 +12,7 @@ still seen, and no checkpoint is ever committed while the loss is not finite. At
 one row of host numbers (its loss, the non-finite counts, its memory figures) and every rank gets all rows:
 the mean loss, and the maximum of each memory figure with the rank that holds it.
 """
+
 from __future__ import annotations
 
 import math
@@ -68,13 +69,19 @@ class StepSync:
         rows = _all_gather_rows(local, self.world.control_group).tolist()
         kinds, steps = [r[0] for r in rows], [int(r[1]) for r in rows]
         if min(steps) != max(steps):
-            raise HangError(f"ranks disagree on the step number (per rank: {steps}); this rank is at step {step}",
-                            fix="a rank skipped or repeated work; restart from the last checkpoint", step=step)
+            raise HangError(
+                f"ranks disagree on the step number (per rank: {steps}); this rank is at step {step}",
+                fix="a rank skipped or repeated work; restart from the last checkpoint",
+                step=step,
+            )
         if len(set(kinds)) > 1:
             what = {AGREE: "the step agreement", REPORT: "the log-step report"}
             per_rank = ", ".join(f"rank {r}: {what.get(k, k)}" for r, k in enumerate(kinds) if k != kind)
-            raise HangError(f"ranks are out of step at step {step}: this rank was in {what[kind]}, {per_rank}",
-                            fix="a rank skipped or repeated a collective; restart from the last checkpoint", step=step)
+            raise HangError(
+                f"ranks are out of step at step {step}: this rank was in {what[kind]}, {per_rank}",
+                fix="a rank skipped or repeated a collective; restart from the last checkpoint",
+                step=step,
+            )
         return rows
 
     def agree(self, step: int, signalled: bool) -> Agreement:
@@ -86,7 +93,7 @@ class StepSync:
     def gather(self, step: int, payload: list[float | None]) -> list[list[float | None]]:
         """Every rank's payload of host numbers at `step` (None travels as NaN and comes back as None)."""
         rows = self._exchange(REPORT, step, False, payload)
-        return [[None if math.isnan(v) else v for v in r[3:3 + len(payload)]] for r in rows]
+        return [[None if math.isnan(v) else v for v in r[3 : 3 + len(payload)]] for r in rows]
 
 
 class NonFiniteWatch:
@@ -109,8 +116,13 @@ class NonFiniteWatch:
         bad = ~torch.isfinite(loss.detach().float())
         run = torch.where(bad, self._state[0] + 1, torch.zeros_like(self._state[0]))
         longer = run > self._state[1]
-        self._state = torch.stack((run, torch.where(longer, run, self._state[1]),
-                                   torch.where(longer, torch.full_like(run, step), self._state[2])))
+        self._state = torch.stack(
+            (
+                run,
+                torch.where(longer, run, self._state[1]),
+                torch.where(longer, torch.full_like(run, step), self._state[2]),
+            )
+        )
 
     def take(self, step: int) -> torch.Tensor:
         """At step `step`: (run, longest run, its last step) since the last take, still on the device; the next
@@ -125,16 +137,18 @@ class NonFiniteWatch:
         worst, end = max((r[1], r[2]) for r in runs)
         self.count = run
         if worst >= self.limit:
-            raise Diverged(f"the loss was not finite for {worst} steps in a row (steps {end - worst + 1}-{end}); "
-                           "nothing was saved since, so the newest checkpoint is the last good one",
-                           fix="resume with a lower training.lr, more warmup_steps, or grad_clip; check the data",
-                           step=step)
+            raise Diverged(
+                f"the loss was not finite for {worst} steps in a row (steps {end - worst + 1}-{end}); "
+                "nothing was saved since, so the newest checkpoint is the last good one",
+                fix="resume with a lower training.lr, more warmup_steps, or grad_clip; check the data",
+                step=step,
+            )
         if run:
-            self.log(f"WARNING: the loss is not finite at step {step} ({run} step(s) in a row, of at most "
-                     f"{self.limit}); no checkpoint is saved while it is not finite")
+            self.log(
+                f"WARNING: the loss is not finite at step {step} ({run} step(s) in a row, of at most "
+                f"{self.limit}); no checkpoint is saved while it is not finite"
+            )
         return run == 0
-
-
 
 
 def host_values(t: torch.Tensor) -> list:
@@ -158,8 +172,17 @@ class Reporter:
     logged step (reading the loss waited for the GPU, so the window's time is the GPU's), MFU, memory over ranks.
     """
 
-    def __init__(self, sync: StepSync, watch: NonFiniteWatch, metrics, *, is_gpu: bool, tokens_per_step: int,
-                 flops_per_token: float, world_size: int):
+    def __init__(
+        self,
+        sync: StepSync,
+        watch: NonFiniteWatch,
+        metrics,
+        *,
+        is_gpu: bool,
+        tokens_per_step: int,
+        flops_per_token: float,
+        world_size: int,
+    ):
         import time
 
         from .metrics import MemoryWindow, device_peak_tflops
@@ -170,8 +193,10 @@ class Reporter:
         self.memory = MemoryWindow(is_gpu)
         self.peak_tflops, self.device_name = device_peak_tflops(is_gpu)
         if is_gpu and self.peak_tflops is None:
-            metrics.log(f"note: no dense bf16 peak is known for {self.device_name!r} "
-                        "(launcher.catalog.DEVICE_PEAK_TFLOPS): MFU is not reported")
+            metrics.log(
+                f"note: no dense bf16 peak is known for {self.device_name!r} "
+                "(launcher.catalog.DEVICE_PEAK_TFLOPS): MFU is not reported"
+            )
         self._clock = time.perf_counter
         self._t0 = self._clock()
         self._steps = 0
@@ -221,9 +246,18 @@ class Reporter:
         if skipped:
             extra["skipped_steps"] = skipped
         self._skipped = 0
-        self.metrics.step(step, loss=loss, lr=lr, tokens_per_s=tps, step_time=seconds / steps,
-                          grad_norm=_scalar(info.get("grad_norm")), memory=RankFigures.of(memory, self.is_gpu),
-                          mfu=value, mfu_error=error, extra=extra)
+        self.metrics.step(
+            step,
+            loss=loss,
+            lr=lr,
+            tokens_per_s=tps,
+            step_time=seconds / steps,
+            grad_norm=_scalar(info.get("grad_norm")),
+            memory=RankFigures.of(memory, self.is_gpu),
+            mfu=value,
+            mfu_error=error,
+            extra=extra,
+        )
         self.restart_window()
 
 

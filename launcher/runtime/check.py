@@ -5,6 +5,7 @@ node, a checkpoint directory the job cannot create) would otherwise crash every 
 restart them, and the scheduler would requeue the job: the same error many times over, with the reason
 buried in tracebacks. Here it is one line and exit code 2 (CONFIG), which nothing retries.
 """
+
 from __future__ import annotations
 
 import errno
@@ -29,11 +30,16 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 def check_model(recipe) -> None:
     if recipe.model.shape() is None:
-        raise ConfigError("the runtime needs a model shape (a preset or layers/hidden/...), not only `params`",
-                          fix="set model.preset, e.g. tiny")
+        raise ConfigError(
+            "the runtime needs a model shape (a preset or layers/hidden/...), not only `params`",
+            fix="set model.preset, e.g. tiny",
+        )
     if recipe.model.architecture != "llama":
-        raise ConfigError(f"the runtime trains the llama architecture, not {recipe.model.architecture!r} (the gpt "
-                          "layer is for planning only)", fix="set model.architecture: llama")
+        raise ConfigError(
+            f"the runtime trains the llama architecture, not {recipe.model.architecture!r} (the gpt "
+            "layer is for planning only)",
+            fix="set model.architecture: llama",
+        )
 
 
 def check_hf(recipe) -> str:
@@ -44,14 +50,18 @@ def check_hf(recipe) -> str:
     try:
         import transformers
     except ImportError as e:
-        raise ConfigError(f"model.hf needs transformers, which this environment cannot import ({e})",
-                          fix="pip install 'dtlaunch[hf]' in the job's environment") from None
+        raise ConfigError(
+            f"model.hf needs transformers, which this environment cannot import ({e})",
+            fix="pip install 'dtlaunch[hf]' in the job's environment",
+        ) from None
     if m.hf_weights:
         w = Path(os.path.expanduser(m.hf_weights))
         if not w.is_dir() or not any(w.glob("*.safetensors")):
-            raise ConfigError(f"model.hf_weights {w} has no *.safetensors on this node",
-                              fix="put the model directory on storage every node sees (same path), or set "
-                                  "model.hf_weights to where the nodes have it")
+            raise ConfigError(
+                f"model.hf_weights {w} has no *.safetensors on this node",
+                fix="put the model directory on storage every node sees (same path), or set "
+                "model.hf_weights to where the nodes have it",
+            )
     return f", transformers {transformers.__version__}"
 
 
@@ -79,16 +89,20 @@ def check_libraries(plan) -> str:
     import torch
 
     if _version_tuple(torch.__version__) < MIN_TORCH:
-        raise ConfigError(f"torch {torch.__version__} is older than {'.'.join(map(str, MIN_TORCH))}, whose torchrun the "
-                          "job scripts need (--signals-to-handle, --shutdown-timeout)",
-                          fix=f"install torch>={'.'.join(map(str, MIN_TORCH))} in the job's environment")
+        raise ConfigError(
+            f"torch {torch.__version__} is older than {'.'.join(map(str, MIN_TORCH))}, whose torchrun the "
+            "job scripts need (--signals-to-handle, --shutdown-timeout)",
+            fix=f"install torch>={'.'.join(map(str, MIN_TORCH))} in the job's environment",
+        )
     found = f"torch {torch.__version__}"
     if plan.layout.spec.family is Family.DEEPSPEED:
         try:
             import deepspeed
         except ImportError as e:
-            raise ConfigError(f"strategy {plan.strategy} needs DeepSpeed, which this environment cannot import ({e})",
-                              fix="pip install deepspeed (built against the installed torch)") from None
+            raise ConfigError(
+                f"strategy {plan.strategy} needs DeepSpeed, which this environment cannot import ({e})",
+                fix="pip install deepspeed (built against the installed torch)",
+            ) from None
         found += f", deepspeed {deepspeed.__version__}"
     return found
 
@@ -96,8 +110,10 @@ def check_libraries(plan) -> str:
 def check_data(recipe) -> None:
     d = recipe.training.data
     if d.source == "file" and not Path(os.path.expanduser(d.path)).is_file():
-        raise ConfigError(f"data file {d.path} does not exist on this node",
-                          fix="put the token file on every node (a shared filesystem or the job's workdir)")
+        raise ConfigError(
+            f"data file {d.path} does not exist on this node",
+            fix="put the token file on every node (a shared filesystem or the job's workdir)",
+        )
 
 
 def check_entrypoint(ep) -> str:
@@ -108,8 +124,10 @@ def check_entrypoint(ep) -> str:
     code = Path(os.environ.get(CODE_DIR) or os.getcwd())
     if ep.script is not None:
         if not (code / ep.script).is_file():
-            raise ConfigError(f"entrypoint script {ep.script} is not in {code}",
-                              fix="render again: the job ships entrypoint.workdir as code/ next to the job script")
+            raise ConfigError(
+                f"entrypoint script {ep.script} is not in {code}",
+                fix="render again: the job ships entrypoint.workdir as code/ next to the job script",
+            )
         return f"entrypoint {ep.script}"
     sys.path.insert(0, str(code))
     try:
@@ -121,8 +139,10 @@ def check_entrypoint(ep) -> str:
     finally:
         sys.path.remove(str(code))
     if found is None:
-        raise ConfigError(f"entrypoint module {ep.module} cannot be imported from {code} on this node{why}",
-                          fix="put it in entrypoint.workdir, or install its package in the job's environment")
+        raise ConfigError(
+            f"entrypoint module {ep.module} cannot be imported from {code} on this node{why}",
+            fix="put it in entrypoint.workdir, or install its package in the job's environment",
+        )
     return f"entrypoint -m {ep.module}"
 
 
@@ -133,19 +153,25 @@ def check_checkpoint_dir(recipe, run_dir: Path) -> Path:
     root = Path(os.environ.get(CHECKPOINT_DIR) or expand_dir(recipe.checkpoint.dir, run_dir, os.environ.get(RUN_ID)))
     root = Path(os.path.expanduser(str(root)))
     if root.is_symlink() and not root.exists():
-        raise ConfigError(f"checkpoint dir {root} is a symbolic link to {os.readlink(root)}, which does not exist",
-                          fix="create the link's target, or point checkpoint.dir elsewhere")
+        raise ConfigError(
+            f"checkpoint dir {root} is a symbolic link to {os.readlink(root)}, which does not exist",
+            fix="create the link's target, or point checkpoint.dir elsewhere",
+        )
     probe = root / f".dtlaunch-probe-{uuid.uuid4().hex[:8]}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"ok")
     except OSError as e:
-        fix = ("point checkpoint.dir at storage every node can write (on SkyPilot, mount it with "
-               "targets.sky.checkpoint_storage)")
+        fix = (
+            "point checkpoint.dir at storage every node can write (on SkyPilot, mount it with "
+            "targets.sky.checkpoint_storage)"
+        )
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
             free = free_bytes(root)
-            raise StorageError(f"cannot write checkpoints to {root}: {e.strerror} ({free / 1e9:.3f} GB free)",
-                               fix="free space there, or " + fix) from None
+            raise StorageError(
+                f"cannot write checkpoints to {root}: {e.strerror} ({free / 1e9:.3f} GB free)",
+                fix="free space there, or " + fix,
+            ) from None
         raise ConfigError(f"cannot write checkpoints to {root}: {e.strerror}", fix=fix) from None
     finally:
         try:
@@ -172,5 +198,7 @@ def check(recipe, plan, run_dir: Path) -> str:
         check_data(recipe)
         what = f"{plan.steps} steps"
     root = check_checkpoint_dir(recipe, run_dir)
-    return (f"dtlaunch {__version__}, {found}; plan: {plan.strategy} on {plan.world_size} ranks, "
-            f"{what}; checkpoints in {root}")
+    return (
+        f"dtlaunch {__version__}, {found}; plan: {plan.strategy} on {plan.world_size} ranks, "
+        f"{what}; checkpoints in {root}"
+    )

@@ -14,6 +14,7 @@ mount) is retried, then ends the attempt with StorageError, marking nothing.
 Nothing here follows a symbolic link inside the checkpoint root: a linked step directory may be another
 run's checkpoint, and pruning through it once destroyed that run's newest one.
 """
+
 from __future__ import annotations
 
 import errno
@@ -84,8 +85,9 @@ def linked_steps(root: Path) -> list[Path]:
     """Step directories that are symbolic links: never read, written or deleted through."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if (_STEP_DIR.match(p.name) or _LEGACY_TMP.match(p.name))
-                  and p.is_symlink())
+    return sorted(
+        p for p in root.iterdir() if (_STEP_DIR.match(p.name) or _LEGACY_TMP.match(p.name)) and p.is_symlink()
+    )
 
 
 def complete_steps(root: Path) -> list[int]:
@@ -207,10 +209,12 @@ def reading(what: str, path: Path, read: Callable[[], T], *, tries: int | None =
             return read()
         except OSError as e:
             if i == tries - 1:
-                raise storage_error(f"cannot read {what} {path} ({e.strerror or e}), {tries} tries "
-                                    f"{READ_RETRY_S:g}s apart; the checkpoint was not marked or changed",
-                                    "check the storage (a network mount that lags, a failing disk), then run "
-                                    "again: the same checkpoint is tried first") from None
+                raise storage_error(
+                    f"cannot read {what} {path} ({e.strerror or e}), {tries} tries "
+                    f"{READ_RETRY_S:g}s apart; the checkpoint was not marked or changed",
+                    "check the storage (a network mount that lags, a failing disk), then run "
+                    "again: the same checkpoint is tried first",
+                ) from None
             time.sleep(READ_RETRY_S)
     raise AssertionError("unreachable")
 
@@ -274,9 +278,11 @@ def meta_problems(path: Path) -> list[str]:
         if int(marker["step"]) != step:
             problems.append(f"{MARKER} names step {marker['step']}, not {step}")
         if "meta_crc32" in marker and (len(data), zlib.crc32(data)) != (marker["meta_size"], marker["meta_crc32"]):
-            problems.append(f"{META} has changed since it was committed ({len(data):,} bytes, CRC-32 "
-                            f"{zlib.crc32(data):08x}; committed as {marker['meta_size']:,} bytes, "
-                            f"{marker['meta_crc32']:08x})")
+            problems.append(
+                f"{META} has changed since it was committed ({len(data):,} bytes, CRC-32 "
+                f"{zlib.crc32(data):08x}; committed as {marker['meta_size']:,} bytes, "
+                f"{marker['meta_crc32']:08x})"
+            )
     except (ValueError, KeyError, TypeError) as e:
         problems.append(f"{MARKER} is unreadable ({type(e).__name__}: {e})")
     try:
@@ -403,8 +409,13 @@ def partial_dirs(root: Path) -> list[Path]:
     """Uncommitted step directories (and the old protocol's step-N.tmp), links excluded."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if not p.is_symlink() and p.is_dir()
-                  and (_LEGACY_TMP.match(p.name) or (_STEP_DIR.match(p.name) and not is_complete(p))))
+    return sorted(
+        p
+        for p in root.iterdir()
+        if not p.is_symlink()
+        and p.is_dir()
+        and (_LEGACY_TMP.match(p.name) or (_STEP_DIR.match(p.name) and not is_complete(p)))
+    )
 
 
 def clean_partials(root: Path, problems: list[str] | None = None) -> list[Path]:
@@ -421,7 +432,9 @@ def expand_dir(template: str | None, run_dir: Path, run_id: str | None) -> Path:
         if not run_id:
             from .failures import ConfigError
 
-            raise ConfigError(f"checkpoint.dir {template!r} uses {{run_id}} but DTLAUNCH_RUN_ID is not set",
-                              fix="launch through dtlaunch (it sets DTLAUNCH_RUN_ID), or export it")
+            raise ConfigError(
+                f"checkpoint.dir {template!r} uses {{run_id}} but DTLAUNCH_RUN_ID is not set",
+                fix="launch through dtlaunch (it sets DTLAUNCH_RUN_ID), or export it",
+            )
         template = template.replace("{run_id}", run_id)
     return Path(os.path.expanduser(template))

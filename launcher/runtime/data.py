@@ -6,6 +6,7 @@ every W-th sample of its batch (DistributedSampler's interleaving). So global ba
 sequences whatever W is, the position saved in a checkpoint is world-independent (epoch, samples
 consumed in the epoch), and a 2-rank checkpoint resumed on 1 rank continues with exactly the next batch.
 """
+
 from __future__ import annotations
 
 import ast
@@ -45,7 +46,7 @@ class SyntheticTokens:
         return self.tokens.numel()
 
     def window(self, start: int, n: int) -> torch.Tensor:
-        return self.tokens[start:start + n].long()
+        return self.tokens[start : start + n].long()
 
 
 def _npy_header(path: Path) -> tuple[str, int, int]:
@@ -70,7 +71,9 @@ class FileTokens:
     def __init__(self, path: str | os.PathLike, dtype: str):
         self.path = Path(path)
         if not self.path.is_file():
-            raise ConfigError(f"data file {self.path} not found", fix="set training.data.path to a token file on every node")
+            raise ConfigError(
+                f"data file {self.path} not found", fix="set training.data.path to a token file on every node"
+            )
         offset = 0
         if self.path.suffix == ".npy":
             descr, offset, count = _npy_header(self.path)
@@ -81,8 +84,10 @@ class FileTokens:
         self.offset = offset
         size = self.path.stat().st_size - offset
         if size % self.itemsize:
-            raise ConfigError(f"{self.path}: {size} bytes is not a whole number of {dtype} tokens",
-                              fix="check training.data.dtype (uint16, uint32 or bytes)")
+            raise ConfigError(
+                f"{self.path}: {size} bytes is not a whole number of {dtype} tokens",
+                fix="check training.data.dtype (uint16, uint32 or bytes)",
+            )
         self.count = size // self.itemsize
         self._fd: int | None = None
 
@@ -103,8 +108,10 @@ def token_source(data_spec, vocab: int, seed: int):
     if data_spec.source == "synthetic":
         return SyntheticTokens(data_spec.num_tokens, vocab, seed)
     if data_spec.dtype == "bytes" and vocab < 256:
-        raise ConfigError(f"byte-level text needs a vocabulary of at least 256, the model has {vocab}",
-                          fix="use a larger vocab, or tokenise the text into a .bin file")
+        raise ConfigError(
+            f"byte-level text needs a vocabulary of at least 256, the model has {vocab}",
+            fix="use a larger vocab, or tokenise the text into a .bin file",
+        )
     return FileTokens(data_spec.path, data_spec.dtype)
 
 
@@ -122,8 +129,10 @@ class TokenDataset(Dataset):
         w = self.source.window(i * self.seq_len, self.seq_len + 1)
         top = int(w.max())
         if top >= self.vocab:
-            raise ConfigError(f"token id {top} in sequence {i} is outside the model's vocabulary ({self.vocab})",
-                              fix="check training.data.dtype, or use a model with a larger vocab")
+            raise ConfigError(
+                f"token id {top} in sequence {i} is outside the model's vocabulary ({self.vocab})",
+                fix="check training.data.dtype, or use a model with a larger vocab",
+            )
         return w
 
 
@@ -141,8 +150,10 @@ class GlobalOrderSampler(DistributedSampler):
         self.global_batch = global_batch
         self.steps_per_epoch = len(dataset) // global_batch
         if self.steps_per_epoch < 1:
-            raise ConfigError(f"the data holds {len(dataset)} sequences, fewer than one global batch ({global_batch})",
-                              fix="add data (training.data.num_tokens for synthetic) or lower training.global_batch")
+            raise ConfigError(
+                f"the data holds {len(dataset)} sequences, fewer than one global batch ({global_batch})",
+                fix="add data (training.data.num_tokens for synthetic) or lower training.global_batch",
+            )
         self.start_step = 0
 
     def order(self, epoch: int) -> torch.Tensor:
@@ -152,7 +163,7 @@ class GlobalOrderSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         used = self.order(self.epoch)[: self.steps_per_epoch * self.global_batch]
-        mine = used[self.start_step * self.global_batch + self.rank:: self.num_replicas]
+        mine = used[self.start_step * self.global_batch + self.rank :: self.num_replicas]
         return iter(mine.tolist())
 
     def __len__(self) -> int:
@@ -172,8 +183,12 @@ class DataPosition:
         return self.step_in_epoch * self.global_batch
 
     def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_batch": self.global_batch,
-                "sample_in_epoch": self.sample_in_epoch}
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "global_batch": self.global_batch,
+            "sample_in_epoch": self.sample_in_epoch,
+        }
 
 
 def rescale_position(saved: dict, global_batch: int) -> tuple[DataPosition, str | None]:
@@ -182,16 +197,24 @@ def rescale_position(saved: dict, global_batch: int) -> tuple[DataPosition, str 
     pos = DataPosition(int(saved.get("epoch", 0)), samples // global_batch, global_batch)
     warn = None
     if samples % global_batch:
-        warn = (f"global batch changed {saved.get('global_batch')} -> {global_batch}: {samples % global_batch} samples "
-                f"of epoch {pos.epoch} are trained on twice")
+        warn = (
+            f"global batch changed {saved.get('global_batch')} -> {global_batch}: {samples % global_batch} samples "
+            f"of epoch {pos.epoch} are trained on twice"
+        )
     return pos, warn
 
 
 class Batches:
     """Yields one optimizer step's micro-batches at a time and tracks the data position."""
 
-    def __init__(self, dataset: TokenDataset, sampler: GlobalOrderSampler, loader: DataLoader, grad_accum: int,
-                 device: torch.device):
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        sampler: GlobalOrderSampler,
+        loader: DataLoader,
+        grad_accum: int,
+        device: torch.device,
+    ):
         self.dataset, self.sampler, self.loader = dataset, sampler, loader
         self.grad_accum, self.device = grad_accum, device
         self.position = DataPosition(0, 0, sampler.global_batch)
@@ -228,8 +251,19 @@ class Batches:
         return out
 
 
-def build_dataloader(data_spec, *, vocab: int, seq_len: int, micro_batch: int, grad_accum: int, rank: int,
-                     world_size: int, seed: int, device: torch.device, is_gpu: bool) -> Batches:
+def build_dataloader(
+    data_spec,
+    *,
+    vocab: int,
+    seq_len: int,
+    micro_batch: int,
+    grad_accum: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    device: torch.device,
+    is_gpu: bool,
+) -> Batches:
     """The training data for this rank. Workers and pinned memory only on GPU (they only cost on CPU).
 
     Workers are started once and kept (persistent) across epochs and seeks: re-forking them each time stalled the
@@ -241,6 +275,13 @@ def build_dataloader(data_spec, *, vocab: int, seq_len: int, micro_batch: int, g
     sampler = GlobalOrderSampler(dataset, world_size, rank, global_batch, seed)
     workers = data_spec.workers if is_gpu else 0
     extra = {"persistent_workers": True, "multiprocessing_context": "forkserver"} if workers else {}
-    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, num_workers=workers,
-                        pin_memory=is_gpu and torch.cuda.is_available(), drop_last=True, **extra)
+    loader = DataLoader(
+        dataset,
+        batch_size=micro_batch,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=is_gpu and torch.cuda.is_available(),
+        drop_last=True,
+        **extra,
+    )
     return Batches(dataset, sampler, loader, grad_accum, device)

@@ -5,6 +5,7 @@ Works under torchrun (RANK/WORLD_SIZE/...), under a bare `srun` (SLURM_PROCID/..
 Two timeouts: a generous one while the world assembles (slow nodes, image pulls), then the short
 training one, so that a rank that stops answering turns into an error (exit code HANG) in bounded time.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,7 +36,9 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
     v = env.get(name)
     if v is None or v == "":
         if default is None:
-            raise ConfigError(f"environment variable {name} is not set", fix="start the job with torchrun, srun or SkyPilot")
+            raise ConfigError(
+                f"environment variable {name} is not set", fix="start the job with torchrun, srun or SkyPilot"
+            )
         return default
     try:
         return int(v)
@@ -61,30 +64,46 @@ def detect(env: Mapping[str, str] = os.environ) -> ProcEnv:
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE")
         return ProcEnv(
-            rank=_int(env, "RANK"), world_size=world, local_rank=_int(env, "LOCAL_RANK", 0),
+            rank=_int(env, "RANK"),
+            world_size=world,
+            local_rank=_int(env, "LOCAL_RANK", 0),
             local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
-            source="torchrun", restart_count=restart,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT", 29500),
+            source="torchrun",
+            restart_count=restart,
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", ""))
         # One port per job id so that two jobs sharing a node do not collide.
         port = _int(env, "MASTER_PORT", jobenv.job_port(_int(env, "SLURM_JOB_ID", 0)))
         return ProcEnv(
-            rank=_int(env, "SLURM_PROCID"), world_size=_int(env, "SLURM_NTASKS"), local_rank=_int(env, "SLURM_LOCALID", 0),
-            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", 1) if env.get("SLURM_NTASKS_PER_NODE", "").isdigit() else 1,
-            master_addr=addr, master_port=port, source="slurm",
+            rank=_int(env, "SLURM_PROCID"),
+            world_size=_int(env, "SLURM_NTASKS"),
+            local_rank=_int(env, "SLURM_LOCALID", 0),
+            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", 1)
+            if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
+            else 1,
+            master_addr=addr,
+            master_port=port,
+            source="slurm",
             restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
         )
     if "SKYPILOT_NODE_RANK" in env:
         ips = [ip.strip() for ip in env.get("SKYPILOT_NODE_IPS", "").splitlines() if ip.strip()]
         if not ips:
-            raise ConfigError("SKYPILOT_NODE_RANK is set but SKYPILOT_NODE_IPS is empty", fix="run under SkyPilot, or use torchrun")
+            raise ConfigError(
+                "SKYPILOT_NODE_RANK is set but SKYPILOT_NODE_IPS is empty", fix="run under SkyPilot, or use torchrun"
+            )
         # Without torchrun SkyPilot starts one process per node.
         return ProcEnv(
-            rank=_int(env, "SKYPILOT_NODE_RANK"), world_size=_int(env, "SKYPILOT_NUM_NODES", len(ips)), local_rank=0,
-            local_world_size=1, master_addr=env.get("MASTER_ADDR", ips[0]),
-            master_port=_int(env, "MASTER_PORT", 29500), source="skypilot",
+            rank=_int(env, "SKYPILOT_NODE_RANK"),
+            world_size=_int(env, "SKYPILOT_NUM_NODES", len(ips)),
+            local_rank=0,
+            local_world_size=1,
+            master_addr=env.get("MASTER_ADDR", ips[0]),
+            master_port=_int(env, "MASTER_PORT", 29500),
+            source="skypilot",
         )
     return ProcEnv(0, 1, 0, 1, "127.0.0.1", _int(env, "MASTER_PORT", 29500), "single", restart)
 
@@ -108,8 +127,13 @@ def interface_of(addr: str) -> str | None:
     return None
 
 
-def job_environment(network_env: Mapping[str, str], local_world_size: int, is_gpu: bool,
-                    env: Mapping[str, str] = os.environ, deterministic: bool = False) -> dict[str, str]:
+def job_environment(
+    network_env: Mapping[str, str],
+    local_world_size: int,
+    is_gpu: bool,
+    env: Mapping[str, str] = os.environ,
+    deterministic: bool = False,
+) -> dict[str, str]:
     """Variables to set before the process group exists: the same ones the job scripts write (jobenv), for
     a process started without them; already-set variables always win (pure).
 
@@ -117,8 +141,12 @@ def job_environment(network_env: Mapping[str, str], local_world_size: int, is_gp
     to, which on cloud images is 127.0.1.1: unreachable from other nodes. When the job script said which
     address is this node's (DTLAUNCH_NODE_ADDR), gloo is pinned to the interface that holds it.
     """
-    want = jobenv.job_environment(dict(network_env), is_gpu=is_gpu, deterministic=deterministic,
-                                  omp_threads=max(1, cpu_cores() // max(1, local_world_size)))
+    want = jobenv.job_environment(
+        dict(network_env),
+        is_gpu=is_gpu,
+        deterministic=deterministic,
+        omp_threads=max(1, cpu_cores() // max(1, local_world_size)),
+    )
     node_addr = env.get(jobenv.NODE_ADDR)
     if node_addr and "GLOO_SOCKET_IFNAME" not in env:
         iface = interface_of(node_addr)
@@ -156,10 +184,12 @@ def gpu_index(local_rank: int, local_world_size: int, device_count: int, visible
         return local_rank
     if device_count == 1 and visible:
         return 0
-    raise PreflightError(f"{local_world_size} ranks on this node but torch sees {device_count} GPU(s)"
-                         + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""),
-                         fix="start one rank per GPU (resources.accelerator's count per node), or make every GPU "
-                             "visible to the job; this node may also have lost a GPU (check nvidia-smi)")
+    raise PreflightError(
+        f"{local_world_size} ranks on this node but torch sees {device_count} GPU(s)"
+        + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""),
+        fix="start one rank per GPU (resources.accelerator's count per node), or make every GPU "
+        "visible to the job; this node may also have lost a GPU (check nvidia-smi)",
+    )
 
 
 def check_gpu_node(want_gpu: bool, local_world_size: int) -> str:
@@ -172,12 +202,16 @@ def check_gpu_node(want_gpu: bool, local_world_size: int) -> str:
     if not want_gpu:
         return "cpu"
     if torch.version.cuda is None:
-        raise PreflightError(f"the recipe asks for GPUs, but torch {torch.__version__} here is a CPU-only build",
-                             fix="install a CUDA build of torch in the job's environment")
+        raise PreflightError(
+            f"the recipe asks for GPUs, but torch {torch.__version__} here is a CPU-only build",
+            fix="install a CUDA build of torch in the job's environment",
+        )
     if not torch.cuda.is_available():
-        raise PreflightError(f"the recipe asks for GPUs, but torch (CUDA {torch.version.cuda}) sees none on this "
-                             "node: no driver, a driver older than the CUDA runtime, or no GPU allocated",
-                             fix="check nvidia-smi on the node; exclude it if its GPUs are gone")
+        raise PreflightError(
+            f"the recipe asks for GPUs, but torch (CUDA {torch.version.cuda}) sees none on this "
+            "node: no driver, a driver older than the CUDA runtime, or no GPU allocated",
+            fix="check nvidia-smi on the node; exclude it if its GPUs are gone",
+        )
     n = torch.cuda.device_count()
     gpu_index(0, local_world_size, n, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return f"{n} x {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
@@ -242,7 +276,9 @@ def _device(proc: ProcEnv, is_gpu: bool, plan, env: MutableMapping[str, str]):
 
     if not is_gpu:
         return torch.device("cpu")
-    index = gpu_index(proc.local_rank, proc.local_world_size, torch.cuda.device_count(), env.get("CUDA_VISIBLE_DEVICES"))
+    index = gpu_index(
+        proc.local_rank, proc.local_world_size, torch.cuda.device_count(), env.get("CUDA_VISIBLE_DEVICES")
+    )
     torch.cuda.set_device(index)
     gpu_settings()
     if index != proc.local_rank:
@@ -256,8 +292,15 @@ def _device(proc: ProcEnv, is_gpu: bool, plan, env: MutableMapping[str, str]):
     return torch.device("cuda", index)
 
 
-def init_distributed(recipe=None, plan=None, *, init_timeout_s: float | None = None, timeout_s: float | None = None,
-                     env: MutableMapping[str, str] = os.environ, verbose: bool = True) -> World:
+def init_distributed(
+    recipe=None,
+    plan=None,
+    *,
+    init_timeout_s: float | None = None,
+    timeout_s: float | None = None,
+    env: MutableMapping[str, str] = os.environ,
+    verbose: bool = True,
+) -> World:
     """Create the process group (NCCL on GPU, gloo on CPU) and return the World.
 
     `recipe` supplies timeouts, the network profile and whether this is a GPU job (its accelerator, never
@@ -274,14 +317,29 @@ def init_distributed(recipe=None, plan=None, *, init_timeout_s: float | None = N
     is_gpu = recipe.resources.device().is_gpu if recipe is not None else torch.cuda.is_available()
     check_gpu_node(is_gpu, proc.local_world_size)
     net = catalog.NETWORKS.get(recipe.resources.network) if recipe is not None else None
-    env_set = job_environment(net.nccl_env if net else {}, proc.local_world_size, is_gpu, env,
-                              deterministic=bool(recipe is not None and recipe.training.deterministic))
+    env_set = job_environment(
+        net.nccl_env if net else {},
+        proc.local_world_size,
+        is_gpu,
+        env,
+        deterministic=bool(recipe is not None and recipe.training.deterministic),
+    )
     if proc.source != "torchrun":
         # Libraries that read torchrun's variables (DeepSpeed needs LOCAL_RANK) see the same world.
-        env_set.update({k: v for k, v in {
-            "RANK": str(proc.rank), "WORLD_SIZE": str(proc.world_size), "LOCAL_RANK": str(proc.local_rank),
-            "LOCAL_WORLD_SIZE": str(proc.local_world_size), "MASTER_ADDR": proc.master_addr,
-            "MASTER_PORT": str(proc.master_port)}.items() if k not in env})
+        env_set.update(
+            {
+                k: v
+                for k, v in {
+                    "RANK": str(proc.rank),
+                    "WORLD_SIZE": str(proc.world_size),
+                    "LOCAL_RANK": str(proc.local_rank),
+                    "LOCAL_WORLD_SIZE": str(proc.local_world_size),
+                    "MASTER_ADDR": proc.master_addr,
+                    "MASTER_PORT": str(proc.master_port),
+                }.items()
+                if k not in env
+            }
+        )
     env.update(env_set)
     _apply_threads()
     if recipe is not None:
@@ -295,8 +353,9 @@ def init_distributed(recipe=None, plan=None, *, init_timeout_s: float | None = N
         if init_timeout_s:
             kwargs["timeout"] = datetime.timedelta(seconds=init_timeout_s)
         if proc.source in ("slurm", "skypilot"):
-            kwargs.update(init_method=f"tcp://{proc.master_addr}:{proc.master_port}", rank=proc.rank,
-                          world_size=proc.world_size)
+            kwargs.update(
+                init_method=f"tcp://{proc.master_addr}:{proc.master_port}", rank=proc.rank, world_size=proc.world_size
+            )
         elif proc.source == "single":
             # A plain `python -m launcher.train`: a world of one with an in-process store, so every
             # strategy (FSDP2, DeepSpeed) and DCP run unchanged, and no port is needed.
@@ -308,9 +367,11 @@ def init_distributed(recipe=None, plan=None, *, init_timeout_s: float | None = N
         except Exception as e:  # rendezvous failures are environment problems, not bugs
             from .failures import PreflightError
 
-            raise PreflightError(f"rank {proc.rank} could not join the process group at "
-                                 f"{proc.master_addr}:{proc.master_port} ({proc.source}): {e}",
-                                 fix="check that MASTER_ADDR resolves to the head node from every node") from None
+            raise PreflightError(
+                f"rank {proc.rank} could not join the process group at "
+                f"{proc.master_addr}:{proc.master_port} ({proc.source}): {e}",
+                fix="check that MASTER_ADDR resolves to the head node from every node",
+            ) from None
     # Checkpoint collectives get their own gloo group with the long timeout: a big save may
     # legitimately take minutes, and async saves must not interleave with training collectives.
     long = datetime.timedelta(seconds=init_timeout_s or 1800)
@@ -318,9 +379,12 @@ def init_distributed(recipe=None, plan=None, *, init_timeout_s: float | None = N
     world.control_group = dist.new_group(backend="gloo", timeout=long)
     if verbose and proc.rank == 0:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(env_set.items())) or "nothing (all already set)"
-        print(f"dtlaunch: world {proc.world_size} via {proc.source}, backend {backend}, "
-              f"init timeout {init_timeout_s or 'default'}s, collective timeout {timeout_s or 'default'}s; "
-              f"set env: {shown}", flush=True)
+        print(
+            f"dtlaunch: world {proc.world_size} via {proc.source}, backend {backend}, "
+            f"init timeout {init_timeout_s or 'default'}s, collective timeout {timeout_s or 'default'}s; "
+            f"set env: {shown}",
+            flush=True,
+        )
     world.timeout_s = timeout_s
     return world
 
@@ -359,6 +423,18 @@ def shutdown(world: World | None = None) -> None:
             dist.destroy_process_group()
 
 
-__all__ = ["ProcEnv", "World", "backend_for", "check_gpu_node", "cpu_cores", "detect", "first_slurm_host", "gpu_index",
-           "host_collectives", "init_distributed", "job_environment", "set_collective_timeout",
-           "shutdown"]
+__all__ = [
+    "ProcEnv",
+    "World",
+    "backend_for",
+    "check_gpu_node",
+    "cpu_cores",
+    "detect",
+    "first_slurm_host",
+    "gpu_index",
+    "host_collectives",
+    "init_distributed",
+    "job_environment",
+    "set_collective_timeout",
+    "shutdown",
+]

@@ -3,6 +3,7 @@
 The exit code tells the wrapper what to do: CONFIG = fix the recipe, PREFLIGHT = fix the nodes,
 HANG = restart and resume, PREEMPTED = requeue and resume.
 """
+
 from __future__ import annotations
 
 from ..errors import DtlaunchError
@@ -72,5 +73,15 @@ def is_comm_error(exc: BaseException) -> bool:
     except Exception:  # pragma: no cover
         pass
     text = str(exc)
-    return any(m in text for m in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer",
-                                   "EnforceNotMet", "Broken pipe"))
+    return any(
+        m in text
+        for m in (
+            "gloo",
+            "Gloo",
+            "NCCL",
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "EnforceNotMet",
+            "Broken pipe",
+        )
+    )

@@ -26,6 +26,7 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
 so a restarted job does not crash again at the same step. Each fault fires once per process.
 Never set this in production; it exists for tests and drills.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,21 @@ from dataclasses import dataclass, field
 from ..jobenv import FAULT
 from .failures import ConfigError
 
-KINDS = ("exit", "sigkill", "hang", "skip_collective", "desync_step", "kill_in_checkpoint", "slow_checkpoint", "signal",
-         "nan_loss", "collective_abort", "comm_abort", "oom", "gpu_fault")
+KINDS = (
+    "exit",
+    "sigkill",
+    "hang",
+    "skip_collective",
+    "desync_step",
+    "kill_in_checkpoint",
+    "slow_checkpoint",
+    "signal",
+    "nan_loss",
+    "collective_abort",
+    "comm_abort",
+    "oom",
+    "gpu_fault",
+)
 ANY = -1
 
 
@@ -93,8 +107,11 @@ class Faults:
         for f in self.faults:
             if f.kind == kind and f.step in (step, ANY) and not f.fired:
                 f.fired = True
-                print(f"dtlaunch: FAULT INJECTION rank {self.rank}: {kind} at step {step} (t={time.time():.3f})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"dtlaunch: FAULT INJECTION rank {self.rank}: {kind} at step {step} (t={time.time():.3f})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return f
         return None
 
@@ -123,8 +140,10 @@ class Faults:
         if self.hit("oom", step) is not None:
             import torch
 
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
-                                         "of 79.19 GiB of which 1.06 GiB is free. (injected)")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                "of 79.19 GiB of which 1.06 GiB is free. (injected)"
+            )
         if self.hit("gpu_fault", step) is not None:
             raise RuntimeError("CUDA error: uncorrectable ECC error encountered (injected)")
         if (f := self.hit("signal", step)) is not None:

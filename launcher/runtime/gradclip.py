@@ -9,6 +9,7 @@ dimensions the gradients are sharded on, and scales the local shards, which are 
 Gradients placed differently from one another (tensor parallelism shards some and replicates others) take
 DTensor's own path, which reduces each by its placement.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

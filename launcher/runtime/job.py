@@ -21,6 +21,7 @@ newest good one wins) at the plan's interval; metrics go to the run directory. `
 resume position (JSON): it comes back from `resume()`, so nothing trained is lost and nothing is trained
 twice. A collective that times out raises, and launcher.entry turns it into exit 43 (restart).
 """
+
 from __future__ import annotations
 
 import json
@@ -69,14 +70,23 @@ class Job:
         self.metrics = Metrics(run_dir, enabled=world.is_main, total_steps=plan.steps or 0, is_gpu=world.is_gpu)
         self.nonfinite = NonFiniteWatch(recipe.training.max_nonfinite_steps, world.device, self.metrics.log)
         self._sync = StepSync(world)
-        self._reporter = Reporter(self._sync, self.nonfinite, self.metrics, is_gpu=world.is_gpu,
-                                  tokens_per_step=self.layout.global_batch * plan.seq_len,
-                                  flops_per_token=flops_per_token(plan.params, recipe.model.shape(), plan.seq_len),
-                                  world_size=world.world_size)
+        self._reporter = Reporter(
+            self._sync,
+            self.nonfinite,
+            self.metrics,
+            is_gpu=world.is_gpu,
+            tokens_per_step=self.layout.global_batch * plan.seq_len,
+            flops_per_token=flops_per_token(plan.params, recipe.model.shape(), plan.seq_len),
+            world_size=world.world_size,
+        )
         for n in notes:
             self.metrics.log(n)
-        self.checkpoint_dir = Path(os.path.expanduser(os.environ.get(jobenv.CHECKPOINT_DIR) or str(
-            expand_dir(recipe.checkpoint.dir, run_dir, os.environ.get(jobenv.RUN_ID)))))
+        self.checkpoint_dir = Path(
+            os.path.expanduser(
+                os.environ.get(jobenv.CHECKPOINT_DIR)
+                or str(expand_dir(recipe.checkpoint.dir, run_dir, os.environ.get(jobenv.RUN_ID)))
+            )
+        )
 
     # ------------------------------------------------------------------ facts the loop needs
 
@@ -107,8 +117,13 @@ class Job:
 
     # ------------------------------------------------------------------ assembly
 
-    def wrap(self, model: nn.Module, *, blocks: list[nn.Module] | None = None,
-             optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> Engine:
+    def wrap(
+        self,
+        model: nn.Module,
+        *,
+        blocks: list[nn.Module] | None = None,
+        optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    ) -> Engine:
         """Wrap `model` for the plan's strategy; returns the Engine (its `model` runs forward).
 
         `blocks` are the repeated layers FSDP2 shards one by one (default: the model's `layers`, or its
@@ -120,24 +135,55 @@ class Job:
         if self.layout.model_parallel:
             # Tensor parallelism needs the model's module names, a pipeline runs all of a step's micro-batches in
             # one schedule: neither fits a loop that calls engine.accumulate on a model of any shape.
-            raise ConfigError(f"the plan uses tensor={self.layout.tp} pipeline={self.layout.pp}; job.wrap trains your "
-                              "own model data-parallel only (DDP, FSDP2, ZeRO)",
-                              fix="set parallelism.tensor: 1 and pipeline: 1, or train dtlaunch's Llama or a Hugging "
-                                  "Face model (model.hf) without an entrypoint: python -m launcher.train splits them")
+            raise ConfigError(
+                f"the plan uses tensor={self.layout.tp} pipeline={self.layout.pp}; job.wrap trains your "
+                "own model data-parallel only (DDP, FSDP2, ZeRO)",
+                fix="set parallelism.tensor: 1 and pipeline: 1, or train dtlaunch's Llama or a Hugging "
+                "Face model (model.hf) without an entrypoint: python -m launcher.train splits them",
+            )
         steps = self.total_steps or FALLBACK_STEPS
-        self.engine = wrap_model(model, self.layout, self.recipe, self.plan, steps, self.world.device,
-                                 self.world.is_gpu, blocks=blocks, optimizer=optimizer)
+        self.engine = wrap_model(
+            model,
+            self.layout,
+            self.recipe,
+            self.plan,
+            steps,
+            self.world.device,
+            self.world.is_gpu,
+            blocks=blocks,
+            optimizer=optimizer,
+        )
         rec = self.recipe
-        meta = {"recipe_hash": rec.digest(), "identity": identity(rec.to_dict()), "strategy": self.layout.strategy,
-                "family": self.layout.family, "precision": self.layout.precision, "grad_accum": self.layout.grad_accum,
-                "global_batch": self.layout.global_batch, "micro_batch": self.layout.micro_batch,
-                "dp": self.world_size, "tp": self.plan.layout.tp, "pp": self.plan.layout.pp,
-                "seed": rec.training.seed, "shape": None, "entrypoint": True}
+        meta = {
+            "recipe_hash": rec.digest(),
+            "identity": identity(rec.to_dict()),
+            "strategy": self.layout.strategy,
+            "family": self.layout.family,
+            "precision": self.layout.precision,
+            "grad_accum": self.layout.grad_accum,
+            "global_batch": self.layout.global_batch,
+            "micro_batch": self.layout.micro_batch,
+            "dp": self.world_size,
+            "tp": self.plan.layout.tp,
+            "pp": self.plan.layout.pp,
+            "seed": rec.training.seed,
+            "shape": None,
+            "entrypoint": True,
+        }
         self.checkpointer = Checkpointer(
-            self.checkpoint_dir, self.engine, rank=self.rank, world_size=self.world_size, keep=rec.checkpoint.keep,
-            async_save=rec.checkpoint.async_, meta=meta, group=self.world.checkpoint_group, log=self.metrics.log,
-            event=self.metrics.event, allow_changed_recipe=rec.checkpoint.resume_changed_recipe,
-            run_id=os.environ.get(jobenv.RUN_ID))
+            self.checkpoint_dir,
+            self.engine,
+            rank=self.rank,
+            world_size=self.world_size,
+            keep=rec.checkpoint.keep,
+            async_save=rec.checkpoint.async_,
+            meta=meta,
+            group=self.world.checkpoint_group,
+            log=self.metrics.log,
+            event=self.metrics.event,
+            allow_changed_recipe=rec.checkpoint.resume_changed_recipe,
+            run_id=os.environ.get(jobenv.RUN_ID),
+        )
         return self.engine
 
     def resume(self) -> dict:
@@ -172,8 +218,10 @@ class Job:
         on the device) is read only on log and checkpoint steps."""
         cp = self._need_checkpointer("step_done")
         if step != self.step + 1:
-            raise ConfigError(f"job.step_done({step}) after step {self.step}: steps must follow one another",
-                              fix="loop from job.step + 1 (after job.resume())")
+            raise ConfigError(
+                f"job.step_done({step}) after step {self.step}: steps must follow one another",
+                fix="loop from job.step + 1 (after job.resume())",
+            )
         value = loss.detach().float().mean() if isinstance(loss, torch.Tensor) else float(loss or 0.0)
         self.nonfinite.update(value, step)
         agreed = self._sync.agree(step, self.stopping)
@@ -189,14 +237,17 @@ class Job:
         if log or due:
             mean_loss, finite, memory = self._reporter.check(step, value, log=log)
             if log:
-                self._reporter.log(step, mean_loss, self.engine.step_lr or self.engine.lr, memory,
-                                   extra=metrics or None)
+                self._reporter.log(
+                    step, mean_loss, self.engine.step_lr or self.engine.lr, memory, extra=metrics or None
+                )
         position = _json_state(state)
         cp.poll()
         if agreed.stop:
             if finite:
-                self.metrics.log(f"preemption signal ({self.flag.received or 'on another rank'}) at step {step}: "
-                                 f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}")
+                self.metrics.log(
+                    f"preemption signal ({self.flag.received or 'on another rank'}) at step {step}: "
+                    f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}"
+                )
                 self._save(position, blocking=True, reason="preempt")
             raise Preempted(f"preempted at step {step}; checkpoint written, resubmit to resume", step=step)
         if finite and due:
@@ -219,8 +270,7 @@ class Job:
         cp = self._need_checkpointer("finish")
         try:
             if self._last_saved != self.step and self.nonfinite.count == 0:
-                self._save(_json_state(state) if state is not None else self._position,
-                           blocking=True, reason="final")
+                self._save(_json_state(state) if state is not None else self._position, blocking=True, reason="final")
             cp.close()
             self.metrics.event("end", step=self.step)
             self.metrics.log(f"done: {self.step} steps")
@@ -236,8 +286,10 @@ def _json_state(state: dict | None) -> dict:
     try:
         json.dumps(state)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"the state passed to dtlaunch must be JSON (numbers, strings, lists, dicts): {e}",
-                          fix="save tensors in the model or optimizer; keep positions (epoch, batch) as numbers") from None
+        raise ConfigError(
+            f"the state passed to dtlaunch must be JSON (numbers, strings, lists, dicts): {e}",
+            fix="save tensors in the model or optimizer; keep positions (epoch, batch) as numbers",
+        ) from None
     return dict(state)
 
 
@@ -248,8 +300,10 @@ def init(plan_path: str | None = None, run_dir: str | None = None) -> Job:
     flag = PreemptionFlag().install()  # first: a signal during start-up must not be lost
     path = plan_path or os.environ.get(jobenv.PLAN)
     if not path:
-        raise ConfigError("no plan: DTLAUNCH_PLAN is not set",
-                          fix="start the script with `dtlaunch up` or a rendered job script, or pass init(plan_path=...)")
+        raise ConfigError(
+            "no plan: DTLAUNCH_PLAN is not set",
+            fix="start the script with `dtlaunch up` or a rendered job script, or pass init(plan_path=...)",
+        )
     recipe, plan, _ = planfile.read(path)
     for k, v in recipe.env.items():
         os.environ.setdefault(k, v)

@@ -4,6 +4,7 @@ Each step ends with one small collective that every rank must reach with the sam
 carries the loss for logging, the preemption flag (so all ranks stop together), and each rank's step,
 so an off-by-one divergence - which timeouts cannot see - ends the job at once with HANG.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,8 +78,11 @@ class Watchdog:
         self.armed = False
 
     def _exit(self, why: str) -> None:
-        print(f"dtlaunch: rank {self.rank}: {why} (last completed step {self.step}): exiting with HANG "
-              f"({ExitCode.HANG})", file=sys.stderr, flush=True)
+        print(
+            f"dtlaunch: rank {self.rank}: {why} (last completed step {self.step}): exiting with HANG ({ExitCode.HANG})",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(ExitCode.HANG)
 
     def _run(self) -> None:
@@ -97,8 +101,16 @@ class Watchdog:
 class Trainer:
     """Runs one recipe's plan to completion (or to preemption). Collective: every rank runs it."""
 
-    def __init__(self, recipe, plan, run_dir: str | os.PathLike, *, recipe_hash: str | None = None,
-                 world: World | None = None, flag: PreemptionFlag | None = None):
+    def __init__(
+        self,
+        recipe,
+        plan,
+        run_dir: str | os.PathLike,
+        *,
+        recipe_hash: str | None = None,
+        world: World | None = None,
+        flag: PreemptionFlag | None = None,
+    ):
         self.recipe, self.plan, self.run_dir = recipe, plan, Path(run_dir)
         self.recipe_hash = recipe_hash or recipe.digest()
         self.world = world
@@ -140,24 +152,34 @@ class Trainer:
             self.metrics.log(n)
         check_model(rec)
         shape = self.shape
-        self.ckpt_root = Path(os.path.expanduser(os.environ.get(jobenv.CHECKPOINT_DIR) or str(
-            expand_dir(rec.checkpoint.dir, self.run_dir, os.environ.get(jobenv.RUN_ID)))))
+        self.ckpt_root = Path(
+            os.path.expanduser(
+                os.environ.get(jobenv.CHECKPOINT_DIR)
+                or str(expand_dir(rec.checkpoint.dir, self.run_dir, os.environ.get(jobenv.RUN_ID)))
+            )
+        )
         # sharded layouts build on meta: each rank materialises only its shards (of its stages)
         meta = init_on_meta(rec.model, self.layout, plan.params)
-        self.metrics.event("start", world_size=w.world_size, strategy=self.layout.strategy,
-                           layout=self.layout.describe(), precision=self.layout.precision,
-                           grad_accum=self.layout.grad_accum, global_batch=self.layout.global_batch,
-                           attempt=w.proc.restart_count,
-                           init="partitioned" if builds_partitioned(self.layout, rec.model) else
-                           "meta" if meta else "eager")
+        self.metrics.event(
+            "start",
+            world_size=w.world_size,
+            strategy=self.layout.strategy,
+            layout=self.layout.describe(),
+            precision=self.layout.precision,
+            grad_accum=self.layout.grad_accum,
+            global_batch=self.layout.global_batch,
+            attempt=w.proc.restart_count,
+            init="partitioned" if builds_partitioned(self.layout, rec.model) else "meta" if meta else "eager",
+        )
         if tr.preflight:
             self._preflight()
         torch.manual_seed(tr.seed)  # the same initial weights on every rank and every attempt
         if builds_partitioned(self.layout, rec.model):
             module = build_partitioned(rec, plan, self.layout, w.rank, w.device, w.is_gpu)
         else:
-            module = build_for_recipe(rec.model, self.layout.activation_checkpointing,
-                                      device="meta" if meta else "cpu", seed=tr.seed)
+            module = build_for_recipe(
+                rec.model, self.layout.activation_checkpointing, device="meta" if meta else "cpu", seed=tr.seed
+            )
         weights = rec.model.hf_weights if not ckptdir.complete_steps(self.ckpt_root) else None
         if weights and not meta:  # fine-tuning: every rank reads the weights before the strategy wraps the model
             n = load_weights(module, weights, sharded=False)
@@ -173,40 +195,78 @@ class Trainer:
         # Ranks of one tensor-parallel group and one pipeline read the same data: the data-parallel rank's.
         _, dp_rank, _ = self.layout.coords(w.rank)
         self.batches = build_dataloader(
-            tr.data, vocab=shape.vocab, seq_len=self.seq_len, micro_batch=self.layout.micro_batch,
-            grad_accum=self.layout.grad_accum, rank=dp_rank, world_size=self.layout.dp, seed=tr.seed,
-            device=w.device, is_gpu=w.is_gpu)
+            tr.data,
+            vocab=shape.vocab,
+            seq_len=self.seq_len,
+            micro_batch=self.layout.micro_batch,
+            grad_accum=self.layout.grad_accum,
+            rank=dp_rank,
+            world_size=self.layout.dp,
+            seed=tr.seed,
+            device=w.device,
+            is_gpu=w.is_gpu,
+        )
         static_meta = {
-            "recipe_hash": self.recipe_hash, "identity": identity(rec.to_dict()), "strategy": self.layout.strategy, "family": self.layout.family,
-            "precision": self.layout.precision, "grad_accum": self.layout.grad_accum,
-            "global_batch": self.layout.global_batch, "micro_batch": self.layout.micro_batch,
-            "dp": self.layout.dp, "tp": self.layout.tp, "pp": self.layout.pp, "layout": self.layout.describe(),
+            "recipe_hash": self.recipe_hash,
+            "identity": identity(rec.to_dict()),
+            "strategy": self.layout.strategy,
+            "family": self.layout.family,
+            "precision": self.layout.precision,
+            "grad_accum": self.layout.grad_accum,
+            "global_batch": self.layout.global_batch,
+            "micro_batch": self.layout.micro_batch,
+            "dp": self.layout.dp,
+            "tp": self.layout.tp,
+            "pp": self.layout.pp,
+            "layout": self.layout.describe(),
             "seed": tr.seed,
-            "shape": {k: getattr(shape, k) for k in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab",
-                                                     "tied_embeddings")},
+            "shape": {
+                k: getattr(shape, k)
+                for k in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "tied_embeddings")
+            },
         }
         self.checkpointer = Checkpointer(
-            self.ckpt_root, self.engine, rank=w.rank, world_size=w.world_size, keep=rec.checkpoint.keep,
-            async_save=rec.checkpoint.async_, meta=static_meta, group=w.checkpoint_group, faults=self.faults,
-            log=self.metrics.log, event=self.metrics.event, allow_changed_recipe=rec.checkpoint.resume_changed_recipe,
-            run_id=os.environ.get(jobenv.RUN_ID))
+            self.ckpt_root,
+            self.engine,
+            rank=w.rank,
+            world_size=w.world_size,
+            keep=rec.checkpoint.keep,
+            async_save=rec.checkpoint.async_,
+            meta=static_meta,
+            group=w.checkpoint_group,
+            faults=self.faults,
+            log=self.metrics.log,
+            event=self.metrics.event,
+            allow_changed_recipe=rec.checkpoint.resume_changed_recipe,
+            run_id=os.environ.get(jobenv.RUN_ID),
+        )
 
     def _preflight(self) -> None:
         w, rec = self.world, self.recipe
         net = catalog.NETWORKS[rec.resources.network]
         size = checkpoint_bytes(self.plan.params, rec.training.optimizer)
-        rep = preflight_mod.run(world=w, network=net, checkpoint_dir=self.ckpt_root, checkpoint_bytes=size,
-                                keep=rec.checkpoint.keep, min_allreduce_fraction=rec.training.min_allreduce_fraction)
+        rep = preflight_mod.run(
+            world=w,
+            network=net,
+            checkpoint_dir=self.ckpt_root,
+            checkpoint_bytes=size,
+            keep=rec.checkpoint.keep,
+            min_allreduce_fraction=rec.training.min_allreduce_fraction,
+        )
         for line in rep.lines:
             self.metrics.log(f"preflight: {line}")
         self.metrics.event("preflight", ok=not rep.failures, failures=rep.failures, **rep.figures)
         if rep.failures and rep.storage:
-            raise StorageError("preflight failed before any training step:\n  - " + "\n  - ".join(rep.failures),
-                               fix="free space in the checkpoint directory (or point checkpoint.dir at larger "
-                                   "storage), then run again")
+            raise StorageError(
+                "preflight failed before any training step:\n  - " + "\n  - ".join(rep.failures),
+                fix="free space in the checkpoint directory (or point checkpoint.dir at larger "
+                "storage), then run again",
+            )
         if rep.failures:
-            raise PreflightError("preflight failed before any training step:\n  - " + "\n  - ".join(rep.failures),
-                                 fix="fix the nodes or the recipe (training.preflight: false skips these checks)")
+            raise PreflightError(
+                "preflight failed before any training step:\n  - " + "\n  - ".join(rep.failures),
+                fix="fix the nodes or the recipe (training.preflight: false skips these checks)",
+            )
 
     # ------------------------------------------------------------------ resume
 
@@ -224,13 +284,22 @@ class Trainer:
         self.batches.seek(pos)
         warnings = list(saved["warnings"]) + ([warn] if warn else [])
         changed = f"; changed: {', '.join(warnings)}" if warnings else ""
-        self.metrics.log(f"resumed from step {self.step} ({saved['path']}, saved by {saved.get('world_size')} ranks "
-                         f"with {saved.get('strategy')}, data epoch {pos.epoch} batch {pos.step_in_epoch}, "
-                         f"{time.time() - t0:.2f}s){changed}")
+        self.metrics.log(
+            f"resumed from step {self.step} ({saved['path']}, saved by {saved.get('world_size')} ranks "
+            f"with {saved.get('strategy')}, data epoch {pos.epoch} batch {pos.step_in_epoch}, "
+            f"{time.time() - t0:.2f}s){changed}"
+        )
         for wmsg in warnings:
             self.metrics.log(f"note: resuming with a change: {wmsg}")
-        self.metrics.event("resume", step=self.step, path=saved["path"], from_world_size=saved.get("world_size"),
-                           world_size=self.world.world_size, warnings=warnings, data=pos.to_dict())
+        self.metrics.event(
+            "resume",
+            step=self.step,
+            path=saved["path"],
+            from_world_size=saved.get("world_size"),
+            world_size=self.world.world_size,
+            warnings=warnings,
+            data=pos.to_dict(),
+        )
 
     # ------------------------------------------------------------------ the step
 
@@ -250,14 +319,17 @@ class Trainer:
     def _preempt(self, agreed: Agreement, flag: PreemptionFlag, finite: bool) -> None:
         who = f"rank{'s' if len(agreed.signalled) > 1 else ''} {', '.join(map(str, agreed.signalled))}"
         if finite:
-            self.metrics.log(f"preemption signal ({flag.received or 'a signal'} on {who}) at step {self.step}: "
-                             f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}")
+            self.metrics.log(
+                f"preemption signal ({flag.received or 'a signal'} on {who}) at step {self.step}: "
+                f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}"
+            )
             self._save(blocking=True, reason="preempt")
         else:
-            self.metrics.log(f"preemption signal at step {self.step} with a non-finite loss: exiting without a "
-                             "checkpoint (the previous one is the last good state)")
-        self.metrics.event("preempt", step=self.step, signal=flag.received, ranks=list(agreed.signalled),
-                           saved=finite)
+            self.metrics.log(
+                f"preemption signal at step {self.step} with a non-finite loss: exiting without a "
+                "checkpoint (the previous one is the last good state)"
+            )
+        self.metrics.event("preempt", step=self.step, signal=flag.received, ranks=list(agreed.signalled), saved=finite)
         raise Preempted(f"preempted at step {self.step}; checkpoint written, resubmit to resume", step=self.step)
 
     def writes_flight_recorder(self) -> bool:
@@ -291,15 +363,21 @@ class Trainer:
         flag = self.flag
         # The first step runs under the long start-up timeouts (lazy initialisation, first allocations); then every
         # training group gets training.timeout_seconds, and the watchdog the same bound.
-        self.watchdog = Watchdog(jobenv.watchdog_seconds(tr.init_timeout_seconds), max(5.0, tr.timeout_seconds),
-                                 w.rank, flag)
+        self.watchdog = Watchdog(
+            jobenv.watchdog_seconds(tr.init_timeout_seconds), max(5.0, tr.timeout_seconds), w.rank, flag
+        )
         sync = StepSync(w, skip=lambda step: self.faults.hit("skip_collective", step) is not None)
         watch = NonFiniteWatch(tr.max_nonfinite_steps, w.device, self.metrics.log)
         self.nonfinite = watch
-        reporter = Reporter(sync, watch, self.metrics, is_gpu=w.is_gpu,
-                            tokens_per_step=self.layout.global_batch * self.seq_len,
-                            flops_per_token=flops_per_token(self.plan.params, self.shape, self.seq_len),
-                            world_size=w.world_size)
+        reporter = Reporter(
+            sync,
+            watch,
+            self.metrics,
+            is_gpu=w.is_gpu,
+            tokens_per_step=self.layout.global_batch * self.seq_len,
+            flops_per_token=flops_per_token(self.plan.params, self.shape, self.seq_len),
+            world_size=w.world_size,
+        )
         last_saved = self.step if self.step else None
         first = True
         self.watchdog.beat(self.step)

@@ -9,6 +9,7 @@ computed in place on one fp32 copy, so that the temporaries are the ones written
 
 The gradient is the textbook one, (softmax - onehot) / N, computed from the saved log-sum-exp.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,14 @@ def chunk_rows(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
-def _softmax_minus_target(logits: torch.Tensor, lse: torch.Tensor, cols: torch.Tensor, grad: torch.Tensor, rows: int,
-                          outside: torch.Tensor | None = None) -> torch.Tensor:
+def _softmax_minus_target(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    cols: torch.Tensor,
+    grad: torch.Tensor,
+    rows: int,
+    outside: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The gradient of the mean cross-entropy, (softmax - onehot(cols)) * grad / N, one fp32 chunk at a time,
     into a tensor of the logits' dtype. `outside`: rows whose target another rank's slice holds (no onehot)."""
     n = logits.shape[0]
@@ -48,9 +55,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # log-sum-exp by hand: the one temporary is this chunk's fp32 `x - max`, written by the subtraction
             # itself (a 16-bit chunk minus an fp32 column promotes to fp32: no separate copy, one pass less),
             # then changed in place (logsumexp would allocate a second one inside the kernel)
-            chunk = logits[i:i + rows]
+            chunk = logits[i : i + rows]
             m = chunk.amax(dim=-1).float()  # exact in any dtype
-            lse[i:i + rows] = (chunk - m.unsqueeze(1)).exp_().sum(dim=-1).log_().add_(m)
+            lse[i : i + rows] = (chunk - m.unsqueeze(1)).exp_().sum(dim=-1).log_().add_(m)
         picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()
         ctx.save_for_backward(logits, targets, lse)
         ctx.rows = rows
@@ -77,7 +84,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         total = torch.empty(n, dtype=torch.float32, device=logits.device)
         for i in range(0, n, rows):  # the fp32 `x - max` chunk is the subtraction's own result, as above
-            total[i:i + rows] = (logits[i:i + rows] - m[i:i + rows].unsqueeze(1)).exp_().sum(dim=-1)
+            total[i : i + rows] = (logits[i : i + rows] - m[i : i + rows].unsqueeze(1)).exp_().sum(dim=-1)
         local = targets - start
         outside = (local < 0) | (local >= v)
         local = local.masked_fill(outside, 0)
@@ -100,14 +107,20 @@ def _vocab_parallel(logits, targets: torch.Tensor, rows: int | None) -> torch.Te
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if logits.device_mesh.ndim != 1 or not isinstance(logits.placements[0], Shard) \
-            or logits.placements[0].dim % logits.ndim != logits.ndim - 1:
-        raise ValueError(f"the vocabulary-parallel loss needs logits sharded over the vocabulary on one mesh "
-                         f"dimension, got {logits.placements}")
+    if (
+        logits.device_mesh.ndim != 1
+        or not isinstance(logits.placements[0], Shard)
+        or logits.placements[0].dim % logits.ndim != logits.ndim - 1
+    ):
+        raise ValueError(
+            f"the vocabulary-parallel loss needs logits sharded over the vocabulary on one mesh "
+            f"dimension, got {logits.placements}"
+        )
     _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
     flat = logits.to_local().flatten(0, 1)
-    return _VocabParallelCrossEntropy.apply(flat, targets.flatten(0, 1), rows or chunk_rows(flat.shape[-1]),
-                                            logits.device_mesh.get_group(), int(offset[-1]))
+    return _VocabParallelCrossEntropy.apply(
+        flat, targets.flatten(0, 1), rows or chunk_rows(flat.shape[-1]), logits.device_mesh.get_group(), int(offset[-1])
+    )
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, rows: int | None = None) -> torch.Tensor:

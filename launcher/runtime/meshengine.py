@@ -14,6 +14,7 @@ and HSDP all-reduces across replicas on the last one. With a pipeline the schedu
 of the step in one call and torch's stages keep each stage's gradients unsharded (and its weights
 gathered) until the last backward, then reduce once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,22 +57,34 @@ def build_mesh(layout: RuntimeLayout, device: torch.device):
 class MeshEngine(Engine):
     """Tensor/sequence/pipeline parallelism with FSDP2 over the data-parallel dimensions."""
 
-    def __init__(self, module: nn.Module, layout: RuntimeLayout, training, steps: int, device: torch.device,
-                 is_gpu: bool, loss_scaling: str = "dynamic"):
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: RuntimeLayout,
+        training,
+        steps: int,
+        device: torch.device,
+        is_gpu: bool,
+        loss_scaling: str = "dynamic",
+    ):
         from .pipeline import Split, build_schedule, materialise_split, split_model
         from .tensor_parallel import apply_tensor_parallel, check_divisible
 
         if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError("tensor and pipeline parallelism need a process group",
-                              fix="start the job with torchrun")
+            raise ConfigError("tensor and pipeline parallelism need a process group", fix="start the job with torchrun")
         if dist.get_world_size() != layout.world_size:
             raise ConfigError(f"the layout is for {layout.world_size} ranks, the world has {dist.get_world_size()}")
         if layout.offload != "none" and not is_gpu:
-            raise ConfigError("FSDP2 CPU offload (CPUOffloadPolicy) needs a GPU: it pins host memory, which fails "
-                              "on a CPU-only machine", fix="set parallelism.offload: none for CPU runs")
+            raise ConfigError(
+                "FSDP2 CPU offload (CPUOffloadPolicy) needs a GPU: it pins host memory, which fails "
+                "on a CPU-only machine",
+                fix="set parallelism.offload: none for CPU runs",
+            )
         if layout.precision == "fp16" and layout.pp > 1:
-            raise ConfigError("fp16 loss scaling is not supported with pipeline parallelism: the loss exists on the "
-                              "last stage only", fix="use parallelism.precision: bf16 (or fp32)")
+            raise ConfigError(
+                "fp16 loss scaling is not supported with pipeline parallelism: the loss exists on the last stage only",
+                fix="use parallelism.precision: bf16 (or fp32)",
+            )
         self.layout, self.device = layout, device
         self.grad_clip = training.grad_clip
         self.mesh = build_mesh(layout, device)
@@ -80,9 +93,11 @@ class MeshEngine(Engine):
         if layout.tp > 1 and shape is not None:
             check_divisible(shape, layout.tp, layout.sequence_parallel, shape.seq_len)
             if shape.tied_embeddings:
-                raise ConfigError("tensor parallelism of a model with tied input and output embeddings is not "
-                                  "supported: the embedding and the head would be split as two tensors",
-                                  fix="set parallelism.tensor: 1 for this model (FSDP shards it instead)")
+                raise ConfigError(
+                    "tensor parallelism of a model with tied input and output embeddings is not "
+                    "supported: the embedding and the head would be split as two tensors",
+                    fix="set parallelism.tensor: 1 for this model (FSDP shards it instead)",
+                )
         meta = any(p.is_meta for p in module.parameters())
         if layout.pp > 1:
             split = split_model(module, layout.pp, self.pp_rank, layout.pp_schedule)
@@ -100,12 +115,14 @@ class MeshEngine(Engine):
         self.split = split
         self.optimizer = build_optimizer(local, training, fused=is_gpu)
         self.scheduler = build_scheduler(self.optimizer, training, steps)
-        self.scaler = _make_scaler(device, fsdp=True) if layout.precision == "fp16" and loss_scaling == "dynamic" \
-            else None
+        self.scaler = (
+            _make_scaler(device, fsdp=True) if layout.precision == "fp16" and loss_scaling == "dynamic" else None
+        )
         self.schedule = None
         if layout.pp > 1:
-            self.schedule, self.stages = build_schedule(split, device, self.mesh["pp"].get_group(), layout.pp_schedule,
-                                                        layout.grad_accum, self._pipeline_loss)
+            self.schedule, self.stages = build_schedule(
+                split, device, self.mesh["pp"].get_group(), layout.pp_schedule, layout.grad_accum, self._pipeline_loss
+            )
             self.has_first = any(s.is_first for s in self.stages)
             self.has_last = any(s.is_last for s in self.stages)
             # the global rank of the last stage in this rank's pipeline (it has the loss)
@@ -154,16 +171,18 @@ class MeshEngine(Engine):
         # own (its first step also runs the loss on placeholder tensors to learn the shapes between stages).
         losses: list | None = [] if self.has_last else None
         self.schedule.step(*args, target=y, losses=losses, return_outputs=False)
-        loss = torch.stack([v.detach() for v in losses]).float().sum() if losses else \
-            torch.zeros((), dtype=torch.float32, device=self.device)
+        loss = (
+            torch.stack([v.detach() for v in losses]).float().sum()
+            if losses
+            else torch.zeros((), dtype=torch.float32, device=self.device)
+        )
         dist.broadcast(loss, src=self._last_rank, group=self.mesh["pp"].get_group())
 
         return loss
 
     def accumulate(self, loss_fn, last):
         if self.schedule is not None:
-            raise ConfigError("a pipeline runs a step's micro-batches together: use forward_backward, not "
-                              "accumulate")
+            raise ConfigError("a pipeline runs a step's micro-batches together: use forward_backward, not accumulate")
         root = self.split.chunks[0]
         if dp_dims(self.layout)[0] > 1:  # HSDP: reduce-scatter now, all-reduce across replicas at the end
             root.set_requires_all_reduce(last)

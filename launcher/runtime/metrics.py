@@ -8,6 +8,7 @@ rarely the peak rank): the caching allocator's active and reserved peaks in the 
 and OOMs in the window (retries are the first sign of fragmentation), and the host's resident set. On a CPU the
 GPU-only fields are null, never invented.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,9 +49,12 @@ class MemoryWindow:
         if self.is_gpu:
             st = torch.cuda.memory_stats()
             retries, ooms = st.get("num_alloc_retries", 0), st.get("num_ooms", 0)
-            out.update(active_peak_mb=st.get("active_bytes.all.peak", 0) / MB,
-                       reserved_peak_mb=st.get("reserved_bytes.all.peak", 0) / MB,
-                       alloc_retries=retries - self._retries, ooms=ooms - self._ooms)
+            out.update(
+                active_peak_mb=st.get("active_bytes.all.peak", 0) / MB,
+                reserved_peak_mb=st.get("reserved_bytes.all.peak", 0) / MB,
+                alloc_retries=retries - self._retries,
+                ooms=ooms - self._ooms,
+            )
             self._retries, self._ooms = retries, ooms
             torch.cuda.reset_peak_memory_stats()
         return out
@@ -77,8 +81,10 @@ def mfu(tokens_per_s: float, devices: int, flops_per_token: float, peak_tflops: 
         return None
     value = tokens_per_s * flops_per_token / (devices * peak_tflops * 1e12)
     if value > 1.0:
-        raise MFUError(f"MFU {value:.0%} is above 100%: the dense peak ({peak_tflops:g} TFLOPS) or the model's FLOPs "
-                       f"per token ({flops_per_token:.3g}) is wrong for this device")
+        raise MFUError(
+            f"MFU {value:.0%} is above 100%: the dense peak ({peak_tflops:g} TFLOPS) or the model's FLOPs "
+            f"per token ({flops_per_token:.3g}) is wrong for this device"
+        )
     return value
 
 
@@ -147,29 +153,54 @@ class Metrics:
         if self.enabled:
             self._write({"event": name, "time": round(time.time(), 3), **fields})
 
-    def step(self, step: int, *, loss: float, lr: float, tokens_per_s: float, step_time: float,
-             grad_norm: float | None, memory: RankFigures | None = None, mfu: float | None = None,
-             mfu_error: str | None = None, extra: dict | None = None) -> None:
+    def step(
+        self,
+        step: int,
+        *,
+        loss: float,
+        lr: float,
+        tokens_per_s: float,
+        step_time: float,
+        grad_norm: float | None,
+        memory: RankFigures | None = None,
+        mfu: float | None = None,
+        mfu_error: str | None = None,
+        extra: dict | None = None,
+    ) -> None:
         """One logged step: `tokens_per_s` and `step_time` over the log window, memory over ranks."""
         if not self.enabled:
             return
         mem = memory.values if memory is not None else dict.fromkeys(MEMORY_FIELDS)
-        rec = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": round(tokens_per_s, 1),
-               "step_time_s": round(step_time, 4), "grad_norm": grad_norm, "time": round(time.time(), 3),
-               "mfu": None if mfu is None else round(mfu, 4), "peak_rank": memory.peak_rank if memory else None,
-               **{k: (None if v is None else round(v, 1)) for k, v in mem.items()}, **(extra or {})}
+        rec = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "tokens_per_s": round(tokens_per_s, 1),
+            "step_time_s": round(step_time, 4),
+            "grad_norm": grad_norm,
+            "time": round(time.time(), 3),
+            "mfu": None if mfu is None else round(mfu, 4),
+            "peak_rank": memory.peak_rank if memory else None,
+            **{k: (None if v is None else round(v, 1)) for k, v in mem.items()},
+            **(extra or {}),
+        }
         if mfu_error:
             rec["mfu_error"] = mfu_error
             if not self._mfu_error_shown:
                 self.log(f"ERROR: {mfu_error}; MFU is not reported")
                 self._mfu_error_shown = True
         self._write(rec)
-        line = (f"step {step}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | {_fmt_rate(tokens_per_s)} tok/s | "
-                f"{step_time * 1e3:.0f} ms/step")
+        line = (
+            f"step {step}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | {_fmt_rate(tokens_per_s)} tok/s | "
+            f"{step_time * 1e3:.0f} ms/step"
+        )
         if mfu is not None:
             line += f" | mfu {mfu:.1%}"
-        where = (f" (rank {memory.peak_rank})" if memory is not None and memory.peak_rank is not None
-                 and memory.ranks > 1 else "")
+        where = (
+            f" (rank {memory.peak_rank})"
+            if memory is not None and memory.peak_rank is not None and memory.ranks > 1
+            else ""
+        )
         if mem.get("reserved_peak_mb") is not None:
             line += f" | mem {mem['active_peak_mb'] / 1024:.1f}/{mem['reserved_peak_mb'] / 1024:.1f} GiB{where}"
             if mem.get("alloc_retries"):
@@ -198,5 +229,13 @@ class Metrics:
             self._file = None
 
 
-__all__ = ["MEMORY_FIELDS", "MFUError", "MemoryWindow", "Metrics", "RankFigures", "device_peak_tflops", "mfu",
-           "read_metrics"]
+__all__ = [
+    "MEMORY_FIELDS",
+    "MFUError",
+    "MemoryWindow",
+    "Metrics",
+    "RankFigures",
+    "device_peak_tflops",
+    "mfu",
+    "read_metrics",
+]

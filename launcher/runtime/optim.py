@@ -3,6 +3,7 @@
 The schedule is a pure function of the step (LambdaLR), so a resumed run computes the same rate
 as an uninterrupted one from the saved step alone.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, training, *, cpu_adam: bool = False,
-                    fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, training, *, cpu_adam: bool = False, fused: bool = False
+) -> torch.optim.Optimizer:
     """`fused`: AdamW in one kernel over all parameters (torchtitan's default on GPUs; on the host too, for
     offloaded states, where the default loops over the tensors one by one). GPU jobs set it; CPU-only jobs keep
     torch's default."""
@@ -52,8 +54,14 @@ def build_optimizer(model: torch.nn.Module, training, *, cpu_adam: bool = False,
 
 def build_scheduler(optimizer: torch.optim.Optimizer, training, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     def f(step: int) -> float:
-        return lr_factor(step, steps=steps, warmup=training.warmup_steps, schedule=training.schedule,
-                         lr=training.lr, min_lr=training.min_lr)
+        return lr_factor(
+            step,
+            steps=steps,
+            warmup=training.warmup_steps,
+            schedule=training.schedule,
+            lr=training.lr,
+            min_lr=training.min_lr,
+        )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, f)
 

@@ -11,6 +11,7 @@ every rank meanwhile (DDP-sized gradient memory) for grad_accum times fewer redu
 every micro-step skips only the all-reduce across replicas until the last one (`set_requires_all_reduce`),
 which keeps gradients sharded. DeepSpeed accumulates by its own gradient_accumulation_steps.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,9 +77,19 @@ class Engine:
 class TorchEngine(Engine):
     """DDP and FSDP2, with torch.optim and an optional GradScaler for fp16."""
 
-    def __init__(self, module: nn.Module, layout: RuntimeLayout, training, steps: int, device: torch.device, is_gpu: bool,
-                 loss_scaling: str = "dynamic", *, blocks: list[nn.Module] | None = None,
-                 optimizer: OptimizerFactory | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: RuntimeLayout,
+        training,
+        steps: int,
+        device: torch.device,
+        is_gpu: bool,
+        loss_scaling: str = "dynamic",
+        *,
+        blocks: list[nn.Module] | None = None,
+        optimizer: OptimizerFactory | None = None,
+    ):
         import torch.distributed as dist
 
         self.layout, self.module, self.device = layout, module, device
@@ -92,15 +103,21 @@ class TorchEngine(Engine):
 
                 # broadcast_buffers=False: the only buffers are the derived RoPE tables; syncing them would
                 # add a broadcast to every forward.
-                self.model = DDP(module, device_ids=[device] if is_gpu else None, gradient_as_bucket_view=True,
-                                 broadcast_buffers=False)
+                self.model = DDP(
+                    module,
+                    device_ids=[device] if is_gpu else None,
+                    gradient_as_bucket_view=True,
+                    broadcast_buffers=False,
+                )
             else:
                 self.model = module
             if layout.precision != "fp32":
                 self.autocast_dtype = DTYPES[layout.precision]
         else:
             self.model = shard_fsdp2(module, layout, device, is_gpu, blocks=blocks)
-        self.optimizer = optimizer(module.parameters()) if optimizer else build_optimizer(module, training, fused=is_gpu)
+        self.optimizer = (
+            optimizer(module.parameters()) if optimizer else build_optimizer(module, training, fused=is_gpu)
+        )
         self.scheduler = build_scheduler(self.optimizer, training, steps)
         self.scaler = None
         if layout.precision == "fp16" and loss_scaling == "dynamic":
@@ -185,13 +202,16 @@ def repeated_blocks(module: nn.Module) -> list[nn.Module]:
         return list(layers)
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
-        raise ConfigError(f"{type(module).__name__} has no list of repeated blocks for FSDP2 to shard one by one",
-                          fix="pass blocks=[...] to job.wrap (e.g. blocks=list(model.blocks))")
+        raise ConfigError(
+            f"{type(module).__name__} has no list of repeated blocks for FSDP2 to shard one by one",
+            fix="pass blocks=[...] to job.wrap (e.g. blocks=list(model.blocks))",
+        )
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def fsdp_units(module: nn.Module, blocks: list[nn.Module] | None = None, *,
-               model_parallel: bool = False) -> list[nn.Module]:
+def fsdp_units(
+    module: nn.Module, blocks: list[nn.Module] | None = None, *, model_parallel: bool = False
+) -> list[nn.Module]:
     """The FSDP2 units in forward order: each block, then the root; the token embedding and the output head
     as units of their own (first and before the root) where `plan.params.embedding_units_apart` says so
     (tables larger than a block, or a tensor/pipeline layout), else in the root with the final norm. A model
@@ -211,21 +231,28 @@ def fsdp_units(module: nn.Module, blocks: list[nn.Module] | None = None, *,
     return [u for u in (module.tok_embeddings, *layers, module.output) if u is not None] + [module]
 
 
-def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, is_gpu: bool,
-                blocks: list[nn.Module] | None = None) -> nn.Module:
+def shard_fsdp2(
+    module: nn.Module, layout: RuntimeLayout, device: torch.device, is_gpu: bool, blocks: list[nn.Module] | None = None
+) -> nn.Module:
     """fully_shard each unit of `fsdp_units` on a 1-D or 2-D (HSDP) mesh, the root last."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if layout.offload in ("params", "optimizer") and not is_gpu:
-        raise ConfigError("FSDP2 CPU offload (CPUOffloadPolicy) needs a GPU: it pins host memory, which fails "
-                          "on a CPU-only machine", fix="set parallelism.offload: none for CPU runs")
+        raise ConfigError(
+            "FSDP2 CPU offload (CPUOffloadPolicy) needs a GPU: it pins host memory, which fails on a CPU-only machine",
+            fix="set parallelism.offload: none for CPU runs",
+        )
     if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError(f"{layout.strategy} needs a process group", fix="start the job with torchrun (even for 1 rank)")
+        raise ConfigError(
+            f"{layout.strategy} needs a process group", fix="start the job with torchrun (even for 1 rank)"
+        )
     world = dist.get_world_size()
     if layout.spec.replicate_across_nodes:
-        mesh = init_device_mesh(device.type, (world // layout.shard, layout.shard), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            device.type, (world // layout.shard, layout.shard), mesh_dim_names=("replicate", "shard")
+        )
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     mp = MixedPrecisionPolicy()
@@ -247,33 +274,50 @@ def shard_fsdp2(module: nn.Module, layout: RuntimeLayout, device: torch.device, 
 class DeepSpeedEngine(Engine):
     """ZeRO 1/2/3 through deepspeed.initialize, with the config from launcher.render.deepspeed."""
 
-    def __init__(self, module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: int, is_gpu: bool,
-                 optimizer: OptimizerFactory | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: RuntimeLayout,
+        recipe,
+        plan,
+        steps: int,
+        is_gpu: bool,
+        optimizer: OptimizerFactory | None = None,
+    ):
         try:
             import deepspeed
         except ImportError:
-            raise ConfigError(f"strategy {layout.strategy} needs DeepSpeed, which is not installed",
-                              fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)") from None
+            raise ConfigError(
+                f"strategy {layout.strategy} needs DeepSpeed, which is not installed",
+                fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)",
+            ) from None
         from deepspeed.accelerator import get_accelerator
 
         from ..plan.deepspeed import uses_cpu_adam
 
         acc = get_accelerator()
         if layout.precision == "fp16" and not acc.is_fp16_supported():
-            raise ConfigError(f"DeepSpeed does not support fp16 on its {acc.device_name()} accelerator",
-                              fix="use parallelism.precision: bf16 or fp32 here (fp16 needs a GPU), "
-                                  "or a torch strategy (ddp/fsdp) whose GradScaler works on CPU")
+            raise ConfigError(
+                f"DeepSpeed does not support fp16 on its {acc.device_name()} accelerator",
+                fix="use parallelism.precision: bf16 or fp32 here (fp16 needs a GPU), "
+                "or a torch strategy (ddp/fsdp) whose GradScaler works on CPU",
+            )
         if layout.precision == "bf16" and not acc.is_bf16_supported():
-            raise ConfigError(f"DeepSpeed does not support bf16 on its {acc.device_name()} accelerator",
-                              fix="use parallelism.precision: fp16 (with loss scaling) or fp32")
+            raise ConfigError(
+                f"DeepSpeed does not support bf16 on its {acc.device_name()} accelerator",
+                fix="use parallelism.precision: fp16 (with loss scaling) or fp32",
+            )
         self.layout, self.module = layout, module
         cfg = ds_config(layout, recipe, plan, is_gpu, client_optimizer=optimizer is not None)
         self.config = cfg
         cpu_adam = optimizer is None and uses_cpu_adam(recipe, layout.offload, is_gpu)
-        opt = optimizer(module.parameters()) if optimizer else build_optimizer(module, recipe.training, cpu_adam=cpu_adam)
+        opt = (
+            optimizer(module.parameters()) if optimizer else build_optimizer(module, recipe.training, cpu_adam=cpu_adam)
+        )
         scheduler = build_scheduler(opt, recipe.training, steps)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=module, optimizer=opt, lr_scheduler=scheduler, config=cfg)
+            model=module, optimizer=opt, lr_scheduler=scheduler, config=cfg
+        )
 
     def accumulate(self, loss_fn, last):
         self.model.set_gradient_accumulation_boundary(last)
@@ -291,8 +335,11 @@ class DeepSpeedEngine(Engine):
         if hasattr(opt, "overflow"):
             skipped = bool(opt.overflow)
         scale = getattr(opt, "cur_scale", None) if self.layout.precision == "fp16" else None
-        return {"grad_norm": float(norm) if norm is not None and math.isfinite(float(norm)) else None,
-                "skipped": skipped, "loss_scale": scale}
+        return {
+            "grad_norm": float(norm) if norm is not None and math.isfinite(float(norm)) else None,
+            "skipped": skipped,
+            "loss_scale": scale,
+        }
 
     @property
     def lr(self) -> float:
@@ -303,8 +350,15 @@ def ds_config(layout: RuntimeLayout, recipe, plan, is_gpu: bool, client_optimize
     """The DeepSpeed config of this layout at the world size the job really has (the rendered one's, rescaled)."""
     from ..plan.deepspeed import deepspeed_config
 
-    return deepspeed_config(recipe, plan, dp=layout.world_size, grad_accum=layout.grad_accum, offload=layout.offload,
-                            is_gpu=is_gpu, client_optimizer=client_optimizer)
+    return deepspeed_config(
+        recipe,
+        plan,
+        dp=layout.world_size,
+        grad_accum=layout.grad_accum,
+        offload=layout.offload,
+        is_gpu=is_gpu,
+        client_optimizer=client_optimizer,
+    )
 
 
 def builds_partitioned(layout: RuntimeLayout, model_spec) -> bool:
@@ -321,8 +375,10 @@ def build_partitioned(recipe, plan, layout: RuntimeLayout, rank: int, device: to
     try:
         import deepspeed
     except ImportError:
-        raise ConfigError(f"strategy {layout.strategy} needs DeepSpeed, which is not installed",
-                          fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)") from None
+        raise ConfigError(
+            f"strategy {layout.strategy} needs DeepSpeed, which is not installed",
+            fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)",
+        ) from None
     from .models.llama import Llama
 
     with deepspeed.zero.Init(config_dict_or_path=ds_config(layout, recipe, plan, is_gpu)):
@@ -332,20 +388,40 @@ def build_partitioned(recipe, plan, layout: RuntimeLayout, rank: int, device: to
     return model
 
 
-def wrap_model(module: nn.Module, layout: RuntimeLayout, recipe, plan, steps: int, device: torch.device,
-               is_gpu: bool, *, blocks: list[nn.Module] | None = None,
-               optimizer: OptimizerFactory | None = None) -> Engine:
+def wrap_model(
+    module: nn.Module,
+    layout: RuntimeLayout,
+    recipe,
+    plan,
+    steps: int,
+    device: torch.device,
+    is_gpu: bool,
+    *,
+    blocks: list[nn.Module] | None = None,
+    optimizer: OptimizerFactory | None = None,
+) -> Engine:
     """The engine for `layout.strategy`: the one place that knows which library runs which strategy.
     `blocks` (FSDP2's units) and `optimizer` (a factory of params) serve user models (launcher.runtime.job)."""
     if layout.spec.family is Family.DEEPSPEED:
         return DeepSpeedEngine(module, layout, recipe, plan, steps, is_gpu, optimizer=optimizer)
     if layout.model_parallel:
         if blocks is not None or optimizer is not None:
-            raise ConfigError("tensor and pipeline parallelism split dtlaunch's Llama and Hugging Face decoders by "
-                              "their module names; launcher.init().wrap cannot split your own model",
-                              fix="set parallelism.tensor: 1 and pipeline: 1 for your own training script")
+            raise ConfigError(
+                "tensor and pipeline parallelism split dtlaunch's Llama and Hugging Face decoders by "
+                "their module names; launcher.init().wrap cannot split your own model",
+                fix="set parallelism.tensor: 1 and pipeline: 1 for your own training script",
+            )
         from .meshengine import MeshEngine
 
         return MeshEngine(module, layout, recipe.training, steps, device, is_gpu, recipe.parallelism.loss_scaling)
-    return TorchEngine(module, layout, recipe.training, steps, device, is_gpu, recipe.parallelism.loss_scaling,
-                       blocks=blocks, optimizer=optimizer)
+    return TorchEngine(
+        module,
+        layout,
+        recipe.training,
+        steps,
+        device,
+        is_gpu,
+        recipe.parallelism.loss_scaling,
+        blocks=blocks,
+        optimizer=optimizer,
+    )

@@ -4,6 +4,7 @@ the stages it runs and drops the rest, and a 1F1B or interleaved 1F1B schedule r
 through them. Every stage is a `Llama.stage` of the whole model: the same modules under the same names, so a
 pipeline rank's checkpoint shards are named as the whole model's and reshard into any other layout.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,19 +33,26 @@ def split_model(model: nn.Module, pp: int, pp_rank: int, schedule: str) -> Split
     from .models.llama import Llama
 
     if not isinstance(model, Llama):
-        raise ConfigError(f"pipeline parallelism splits dtlaunch's Llama into stages; {type(model).__name__} cannot "
-                          "run without all of its blocks (Hugging Face decoders build their masks and rotary "
-                          "positions in the whole model's forward)", fix="set parallelism.pipeline: 1 for this model")
+        raise ConfigError(
+            f"pipeline parallelism splits dtlaunch's Llama into stages; {type(model).__name__} cannot "
+            "run without all of its blocks (Hugging Face decoders build their masks and rotary "
+            "positions in the whole model's forward)",
+            fix="set parallelism.pipeline: 1 for this model",
+        )
     if model.shape.tied_embeddings:
-        raise ConfigError("pipeline parallelism of a model with tied input and output embeddings is not supported: "
-                          "the embedding (first stage) and the head (last stage) share one weight",
-                          fix="set parallelism.pipeline: 1, or use a model with separate embeddings")
+        raise ConfigError(
+            "pipeline parallelism of a model with tied input and output embeddings is not supported: "
+            "the embedding (first stage) and the head (last stage) share one weight",
+            fix="set parallelism.pipeline: 1, or use a model with separate embeddings",
+        )
     n = num_stages(pp, schedule)
     try:
         counts = stage_layers(model.shape.layers, n)
     except ValueError as e:
-        raise ConfigError(f"the pipeline cannot be split: {e}",
-                          fix="lower parallelism.pipeline, or use parallelism.pipeline_schedule: 1f1b") from None
+        raise ConfigError(
+            f"the pipeline cannot be split: {e}",
+            fix="lower parallelism.pipeline, or use parallelism.pipeline_schedule: 1f1b",
+        ) from None
     starts = [sum(counts[:i]) for i in range(n)]
     ids = stages_of_rank(pp_rank, pp, schedule)
     chunks = [Llama.stage(model, i == 0, list(range(starts[i], starts[i] + counts[i])), i == n - 1) for i in ids]
@@ -70,16 +78,24 @@ def materialise_split(split: Split, device: torch.device, offload: bool) -> None
             split.local.register_buffer(name, getattr(split.chunks[0], name), persistent=False)
 
 
-def build_schedule(split: Split, device: torch.device, group, schedule: str, micro_batches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+def build_schedule(
+    split: Split,
+    device: torch.device,
+    group,
+    schedule: str,
+    micro_batches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
     """The schedule that runs one optimizer step's micro-batches through this rank's stages. `loss_fn` sees
     the last stage's output and targets of one micro-batch; gradients are not rescaled afterwards (the loss
     is divided by the number of micro-batches, as the other engines do)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 
-    stages = [PipelineStage(c, i, split.num_stages, device, group=group)
-              for c, i in zip(split.chunks, split.stage_ids, strict=True)]
+    stages = [
+        PipelineStage(c, i, split.num_stages, device, group=group)
+        for c, i in zip(split.chunks, split.stage_ids, strict=True)
+    ]
     if schedule == "1f1b":
         return Schedule1F1B(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False), stages
     return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=False), stages

@@ -5,6 +5,7 @@ the checkpoint directory has room, and (on GPU nodes) /dev/shm is big enough for
 All ranks take part; rank 0 decides and reports, and the verdict is shared so that every rank
 exits with PREFLIGHT together.
 """
+
 from __future__ import annotations
 
 import os
@@ -105,23 +106,31 @@ def check_bandwidth(world, network, min_fraction: float, rep: Report) -> None:
                 dist.destroy_process_group(g)
         bw = bus_bandwidth_gbps(nbytes, secs, per_node)
         rep.figures.update(intra_node_gbps=round(bw, 3))
-        rep.lines.append(f"all-reduce {nbytes >> 20} MB inside each node ({per_node} ranks): {secs * 1e3:.1f} ms, "
-                         f"bus bandwidth {bw:.2f} GB/s (the slowest node)")
+        rep.lines.append(
+            f"all-reduce {nbytes >> 20} MB inside each node ({per_node} ranks): {secs * 1e3:.1f} ms, "
+            f"bus bandwidth {bw:.2f} GB/s (the slowest node)"
+        )
     secs = measure_allreduce(world.device, nbytes)
     bw = bus_bandwidth_gbps(nbytes, secs, n)
     if nodes == 1:
         rep.figures.update(intra_node_gbps=round(bw, 3))
-        rep.lines.append(f"all-reduce {nbytes >> 20} MB on one node ({n} ranks): {secs * 1e3:.1f} ms, bus bandwidth "
-                         f"{bw:.2f} GB/s (inside a node; the network profile '{network.name}' applies across nodes)")
+        rep.lines.append(
+            f"all-reduce {nbytes >> 20} MB on one node ({n} ranks): {secs * 1e3:.1f} ms, bus bandwidth "
+            f"{bw:.2f} GB/s (inside a node; the network profile '{network.name}' applies across nodes)"
+        )
         return
     expected = network.node_gbps
     frac = bw / expected if expected else 0.0
     rep.figures.update(allreduce_gbps=round(bw, 3), expected_gbps=expected, allreduce_fraction=round(frac, 3))
-    msg = (f"all-reduce {nbytes >> 20} MB across {nodes} nodes ({n} ranks): {secs * 1e3:.1f} ms, bus bandwidth "
-           f"{bw:.2f} GB/s = {frac:.0%} of the '{network.name}' profile's {expected:g} GB/s")
+    msg = (
+        f"all-reduce {nbytes >> 20} MB across {nodes} nodes ({n} ranks): {secs * 1e3:.1f} ms, bus bandwidth "
+        f"{bw:.2f} GB/s = {frac:.0%} of the '{network.name}' profile's {expected:g} GB/s"
+    )
     if min_fraction > 0 and frac < min_fraction:
-        rep.failures.append(msg + f", below the required {min_fraction:.0%} (training.min_allreduce_fraction); "
-                                  "check the fabric / NCCL settings")
+        rep.failures.append(
+            msg + f", below the required {min_fraction:.0%} (training.min_allreduce_fraction); "
+            "check the fabric / NCCL settings"
+        )
     else:
         rep.lines.append(msg)
 
@@ -138,12 +147,16 @@ def check_checkpoint_space(world, checkpoint_dir: Path, checkpoint_bytes: float,
     free = free_bytes(checkpoint_dir) + leftovers
     rep.figures.update(checkpoint_free_bytes=free, checkpoint_bytes=int(checkpoint_bytes))
     need = checkpoint_bytes * (keep + 1)
-    line = (f"checkpoint dir {checkpoint_dir}: {free / 1e9:.2f} GB free"
-            + (f" (with {leftovers / 1e9:.2f} GB of uncommitted leftovers that start-up removes)" if leftovers else "")
-            + f", one checkpoint ~{checkpoint_bytes / 1e9:.3f} GB")
+    line = (
+        f"checkpoint dir {checkpoint_dir}: {free / 1e9:.2f} GB free"
+        + (f" (with {leftovers / 1e9:.2f} GB of uncommitted leftovers that start-up removes)" if leftovers else "")
+        + f", one checkpoint ~{checkpoint_bytes / 1e9:.3f} GB"
+    )
     if free < checkpoint_bytes:
-        rep.failures.append(line + ": not enough room for a single checkpoint; free space there or point "
-                                   "checkpoint.dir at larger storage")
+        rep.failures.append(
+            line + ": not enough room for a single checkpoint; free space there or point "
+            "checkpoint.dir at larger storage"
+        )
         rep.storage = True
     elif free < need:
         rep.lines.append(line + f" (WARNING: keep={keep} needs ~{need / 1e9:.2f} GB)")
@@ -158,8 +171,10 @@ def check_shm(world, rep: Report) -> None:
         return
     rep.figures["shm_bytes"] = shm
     if world.is_gpu and shm < MIN_SHM_BYTES:
-        rep.failures.append(f"/dev/shm is {shm / 2**20:.0f} MB; NCCL needs >= {MIN_SHM_BYTES >> 20} MB "
-                            f"(docker: --shm-size=16g or --ipc=host)")
+        rep.failures.append(
+            f"/dev/shm is {shm / 2**20:.0f} MB; NCCL needs >= {MIN_SHM_BYTES >> 20} MB "
+            f"(docker: --shm-size=16g or --ipc=host)"
+        )
     else:
         rep.lines.append(f"/dev/shm: {shm / 2**30:.1f} GB" + ("" if world.is_gpu else " (CPU run: not needed)"))
 
@@ -175,8 +190,9 @@ def share_failures(world, rep: Report) -> None:
     rep.storage = any(st for _, st in allf)
 
 
-def run(*, world, network, checkpoint_dir: Path, checkpoint_bytes: float, keep: int,
-        min_allreduce_fraction: float) -> Report:
+def run(
+    *, world, network, checkpoint_dir: Path, checkpoint_bytes: float, keep: int, min_allreduce_fraction: float
+) -> Report:
     """Collective. Returns rank 0's report (other ranks get the shared failures)."""
     rep = Report()
     check_rendezvous(world, rep)

@@ -5,6 +5,7 @@ so the handler sets a flag, and all ranks agree on it (MAX over ranks) before sa
 reached only some ranks (SLURM sends USR2 to the batch shell's children) still stops everyone together.
 USR1 is left alone: NCCL uses it.
 """
+
 from __future__ import annotations
 
 import signal
@@ -35,7 +36,6 @@ class PreemptionFlag:
         if self.received is None:
             self.received = signal.Signals(signum).name
             self.received_at = time.monotonic()
-
 
 
 PR_SET_PDEATHSIG = 1

@@ -3,6 +3,7 @@
 torchrun exits 1 whenever any worker fails, which says nothing about whether to requeue; so each rank writes
 its own exit code (and how far it got) where the job scripts read it with nothing but `read`. Torch-free.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,15 @@ def status_dir(run_dir: Path) -> Path:
     return Path(os.environ.get(jobenv.STATUS) or run_dir / "status" / "manual")
 
 
-def write_status(run_dir: Path, rank: int, code: int, message: str, step: int | None,
-                 start_step: int | None = None, code_file: bool = True) -> None:
+def write_status(
+    run_dir: Path,
+    rank: int,
+    code: int,
+    message: str,
+    step: int | None,
+    start_step: int | None = None,
+    code_file: bool = True,
+) -> None:
     """Two records per rank: a JSON one for people (run_dir/status/rank-N.json, the latest), and a one-line
     "CODE STEP START_STEP" file in this attempt's status directory for the job scripts, which pick the job's
     exit code (and whether a time-limited allocation made progress) from it with nothing but `read`.
@@ -36,9 +44,17 @@ def write_status(run_dir: Path, rank: int, code: int, message: str, step: int | 
     try:
         d = run_dir / "status"
         d.mkdir(parents=True, exist_ok=True)
-        rec = {"rank": rank, "code": code, "name": ExitCode.name_of(code), "message": message, "step": step,
-               "start_step": start_step, "time": time.time(), "attempt": os.environ.get(jobenv.ATTEMPT),
-               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+        rec = {
+            "rank": rank,
+            "code": code,
+            "name": ExitCode.name_of(code),
+            "message": message,
+            "step": step,
+            "start_step": start_step,
+            "time": time.time(),
+            "attempt": os.environ.get(jobenv.ATTEMPT),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        }
         tmp = d / f".rank-{rank:05d}.json.tmp"
         tmp.write_text(json.dumps(rec, indent=2) + "\n")
         os.replace(tmp, d / f"rank-{rank:05d}.json")
@@ -55,8 +71,14 @@ def write_status(run_dir: Path, rank: int, code: int, message: str, step: int | 
 
 # A GPU's hardware failing under the job: the node must be excluded, so these are PREFLIGHT (a node fault), not an
 # ordinary retry on the same node. Xid is the driver's error report; the others are how CUDA surfaces it.
-NODE_FAULT_MARKERS = ("uncorrectable ECC error", "ECC error encountered", "unspecified launch failure",
-                      "GPU has fallen off the bus", "GPU is lost", "Xid")
+NODE_FAULT_MARKERS = (
+    "uncorrectable ECC error",
+    "ECC error encountered",
+    "unspecified launch failure",
+    "GPU has fallen off the bus",
+    "GPU is lost",
+    "Xid",
+)
 # How NCCL's communicators look after the watchdog aborted them (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) because a
 # collective timed out: the next NCCL call on this rank raises this, without the timeout's own text.
 ABORTED_MARKERS = ("communicator was aborted", "NCCL communicator was aborted", "Communicator was aborted")
@@ -66,8 +88,9 @@ def is_oom(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
 
 
-def classify(exc: BaseException, step: int | None, timeout_s: float | None,
-             memory_note: str | None = None) -> tuple[int, str]:
+def classify(
+    exc: BaseException, step: int | None, timeout_s: float | None, memory_note: str | None = None
+) -> tuple[int, str]:
     """(exit code, message) for an exception that escaped the training loop. `memory_note`: this rank's memory
     at the time and the plan's figure, for a CUDA out-of-memory error (computed by the caller, which has torch)."""
     from .failures import is_comm_error, is_timeout
@@ -79,19 +102,28 @@ def classify(exc: BaseException, step: int | None, timeout_s: float | None,
     first = text.splitlines()[0][:300] if text else type(exc).__name__
     if is_oom(exc):
         # The same step needs the same memory: retrying on the same layout fails again, every time.
-        return ExitCode.CONFIG, (f"CUDA out of memory {where}: {first}" + (f"\n{memory_note}" if memory_note else "")
-                                 + "\nfix: lower training.micro_batch, raise parallelism.activation_checkpointing "
-                                   "(selective, full), shard more (fsdp, zero3) or offload; `dtlaunch plan` shows "
-                                   "what fits")
+        return ExitCode.CONFIG, (
+            f"CUDA out of memory {where}: {first}"
+            + (f"\n{memory_note}" if memory_note else "")
+            + "\nfix: lower training.micro_batch, raise parallelism.activation_checkpointing "
+            "(selective, full), shard more (fsdp, zero3) or offload; `dtlaunch plan` shows "
+            "what fits"
+        )
     if any(m in text for m in NODE_FAULT_MARKERS):
-        return ExitCode.PREFLIGHT, (f"the GPU failed {where} (a hardware fault of this node, not the job): {first}"
-                                    "\nfix: exclude this node (targets.slurm.exclude) and resubmit")
+        return ExitCode.PREFLIGHT, (
+            f"the GPU failed {where} (a hardware fault of this node, not the job): {first}"
+            "\nfix: exclude this node (targets.slurm.exclude) and resubmit"
+        )
     if any(m in text for m in ABORTED_MARKERS):
-        return ExitCode.HANG, (f"NCCL's watchdog aborted the communicators {where} after a collective timed out "
-                               f"(training.timeout_seconds={timeout_s}): {first}")
+        return ExitCode.HANG, (
+            f"NCCL's watchdog aborted the communicators {where} after a collective timed out "
+            f"(training.timeout_seconds={timeout_s}): {first}"
+        )
     if is_timeout(exc):
-        return ExitCode.HANG, (f"a collective timed out {where} (training.timeout_seconds={timeout_s}): another rank "
-                                f"stopped responding or diverged. Underlying error: {str(exc).splitlines()[0][:300]}")
+        return ExitCode.HANG, (
+            f"a collective timed out {where} (training.timeout_seconds={timeout_s}): another rank "
+            f"stopped responding or diverged. Underlying error: {str(exc).splitlines()[0][:300]}"
+        )
     if is_comm_error(exc):
         text = str(exc)
         mismatch = any(m in text for m in ("preamble", "mismatch", "EnforceNotMet"))

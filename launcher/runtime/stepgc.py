@@ -15,6 +15,7 @@ freed at the next collection, at most `every` steps later, rather than whenever 
 run. Only dtlaunch's own loop (`launcher.train`) does this; a user's script that imports the library keeps
 its interpreter's settings.
 """
+
 from __future__ import annotations
 
 import gc

@@ -2,6 +2,7 @@
 
 One small module per target implementing `Backend`; heavy libraries are imported inside their methods.
 """
+
 from __future__ import annotations
 
 import os

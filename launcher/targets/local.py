@@ -7,6 +7,7 @@ the launcher's recorded start (in clock ticks since boot, which a clock step doe
 pid reused by an unrelated process. Each `up` is an attempt with its own log and exit code, so the history of
 a run directory is never rewritten.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,13 @@ from ..render.artifacts import Artifacts, LocalRequest
 from . import JobStatus, require_secrets
 from .registry import JobRecord, LocalHandle, Registry
 
-STATES = {ExitCode.OK: "COMPLETED", ExitCode.PREEMPTED: "PREEMPTED", ExitCode.HANG: "FAILED (hang)",
-          ExitCode.PREFLIGHT: "FAILED (preflight)", ExitCode.CONFIG: "FAILED (config)"}
+STATES = {
+    ExitCode.OK: "COMPLETED",
+    ExitCode.PREEMPTED: "PREEMPTED",
+    ExitCode.HANG: "FAILED (hang)",
+    ExitCode.PREFLIGHT: "FAILED (preflight)",
+    ExitCode.CONFIG: "FAILED (config)",
+}
 STOP_GRACE = 60.0  # seconds `down` waits for the workers to checkpoint before it kills what is left
 
 
@@ -35,8 +41,9 @@ def _psutil():
     try:
         import psutil
     except ImportError:
-        raise BackendError("the local target needs psutil to follow its processes",
-                           fix="pip install 'dtlaunch[train]'") from None
+        raise BackendError(
+            "the local target needs psutil to follow its processes", fix="pip install 'dtlaunch[train]'"
+        ) from None
     return psutil
 
 
@@ -54,7 +61,7 @@ def _boot_id() -> str:
 
 
 def launcher_identity(pid: int) -> str | None:
-    """"<boot id>:<start ticks>" of a live process (Linux), None if there is none (or no /proc).
+    """ "<boot id>:<start ticks>" of a live process (Linux), None if there is none (or no /proc).
 
     The start in clock ticks since boot (/proc/PID/stat field 22) is what the kernel keeps; psutil >= 7 adds it
     to a boot time derived from the current wall clock, so its create_time moves when the clock is stepped."""
@@ -64,7 +71,7 @@ def launcher_identity(pid: int) -> str | None:
         boot = _boot_id()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces and ")"
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces and ")"
     if len(fields) < 20 or fields[0] in ("Z", "X"):  # a zombie has ended
         return None
     return f"{boot}:{fields[19]}"
@@ -85,7 +92,7 @@ def process_table() -> dict[str, list]:
             env = p.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        attempts = {env.get(ATTEMPT)} | {k[len(prefix):] for k in env if k.startswith(prefix)}
+        attempts = {env.get(ATTEMPT)} | {k[len(prefix) :] for k in env if k.startswith(prefix)}
         for a in attempts - {None}:
             out.setdefault(a, []).append(p)
     return out
@@ -103,11 +110,12 @@ def refuse_if_active(run_dir: str, registry: Registry) -> None:
     be = LocalBackend()
     for rec in registry.of_run_dir(run_dir):
         if rec.target == "local" and be.status(rec).state in ("RUNNING", "STOPPING"):
-            raise BackendError(f"{run_dir} is in use by job {rec.name} (local {rec.job_id}, started "
-                               f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(rec.created))}): two jobs would "
-                               "write one run's checkpoints; nothing was changed",
-                               fix=f"wait for it, stop it with `dtlaunch down {rec.job_id}`, or use -o for another "
-                                   "run directory")
+            raise BackendError(
+                f"{run_dir} is in use by job {rec.name} (local {rec.job_id}, started "
+                f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(rec.created))}): two jobs would "
+                "write one run's checkpoints; nothing was changed",
+                fix=f"wait for it, stop it with `dtlaunch down {rec.job_id}`, or use -o for another run directory",
+            )
 
 
 @contextmanager
@@ -152,12 +160,25 @@ class LocalBackend:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, ATTEMPT: attempt}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(["bash", str(run_dir / req.script)], cwd=self.cwd, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+            proc = subprocess.Popen(
+                ["bash", str(run_dir / req.script)],
+                cwd=self.cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+            )
         self._proc = proc
         created = _start_time(proc.pid) or time.time()
-        handle = LocalHandle(proc.pid, created, attempt, str(log_path),
-                             str(run_dir / "status" / attempt / "exit_code"), launcher_identity(proc.pid))
+        handle = LocalHandle(
+            proc.pid,
+            created,
+            attempt,
+            str(log_path),
+            str(run_dir / "status" / attempt / "exit_code"),
+            launcher_identity(proc.pid),
+        )
         return JobRecord(artifacts.job_name, "local", str(proc.pid), str(run_dir), handle)
 
     # ---------------------------------------------------------------- follow

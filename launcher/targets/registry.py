@@ -3,6 +3,7 @@
 It fails safe: a registry that cannot be written is found before anything is submitted; a damaged database
 or a bad row gives a clear error (or is skipped with a note) instead of breaking every command.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,16 +82,20 @@ class Registry:
         self.path = path or state_dir() / "registry.db"
 
     def _fail(self, what: str, err: BaseException) -> DtlaunchError:
-        return BackendError(f"the job registry {self.path} {what}: {err}",
-                            fix=f"move it aside (mv {self.path} {self.path}.broken) and run again; "
-                                "or set DTLAUNCH_HOME to another directory")
+        return BackendError(
+            f"the job registry {self.path} {what}: {err}",
+            fix=f"move it aside (mv {self.path} {self.path}.broken) and run again; "
+            "or set DTLAUNCH_HOME to another directory",
+        )
 
     def _db(self) -> sqlite3.Connection:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, timeout=30)
-            db.execute("CREATE TABLE IF NOT EXISTS jobs (name TEXT, target TEXT, job_id TEXT, run_dir TEXT,"
-                       " handle TEXT, created REAL)")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS jobs (name TEXT, target TEXT, job_id TEXT, run_dir TEXT,"
+                " handle TEXT, created REAL)"
+            )
             return db
         except (sqlite3.Error, OSError) as e:
             raise self._fail("cannot be opened", e) from None
@@ -111,16 +116,19 @@ class Registry:
     def add(self, rec: JobRecord) -> None:
         try:
             with self._db() as db:
-                db.execute("INSERT INTO jobs VALUES (?,?,?,?,?,?)",
-                           (rec.name, rec.target, rec.job_id, rec.run_dir, json.dumps(asdict(rec.handle)), rec.created))
+                db.execute(
+                    "INSERT INTO jobs VALUES (?,?,?,?,?,?)",
+                    (rec.name, rec.target, rec.job_id, rec.run_dir, json.dumps(asdict(rec.handle)), rec.created),
+                )
         except sqlite3.Error as e:
             raise self._fail("could not record the job", e) from None
 
     def all(self) -> list[JobRecord]:
         try:
             with self._db() as db:
-                rows = db.execute("SELECT name, target, job_id, run_dir, handle, created FROM jobs "
-                                  "ORDER BY created").fetchall()
+                rows = db.execute(
+                    "SELECT name, target, job_id, run_dir, handle, created FROM jobs ORDER BY created"
+                ).fetchall()
         except sqlite3.Error as e:
             raise self._fail("is damaged", e) from None
         out = []
@@ -128,8 +136,10 @@ class Registry:
             try:
                 out.append(JobRecord(str(n), str(t), str(j), str(r), _decode(t, h), float(c)))
             except (KeyError, TypeError, ValueError) as e:  # one bad row must not break every command
-                print(f"dtlaunch: note: skipping a damaged registry row for job {n!r} ({type(e).__name__}: {e})",
-                      file=sys.stderr)
+                print(
+                    f"dtlaunch: note: skipping a damaged registry row for job {n!r} ({type(e).__name__}: {e})",
+                    file=sys.stderr,
+                )
         return out
 
     def matching(self, key: str) -> list[JobRecord]:
@@ -138,8 +148,9 @@ class Registry:
         hits = [r for r in recs if key in (r.name, r.job_id, f"{r.target}:{r.job_id}")]
         if not hits:
             known = ", ".join(sorted({r.name for r in recs})) or "none yet"
-            raise DtlaunchError(f"no job named {key!r} in {self.path} (known: {known})",
-                                fix="`dtlaunch status` lists the recorded jobs")
+            raise DtlaunchError(
+                f"no job named {key!r} in {self.path} (known: {known})", fix="`dtlaunch status` lists the recorded jobs"
+            )
         return hits
 
     def find(self, key: str) -> JobRecord:
@@ -164,8 +175,10 @@ class Registry:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise BackendError(f"another `dtlaunch up` is starting a job in {run_dir} right now",
-                                   fix="wait for it (`dtlaunch status`), or use -o for another run directory") from None
+                raise BackendError(
+                    f"another `dtlaunch up` is starting a job in {run_dir} right now",
+                    fix="wait for it (`dtlaunch status`), or use -o for another run directory",
+                ) from None
             except OSError as e:
                 raise self._fail("cannot lock the run directory's lock file", e) from None
             yield

@@ -5,6 +5,7 @@ call lives in `_Sdk` below and nothing else here knows SkyPilot's signatures. `s
 inside methods: importing it costs ~2 s and ~160 MB, and the CLI imports this module for every target.
 Any SkyPilot failure becomes a BackendError with SkyPilot's own reason and what to do, never a traceback.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -119,18 +120,26 @@ class SkyBackend:
         with _sky_errors("check credentials"):
             clouds = api.enabled_clouds()
         if not clouds:
-            raise BackendError("SkyPilot has no cloud or Kubernetes enabled: it found no usable credentials",
-                               fix=CHECK_HINT)
+            raise BackendError(
+                "SkyPilot has no cloud or Kubernetes enabled: it found no usable credentials", fix=CHECK_HINT
+            )
         with _sky_errors("read the task"):
             task = api.task(Path(out_dir) / req.task_file, secrets)
         with _sky_errors("launch the task"):
             job_id = api.launch(task, req.cluster, req.managed)
-        return JobRecord(artifacts.job_name, "sky", job_id, str(Path(out_dir).resolve()),
-                         SkyHandle(req.cluster, req.managed, int(job_id)))
+        return JobRecord(
+            artifacts.job_name,
+            "sky",
+            job_id,
+            str(Path(out_dir).resolve()),
+            SkyHandle(req.cluster, req.managed, int(job_id)),
+        )
 
     def wait(self, job: JobRecord) -> int:
-        raise BackendError("`up -t sky` does not wait for the job: SkyPilot runs it (and recovers it) on its own",
-                           fix=f"follow it with `dtlaunch logs -f {job.name}`, `dtlaunch status {job.name}`")
+        raise BackendError(
+            "`up -t sky` does not wait for the job: SkyPilot runs it (and recovers it) on its own",
+            fix=f"follow it with `dtlaunch logs -f {job.name}`, `dtlaunch status {job.name}`",
+        )
 
     def status(self, job: JobRecord) -> JobStatus:
         h = job.handle

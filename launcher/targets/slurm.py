@@ -9,6 +9,7 @@ is the same, except that its log is submitit's.
 Status: squeue (pending/running), then sacct (finished), then the job's own state files
 (jobs/ID/state, exit_codes, attempts), which work even when accounting is disabled.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -28,8 +29,18 @@ from . import SLURM_SECRETS, JobStatus, require_secrets
 from .registry import JobRecord, SlurmHandle
 from .ssh import SshTransport
 
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE", "LOST")
+TERMINAL = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "LOST",
+)
 
 
 class LocalShell:
@@ -37,13 +48,17 @@ class LocalShell:
 
     def run(self, argv: Sequence[str], cwd: str | None = None, timeout: float = 120) -> tuple[int, str, str]:
         if shutil.which(argv[0]) is None:
-            raise BackendError(f"{argv[0]} not found on PATH: install the SLURM client (e.g. apt install slurm-client) "
-                               "or submit from a login node with targets.slurm.ssh")
+            raise BackendError(
+                f"{argv[0]} not found on PATH: install the SLURM client (e.g. apt install slurm-client) "
+                "or submit from a login node with targets.slurm.ssh"
+            )
         try:
             p = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise BackendError(f"`{' '.join(argv)}` did not answer within {timeout:.0f}s: the SLURM controller is "
-                               "slow or down", fix="try again; `sinfo` shows whether the cluster answers") from None
+            raise BackendError(
+                f"`{' '.join(argv)}` did not answer within {timeout:.0f}s: the SLURM controller is slow or down",
+                fix="try again; `sinfo` shows whether the cluster answers",
+            ) from None
         return p.returncode, p.stdout, p.stderr
 
     def read(self, path: str, offset: int = 0) -> bytes | None:
@@ -86,8 +101,9 @@ class SlurmBackend:
         try:
             if settings.ssh:
                 name = f"{artifacts.job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-                submit_dir = tr.upload(artifacts.files, artifacts.executable,
-                                       settings.ssh.remote_dir.rstrip("/") + "/" + name)
+                submit_dir = tr.upload(
+                    artifacts.files, artifacts.executable, settings.ssh.remote_dir.rstrip("/") + "/" + name
+                )
             else:
                 submit_dir = str(Path(out_dir).resolve())
                 require_secrets(req.secrets, SLURM_SECRETS)
@@ -95,8 +111,10 @@ class SlurmBackend:
         finally:
             tr.close()
         if rc != 0:
-            raise BackendError(f"sbatch rejected the job (exit {rc}): {err.strip() or out.strip()}",
-                               fix=f"read the script: {submit_dir}/{req.job_script}")
+            raise BackendError(
+                f"sbatch rejected the job (exit {rc}): {err.strip() or out.strip()}",
+                fix=f"read the script: {submit_dir}/{req.job_script}",
+            )
         job_id = out.strip().splitlines()[-1].split(";")[0] if out.strip() else ""
         if not job_id.isdigit():
             raise BackendError(f"sbatch printed no job id (stdout {out!r}, stderr {err!r})")
@@ -135,8 +153,12 @@ class SlurmBackend:
         # No accounting (sacct fails or has no record): the job's own files.
         if files.get("job_state"):
             return JobStatus(files["job_state"], files.get("last_exit_code"), extra={"source": "job files", **files})
-        return JobStatus("UNKNOWN", None, "not in squeue, no accounting record, and no state file yet",
-                         extra={"source": "none", **files})
+        return JobStatus(
+            "UNKNOWN",
+            None,
+            "not in squeue, no accounting record, and no state file yet",
+            extra={"source": "none", **files},
+        )
 
     def _files(self, tr, job: JobRecord) -> dict:
         """The job script's own records: what survives without accounting."""

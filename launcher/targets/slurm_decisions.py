@@ -2,6 +2,7 @@
 order, with the same ledgers under jobs/$SLURM_JOB_ID as job.sbatch's bash, so that the exit-code contract
 and `dtlaunch status` read the same whichever way the job was submitted. No submitit import: the decisions
 are tested as plain functions."""
+
 from __future__ import annotations
 
 import json
@@ -43,27 +44,46 @@ def decide(o: Outcome, *, requeues: int, failures: int, max_requeues: int, max_f
     if o.rc == ExitCode.OK:
         return Decision("done", "COMPLETED", 0, "finished")
     if o.signal == "TERM":
-        return Decision("stop", "STOPPED", o.rc, "SLURM is ending this job (scancel, its own requeue or a "
-                        "preemption): the training processes checkpointed on SIGTERM; no requeue follows")
+        return Decision(
+            "stop",
+            "STOPPED",
+            o.rc,
+            "SLURM is ending this job (scancel, its own requeue or a "
+            "preemption): the training processes checkpointed on SIGTERM; no requeue follows",
+        )
     if outcome(o.rc) == "resume" or o.signal == "USR2":
         if o.time_limit:
             # A long run spans several allocations: continuing after a time limit is not a failure, as long
             # as each allocation moves the run forward.
             if o.progress:
                 return Decision("requeue", "REQUEUED", o.rc, "time limit reached with a checkpoint", "continuations")
-            return Decision("fail", "FAILED", o.rc, "time limit reached without progress (no step completed in "
-                            "this allocation); raise targets.slurm.time")
+            return Decision(
+                "fail",
+                "FAILED",
+                o.rc,
+                "time limit reached without progress (no step completed in this allocation); raise targets.slurm.time",
+            )
         if requeues < max_requeues:
             return Decision("requeue", "REQUEUED", o.rc, "preempted, checkpoint written", "requeues")
         return Decision("fail", "PREEMPTED", o.rc, f"preempted, but max_requeues={max_requeues} is used up")
     n = failures + 1
     if outcome(o.rc) == "final":
-        return Decision("fail", "FAILED", o.rc, f"exit code {o.rc} is never retried (the same recipe, data or loss "
-                        "would end the same way)", "failures")
+        return Decision(
+            "fail",
+            "FAILED",
+            o.rc,
+            f"exit code {o.rc} is never retried (the same recipe, data or loss would end the same way)",
+            "failures",
+        )
     if n < max_failures:
         return Decision("requeue", "REQUEUED", o.rc, f"failure {n} of at most {max_failures}", "failures")
-    return Decision("fail", "FAILED", o.rc, f"training failed with exit code {o.rc} (failures: {n}, "
-                    f"max_failures={max_failures})", "failures")
+    return Decision(
+        "fail",
+        "FAILED",
+        o.rc,
+        f"training failed with exit code {o.rc} (failures: {n}, max_failures={max_failures})",
+        "failures",
+    )
 
 
 # ----------------------------------------------------------------------------- the job's files
@@ -80,9 +100,11 @@ class JobFiles:
             self.status = Path(environ["DTLAUNCH_STATUS"])
             self.attempt = environ["DTLAUNCH_ATTEMPT"]
         except KeyError as e:
-            raise DtlaunchError(f"{e.args[0]} is not set: this runs in the batch step of a job submitted with "
-                                "targets.slurm.submit: submitit, after submitit_setup.sh",
-                                fix="submit with `dtlaunch up` or launcher.submit()") from None
+            raise DtlaunchError(
+                f"{e.args[0]} is not set: this runs in the batch step of a job submitted with "
+                "targets.slurm.submit: submitit, after submitit_setup.sh",
+                fix="submit with `dtlaunch up` or launcher.submit()",
+            ) from None
         self.restart = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
         self.run_id = environ.get("DTLAUNCH_RUN_ID", "")
         self.checkpoint_dir = environ.get("DTLAUNCH_CHECKPOINT_DIR", str(self.run_dir / "checkpoints"))
@@ -134,23 +156,34 @@ class JobFiles:
             if rec.get("attempt") == self.attempt:
                 recs.append(rec)
         recs.sort(key=lambda r: (r.get("code") in (ExitCode.OK, ExitCode.PREEMPTED), r.get("time", 0)))
-        return [f"rank {r.get('rank')}: exit {r.get('code')} ({ExitCode.name_of(int(r.get('code', 1)))})"
-                + (f" at step {r['step']}" if r.get("step") is not None else "") + f": {r.get('message')}"
-                for r in recs]
+        return [
+            f"rank {r.get('rank')}: exit {r.get('code')} ({ExitCode.name_of(int(r.get('code', 1)))})"
+            + (f" at step {r['step']}" if r.get("step") is not None else "")
+            + f": {r.get('message')}"
+            for r in recs
+        ]
 
     def summary(self, code: int) -> dict[str, Any]:
-        return {"state": "COMPLETED" if code == 0 else "FAILED", "exit_code": code, "job_id": self.job_id,
-                "run_id": self.run_id, "run_dir": str(self.run_dir), "checkpoint_dir": self.checkpoint_dir,
-                "metrics": str(self.run_dir / "metrics.jsonl"), "attempts": self.restart + 1,
-                "step": max((step for _, step, _ in self.codes()), default=None),
-                **{ledger: self.count(ledger) for ledger in ("continuations", "requeues", "failures")}}
+        return {
+            "state": "COMPLETED" if code == 0 else "FAILED",
+            "exit_code": code,
+            "job_id": self.job_id,
+            "run_id": self.run_id,
+            "run_dir": str(self.run_dir),
+            "checkpoint_dir": self.checkpoint_dir,
+            "metrics": str(self.run_dir / "metrics.jsonl"),
+            "attempts": self.restart + 1,
+            "step": max((step for _, step, _ in self.codes()), default=None),
+            **{ledger: self.count(ledger) for ledger in ("continuations", "requeues", "failures")},
+        }
 
 
 def seconds_left(job_id: str) -> int:
     """Seconds before this job's time limit, -1 if unknown or unlimited (as job.sbatch's seconds_left)."""
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True,
-                             timeout=30).stdout.split()
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True, timeout=30
+        ).stdout.split()
     except (OSError, subprocess.TimeoutExpired):
         return -1
     if not out or not out[0][:1].isdigit():  # UNLIMITED, NOT_SET, INVALID

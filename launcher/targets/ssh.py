@@ -4,6 +4,7 @@ Security choices, on purpose: the host key must be in known_hosts (RejectPolicy)
 `accept_unknown_host: true`; authentication is by key file or agent only, never a password; every
 remote command is built with shlex quoting, so paths and ids can never become shell code.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,21 +52,33 @@ class SshTransport:
                 client.load_system_host_keys()
         except (OSError, paramiko.SSHException) as e:
             raise BackendError(f"cannot read known_hosts {s.known_hosts or '~/.ssh/known_hosts'}: {e}") from None
-        client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if s.accept_unknown_host else paramiko.RejectPolicy())
+        client.set_missing_host_key_policy(
+            paramiko.AutoAddPolicy() if s.accept_unknown_host else paramiko.RejectPolicy()
+        )
         try:
             client.connect(
-                s.host, port=s.port, username=s.user, key_filename=os.path.expanduser(s.key_file) if s.key_file else None,
-                allow_agent=True, look_for_keys=s.key_file is None, password=None, timeout=20, auth_timeout=20,
+                s.host,
+                port=s.port,
+                username=s.user,
+                key_filename=os.path.expanduser(s.key_file) if s.key_file else None,
+                allow_agent=True,
+                look_for_keys=s.key_file is None,
+                password=None,
+                timeout=20,
+                auth_timeout=20,
             )
         except paramiko.BadHostKeyException as e:
-            raise BackendError(f"ssh {self.where}: the host key CHANGED ({e}); refusing to connect. "
-                               "If the host was reinstalled, update known_hosts after checking the fingerprint.") from None
+            raise BackendError(
+                f"ssh {self.where}: the host key CHANGED ({e}); refusing to connect. "
+                "If the host was reinstalled, update known_hosts after checking the fingerprint."
+            ) from None
         except paramiko.SSHException as e:
             if "not found in known_hosts" in str(e):
                 raise BackendError(
                     f"ssh {self.where}: host key is not in {s.known_hosts or '~/.ssh/known_hosts'}; refusing to connect. "
                     f"Check its fingerprint and add it (ssh-keyscan -p {s.port} {s.host}), or set "
-                    "targets.slurm.ssh.accept_unknown_host: true") from None
+                    "targets.slurm.ssh.accept_unknown_host: true"
+                ) from None
             raise BackendError(f"ssh {self.where}: {e} (authentication uses key_file or the ssh agent only)") from None
         except OSError as e:
             raise BackendError(f"ssh {self.where}: cannot connect: {e}") from None
@@ -87,8 +100,10 @@ class SshTransport:
             o, e = out.read().decode(errors="replace"), err.read().decode(errors="replace")
             return out.channel.recv_exit_status(), o, e
         except (TimeoutError, OSError, EOFError) as e:  # socket.timeout is a TimeoutError
-            raise BackendError(f"ssh {self.where}: `{argv[0]}` did not complete ({type(e).__name__}: {e})",
-                               fix="check the login node and its SLURM controller, then try again") from None
+            raise BackendError(
+                f"ssh {self.where}: `{argv[0]}` did not complete ({type(e).__name__}: {e})",
+                fix="check the login node and its SLURM controller, then try again",
+            ) from None
 
     def upload(self, files: dict[str, str | bytes], executable: set[str], remote_dir: str) -> str:
         """Write the files under remote_dir (created); return its absolute path."""

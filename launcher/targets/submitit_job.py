@@ -24,6 +24,7 @@ in the same order and with the same ledgers under jobs/$SLURM_JOB_ID, so the exi
   A failure ends in `TrainingFailed` (job.result() raises it with the code and the ranks' messages), and
   the process exits with the contract code, so sacct shows 43 for a hang, not Python's 1.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -123,8 +124,11 @@ class StepJob(Checkpointable):
         argv = [os.path.expandvars(w) for w in self.settings["srun"]]
         unset = [w for w in argv if "$" in w]
         if unset:
-            raise _fail(ExitCode.CONFIG, f"the srun line still has unset variables after expansion: {unset}",
-                        "submitit_setup.sh exports them; run it from submitit's batch script, not by hand")
+            raise _fail(
+                ExitCode.CONFIG,
+                f"the srun line still has unset variables after expansion: {unset}",
+                "submitit_setup.sh exports them; run it from submitit's batch script, not by hand",
+            )
         return argv
 
     def _cleanup(self) -> None:
@@ -180,8 +184,9 @@ class StepJob(Checkpointable):
             while self._rc is None:
                 time.sleep(0.5)  # submitit's USR2 handler, and so checkpoint(), runs here in the main thread
             self._busy = True
-            outcome = Outcome(self._rc, "TERM" if self._term else None,
-                              progress=files.progress(self._checkpoint_at_start))
+            outcome = Outcome(
+                self._rc, "TERM" if self._term else None, progress=files.progress(self._checkpoint_at_start)
+            )
             return self._act(files, outcome, in_handler=False)
         except _Finished as f:
             return f.summary
@@ -210,8 +215,10 @@ class StepJob(Checkpointable):
             while self._rc is None and time.time() < deadline:
                 time.sleep(0.2)
             if self._rc is None:
-                _log(f"the training processes did not exit within {wait}s; requeueing from the last complete "
-                     "checkpoint (the requeue ends them)")
+                _log(
+                    f"the training processes did not exit within {wait}s; requeueing from the last complete "
+                    "checkpoint (the requeue ends them)"
+                )
         # Still running (or never started): act as for a preemption; the next attempt resumes from the
         # newest complete checkpoint.
         rc = ExitCode.PREEMPTED if self._rc is None else self._rc
@@ -222,8 +229,13 @@ class StepJob(Checkpointable):
 
     def _act(self, files: JobFiles, outcome: Outcome, *, in_handler: bool) -> Any:
         s = self.settings
-        d = decide(outcome, requeues=files.count("requeues"), failures=files.count("failures"),
-                   max_requeues=s["max_requeues"], max_failures=s["max_failures"])
+        d = decide(
+            outcome,
+            requeues=files.count("requeues"),
+            failures=files.count("failures"),
+            max_requeues=s["max_requeues"],
+            max_failures=s["max_failures"],
+        )
         files.append("exit_codes", f"{files.restart} {outcome.rc} {outcome.signal or 'none'}")
         if d.ledger:  # job.sbatch's lines: "ATTEMPT TIME", and the exit code for a failure
             rc = f" {outcome.rc}" if d.ledger == "failures" else ""
@@ -246,9 +258,12 @@ class StepJob(Checkpointable):
             _requeue(files.job_id)
             raise SystemExit(d.code)
         ranks = files.rank_messages()
-        raise _fail(d.code, d.reason + ("; " + "; ".join(ranks) if ranks else ""),
-                    f"the job's log: {os.environ.get('SUBMITIT_FOLDER', 'the submitit folder')}/"
-                    + LOG_NAME.format(job_id=files.job_id))
+        raise _fail(
+            d.code,
+            d.reason + ("; " + "; ".join(ranks) if ranks else ""),
+            f"the job's log: {os.environ.get('SUBMITIT_FOLDER', 'the submitit folder')}/"
+            + LOG_NAME.format(job_id=files.job_id),
+        )
 
 
 def _requeue(job_id: str) -> None:
@@ -278,17 +293,21 @@ def submit_spec(spec: SubmititSpec, submit_dir: str | Path) -> submitit.Job:
     try:
         ex = OneTaskSlurmExecutor(folder, max_num_timeout=spec.max_num_timeout, python=spec.python)
     except RuntimeError as e:  # submitit looks for srun first
-        raise BackendError(f"submitit cannot submit from here: {e}",
-                           fix="run on a machine with the SLURM client (a login node), or use targets.slurm.submit: "
-                               "sbatch with targets.slurm.ssh") from None
+        raise BackendError(
+            f"submitit cannot submit from here: {e}",
+            fix="run on a machine with the SLURM client (a login node), or use targets.slurm.submit: "
+            "sbatch with targets.slurm.ssh",
+        ) from None
     params = dict(spec.parameters)
     params["setup"] = [f"source {shlex.quote(str(d / spec.setup_script))}"]
     try:
         ex.update_parameters(**params)
         return ex.submit(StepJob(dict(spec.step)))
     except FailedJobError as e:  # sbatch refused: its stderr is the message
-        raise BackendError(f"sbatch rejected the job (submitted by submitit): {str(e).strip()}",
-                           fix=f"read the batch script submitit wrote: {folder}/*_submission.sh") from None
+        raise BackendError(
+            f"sbatch rejected the job (submitted by submitit): {str(e).strip()}",
+            fix=f"read the batch script submitit wrote: {folder}/*_submission.sh",
+        ) from None
     except ValueError as e:  # a parameter submitit does not know
         raise BackendError(f"submitit refused the parameters of {d / 'submitit.json'}: {e}") from None
 
@@ -298,8 +317,10 @@ def submit(request: SlurmRequest, submit_dir: str | Path) -> submitit.Job:
     if request.submitit is None:
         raise BackendError("this SLURM request is not for submitit", fix="render with targets.slurm.submit: submitit")
     if request.settings.ssh:
-        raise BackendError("targets.slurm.submit: submitit submits from this machine; it cannot go through "
-                           "targets.slurm.ssh", fix="run on the login node, or use targets.slurm.submit: sbatch")
+        raise BackendError(
+            "targets.slurm.submit: submitit submits from this machine; it cannot go through targets.slurm.ssh",
+            fix="run on the login node, or use targets.slurm.submit: sbatch",
+        )
     require_secrets(request.secrets, SLURM_SECRETS)
     return submit_spec(request.submitit, submit_dir)
 

@@ -13,6 +13,7 @@ host memory), tensor/pipeline parallel layouts (the runtime does not train them)
 building its C++ reducer need real storage; its formulas are checked on the tiny model's real tensors by
 tests/test_trace.py instead).
 """
+
 from __future__ import annotations
 
 from ..errors import DtlaunchError
@@ -37,16 +38,20 @@ def check_torch() -> str:
     try:
         import torch
     except ImportError:
-        raise TraceError("--trace runs the training code on fake tensors and needs torch, which is not installed",
-                         fix="pip install 'dtlaunch[trace]' (or plan without --trace)") from None
+        raise TraceError(
+            "--trace runs the training code on fake tensors and needs torch, which is not installed",
+            fix="pip install 'dtlaunch[trace]' (or plan without --trace)",
+        ) from None
     version = torch.__version__.split("+")[0]
     major_minor = tuple(int(x) for x in version.split(".")[:2])
     lo, hi = SUPPORTED_TORCH
     if not lo <= major_minor < hi:
-        raise TraceError(f"--trace uses private torch APIs (torch.distributed._tools.FSDPMemTracker, the fake "
-                         f"process group) checked on torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1] - 1}; this is {version}",
-                         fix=f"install a torch in that range (pip install 'torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}'), "
-                             "or plan without --trace")
+        raise TraceError(
+            f"--trace uses private torch APIs (torch.distributed._tools.FSDPMemTracker, the fake "
+            f"process group) checked on torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1] - 1}; this is {version}",
+            fix=f"install a torch in that range (pip install 'torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}'), "
+            "or plan without --trace",
+        )
     return version
 
 
@@ -54,45 +59,62 @@ def check_plan(recipe, plan) -> None:
     """A TraceError for what the trace cannot run, saying what to do instead."""
     lay = plan.layout
     if recipe.model.shape() is None:
-        raise TraceError("the model is given by `params` only: there is no model to trace",
-                         fix="give model.preset, or model.layers/hidden/ffn_hidden/heads/vocab")
+        raise TraceError(
+            "the model is given by `params` only: there is no model to trace",
+            fix="give model.preset, or model.layers/hidden/ffn_hidden/heads/vocab",
+        )
     if recipe.model.architecture != "llama":
         # the runtime builds Llama blocks only: a trace would size a SwiGLU model against the plan's GPT figures
-        raise TraceError(f"architecture {recipe.model.architecture!r} cannot be traced: the runtime builds Llama "
-                         "decoders only, so the trace would run another model than the one planned",
-                         fix="trace the same shape as a Llama with --set model.architecture=llama")
+        raise TraceError(
+            f"architecture {recipe.model.architecture!r} cannot be traced: the runtime builds Llama "
+            "decoders only, so the trace would run another model than the one planned",
+            fix="trace the same shape as a Llama with --set model.architecture=llama",
+        )
     if recipe.model.hf_config is not None or recipe.entrypoint is not None:
-        raise TraceError("--trace follows dtlaunch's own Llama training step; a Hugging Face model or your own "
-                         "entrypoint runs other code, which the planner estimates with the same formulas",
-                         fix="trace the same shape as a dtlaunch model (model.layers/hidden/... instead of model.hf)")
+        raise TraceError(
+            "--trace follows dtlaunch's own Llama training step; a Hugging Face model or your own "
+            "entrypoint runs other code, which the planner estimates with the same formulas",
+            fix="trace the same shape as a dtlaunch model (model.layers/hidden/... instead of model.hf)",
+        )
     if lay.spec.family is Family.DEEPSPEED:
-        raise TraceError(f"{lay.strategy} cannot be traced: DeepSpeed ZeRO allocates its flat buffers and runs its "
-                         "own kernels where fake tensors cannot follow; its estimate stays the planner's alone",
-                         fix="trace the same model with a torch strategy for the activations and loss, e.g. "
-                             "--set parallelism.strategy=fsdp --set parallelism.offload=none")
+        raise TraceError(
+            f"{lay.strategy} cannot be traced: DeepSpeed ZeRO allocates its flat buffers and runs its "
+            "own kernels where fake tensors cannot follow; its estimate stays the planner's alone",
+            fix="trace the same model with a torch strategy for the activations and loss, e.g. "
+            "--set parallelism.strategy=fsdp --set parallelism.offload=none",
+        )
     if lay.tp > 1 or lay.pp > 1:
-        raise TraceError(f"tensor={lay.tp} pipeline={lay.pp} cannot be traced: DTensor's collectives and the "
-                         "pipeline's point-to-point sends need a real process group per mesh dimension, which the "
-                         "fake world does not give (tests/runtime/test_rt_layouts.py checks the planner's per-rank "
-                         "states against real runs instead)",
-                         fix="trace the same model with --set parallelism.tensor=1 --set parallelism.pipeline=1 for "
-                             "the data-parallel terms")
+        raise TraceError(
+            f"tensor={lay.tp} pipeline={lay.pp} cannot be traced: DTensor's collectives and the "
+            "pipeline's point-to-point sends need a real process group per mesh dimension, which the "
+            "fake world does not give (tests/runtime/test_rt_layouts.py checks the planner's per-rank "
+            "states against real runs instead)",
+            fix="trace the same model with --set parallelism.tensor=1 --set parallelism.pipeline=1 for "
+            "the data-parallel terms",
+        )
     if lay.offload != "none":
         asked = recipe.parallelism.offload
         if asked == "auto":
             how = " (the planner's choice for offload: auto)"
         elif asked != lay.offload:  # say why the plan's mode is not the one the recipe wrote
-            how = (f" (the recipe asks for {asked} offload, which {lay.strategy} does as {lay.offload} offload: "
-                   "FSDP2's policy moves parameters, gradients and optimizer state together)")
+            how = (
+                f" (the recipe asks for {asked} offload, which {lay.strategy} does as {lay.offload} offload: "
+                "FSDP2's policy moves parameters, gradients and optimizer state together)"
+            )
         else:
             how = ""
-        raise TraceError(f"offload {lay.offload} cannot be traced: FSDP2's CPUOffloadPolicy pins host memory, which "
-                         f"fake tensors on a CPU cannot do{how}", fix="--set parallelism.offload=none to trace the rest")
+        raise TraceError(
+            f"offload {lay.offload} cannot be traced: FSDP2's CPUOffloadPolicy pins host memory, which "
+            f"fake tensors on a CPU cannot do{how}",
+            fix="--set parallelism.offload=none to trace the rest",
+        )
     if not lay.spec.sharded:
-        raise TraceError("ddp cannot be traced on fake tensors: moving the model and building DDP's C++ reducer "
-                         "need real storage (its formulas are checked on a small model's real tensors in the test "
-                         "suite)", fix="trace the same model with --set parallelism.strategy=fsdp for its activations "
-                                       "and loss")
+        raise TraceError(
+            "ddp cannot be traced on fake tensors: moving the model and building DDP's C++ reducer "
+            "need real storage (its formulas are checked on a small model's real tensors in the test "
+            "suite)",
+            fix="trace the same model with --set parallelism.strategy=fsdp for its activations and loss",
+        )
 
 
 def trace(recipe, plan, depths: tuple[int, ...] | None = None) -> TracedStep:

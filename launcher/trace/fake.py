@@ -20,6 +20,7 @@ creates the optimizer state. `StepTracker` files each tensor by what it is (an u
 buffer) from the moment it exists, and records each moment's own peak besides the step's. Uses private torch APIs (`torch.distributed._tools`, `torch.testing._internal`),
 checked against the supported torch range by `launcher.trace.check_torch`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,8 +87,9 @@ def _mesh_outside_fake_mode():
         dm.init_device_mesh = orig
 
 
-def _moment(stage: str, unit: str | None, is_bw: bool, in_opt: bool, units: list[str],
-            last_micro: bool = True) -> tuple[str, str]:
+def _moment(
+    stage: str, unit: str | None, is_bw: bool, in_opt: bool, units: list[str], last_micro: bool = True
+) -> tuple[str, str]:
     """(planner moment, finer position) of the tracker's state; `units` are the FSDP units in forward order,
     the root last; `last_micro`: in the step's last micro-step."""
     if in_opt:
@@ -104,8 +106,11 @@ def _moment(stage: str, unit: str | None, is_bw: bool, in_opt: bool, units: list
         return "loss backward", "loss backward (before any unit's backward)"
     root = units[-1]
     if unit == root:
-        return (("head backward", "backward of the head") if stage == "backward"
-                else ("end of backward", "end of backward (the root's reduce-scatter)"))
+        return (
+            ("head backward", "backward of the head")
+            if stage == "backward"
+            else ("end of backward", "end of backward (the root's reduce-scatter)")
+        )
     if unit == "output":  # the head as a unit of its own
         return "head backward", f"backward of {unit}"
     if unit == "tok_embeddings":
@@ -144,6 +149,7 @@ class StepTracker(FSDPMemTracker):
             elif stage == "backward-done":
                 self.stage, self.unit = "after backward", fqn
             return out
+
         return wrapped
 
     def _fsdp_state_pre_forward(self, fsdp_mod, orig):
@@ -167,6 +173,7 @@ class StepTracker(FSDPMemTracker):
                     if kept is not None:
                         self._relabel(kept, _FSDPRefType.SHARDED_GRAD)
             return out
+
         return wrapped
 
     @staticmethod
@@ -220,8 +227,10 @@ class StepTracker(FSDPMemTracker):
     def _instrument_fsdp_module(self):
         super()._instrument_fsdp_module()
         for group in self._param_groups():
-            for comm, ref in ((group._all_gather_comm, _FSDPRefType.ALL_GATHER),
-                              (group._reduce_scatter_comm, _FSDPRefType.REDUCE_SCATTER)):
+            for comm, ref in (
+                (group._all_gather_comm, _FSDPRefType.ALL_GATHER),
+                (group._reduce_scatter_comm, _FSDPRefType.REDUCE_SCATTER),
+            ):
                 if "allocate" in vars(comm):
                     continue  # one comm object may serve several groups
                 comm.allocate = self._labelled(comm.allocate, ref)
@@ -232,6 +241,7 @@ class StepTracker(FSDPMemTracker):
             t = allocate(*args, **kwargs)
             self._relabel(t, ref)
             return t
+
         return wrapped
 
     def _param_groups(self):
@@ -252,9 +262,10 @@ class StepTracker(FSDPMemTracker):
                     self._undo.append(h.remove)
 
     def _kept(self, t) -> bool:
-        return t is not None and any(self._WINFO.get(st, (None,))[0] is not None
-                                     and self._WINFO[st][0].reftype == _FSDPRefType.SHARDED_GRAD
-                                     for st in get_untyped_storages(t))
+        return t is not None and any(
+            self._WINFO.get(st, (None,))[0] is not None and self._WINFO[st][0].reftype == _FSDPRefType.SHARDED_GRAD
+            for st in get_untyped_storages(t)
+        )
 
     def label_partial_grads(self):
         """HSDP between micro-steps keeps reduce-scattered, not yet all-reduced, gradients per unit
@@ -325,8 +336,9 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
         names = {m: n for n, m in module.named_modules()}
         units = [names[u] or "root" for u in fsdp_units(module, model_parallel=layout.model_parallel)]
         # As `runtime.data.Batches`: the step's grad_accum micro-batches of s+1 tokens, loaded up front.
-        batches = [torch.randint(0, shape.vocab, (layout.micro_batch, plan.seq_len + 1))
-                   for _ in range(layout.grad_accum)]
+        batches = [
+            torch.randint(0, shape.vocab, (layout.micro_batch, plan.seq_len + 1)) for _ in range(layout.grad_accum)
+        ]
         x, y = batches[0][:, :-1], batches[0][:, 1:]
         tracker = StepTracker(engine.model, engine.optimizer, units)
         tracker.track_inputs(tuple(batches))
@@ -348,7 +360,8 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
     dev = next(iter(peak.values()), {"Total": 0})
     cats = {str(getattr(k, "value", k)): int(v) for k, v in dev.items() if k != "Total" and v}
     at, where = tracker.peak_at
-    moments = {m: {str(getattr(k, "value", k)): int(v) for k, v in snap.items() if v and k != "Total"}
-               for m, (snap, _) in tracker.moments.items()}
-    return Snapshot(shape.layers, plan.world_size, cats, int(dev["Total"]), at, where, time.monotonic() - t0,
-                    moments)
+    moments = {
+        m: {str(getattr(k, "value", k)): int(v) for k, v in snap.items() if v and k != "Total"}
+        for m, (snap, _) in tracker.moments.items()
+    }
+    return Snapshot(shape.layers, plan.world_size, cats, int(dev["Total"]), at, where, time.monotonic() - t0, moments)

@@ -7,6 +7,7 @@ one or two units), so each moment's memory is affine in the number of layers. Tw
 third checks it. The peak is then taken over the extrapolated moments, since which moment peaks can change
 with depth (the layers' activations grow, the loss does not).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,12 +15,21 @@ from dataclasses import dataclass
 # Tracker category -> planner term. The tracker's Activation/Temp/Inputs are split between the layers' term
 # (the slope of the fit, x layers) and the constant loss/backward term (its intercept) by extrapolation.
 CATEGORY_TERMS = {
-    "Sharded Param": "params", "Parameter": "params", "Buffer": "params",
-    "Sharded Grad": "grads", "Gradient": "grads",
-    "OptState": "optimizer", "Optstate": "optimizer",
-    "Unsharded Param": "buffers", "Unsharded Grad": "buffers", "All Gather": "buffers",
-    "Reduce Scatter": "buffers", "Other": "buffers",
-    "Activation": "acts", "Temp": "acts", "Inputs": "acts",
+    "Sharded Param": "params",
+    "Parameter": "params",
+    "Buffer": "params",
+    "Sharded Grad": "grads",
+    "Gradient": "grads",
+    "OptState": "optimizer",
+    "Optstate": "optimizer",
+    "Unsharded Param": "buffers",
+    "Unsharded Grad": "buffers",
+    "All Gather": "buffers",
+    "Reduce Scatter": "buffers",
+    "Other": "buffers",
+    "Activation": "acts",
+    "Temp": "acts",
+    "Inputs": "acts",
 }
 # The rows compared, and which planner terms make each one.
 ROWS = {
@@ -96,8 +106,10 @@ def extrapolate(points: list[Point], layers: int) -> TracedStep:
     moments = {}
     for m in a.moments.keys() & b.moments.keys():
         ga, gb = group(a.moments[m]), group(b.moments[m])
-        line = {k: ga.get(k, 0.0) + (gb.get(k, 0.0) - ga.get(k, 0.0)) * (layers - a.layers) / span
-                for k in ga.keys() | gb.keys()}
+        line = {
+            k: ga.get(k, 0.0) + (gb.get(k, 0.0) - ga.get(k, 0.0)) * (layers - a.layers) / span
+            for k in ga.keys() | gb.keys()
+        }
         slope = (gb.get("acts", 0.0) - ga.get("acts", 0.0)) / span
         moments[m] = _split(line, slope, layers)
     linearity = None
@@ -178,17 +190,29 @@ class Comparison:
 
     def to_dict(self) -> dict:
         return {
-            "depths": self.traced.depths, "seconds": round(self.traced.seconds, 1),
-            "linearity": self.traced.linearity, "peak_at": self.peak_traced, "planner_peak_at": self.peak_planned,
-            "terms": {r.term: {"planned": int(r.planned), "traced": int(r.traced),
-                               "ratio": None if r.ratio is None else round(r.ratio, 4)} for r in self.rows},
+            "depths": self.traced.depths,
+            "seconds": round(self.traced.seconds, 1),
+            "linearity": self.traced.linearity,
+            "peak_at": self.peak_traced,
+            "planner_peak_at": self.peak_planned,
+            "terms": {
+                r.term: {
+                    "planned": int(r.planned),
+                    "traced": int(r.traced),
+                    "ratio": None if r.ratio is None else round(r.ratio, 4),
+                }
+                for r in self.rows
+            },
             "moments": {m: {"planned": int(p), "traced": int(t)} for m, p, t in self.moments},
-            "projected_total": int(self.projected), "fits": self.fits, "warnings": list(self.warnings),
+            "projected_total": int(self.projected),
+            "fits": self.fits,
+            "warnings": list(self.warnings),
         }
 
 
-def compare_plan(planned: dict[str, dict[str, float]], traced: TracedStep, context: float, fragmentation: float,
-                 gpu: float) -> Comparison:
+def compare_plan(
+    planned: dict[str, dict[str, float]], traced: TracedStep, context: float, fragmentation: float, gpu: float
+) -> Comparison:
     """`planned` is `launcher.plan.moments.timeline` for the plan; `traced` the extrapolated trace."""
     peak_t = traced.peak_at
     peak_p = max(planned, key=lambda m: sum(planned[m].values()))
@@ -205,6 +229,8 @@ def compare_plan(planned: dict[str, dict[str, float]], traced: TracedStep, conte
         if t and abs(p / t - 1) > WARN_RATIO and m != peak_t:
             warnings.append(f"{m}: planned {p / 1e9:.2f} GB, traced {t / 1e9:.2f} GB (planner/trace {p / t:.2f})")
     if traced.linearity is not None and traced.linearity > LINEARITY_TOLERANCE:
-        warnings.append(f"memory is not affine in depth here (depth {traced.depths[-1]} is {traced.linearity:.1%} "
-                        "off the line): the extrapolation is uncertain")
+        warnings.append(
+            f"memory is not affine in depth here (depth {traced.depths[-1]} is {traced.linearity:.1%} "
+            "off the line): the extrapolation is uncertain"
+        )
     return Comparison(peak_t, peak_p, rows, moments, context, fragmentation, gpu, warnings, traced)

@@ -7,6 +7,7 @@ target is rendered or submitted, or for the recipe's default target under `dtlau
 Each finding names the file and line of its field (or the `--set` item that gave it). Pure: no I/O except
 the optional path checks.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -19,8 +20,9 @@ from .core import RULES, Finding, Rule, rule
 SEVERITY_ORDER = {"error": 0, "warning": 1}
 
 
-def validate(recipe: Recipe, plan: Plan, target: str | None = None, rules: Iterable[Rule] = RULES,
-             choices=None) -> list[Finding]:
+def validate(
+    recipe: Recipe, plan: Plan, target: str | None = None, rules: Iterable[Rule] = RULES, choices=None
+) -> list[Finding]:
     """Findings for `recipe` (rendered for `target`, default: the recipe's targets.default), errors first.
     The rules check the plan the job ships: for SkyPilot accelerator fallbacks that is the plan valid on every
     choice (`choices.shipped`, from plan.choices.for_target; made here when not given)."""

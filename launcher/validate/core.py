@@ -1,4 +1,5 @@
 """Rules as data: the registry every rule module adds to."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -37,8 +38,15 @@ class Rule(msgspec.Struct, frozen=True):
 RULES: list[Rule] = []
 
 
-def rule(id: str, severity: str, field: str, summary: str, targets: tuple[str, ...] = (),  # noqa: A002
-         trainer_only: bool = False, choices: bool = False):
+def rule(
+    id: str,
+    severity: str,
+    field: str,
+    summary: str,
+    targets: tuple[str, ...] = (),  # noqa: A002
+    trainer_only: bool = False,
+    choices: bool = False,
+):
     def deco(fn):
         RULES.append(Rule(id, severity, field, summary, fn, targets, trainer_only, choices))
         return fn

@@ -4,6 +4,7 @@ Every test here carries the `gpu` marker and is skipped, with the reason, where 
 fewer than a test needs); nothing here is mocked. The CPU suite checks the same paths as far as CPU allows
 (tests/runtime/test_gpu_paths.py); docs/gpu.md records each run made on a GPU, with the device and figures.
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,6 +25,9 @@ def pytest_collection_modifyitems(config, items):
             need = item.get_closest_marker("gpus")
             n = need.args[0] if need else 1
             if GPUS < n:
-                why = ("torch.cuda.is_available() is False on this machine" if not GPUS
-                       else f"this machine has {GPUS} GPU(s)")
+                why = (
+                    "torch.cuda.is_available() is False on this machine"
+                    if not GPUS
+                    else f"this machine has {GPUS} GPU(s)"
+                )
                 item.add_marker(pytest.mark.skip(reason=f"needs {n} CUDA GPU(s) on one node: {why}"))

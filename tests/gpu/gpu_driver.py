@@ -1,6 +1,7 @@
 """GPU suite driver: train several plans one after another in ONE torchrun world (as tests/runtime/multi_train.py
 does), and after each write where every tensor of the engine lives and what the GPU reported, for the test to
 check. Usage: torchrun ... gpu_driver.py CASES.json (each {"plan", "run_dir", "env"})."""
+
 from __future__ import annotations
 
 import json
@@ -29,16 +30,29 @@ def devices(tensors) -> list[str]:
 def placement(trainer: Trainer) -> dict:
     eng = trainer.engine
     module = eng.module
-    states = [v for st in getattr(eng.optimizer, "state", {}).values() for k, v in st.items()
-              if isinstance(v, torch.Tensor) and k != "step"]
+    states = [
+        v
+        for st in getattr(eng.optimizer, "state", {}).values()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor) and k != "step"
+    ]
     params = list(module.parameters())
-    return {"params": devices(params), "grads": devices(p.grad for p in params), "optimizer": devices(states),
-            "buffers": devices(module.buffers()), "device": str(trainer.world.device),
-            "backend": trainer.world.backend, "max_reserved": torch.cuda.max_memory_reserved(),
-            "weight_std": {n: float(p.detach().float().std()) for n, p in module.named_parameters()
-                           if "attention.wq" in n and not hasattr(p, "ds_id")},
-            "optimizer_type": type(eng.optimizer).__name__,
-            "fused": bool(getattr(eng.optimizer, "defaults", {}).get("fused"))}
+    return {
+        "params": devices(params),
+        "grads": devices(p.grad for p in params),
+        "optimizer": devices(states),
+        "buffers": devices(module.buffers()),
+        "device": str(trainer.world.device),
+        "backend": trainer.world.backend,
+        "max_reserved": torch.cuda.max_memory_reserved(),
+        "weight_std": {
+            n: float(p.detach().float().std())
+            for n, p in module.named_parameters()
+            if "attention.wq" in n and not hasattr(p, "ds_id")
+        },
+        "optimizer_type": type(eng.optimizer).__name__,
+        "fused": bool(getattr(eng.optimizer, "defaults", {}).get("fused")),
+    }
 
 
 def main() -> None:
@@ -64,7 +78,8 @@ def main() -> None:
             (run_dir / f"placement-rank{world.rank}.json").write_text(json.dumps(placement(trainer)))
         if world.rank == 0 or err:
             (run_dir / f"result-rank{world.rank}.json").write_text(
-                json.dumps({"code": int(code), "error": err, "seconds": round(time.time() - t0, 2)}))
+                json.dumps({"code": int(code), "error": err, "seconds": round(time.time() - t0, 2)})
+            )
         if err:
             print(f"case {run_dir} failed on rank {world.rank}: {err}", file=sys.stderr, flush=True)
             os._exit(1)

@@ -1,5 +1,6 @@
 """One node of 8 GPUs: layouts, hangs, preemption and export across GPUs (the review's 8-GPU set, about 25 min on
 8 x H100). Skipped, with the reason, on machines with fewer GPUs."""
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,19 @@ LAYOUTS = {
     "zero2": {"parallelism": {"strategy": "zero2"}},
     "zero3": {"parallelism": {"strategy": "zero3"}},
 }
-COMMON = {"training": {"steps": 5, "global_batch": 32, "micro_batch": 2, "timeout_seconds": 90},
-          "checkpoint": {"every": 100}}
+COMMON = {
+    "training": {"steps": 5, "global_batch": 32, "micro_batch": 2, "timeout_seconds": 90},
+    "checkpoint": {"every": 100},
+}
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-layouts")
-    cases = [(name, gpu_recipe(4 if over.get("resources") else 8, **deep_merge(COMMON, over)), {})
-             for name, over in LAYOUTS.items()]
+    cases = [
+        (name, gpu_recipe(4 if over.get("resources") else 8, **deep_merge(COMMON, over)), {})
+        for name, over in LAYOUTS.items()
+    ]
     one = tmp_path_factory.mktemp("gpu-one")
     ref = run_cases(one, 1, [("ref", gpu_recipe(1, **deep_merge(COMMON, {"parallelism": {"strategy": "fsdp"}})), {})])
     return run_cases(root, 8, cases, timeout=1500), ref["ref"]
@@ -66,16 +71,30 @@ def test_9_processes_on_8_gpus_is_a_preflight_error(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["ddp", "hybrid"])
 def test_10_11_a_hang_ends_every_rank_with_43_and_leaves_the_dumps(tmp_path, strategy):
-    rec = gpu_recipe(4 if strategy == "hybrid" else 8,
-                     **deep_merge(COMMON, {"parallelism": {"strategy": strategy},
-                                           "resources": {"nodes": 2 if strategy == "hybrid" else 1},
-                                           "training": {"steps": 20, "timeout_seconds": 60}}))
+    rec = gpu_recipe(
+        4 if strategy == "hybrid" else 8,
+        **deep_merge(
+            COMMON,
+            {
+                "parallelism": {"strategy": strategy},
+                "resources": {"nodes": 2 if strategy == "hybrid" else 1},
+                "training": {"steps": 20, "timeout_seconds": 60},
+            },
+        ),
+    )
     dumps = tmp_path / "dumps"
     dumps.mkdir()
     t0 = time.monotonic()
-    res = run_torchrun(write_plan(tmp_path / "run", rec), tmp_path / "run", nproc=8, timeout=600,
-                       env={"DTLAUNCH_FAULT": "hang:rank=3:step=3",
-                            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dumps / "nccl_trace_rank_")})
+    res = run_torchrun(
+        write_plan(tmp_path / "run", rec),
+        tmp_path / "run",
+        nproc=8,
+        timeout=600,
+        env={
+            "DTLAUNCH_FAULT": "hang:rank=3:step=3",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dumps / "nccl_trace_rank_"),
+        },
+    )
     took = time.monotonic() - t0
     assert res.worker_codes and set(res.worker_codes) <= {ExitCode.HANG, -15, -9}, res.output[-3000:]
     assert ExitCode.HANG in res.worker_codes and took < 180 + 120
@@ -83,11 +102,13 @@ def test_10_11_a_hang_ends_every_rank_with_43_and_leaves_the_dumps(tmp_path, str
 
 
 def test_preempt_then_resume_on_4_gpus_continues_the_loss(tmp_path):
-    rec = gpu_recipe(8, **deep_merge(COMMON, {"parallelism": {"strategy": "fsdp"},
-                                              "training": {"steps": 8, "deterministic": True}}))
+    rec = gpu_recipe(
+        8, **deep_merge(COMMON, {"parallelism": {"strategy": "fsdp"}, "training": {"steps": 8, "deterministic": True}})
+    )
     d = tmp_path / "run"
-    first = run_torchrun(write_plan(d, rec), d, nproc=8, timeout=600,
-                         env={"DTLAUNCH_FAULT": "signal:rank=0:step=4:sig=USR2"})
+    first = run_torchrun(
+        write_plan(d, rec), d, nproc=8, timeout=600, env={"DTLAUNCH_FAULT": "signal:rank=0:step=4:sig=USR2"}
+    )
     assert ExitCode.PREEMPTED in first.worker_codes, first.output[-3000:]
     four = deep_merge(rec, {"resources": {"accelerator": rec["resources"]["accelerator"].split(":")[0] + ":4"}})
     again = run_torchrun(write_plan(d, four), d, nproc=4, timeout=600)
@@ -97,11 +118,22 @@ def test_preempt_then_resume_on_4_gpus_continues_the_loss(tmp_path):
 
 
 def test_5_pipeline_export_stays_below_the_training_peak(tmp_path):
-    model = {"layers": 16, "hidden": 2048, "ffn_hidden": 8192, "heads": 32, "kv_heads": 8, "vocab": 128256,
-             "seq_len": 2048}
-    rec = gpu_recipe(8, model=model, parallelism={"strategy": "fsdp", "pipeline": 2},
-                     training={"steps": 2, "micro_batch": 1, "global_batch": 8},
-                     checkpoint={"every": 100, "export": "safetensors"})
+    model = {
+        "layers": 16,
+        "hidden": 2048,
+        "ffn_hidden": 8192,
+        "heads": 32,
+        "kv_heads": 8,
+        "vocab": 128256,
+        "seq_len": 2048,
+    }
+    rec = gpu_recipe(
+        8,
+        model=model,
+        parallelism={"strategy": "fsdp", "pipeline": 2},
+        training={"steps": 2, "micro_batch": 1, "global_batch": 8},
+        checkpoint={"every": 100, "export": "safetensors"},
+    )
     rec["model"].pop("preset", None)
     dirs = run_cases(tmp_path, 8, [("pp2-export", rec, {})], timeout=1200)
     d = dirs["pp2-export"]
@@ -115,16 +147,34 @@ def test_5_pipeline_export_stays_below_the_training_peak(tmp_path):
 
 
 def test_throughput_baseline_8_gpus(tmp_path):
-    model = {"layers": 16, "hidden": 2048, "ffn_hidden": 8192, "heads": 32, "kv_heads": 8, "vocab": 128256,
-             "seq_len": 2048}
-    rec = gpu_recipe(8, model=model, parallelism={"strategy": "fsdp", "activation_checkpointing": "selective"},
-                     training={"steps": 20, "micro_batch": 4, "global_batch": 64, "log_every": 5,
-                               "data": {"source": "synthetic", "num_tokens": 8_000_000}},
-                     checkpoint={"every": 1000, "export": "none"})
+    model = {
+        "layers": 16,
+        "hidden": 2048,
+        "ffn_hidden": 8192,
+        "heads": 32,
+        "kv_heads": 8,
+        "vocab": 128256,
+        "seq_len": 2048,
+    }
+    rec = gpu_recipe(
+        8,
+        model=model,
+        parallelism={"strategy": "fsdp", "activation_checkpointing": "selective"},
+        training={
+            "steps": 20,
+            "micro_batch": 4,
+            "global_batch": 64,
+            "log_every": 5,
+            "data": {"source": "synthetic", "num_tokens": 8_000_000},
+        },
+        checkpoint={"every": 1000, "export": "none"},
+    )
     rec["model"].pop("preset", None)
     res = run_torchrun(write_plan(tmp_path, rec), tmp_path, nproc=8, timeout=900)
     assert res.rc == 0, res.output[-3000:]
     last = [m for m in res.metrics() if "loss" in m][-1]
-    print(f"\n8 x {torch.cuda.get_device_name(0)}: {last['tokens_per_s']:.0f} tok/s, mfu {last['mfu']}, "
-          f"reserved {last['reserved_peak_mb'] / 1024:.1f} GiB (rank {last['peak_rank']})")
+    print(
+        f"\n8 x {torch.cuda.get_device_name(0)}: {last['tokens_per_s']:.0f} tok/s, mfu {last['mfu']}, "
+        f"reserved {last['reserved_peak_mb'] / 1024:.1f} GiB (rank {last['peak_rank']})"
+    )
     assert last["mfu"] is not None and 0.05 < last["mfu"] <= 1.0

@@ -1,6 +1,7 @@
 """One GPU: the runtime's CUDA paths as a user's first job runs them (the review's single-GPU set, about 10 min on
 an H100). Each test asserts logged metrics, placements and exit codes; numbers in the names are the GPU-path
 review's findings."""
+
 from __future__ import annotations
 
 import json
@@ -25,17 +26,28 @@ def test_env_contract():
     import torch.distributed as dist
 
     assert torch.version.cuda is not None and dist.is_nccl_available() and torch.cuda.is_bf16_supported()
-    print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-          f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    print(
+        f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+    )
 
 
 def test_7_a_gpu_plan_where_no_gpu_is_visible_is_a_preflight_error(tmp_path):
     plan = write_plan(tmp_path, gpu_recipe())
-    p = subprocess.run([sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"], capture_output=True,
-                       text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        timeout=300,
+    )
     assert p.returncode == ExitCode.PREFLIGHT and "sees none" in p.stderr, p.stdout + p.stderr
-    ok = subprocess.run([sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"], capture_output=True,
-                        text=True, timeout=300)
+    ok = subprocess.run(
+        [sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0 and torch.cuda.get_device_name(0) in ok.stdout, ok.stdout + ok.stderr
 
 
@@ -52,8 +64,10 @@ MATRIX = {
     "zero2-fp16": ({"parallelism": {"strategy": "zero2", "precision": "fp16", "loss_scaling": "dynamic"}}, None),
     "zero3-bf16": ({"parallelism": {"strategy": "zero3"}}, None),  # 4
     "zero2-offload-adamw": ({"parallelism": {"strategy": "zero2", "offload": "optimizer"}}, None),  # 8
-    "zero2-offload-sgd": ({"parallelism": {"strategy": "zero2", "offload": "optimizer"},
-                           "training": {"optimizer": "sgd", "lr": 0.05}}, None),  # 8
+    "zero2-offload-sgd": (
+        {"parallelism": {"strategy": "zero2", "offload": "optimizer"}, "training": {"optimizer": "sgd", "lr": 0.05}},
+        None,
+    ),  # 8
 }
 STEPS = 6
 
@@ -61,9 +75,18 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-matrix")
-    cases = [(name, gpu_recipe(**deep_merge(over, {"training": {"steps": STEPS, "log_every": 1},
-                                                  "checkpoint": {"every": 4, "async": True}})), {})
-             for name, (over, _) in MATRIX.items()]
+    cases = [
+        (
+            name,
+            gpu_recipe(
+                **deep_merge(
+                    over, {"training": {"steps": STEPS, "log_every": 1}, "checkpoint": {"every": 4, "async": True}}
+                )
+            ),
+            {},
+        )
+        for name, (over, _) in MATRIX.items()
+    ]
     return run_cases(root, 1, cases)
 
 
@@ -96,8 +119,11 @@ def test_every_strategy_trains_with_its_tensors_where_they_belong(matrix, name):
 
 def test_2_12_meta_initialisation_on_the_gpu(matrix):
     for name in ("fsdp-bf16", "fsdp-offload"):
-        start = [m for m in map(json.loads, (matrix[name] / "metrics.jsonl").read_text().splitlines())
-                 if m.get("event") == "start"][0]
+        start = [
+            m
+            for m in map(json.loads, (matrix[name] / "metrics.jsonl").read_text().splitlines())
+            if m.get("event") == "start"
+        ][0]
         assert start["init"] == "meta"
         stds = json.loads((matrix[name] / "placement-rank0.json").read_text())["weight_std"]
         assert stds and all(0.01 < s < 0.04 for s in stds.values()), stds
@@ -144,8 +170,11 @@ def test_19_ordinary_steps_never_sync_and_step_times_are_the_gpus(tmp_path, monk
     read the loss (one sync); their step time is within 5% of CUDA events' over the same steps."""
     import torch.distributed as dist
 
-    rec = gpu_recipe(parallelism={"strategy": "fsdp"}, training={"steps": 24, "log_every": 4},
-                     checkpoint={"every": 100, "export": "none"})
+    rec = gpu_recipe(
+        parallelism={"strategy": "fsdp"},
+        training={"steps": 24, "log_every": 4},
+        checkpoint={"every": 100, "export": "none"},
+    )
     trainer = _single_world_trainer(tmp_path, monkeypatch, rec)
     it = trainer.steps()
     events = {}
@@ -174,13 +203,17 @@ def test_19_ordinary_steps_never_sync_and_step_times_are_the_gpus(tmp_path, monk
 def test_20_async_checkpoints_resume_exactly(tmp_path):
     """Deterministic fsdp run preempted at step 5 (an async save at 4 in flight before it) and resumed: the losses
     of steps 6-8 are the uninterrupted run's, bit for bit."""
-    rec = gpu_recipe(parallelism={"strategy": "fsdp"}, training={"steps": 8, "deterministic": True},
-                     checkpoint={"every": 4, "async": True})
+    rec = gpu_recipe(
+        parallelism={"strategy": "fsdp"},
+        training={"steps": 8, "deterministic": True},
+        checkpoint={"every": 4, "async": True},
+    )
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ref = run_torchrun(write_plan(ref_dir, rec), ref_dir, nproc=1, timeout=600)
     assert ref.rc == 0, ref.output[-3000:]
-    first = run_torchrun(write_plan(run_dir, rec), run_dir, nproc=1, timeout=600,
-                         env={"DTLAUNCH_FAULT": "signal:rank=0:step=6:sig=USR2"})
+    first = run_torchrun(
+        write_plan(run_dir, rec), run_dir, nproc=1, timeout=600, env={"DTLAUNCH_FAULT": "signal:rank=0:step=6:sig=USR2"}
+    )
     assert ExitCode.PREEMPTED in first.worker_codes, first.output[-3000:]
     again = run_torchrun(run_dir / "plan.json", run_dir, nproc=1, timeout=600)
     assert again.rc == 0, again.output[-3000:]
@@ -192,8 +225,13 @@ def test_9_resume_with_fewer_visible_gpus(tmp_path):
     rec = gpu_recipe(parallelism={"strategy": "fsdp"}, training={"steps": 4}, checkpoint={"every": 2})
     d = tmp_path / "run"
     plan = write_plan(d, rec)
-    a = run_torchrun(plan, d, nproc=1, timeout=600, env={"CUDA_VISIBLE_DEVICES": "0,1",
-                                                         "DTLAUNCH_FAULT": "signal:rank=0:step=3:sig=USR2"})
+    a = run_torchrun(
+        plan,
+        d,
+        nproc=1,
+        timeout=600,
+        env={"CUDA_VISIBLE_DEVICES": "0,1", "DTLAUNCH_FAULT": "signal:rank=0:step=3:sig=USR2"},
+    )
     assert ExitCode.PREEMPTED in a.worker_codes, a.output[-3000:]
     b = run_torchrun(plan, d, nproc=1, timeout=600, env={"CUDA_VISIBLE_DEVICES": "1"})
     assert b.rc == 0 and "resumed from step" in b.output, b.output[-3000:]
@@ -205,8 +243,10 @@ def test_22_data_workers_pin_and_read_the_same_tokens(tmp_path):
     from launcher.recipe import load_text
     from launcher.runtime.data import build_dataloader
 
-    rec = load_text(yaml.safe_dump(gpu_recipe(training={"data": {"source": "synthetic", "num_tokens": 20000,
-                                                                   "workers": 2}})), "<gpu test>")
+    rec = load_text(
+        yaml.safe_dump(gpu_recipe(training={"data": {"source": "synthetic", "num_tokens": 20000, "workers": 2}})),
+        "<gpu test>",
+    )
     kw = dict(vocab=512, seq_len=64, micro_batch=4, grad_accum=2, rank=0, world_size=1, seed=3)
     gpu = build_dataloader(rec.training.data, device=torch.device("cuda"), is_gpu=True, **kw)
     cpu = build_dataloader(rec.training.data, device=torch.device("cpu"), is_gpu=False, **kw)
@@ -219,8 +259,9 @@ def test_22_data_workers_pin_and_read_the_same_tokens(tmp_path):
 
 def test_15_an_oom_is_a_config_error_with_the_gpus_memory_and_the_plans(tmp_path):
     rec = gpu_recipe(training={"steps": 6}, checkpoint={"every": 100})
-    res = run_torchrun(write_plan(tmp_path, rec), tmp_path, nproc=1, timeout=600,
-                       env={"DTLAUNCH_FAULT": "oom:rank=0:step=3"})
+    res = run_torchrun(
+        write_plan(tmp_path, rec), tmp_path, nproc=1, timeout=600, env={"DTLAUNCH_FAULT": "oom:rank=0:step=3"}
+    )
     assert ExitCode.CONFIG in res.worker_codes, res.output[-3000:]
     status = res.statuses()[0]
     assert "this GPU:" in status["message"] and "the plan expected" in status["message"]
@@ -230,12 +271,27 @@ def test_throughput_baseline(tmp_path):
     """A ~1.2B Llama (Llama 3.2 1B's shape, untied) with FSDP2 in bf16 on one GPU, 20 steps: tokens/s, MFU and
     the reserved peak, against the band recorded for this device in tests/gpu/baseline.json (printed, to be
     recorded there and in docs/gpu.md, when the device has none yet)."""
-    model = {"layers": 16, "hidden": 2048, "ffn_hidden": 8192, "heads": 32, "kv_heads": 8, "vocab": 128256,
-             "seq_len": 2048}
-    rec = gpu_recipe(model=model, parallelism={"strategy": "fsdp", "activation_checkpointing": "selective"},
-                     training={"steps": 20, "micro_batch": 4, "global_batch": 16, "log_every": 5,
-                               "data": {"source": "synthetic", "num_tokens": 2_000_000}},
-                     checkpoint={"every": 1000, "export": "none"})
+    model = {
+        "layers": 16,
+        "hidden": 2048,
+        "ffn_hidden": 8192,
+        "heads": 32,
+        "kv_heads": 8,
+        "vocab": 128256,
+        "seq_len": 2048,
+    }
+    rec = gpu_recipe(
+        model=model,
+        parallelism={"strategy": "fsdp", "activation_checkpointing": "selective"},
+        training={
+            "steps": 20,
+            "micro_batch": 4,
+            "global_batch": 16,
+            "log_every": 5,
+            "data": {"source": "synthetic", "num_tokens": 2_000_000},
+        },
+        checkpoint={"every": 1000, "export": "none"},
+    )
     rec["model"].pop("preset", None)
     res = run_torchrun(write_plan(tmp_path, rec), tmp_path, nproc=1, timeout=900)
     assert res.rc == 0, res.output[-3000:]

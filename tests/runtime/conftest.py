@@ -1,5 +1,6 @@
 """Fixtures for the runtime tests: a free port, a fresh run directory, and the deterministic
 reference runs that the restart/resume tests compare against (run once per session)."""
+
 from __future__ import annotations
 
 from pathlib import Path

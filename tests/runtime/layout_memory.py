@@ -9,6 +9,7 @@ same bytes differently: a stage's receive buffers are "buffers" to one and activ
 
 Usage: torchrun ... layout_memory.py CASES.json, where CASES.json lists {"sets": [...], "out": dir}.
 """
+
 from __future__ import annotations
 
 import gc
@@ -56,13 +57,14 @@ def measure(sets: list[str], world: int, rank: int) -> dict:
     torch.manual_seed(0)
     module = build_model(recipe.model.shape(), layout.activation_checkpointing, device="cpu")
     training = recipe.training.replace(grad_clip=0.0)
-    engine = wrap_model(module, layout, recipe.replace(training=training), plan, 10,
-                        torch.device("cpu"), is_gpu=False)
+    engine = wrap_model(module, layout, recipe.replace(training=training), plan, 10, torch.device("cpu"), is_gpu=False)
     for group in engine.optimizer.param_groups:
         group["foreach"] = True  # what AdamW picks on CUDA
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, recipe.model.shape().vocab, (layout.micro_batch, plan.seq_len + 1), generator=g)
-               for _ in range(layout.grad_accum)]
+    batches = [
+        torch.randint(0, recipe.model.shape().vocab, (layout.micro_batch, plan.seq_len + 1), generator=g)
+        for _ in range(layout.grad_accum)
+    ]
     tracker = MemTracker()
     tracker._mod_tracker = NoModules()
     tracker.track_external(engine.model, engine.optimizer, *batches)
@@ -77,11 +79,17 @@ def measure(sets: list[str], world: int, rank: int) -> dict:
     traced = next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
     shape = recipe.model.shape()
     part = part_of(shape, plan.layout, layout.coords(rank)[0])
-    rows = timeline(shape, "llama", rank_params(shape, "llama", plan.params, plan.layout, part), plan.seq_len,
-                    plan.layout, part)
+    rows = timeline(
+        shape, "llama", rank_params(shape, "llama", plan.params, plan.layout, part), plan.seq_len, plan.layout, part
+    )
     at = max(rows, key=lambda m: sum(rows[m].values()))
-    return {"rank": rank, "coords": list(layout.coords(rank)), "traced": int(traced),
-            "planned": int(round(sum(rows[at].values()))), "planned_at": at}
+    return {
+        "rank": rank,
+        "coords": list(layout.coords(rank)),
+        "traced": int(traced),
+        "planned": int(round(sum(rows[at].values()))),
+        "planned_at": at,
+    }
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ the planner's per-rank figures.
 Usage: torchrun ... layout_train.py CASES.json, where CASES.json lists {"plan", "run_dir", "env", "expect"}.
 Each case writes run_dir/result.json (rank 0) and run_dir/rank-{r}.json (every rank).
 """
+
 from __future__ import annotations
 
 import json
@@ -42,11 +43,21 @@ def group_timeouts() -> dict[str, float]:
 def holdings(trainer: Trainer, rank: int) -> dict:
     eng = trainer.engine
     params = sum(local_bytes(p) for p in eng.module.parameters())
-    optim = sum(local_bytes(v) for st in eng.optimizer.state.values() for k, v in st.items()
-                if k in ("exp_avg", "exp_avg_sq", "momentum_buffer"))
-    return {"rank": rank, "coords": list(trainer.layout.coords(rank)), "params": params, "optim": optim,
-            "engine": type(eng).__name__, "timeouts": group_timeouts(),
-            "checkpoint_group": trainer.world.checkpoint_group.group_name}
+    optim = sum(
+        local_bytes(v)
+        for st in eng.optimizer.state.values()
+        for k, v in st.items()
+        if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")
+    )
+    return {
+        "rank": rank,
+        "coords": list(trainer.layout.coords(rank)),
+        "params": params,
+        "optim": optim,
+        "engine": type(eng).__name__,
+        "timeouts": group_timeouts(),
+        "checkpoint_group": trainer.world.checkpoint_group.group_name,
+    }
 
 
 def main() -> None:
@@ -73,11 +84,20 @@ def main() -> None:
             (run_dir / f"rank-{world.rank}.json").write_text(json.dumps(holdings(trainer, world.rank)))
         if world.rank == 0 or code != expected:
             (run_dir / f"result-rank{world.rank}.json").write_text(
-                json.dumps({"code": int(code), "error": err if code != expected else None,
-                            "seconds": round(time.time() - t0, 2)}))
+                json.dumps(
+                    {
+                        "code": int(code),
+                        "error": err if code != expected else None,
+                        "seconds": round(time.time() - t0, 2),
+                    }
+                )
+            )
         if code != expected:  # the peers may be stuck in a collective: end the world
-            print(f"case {run_dir} ended with {code} (expected {expected}) on rank {world.rank}: {err}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"case {run_dir} ended with {code} (expected {expected}) on rank {world.rank}: {err}",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
         dist.barrier()
     dist.barrier()

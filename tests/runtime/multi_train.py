@@ -10,6 +10,7 @@ The trainer's garbage-collection policy is swapped for a probe (`CycleProbe`) th
 step and counts the tensors that only the collector could have freed: the policy of collecting every 50
 steps is safe only while that count is zero. Each result reports it.
 """
+
 from __future__ import annotations
 
 import gc
@@ -96,8 +97,16 @@ def main() -> None:
         stepwise["handlers_restored"] = all(signal.getsignal(sig) == h for sig, h in handlers.items())
         if world.rank == 0 or err:
             (run_dir / f"result-rank{world.rank}.json").write_text(
-                json.dumps({"code": code, "error": err, "seconds": round(time.time() - t0, 2), "gc": CycleProbe.found,
-                            "stepwise": stepwise}))
+                json.dumps(
+                    {
+                        "code": code,
+                        "error": err,
+                        "seconds": round(time.time() - t0, 2),
+                        "gc": CycleProbe.found,
+                        "stepwise": stepwise,
+                    }
+                )
+            )
         if err:  # the peers may be stuck in a collective: end the world, the remaining cases report "not run"
             print(f"case {run_dir} failed on rank {world.rank}: {err}", file=sys.stderr, flush=True)
             os._exit(1)

@@ -2,6 +2,7 @@
 
 A plain module (not conftest) so test files can import it by name; fixtures live in conftest.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,14 @@ BASE_RECIPE = {
     "parallelism": {"strategy": "ddp", "precision": "fp32", "activation_checkpointing": "none", "offload": "none"},
     "resources": {"accelerator": "cpu:2", "nodes": 1, "network": "loopback"},
     "training": {
-        "micro_batch": 4, "global_batch": 16, "steps": 20, "lr": 3.0e-3, "warmup_steps": 2,
-        "timeout_seconds": 60, "init_timeout_seconds": 60, "log_every": 1,
+        "micro_batch": 4,
+        "global_batch": 16,
+        "steps": 20,
+        "lr": 3.0e-3,
+        "warmup_steps": 2,
+        "timeout_seconds": 60,
+        "init_timeout_seconds": 60,
+        "log_every": 1,
         "data": {"source": "synthetic", "num_tokens": 60000},
     },
     "checkpoint": {"every": 10, "keep": 10, "export": "safetensors"},
@@ -116,28 +123,54 @@ class RunResult:
 
     def statuses(self) -> dict[int, dict]:
         d = self.run_dir / "status"
-        return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in sorted(d.glob("rank-*.json"))} if d.is_dir() else {}
+        return (
+            {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in sorted(d.glob("rank-*.json"))}
+            if d.is_dir()
+            else {}
+        )
 
 
 # What the job scripts start instead of torchrun: the same agent, which does not restart a final exit code.
 ELASTIC = [sys.executable, "-m", "launcher.elastic"]
 
 
-def torchrun_cmd(plan: Path, run_dir: Path, nproc: int, port: int, max_restarts: int, nnodes: int = 1,
-                 elastic: bool = False, worker: list[str] | None = None) -> list[str]:
+def torchrun_cmd(
+    plan: Path,
+    run_dir: Path,
+    nproc: int,
+    port: int,
+    max_restarts: int,
+    nnodes: int = 1,
+    elastic: bool = False,
+    worker: list[str] | None = None,
+) -> list[str]:
     """`worker`: a command each rank runs instead of `python -m launcher.train ...` (given those arguments)."""
     train = ["-m", "launcher.train", "--plan", str(plan), "--run-dir", str(run_dir)]
-    return [*(ELASTIC if elastic else [TORCHRUN]), f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=t{port}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
-            *(["--no-python", *worker, sys.executable, *train] if worker else train)]
+    return [
+        *(ELASTIC if elastic else [TORCHRUN]),
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=t{port}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.2",
+        *(["--no-python", *worker, sys.executable, *train] if worker else train),
+    ]
 
 
 def torchrun_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.pop("DTLAUNCH_FAULT", None)
-    env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR, "PYTHONWARNINGS": "ignore"})
+    env.update(
+        {
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR,
+            "PYTHONWARNINGS": "ignore",
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -147,9 +180,19 @@ def parse_worker_codes(stderr: str) -> list[int]:
     return [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
 
 
-def run_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, env: dict | None = None,
-                 timeout: float = 180, nnodes: int = 1, elastic: bool = False,
-                 prefix: list[str] | None = None, worker: list[str] | None = None) -> RunResult:
+def run_torchrun(
+    plan: Path,
+    run_dir: Path,
+    *,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    env: dict | None = None,
+    timeout: float = 180,
+    nnodes: int = 1,
+    elastic: bool = False,
+    prefix: list[str] | None = None,
+    worker: list[str] | None = None,
+) -> RunResult:
     """Run `python -m launcher.train` under a real torchrun; never hangs the suite (timeout kills it). `nnodes` > 1:
     that many torchrun agents on this machine, one per simulated node (each starts `nproc` ranks, its LOCAL_* as
     on a node of its own); their outputs are joined, the first agent's exit code is returned. `elastic`: through
@@ -158,9 +201,17 @@ def run_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int
     port = free_port()
     t0 = time.monotonic()
     cmd = [*(prefix or []), *torchrun_cmd(plan, run_dir, nproc, port, max_restarts, nnodes, elastic, worker)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=torchrun_env(env), start_new_session=True)
-             for _ in range(nnodes)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=torchrun_env(env),
+            start_new_session=True,
+        )
+        for _ in range(nnodes)
+    ]
     outs, errs = [], []
     for proc in procs:
         try:
@@ -177,12 +228,14 @@ def run_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int
     return RunResult(procs[0].returncode, out, err, secs, run_dir, parse_worker_codes(err))
 
 
-def start_torchrun(plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0,
-                   env: dict | None = None) -> subprocess.Popen:
+def start_torchrun(
+    plan: Path, run_dir: Path, *, nproc: int = 2, max_restarts: int = 0, env: dict | None = None
+) -> subprocess.Popen:
     """Start torchrun in the background (for tests that signal its workers)."""
     cmd = torchrun_cmd(plan, run_dir, nproc, free_port(), max_restarts)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=torchrun_env(env),
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=torchrun_env(env), start_new_session=True
+    )
 
 
 def child_pids(pid: int) -> list[int]:
@@ -233,4 +286,3 @@ def load_safetensors(path: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(path))
-

@@ -5,6 +5,7 @@ then waits `--shutdown-timeout` seconds and SIGKILLs whatever is still running. 
 its next step boundary and then saves, so the grace must cover a step and a save: a worker that needs longer
 is killed before it commits and writes no exit record. The rendered grace is made of exactly those terms.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,9 +41,21 @@ def _stop_after(tmp_path: Path, grace: int, need: float) -> tuple[int, bool, flo
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     record = tmp_path / f"record-{grace}-{need}"
-    cmd = [sys.executable, "-m", "launcher.elastic", "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=0",
-           "--signals-to-handle=SIGTERM,SIGUSR2", f"--shutdown-timeout={grace}", str(script), str(record), str(need)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.elastic",
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--max-restarts=0",
+        "--signals-to-handle=SIGTERM,SIGUSR2",
+        f"--shutdown-timeout={grace}",
+        str(script),
+        str(record),
+        str(need),
+    ]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 60
     while not Path(str(record) + ".started").exists():

@@ -9,6 +9,7 @@ mocks of the one thing that cannot exist here. The same paths run for real in te
 
 Numbers in the names: the findings of the GPU-path review these tests pin down.
 """
+
 from __future__ import annotations
 
 import ast
@@ -69,8 +70,9 @@ def test_1_offloaded_gradients_clip_over_a_group_that_reduces_host_tensors(offlo
     from launcher.runtime.dist import backend_for, host_collectives
     from launcher.runtime.gradclip import clip_grad_norm
 
-    _, plan = _plan(parallelism={"strategy": "fsdp", "offload": offload}, resources={"accelerator": "H100:8",
-                                                                                     "nodes": 8})
+    _, plan = _plan(
+        parallelism={"strategy": "fsdp", "offload": offload}, resources={"accelerator": "H100:8", "nodes": 8}
+    )
     backend = backend_for(True, host_collectives(plan))
     assert backend_for(True, False) == "nccl" and backend_for(False, False) == "gloo"
     params = [torch.nn.Parameter(torch.ones(4, 4, device="cpu")) for _ in range(3)]
@@ -152,10 +154,13 @@ def test_12_initial_weights_are_a_function_of_seed_name_and_shape():
             assert torch.equal(p, torch.ones_like(p)), name
         else:
             assert p.std().item() == pytest.approx(std, rel=0.05), name
-    first, last = a["layers.0.attention.wq.weight"].flatten(), a[f"layers.{shape.layers - 1}.attention.wq.weight"].flatten()
+    first, last = (
+        a["layers.0.attention.wq.weight"].flatten(),
+        a[f"layers.{shape.layers - 1}.attention.wq.weight"].flatten(),
+    )
     assert abs(torch.corrcoef(torch.stack((first, last)))[0, 1].item()) < 0.1
     half = a["tok_embeddings.weight"].shape[0] // 2  # two shards of one tensor differ too
-    top, bottom = a["tok_embeddings.weight"][:half].flatten(), a["tok_embeddings.weight"][half:2 * half].flatten()
+    top, bottom = a["tok_embeddings.weight"][:half].flatten(), a["tok_embeddings.weight"][half : 2 * half].flatten()
     assert abs(torch.corrcoef(torch.stack((top, bottom)))[0, 1].item()) < 0.1
 
 
@@ -168,7 +173,7 @@ def test_12_a_flat_partition_holds_the_whole_parameters_values():
     for start, n in ((0, 2100), (5, 17), (699, 701), (2090, 10)):
         part = torch.empty(n)
         init.normal_flat_(part, start, (300, 7), 0.02, seed=3, name="w")
-        assert torch.equal(part, whole.flatten()[start:start + n])
+        assert torch.equal(part, whole.flatten()[start : start + n])
 
 
 # ----------------------------------------------------------------------------- fake CUDA over the model's functions
@@ -186,8 +191,10 @@ def test_the_models_functions_keep_to_the_device_on_fake_cuda():
 
     shape = catalog.PRESETS["micro"]
     with torch.device("meta"):
-        parts = {dtype: [m.to(dtype) for m in (Attention(shape), FeedForward(shape), RMSNorm(shape.hidden))]
-                 for dtype in (torch.float32, torch.bfloat16)}  # fp32 GQA takes the expanded k/v path
+        parts = {
+            dtype: [m.to(dtype) for m in (Attention(shape), FeedForward(shape), RMSNorm(shape.hidden))]
+            for dtype in (torch.float32, torch.bfloat16)
+        }  # fp32 GQA takes the expanded k/v path
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
         cos, sin = rope_tables(shape.hidden // shape.heads, 32, shape.rope_theta, device="cuda")
         for dtype, modules in parts.items():
@@ -207,8 +214,22 @@ def test_the_models_functions_keep_to_the_device_on_fake_cuda():
         assert clip_grad_norm([torch.nn.Parameter(torch.empty(4, device="cuda"))], 1.0).device.type == "cuda"
 
 
-LINT_FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "randperm",
-                  "linspace", "eye", "as_tensor", "empty_strided"}
+LINT_FACTORIES = {
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "linspace",
+    "eye",
+    "as_tensor",
+    "empty_strided",
+}
 
 
 def test_runtime_tensor_factories_name_their_device():
@@ -218,12 +239,22 @@ def test_runtime_tensor_factories_name_their_device():
     found = []
     for path in sorted((REPO / "launcher" / "runtime").rglob("*.py")):
         tree = ast.parse(path.read_text())
-        inits = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__init__"
-                 for n in ast.walk(f)}
+        inits = {
+            id(n)
+            for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+            for n in ast.walk(f)
+        }
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LINT_FACTORIES
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
-                    and not any(k.arg == "device" for k in node.keywords) and id(node) not in inits):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in LINT_FACTORIES
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+                and not any(k.arg == "device" for k in node.keywords)
+                and id(node) not in inits
+            ):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: torch.{node.func.attr}(...) without device=")
     assert not found, "\n".join(found)
 
@@ -261,8 +292,12 @@ def test_7_the_node_check_before_torchrun_says_preflight_for_a_gpu_plan_here(tmp
     from rt_harness import write_plan
 
     plan = write_plan(tmp_path, recipe_dict(resources={"accelerator": "H100:8"}))
-    p = subprocess.run([sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == jobenv.ExitCode.PREFLIGHT, p.stdout + p.stderr
     assert "CPU-only build" in p.stderr
 
@@ -271,8 +306,9 @@ def test_7_the_node_check_before_torchrun_says_preflight_for_a_gpu_plan_here(tmp
 
 
 def _ds_world(monkeypatch):
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT="29999").items():
+    for k, v in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999"
+    ).items():
         monkeypatch.setenv(k, v)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
@@ -311,14 +347,18 @@ def test_8_zero_offload_accepts_a_torch_optimizer_on_a_gpu_config():
 
     recipe = recipe_dict(parallelism={"strategy": "zero2", "offload": "optimizer"})
     rec, plan = _plan(**{k: recipe[k] for k in ("parallelism",)}, training={"optimizer": "sgd"})
-    assert DeepSpeedConfig(deepspeed_config(rec, plan, dp=1, grad_accum=4, is_gpu=True)).zero_force_ds_cpu_optimizer \
+    assert (
+        DeepSpeedConfig(deepspeed_config(rec, plan, dp=1, grad_accum=4, is_gpu=True)).zero_force_ds_cpu_optimizer
         is False
+    )
     rec, plan = _plan(parallelism=recipe["parallelism"])  # AdamW on a GPU: DeepSpeed's CPU Adam, left forced
     assert "zero_force_ds_cpu_optimizer" not in deepspeed_config(rec, plan, is_gpu=True)
-    env = torchrun_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "29999"})
-    p = subprocess.run([sys.executable, "-c", DS_OFFLOAD, yaml.safe_dump(recipe)], capture_output=True, text=True,
-                       env=env, timeout=300)
+    env = torchrun_env(
+        {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", DS_OFFLOAD, yaml.safe_dump(recipe)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert p.returncode == 0 and "accepted sgd" in p.stdout and "accepted client" in p.stdout, p.stdout + p.stderr
 
 
@@ -359,8 +399,11 @@ def test_13_18_gpu_jobs_set_expandable_segments_and_deterministic_nccl():
     assert "PYTORCH_ALLOC_CONF" not in jobenv.job_environment({}, is_gpu=False)
     from launcher.render import render
 
-    rec, plan = _plan(resources={"accelerator": "H100:8"}, training={"deterministic": True},
-                      targets={"default": "slurm", "slurm": {"partition": "gpu"}})
+    rec, plan = _plan(
+        resources={"accelerator": "H100:8"},
+        training={"deterministic": True},
+        targets={"default": "slurm", "slurm": {"partition": "gpu"}},
+    )
     script = render(rec, plan, "slurm").files["job.sbatch"]
     for k in ("PYTORCH_ALLOC_CONF", "NCCL_ALGO", "NCCL_NVLS_ENABLE", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"):
         assert k in script, k
@@ -389,8 +432,14 @@ def test_14_mfu_uses_the_dense_peak_of_the_exact_device_and_refuses_above_100_pe
 
     peaks = catalog.DEVICE_PEAK_TFLOPS
     assert peaks["NVIDIA H100 80GB HBM3"] == 989  # SXM dense, not the 1,979 sparse headline
-    for device, sku in (("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-80GB",
-                        "A100-80GB"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA B200", "B200")):
+    for device, sku in (
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA B200", "B200"),
+    ):
         assert peaks[device] == catalog.ACCELERATORS[sku].peak_tflops, device  # the planner's figure, one fact
     assert peaks["NVIDIA H100 PCIe"] < peaks["NVIDIA H100 80GB HBM3"]
     per_token = 6 * 8e9  # an 8B model
@@ -403,15 +452,23 @@ def test_14_mfu_uses_the_dense_peak_of_the_exact_device_and_refuses_above_100_pe
 def test_14_memory_is_the_maximum_over_ranks_with_the_rank_that_holds_it():
     from launcher.runtime.metrics import RankFigures
 
-    rows = [{"active_peak_mb": 10.0, "reserved_peak_mb": 12.0, "alloc_retries": 0, "ooms": 0, "host_rss_mb": 900.0},
-            {"active_peak_mb": 30.0, "reserved_peak_mb": 31.0, "alloc_retries": 2, "ooms": 0, "host_rss_mb": 700.0},
-            {"active_peak_mb": 20.0, "reserved_peak_mb": 40.0, "alloc_retries": 1, "ooms": 1, "host_rss_mb": 800.0}]
+    rows = [
+        {"active_peak_mb": 10.0, "reserved_peak_mb": 12.0, "alloc_retries": 0, "ooms": 0, "host_rss_mb": 900.0},
+        {"active_peak_mb": 30.0, "reserved_peak_mb": 31.0, "alloc_retries": 2, "ooms": 0, "host_rss_mb": 700.0},
+        {"active_peak_mb": 20.0, "reserved_peak_mb": 40.0, "alloc_retries": 1, "ooms": 1, "host_rss_mb": 800.0},
+    ]
     gpu = RankFigures.of(rows, is_gpu=True)
-    assert gpu.values == {"active_peak_mb": 30.0, "reserved_peak_mb": 40.0, "alloc_retries": 2, "ooms": 1,
-                          "host_rss_mb": 900.0}
+    assert gpu.values == {
+        "active_peak_mb": 30.0,
+        "reserved_peak_mb": 40.0,
+        "alloc_retries": 2,
+        "ooms": 1,
+        "host_rss_mb": 900.0,
+    }
     assert gpu.peak_rank == 2  # the largest reserved peak, not rank 0
-    cpu = RankFigures.of([dict(r, active_peak_mb=None, reserved_peak_mb=None, alloc_retries=None, ooms=None)
-                          for r in rows], is_gpu=False)
+    cpu = RankFigures.of(
+        [dict(r, active_peak_mb=None, reserved_peak_mb=None, alloc_retries=None, ooms=None) for r in rows], is_gpu=False
+    )
     assert cpu.values["active_peak_mb"] is None and cpu.peak_rank == 0  # the largest RSS
 
 
@@ -421,11 +478,18 @@ def test_14_memory_is_the_maximum_over_ranks_with_the_rank_that_holds_it():
 def test_15_oom_is_config_and_gpu_hardware_faults_are_preflight():
     from launcher.runtime.status import classify
 
-    code, msg = classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 7, 600,
-                         memory_note="the plan expected 61.2 GB per GPU at its peak (layer backward)")
+    code, msg = classify(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        7,
+        600,
+        memory_note="the plan expected 61.2 GB per GPU at its peak (layer backward)",
+    )
     assert code == jobenv.ExitCode.CONFIG and "during step 7" in msg and "61.2 GB" in msg and "micro_batch" in msg
-    for text in ("CUDA error: uncorrectable ECC error encountered", "CUDA error: unspecified launch failure",
-                 "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus"):
+    for text in (
+        "CUDA error: uncorrectable ECC error encountered",
+        "CUDA error: unspecified launch failure",
+        "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus",
+    ):
         code, msg = classify(RuntimeError(text), 3, 600)
         assert code == jobenv.ExitCode.PREFLIGHT and "exclude this node" in msg, text
     code, _ = classify(RuntimeError("CUDA error: an illegal memory access was encountered"), 3, 600)
@@ -503,9 +567,12 @@ def test_19_an_ordinary_step_never_waits_for_the_device(strategy, tmp_path, monk
 
     real = agreement.host_values
     monkeypatch.setattr(agreement, "host_values", lambda t: reads.append("values") or real(t))
-    rec, plan = _plan(parallelism={"strategy": strategy}, resources={"accelerator": "cpu:1"},
-                      training={"steps": 8, "log_every": 4, "preflight": False},
-                      checkpoint={"every": 100, "export": "none"})
+    rec, plan = _plan(
+        parallelism={"strategy": strategy},
+        resources={"accelerator": "cpu:1"},
+        training={"steps": 8, "log_every": 4, "preflight": False},
+        checkpoint={"every": 100, "export": "none"},
+    )
     trainer = Trainer(rec, plan, tmp_path)
     per_step = {}
     steps = trainer.steps()
@@ -537,8 +604,9 @@ def test_22_data_workers_with_pinned_memory_read_what_the_main_process_reads(tmp
     from launcher.runtime.data import DataPosition, build_dataloader
 
     rec, _ = _plan(training={"data": {"source": "synthetic", "num_tokens": 4000, "workers": 2}})
-    kw = dict(vocab=512, seq_len=16, micro_batch=2, grad_accum=2, rank=0, world_size=1, seed=5,
-              device=torch.device("cpu"))
+    kw = dict(
+        vocab=512, seq_len=16, micro_batch=2, grad_accum=2, rank=0, world_size=1, seed=5, device=torch.device("cpu")
+    )
     gpu = build_dataloader(rec.training.data, is_gpu=True, **kw)
     cpu = build_dataloader(rec.training.data, is_gpu=False, **kw)
     assert gpu.loader.num_workers == 2 and gpu.loader.persistent_workers and cpu.loader.num_workers == 0
@@ -564,8 +632,10 @@ def test_host_values_is_a_plain_read():
 # ----------------------------------------------------------------------------- the shipped recipes at full size
 
 
-@pytest.mark.parametrize("recipe,ranks", [("llama70b.yaml", (0, 1, 31, 63)), ("llama3-405b.yaml", (0, 7, 8, 77, 127)),
-                                          ("llama3-8b.yaml", (0, 3))])
+@pytest.mark.parametrize(
+    "recipe,ranks",
+    [("llama70b.yaml", (0, 1, 31, 63)), ("llama3-405b.yaml", (0, 7, 8, 77, 127)), ("llama3-8b.yaml", (0, 3))],
+)
 def test_the_mesh_at_full_size_puts_each_rank_where_its_data_says(recipe, ranks):
     """At the shipped recipes' real world sizes (64, 128 ranks: a fake process group, this process being each rank
     in turn), the DeviceMesh torch builds puts every rank at the coordinates the runtime reads its data by
@@ -605,15 +675,20 @@ def test_collectives_per_step_of_the_70b_recipe_at_64_ranks():
     lay = plan.layout
     assert lay.strategy == "fsdp" and plan.world_size == 64 and lay.grad_accum >= 2
     counts: collections.Counter = collections.Counter()
-    names = {"all_gather_single": "all-gather", "all_gather_into_tensor": "all-gather",
-             "reduce_scatter_single": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
-             "all_reduce": "all-reduce"}
+    names = {
+        "all_gather_single": "all-gather",
+        "all_gather_into_tensor": "all-gather",
+        "reduce_scatter_single": "reduce-scatter",
+        "reduce_scatter_tensor": "reduce-scatter",
+        "all_reduce": "all-reduce",
+    }
     real = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
 
     def counting(name, f):
         def call(*a, **k):
             counts[names[name]] += 1
             return f(*a, **k)
+
         return call
 
     by_depth = {}
@@ -631,8 +706,9 @@ def test_collectives_per_step_of_the_70b_recipe_at_64_ranks():
     iterations, micro = 2, 2  # trace_step: two iterations of min(grad_accum, 2) micro-steps
     grow = {k: by_depth[3].get(k, 0) - by_depth[2].get(k, 0) for k in ("all-gather", "reduce-scatter", "all-reduce")}
     reduces = micro if lay.grad_reduce == "every_micro_batch" else 1
-    assert grow == {"all-gather": iterations * micro * 2, "reduce-scatter": iterations * reduces, "all-reduce": 0}, \
+    assert grow == {"all-gather": iterations * micro * 2, "reduce-scatter": iterations * reduces, "all-reduce": 0}, (
         by_depth
+    )
 
 
 # ----------------------------------------------------------------------------- 5, 6: the streamed export
@@ -647,8 +723,12 @@ def test_5_6_the_export_is_written_in_place_one_tensor_at_a_time(tmp_path):
     from launcher.runtime.checkpoint.export import SafetensorsWriter
 
     g = torch.Generator().manual_seed(0)
-    tensors = {"b.weight": torch.randn(3, 5, generator=g), "a.weight": torch.randn(7, generator=g),
-               "c.bias": torch.randn(2, 2, 2, generator=g), "empty": torch.empty(0, 4)}
+    tensors = {
+        "b.weight": torch.randn(3, 5, generator=g),
+        "a.weight": torch.randn(7, generator=g),
+        "c.bias": torch.randn(2, 2, 2, generator=g),
+        "empty": torch.empty(0, 4),
+    }
     path = tmp_path / "model.safetensors"
     w = SafetensorsWriter(path, {k: tuple(v.shape) for k, v in tensors.items()}, {"format": "pt"})
     for name in ("c.bias", "empty", "a.weight"):  # not the file's order

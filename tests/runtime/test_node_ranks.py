@@ -7,6 +7,7 @@ torch alone makes the scheduler's node 1 global rank 0, away from the node that 
 DTLAUNCH_NODE_RANK (set by step.sh from SLURM_NODEID, by the SkyPilot run from SKYPILOT_NODE_RANK) the ranks
 follow the scheduler.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,10 +41,21 @@ def _rendezvous(tmp_path: Path, with_node_rank: bool) -> dict[int, dict]:
         env["TAG"] = str(node)
         if with_node_rank:
             env[NODE_RANK] = str(node)
-        cmd = [sys.executable, "-m", "launcher.elastic", "--nnodes=2", "--nproc-per-node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ranks",
-               f"--rdzv-conf=join_timeout=60,is_host={int(node == 0)}", f"--local-addr={addr}",
-               "--max-restarts=0", str(script), str(tmp_path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "launcher.elastic",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=ranks",
+            f"--rdzv-conf=join_timeout=60,is_host={int(node == 0)}",
+            f"--local-addr={addr}",
+            "--max-restarts=0",
+            str(script),
+            str(tmp_path),
+        ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
@@ -64,8 +76,9 @@ def test_node_ranks_follow_the_scheduler(tmp_path):
     assert got[0]["MASTER_ADDR"] == got[1]["MASTER_ADDR"] == ADDRS[0]  # rank 0 on the store's node
 
 
-@pytest.mark.parametrize("target,script,source", [("slurm", "step.sh", "${SLURM_NODEID:-}"),
-                                                   ("sky", "task.yaml", "$SKYPILOT_NODE_RANK")])
+@pytest.mark.parametrize(
+    "target,script,source", [("slurm", "step.sh", "${SLURM_NODEID:-}"), ("sky", "task.yaml", "$SKYPILOT_NODE_RANK")]
+)
 def test_job_scripts_pass_the_schedulers_node_rank(tmp_path, target, script, source):
     files = prepare(RECIPES / "tiny.yaml", target=target).artifacts.files
     text = yaml.safe_load(files["task.yaml"])["run"] if target == "sky" else files[script]

@@ -1,6 +1,7 @@
 """Failures end the job fast, with the right exit code and a message that names the step:
 a stuck rank (collective timeout), an off-by-one rank (step agreement), a rank that skips a
 collective, a failed preflight, and checkpoint layouts that cannot be resumed."""
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,9 @@ def _fault_time(stderr: str) -> float:
 
 @pytest.mark.slow
 def test_stuck_rank_ends_the_job_with_HANG_within_the_timeout(run_dir):
-    rec = recipe_dict(training={"steps": 30, "timeout_seconds": TIMEOUT_S, "init_timeout_seconds": 60},
-                      checkpoint={"every": 100})
+    rec = recipe_dict(
+        training={"steps": 30, "timeout_seconds": TIMEOUT_S, "init_timeout_seconds": 60}, checkpoint={"every": 100}
+    )
     res = run_torchrun(write_plan(run_dir, rec), run_dir, env={"DTLAUNCH_FAULT": "hang:rank=1:step=5"}, timeout=120)
     end = time.time()
     assert res.rc != 0
@@ -34,8 +36,10 @@ def test_stuck_rank_ends_the_job_with_HANG_within_the_timeout(run_dir):
     fault_t = _fault_time(res.stderr)
     status = res.statuses()[0]
     detected, ended = status["time"] - fault_t, end - fault_t
-    print(f"\nhang: rank 1 stuck at step 5; rank 0 exited HANG after {detected:.1f}s, torchrun ended after "
-          f"{ended:.1f}s (timeout_seconds={TIMEOUT_S}); whole run {res.seconds:.1f}s")
+    print(
+        f"\nhang: rank 1 stuck at step 5; rank 0 exited HANG after {detected:.1f}s, torchrun ended after "
+        f"{ended:.1f}s (timeout_seconds={TIMEOUT_S}); whole run {res.seconds:.1f}s"
+    )
     assert TIMEOUT_S - 0.5 < detected < TIMEOUT_S + 3, f"detected after {detected:.1f}s"
     # The stuck rank ignores torchrun's SIGTERM (the handler only sets a flag); the watchdog ends it
     # one timeout later instead of torchrun's SIGKILL after 30 s.
@@ -61,8 +65,9 @@ def test_off_by_one_rank_is_caught_by_step_agreement(run_dir):
 @pytest.mark.slow
 def test_rank_skipping_a_collective_ends_with_HANG(run_dir):
     rec = recipe_dict(training={"steps": 30, "timeout_seconds": TIMEOUT_S}, checkpoint={"every": 100})
-    res = run_torchrun(write_plan(run_dir, rec), run_dir, env={"DTLAUNCH_FAULT": "skip_collective:rank=1:step=5"},
-                       timeout=120)
+    res = run_torchrun(
+        write_plan(run_dir, rec), run_dir, env={"DTLAUNCH_FAULT": "skip_collective:rank=1:step=5"}, timeout=120
+    )
     end = time.time()
     assert ExitCode.HANG in res.worker_codes, res.output[-3000:]
     detect = end - _fault_time(res.stderr)
@@ -75,8 +80,9 @@ def test_rank_skipping_a_collective_ends_with_HANG(run_dir):
 def test_failed_preflight_exits_44_before_training(run_dir):
     """Two simulated nodes (two torchrun agents) of one rank each: the world's all-reduce crosses nodes and is held
     against the network profile. The 'best' profile expects 40 GB/s; loopback gloo on this machine gives ~1 GB/s."""
-    rec = recipe_dict(resources={"network": "best", "accelerator": "cpu:1", "nodes": 2},
-                      training={"min_allreduce_fraction": 0.9})
+    rec = recipe_dict(
+        resources={"network": "best", "accelerator": "cpu:1", "nodes": 2}, training={"min_allreduce_fraction": 0.9}
+    )
     res = run_torchrun(write_plan(run_dir, rec), run_dir, nproc=1, nnodes=2)
     assert res.worker_codes and set(res.worker_codes) <= {ExitCode.PREFLIGHT, -15}, res.output[-3000:]
     assert ExitCode.PREFLIGHT in res.worker_codes
@@ -105,13 +111,21 @@ def test_unresumable_checkpoints_are_config_errors(reference, run_dir, tmp_path)
     """A ZeRO checkpoint cannot be resharded into another layout (here FSDP2 with tensor parallelism), nor a tiny
     checkpoint loaded by another model shape."""
     zero_dir = tmp_path / "zero"
-    zero = run_torchrun(write_plan(zero_dir, recipe_dict(parallelism={"strategy": "zero1"}, training={"steps": 2},
-                                                         checkpoint={"every": 2, "export": "none"})), zero_dir)
+    zero = run_torchrun(
+        write_plan(
+            zero_dir,
+            recipe_dict(
+                parallelism={"strategy": "zero1"}, training={"steps": 2}, checkpoint={"every": 2, "export": "none"}
+            ),
+        ),
+        zero_dir,
+    )
     assert zero.rc == 0, zero.output[-3000:]
     assert ckptdir.complete_steps(zero_dir / "checkpoints") == [2]
     shutil.copytree(zero_dir / "checkpoints", run_dir / "checkpoints")
-    fsdp = run_torchrun(write_plan(run_dir, recipe_dict(parallelism={"strategy": "fsdp", "tensor": 2},
-                                                        training={"steps": 4})), run_dir)
+    fsdp = run_torchrun(
+        write_plan(run_dir, recipe_dict(parallelism={"strategy": "fsdp", "tensor": 2}, training={"steps": 4})), run_dir
+    )
     assert ExitCode.CONFIG in fsdp.worker_codes, fsdp.output[-3000:]
     assert "written by zero1 (deepspeed format) and cannot be resharded into fsdp dp1 tp2 pp1" in fsdp.stderr
     assert fsdp.stderr.count("Traceback (most recent call last)") == 1  # torchrun's report only
@@ -119,8 +133,9 @@ def test_unresumable_checkpoints_are_config_errors(reference, run_dir, tmp_path)
     ref = reference("ddp")
     other = tmp_path / "other"
     shutil.copytree(ref.run_dir / "checkpoints" / ckptdir.step_name(4), other / "checkpoints" / ckptdir.step_name(4))
-    shape = run_torchrun(write_plan(other, recipe_dict(model={"preset": "micro", "seq_len": 64}, training={"steps": 4})),
-                         other)
+    shape = run_torchrun(
+        write_plan(other, recipe_dict(model={"preset": "micro", "seq_len": 64}, training={"steps": 4})), other
+    )
     assert ExitCode.CONFIG in shape.worker_codes, shape.output[-3000:]
     assert "different model shape" in shape.stderr
 
@@ -151,10 +166,13 @@ def test_a_rank_aborted_after_a_collective_timeout_counts_as_a_hang(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault,code,says", [
-    ("oom", ExitCode.CONFIG, "the plan expected"),
-    ("gpu_fault", ExitCode.PREFLIGHT, "exclude this node"),
-])
+@pytest.mark.parametrize(
+    "fault,code,says",
+    [
+        ("oom", ExitCode.CONFIG, "the plan expected"),
+        ("gpu_fault", ExitCode.PREFLIGHT, "exclude this node"),
+    ],
+)
 def test_gpu_errors_end_with_the_code_that_says_what_to_do(run_dir, fault, code, says):
     """A CUDA out-of-memory error is deterministic (the same step needs the same memory): CONFIG, never retried,
     with the plan's figure beside it. A GPU's hardware failing (an ECC error, an unspecified launch failure):
@@ -177,9 +195,16 @@ def test_an_aborted_communicator_is_a_hang_and_its_dump_is_kept(tmp_path, run_di
     dumps = tmp_path / "dumps"
     dumps.mkdir()
     rec = recipe_dict(training={"steps": 10, "timeout_seconds": TIMEOUT_S}, checkpoint={"every": 100})
-    res = run_torchrun(write_plan(run_dir, rec), run_dir, env={
-        "DTLAUNCH_FAULT": "comm_abort:rank=1:step=3:delay=2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dumps / "nccl_trace_rank_")}, timeout=120)
+    res = run_torchrun(
+        write_plan(run_dir, rec),
+        run_dir,
+        env={
+            "DTLAUNCH_FAULT": "comm_abort:rank=1:step=3:delay=2",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dumps / "nccl_trace_rank_"),
+        },
+        timeout=120,
+    )
     status = res.statuses()[1]
     assert status["code"] == ExitCode.HANG and "watchdog aborted" in status["message"], res.output[-3000:]
     assert (dumps / "nccl_trace_rank_1").read_bytes().startswith(b"flight recorder dump")

@@ -5,6 +5,7 @@ directory is never followed, meta.json is checked like every other file, and a f
 
 Read errors are injected with strace into one rank (its first open of one checkpoint file fails with EIO, or
 every open does); the full disk is a 16 MB tmpfs in a private mount namespace (unshare), as root."""
+
 from __future__ import annotations
 
 import json
@@ -67,8 +68,10 @@ def test_r01_no_usable_checkpoint_ends_the_job_despite_torchruns_restarts(run_di
 def strace_rank(rank: int, path, when: str) -> list[str]:
     """A worker wrapper: rank `rank` runs under strace, its openat of `path` failing with EIO (`when`: "1" the
     first time only, "1+" every time); the other ranks run as they are."""
-    script = (f'if [ "$RANK" = {rank} ]; then exec strace -f -qq -o /dev/null -P "$0" -e trace=openat '
-              f'-e inject=openat:error=EIO:when={when} "$@"; else exec "$@"; fi')
+    script = (
+        f'if [ "$RANK" = {rank} ]; then exec strace -f -qq -o /dev/null -P "$0" -e trace=openat '
+        f'-e inject=openat:error=EIO:when={when} "$@"; else exec "$@"; fi'
+    )
     return ["bash", "-c", script, str(path)]
 
 
@@ -191,8 +194,9 @@ def test_r10_an_edited_meta_json_is_damage_and_the_result_stays_exact(reference,
 # ----------------------------------------------------------------------------- R08
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                    reason="a private tmpfs needs root and unshare (util-linux)")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="a private tmpfs needs root and unshare (util-linux)"
+)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # a synchronous save, and DCP's async one
 def test_r08_a_full_disk_says_so_and_is_not_retried(run_dir, tmp_path, strategy):
     """A 16 MB tmpfs holds one 11 MB checkpoint: the second save fails. The failure used to read "unexpected
@@ -201,8 +205,16 @@ def test_r08_a_full_disk_says_so_and_is_not_retried(run_dir, tmp_path, strategy)
     mnt.mkdir()
     rec = det_recipe(strategy, checkpoint={"dir": str(mnt / "ck")})
     plan = write_plan(run_dir, rec)
-    prefix = ["unshare", "--mount", "--propagation", "private", "bash", "-c",
-              'mount -t tmpfs -o size=16m tmpfs "$0" && exec "$@"', str(mnt)]
+    prefix = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "bash",
+        "-c",
+        'mount -t tmpfs -o size=16m tmpfs "$0" && exec "$@"',
+        str(mnt),
+    ]
     res = run_torchrun(plan, run_dir, elastic=True, max_restarts=3, prefix=prefix)
     codes = set(res.worker_codes)
     assert codes == {ExitCode.STORAGE}, res.output[-3000:]

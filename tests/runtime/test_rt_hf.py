@@ -5,6 +5,7 @@ gloo ranks with FSDP2 and with DeepSpeed ZeRO, exporting a directory `from_pretr
 The configs are made here with transformers' own config classes (no hub access); the real-size ones carry
 the published values of Llama 3 8B, Mistral 7B v0.1 and Qwen2 7B.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,20 +21,55 @@ from launcher.plan import make_plan
 from launcher.recipe import load
 from rt_harness import load_safetensors, recipe_dict, run_torchrun, write_plan
 
-TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=256, max_position_embeddings=128)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+)
 CONFIGS = {
     "llama-tiny": (transformers.LlamaConfig, TINY),
     "llama-tiny-biases": (transformers.LlamaConfig, {**TINY, "attention_bias": True, "mlp_bias": True}),
     "mistral-tiny": (transformers.MistralConfig, TINY),
     "qwen2-tiny-tied": (transformers.Qwen2Config, {**TINY, "tie_word_embeddings": True}),
-    "llama3-8b": (transformers.LlamaConfig, dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                                  rope_theta=500000.0, max_position_embeddings=8192)),
-    "mistral-7b": (transformers.MistralConfig, dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)),
-    "qwen2-7b": (transformers.Qwen2Config, dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)),
+    "llama3-8b": (
+        transformers.LlamaConfig,
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            rope_theta=500000.0,
+            max_position_embeddings=8192,
+        ),
+    ),
+    "mistral-7b": (
+        transformers.MistralConfig,
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32000,
+        ),
+    ),
+    "qwen2-7b": (
+        transformers.Qwen2Config,
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+        ),
+    ),
 }
 
 
@@ -55,8 +91,13 @@ def model_dir(tmp: Path, name: str, weights: bool = True, seed: int = 0) -> Path
 
 
 def recipe_file(tmp: Path, model: dict, **over) -> Path:
-    doc = {"name": "hf", "model": model, "resources": {"accelerator": "cpu:2"},
-           "training": {"steps": 2, "micro_batch": 2}, **over}
+    doc = {
+        "name": "hf",
+        "model": model,
+        "resources": {"accelerator": "cpu:2"},
+        "training": {"steps": 2, "micro_batch": 2},
+        **over,
+    }
     p = tmp / "recipe.yaml"
     p.write_text(yaml.safe_dump(doc))
     return p
@@ -83,19 +124,35 @@ def test_relative_paths_start_at_the_recipe_and_the_config_travels_in_the_plan(t
     assert r2.model.shape().seq_len == 64
 
 
-@pytest.mark.parametrize("setup, words", [
-    (lambda d: None, "not a directory"),
-    (lambda d: d.mkdir(), "config.json not found"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text("{nope")), "is not JSON"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text(json.dumps({**config_dict("llama-tiny"),
-                                                                       "model_type": "gpt2"}))),
-     "model_type 'gpt2' is not a decoder"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text(json.dumps({**config_dict("llama-tiny"), "head_dim": 32}))),
-     "head_dim 32 differs"),
-    (lambda d: (d.mkdir(), (d / "config.json").write_text(json.dumps({**config_dict("llama-tiny"),
-                                                                       "num_hidden_layers": "two"}))),
-     "num_hidden_layers must be a positive whole number"),
-])
+@pytest.mark.parametrize(
+    "setup, words",
+    [
+        (lambda d: None, "not a directory"),
+        (lambda d: d.mkdir(), "config.json not found"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text("{nope")), "is not JSON"),
+        (
+            lambda d: (
+                d.mkdir(),
+                (d / "config.json").write_text(json.dumps({**config_dict("llama-tiny"), "model_type": "gpt2"})),
+            ),
+            "model_type 'gpt2' is not a decoder",
+        ),
+        (
+            lambda d: (
+                d.mkdir(),
+                (d / "config.json").write_text(json.dumps({**config_dict("llama-tiny"), "head_dim": 32})),
+            ),
+            "head_dim 32 differs",
+        ),
+        (
+            lambda d: (
+                d.mkdir(),
+                (d / "config.json").write_text(json.dumps({**config_dict("llama-tiny"), "num_hidden_layers": "two"})),
+            ),
+            "num_hidden_layers must be a positive whole number",
+        ),
+    ],
+)
 def test_bad_model_directories_are_located_errors(tmp_path, setup, words):
     setup(tmp_path / "m")
     p = recipe_file(tmp_path, {"hf": "m"})

@@ -2,6 +2,7 @@
 that was truncated is reported in one line, marked CORRUPT and skipped for the one before it, and the run
 ends exactly where an uninterrupted one ends; a diverging loss ends the run with its own exit code, commits
 nothing while it is not finite, and keeps the last good checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(reference, 
     data = bytearray(f.read_bytes())
     if damage == "same-size":  # bit rot in the middle of a tensor: only a checksum can see it
         mid = len(data) // 2
-        data[mid:mid + 64] = b"\x7f" * 64
+        data[mid : mid + 64] = b"\x7f" * 64
         f.write_bytes(bytes(data))
     else:
         f.write_bytes(bytes(data[: len(data) // 2]))

@@ -1,6 +1,7 @@
 """Nothing is lost: a rank SIGKILLed at a random step, restarted by torchrun, ends with weights
 bit-identical to an uninterrupted run; a process killed while committing a checkpoint leaves the
 previous checkpoint loadable and the partial one ignored."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,12 @@ def test_sigkill_at_random_step_then_torchrun_restart_is_bit_identical(reference
     rng = random.Random(seed)
     kill_step, kill_rank = rng.randint(DET_EVERY + 2, DET_STEPS), rng.randint(0, 1)
     print(f"\n{strategy}: SIGKILL rank {kill_rank} at step {kill_step} (DTLAUNCH_TEST_SEED={seed})")
-    res = run_torchrun(write_plan(run_dir, det_recipe(strategy)), run_dir, max_restarts=2,
-                       env={"DTLAUNCH_FAULT": f"sigkill:rank={kill_rank}:step={kill_step}"})
+    res = run_torchrun(
+        write_plan(run_dir, det_recipe(strategy)),
+        run_dir,
+        max_restarts=2,
+        env={"DTLAUNCH_FAULT": f"sigkill:rank={kill_rank}:step={kill_step}"},
+    )
     assert res.rc == 0, res.output[-4000:]
     assert f"FAULT INJECTION rank {kill_rank}: sigkill at step {kill_step}" in res.stderr
     # torchrun saw a worker die (the killed one, -9, or its peer, whose collective failed first) and

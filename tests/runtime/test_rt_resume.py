@@ -1,6 +1,7 @@
 """Resuming on a different world size: a 2-rank checkpoint continues on 1 rank, whose checkpoint
 continues on 2 again (DCP reshards; the data order is world-independent), and the loss carries on
 as if nothing had happened. Also: SIGUSR2 -> checkpoint + exit 42 -> the next start resumes."""
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,10 @@ def test_resume_2_to_1_to_2_ranks_continues_the_loss(reference, run_dir, strateg
     assert "world_size 2 -> 1" in one.stdout and "grad_accum 2 -> 4" in one.stdout
     l1 = one.losses()
     first = DET_EVERY + 1
-    print(f"\n{strategy} 2->1: step {first} loss {l1[first]:.6f} vs uninterrupted {ref_losses[first]:.6f} "
-          f"(diff {abs(l1[first] - ref_losses[first]):.2e})")
+    print(
+        f"\n{strategy} 2->1: step {first} loss {l1[first]:.6f} vs uninterrupted {ref_losses[first]:.6f} "
+        f"(diff {abs(l1[first] - ref_losses[first]):.2e})"
+    )
     for s in range(first, stop + 1):
         assert abs(l1[s] - ref_losses[s]) < TOL, (s, l1[s], ref_losses[s])
     assert ckptdir.newest_step(root) == stop
@@ -57,8 +60,10 @@ def test_resume_2_to_1_to_2_ranks_continues_the_loss(reference, run_dir, strateg
     assert two.rc == 0, two.output[-3000:]
     assert f"resumed from step {stop}" in two.stdout and "world_size 1 -> 2" in two.stdout
     l2 = two.losses()
-    print(f"{strategy} 1->2: step {stop + 1} loss {l2[stop + 1]:.6f} vs uninterrupted {ref_losses[stop + 1]:.6f} "
-          f"(diff {abs(l2[stop + 1] - ref_losses[stop + 1]):.2e})")
+    print(
+        f"{strategy} 1->2: step {stop + 1} loss {l2[stop + 1]:.6f} vs uninterrupted {ref_losses[stop + 1]:.6f} "
+        f"(diff {abs(l2[stop + 1] - ref_losses[stop + 1]):.2e})"
+    )
     for s in range(stop + 1, DET_STEPS + 1):
         assert abs(l2[s] - ref_losses[s]) < TOL, (s, l2[s], ref_losses[s])
     a, b = load_safetensors(ref.run_dir / "model.safetensors"), load_safetensors(run_dir / "model.safetensors")

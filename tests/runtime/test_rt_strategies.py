@@ -9,6 +9,7 @@ The matrix runs in ONE torchrun world (tests/runtime/multi_train.py, the public 
 `python -m launcher.train` itself is exercised by every other multi-process test and by the
 ZeRO/fp16 error case below.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,22 +58,33 @@ FP16_STEPS = 10
 def _case_recipe(name: str) -> dict:
     kind, strategy, precision, ac, offload = name.split(":")
     if kind == "every-micro":  # the main case, but reduce-scattering on each of its 2 micro-steps
-        return deep_merge(_case_recipe(f"main:{strategy}:{precision}:{ac}:{offload}"),
-                          {"parallelism": {"grad_reduce": "every_micro_batch"}})
+        return deep_merge(
+            _case_recipe(f"main:{strategy}:{precision}:{ac}:{offload}"),
+            {"parallelism": {"grad_reduce": "every_micro_batch"}},
+        )
     if kind in STEPWISE:  # the main case, driven through Trainer.steps()
         return _case_recipe(f"main:{strategy}:{precision}:{ac}:{offload}")
     if kind == "fp16":
-        return recipe_dict(model={"preset": "micro", "seq_len": 64},
-                           parallelism={"strategy": strategy, "precision": "fp16", "loss_scaling": "dynamic"},
-                           training={"steps": FP16_STEPS}, checkpoint={"every": FP16_STEPS})
-    return recipe_dict(parallelism={"strategy": strategy, "precision": precision, "activation_checkpointing": ac,
-                                    "offload": offload},
-                       training={"steps": STEPS}, checkpoint={"every": 10})
+        return recipe_dict(
+            model={"preset": "micro", "seq_len": 64},
+            parallelism={"strategy": strategy, "precision": "fp16", "loss_scaling": "dynamic"},
+            training={"steps": FP16_STEPS},
+            checkpoint={"every": FP16_STEPS},
+        )
+    return recipe_dict(
+        parallelism={"strategy": strategy, "precision": precision, "activation_checkpointing": ac, "offload": offload},
+        training={"steps": STEPS},
+        checkpoint={"every": 10},
+    )
 
 
 STEPWISE = {"stepwise": {}, "stepwise-closed": {"close_after": 3}}  # kind -> how multi_train drives steps()
-NAMES = ([f"main:{s}:{p}:{a}:{o}" for s, p, a, o in CASES] + [f"fp16:{s}:fp16:none:none" for s in FP16]
-         + ["every-micro:fsdp:fp32:none:none"] + [f"{k}:ddp:fp32:none:none" for k in STEPWISE])
+NAMES = (
+    [f"main:{s}:{p}:{a}:{o}" for s, p, a, o in CASES]
+    + [f"fp16:{s}:fp16:none:none" for s in FP16]
+    + ["every-micro:fsdp:fp32:none:none"]
+    + [f"{k}:ddp:fp32:none:none" for k in STEPWISE]
+)
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +100,15 @@ def matrix(tmp_path_factory):
         dirs[name] = d
     (root / "cases.json").write_text(json.dumps(cases))
     port = free_port()
-    cmd = [TORCHRUN, "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-           "--max-restarts=0", str(Path(__file__).with_name("multi_train.py")), str(root / "cases.json")]
+    cmd = [
+        TORCHRUN,
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--max-restarts=0",
+        str(Path(__file__).with_name("multi_train.py")),
+        str(root / "cases.json"),
+    ]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=torchrun_env())
     try:
@@ -116,8 +135,11 @@ def _result(matrix, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,precision,ac,offload", CASES,
-                         ids=[f"{s}-{p}-ac_{a}" + (f"-offload_{o}" if o != "none" else "") for s, p, a, o in CASES])
+@pytest.mark.parametrize(
+    "strategy,precision,ac,offload",
+    CASES,
+    ids=[f"{s}-{p}-ac_{a}" + (f"-offload_{o}" if o != "none" else "") for s, p, a, o in CASES],
+)
 def test_strategy_trains(matrix, strategy, precision, ac, offload):
     d, res, rows = _result(matrix, f"main:{strategy}:{precision}:{ac}:{offload}")
     losses = {m["step"]: m["loss"] for m in rows}
@@ -135,8 +157,9 @@ def test_strategy_trains(matrix, strategy, precision, ac, offload):
     assert record["mfu"] is None and record["active_peak_mb"] is None and record["reserved_peak_mb"] is None
     start = [m for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if m.get("event") == "start"]
     # ZeRO-3 builds under deepspeed.zero.Init (no rank ever holds the whole model); sharded torch strategies on meta
-    assert start[0]["init"] == {"ddp": "eager", "zero1": "eager", "zero2": "eager",
-                                "zero3": "partitioned"}.get(strategy, "meta"), start
+    assert start[0]["init"] == {"ddp": "eager", "zero1": "eager", "zero2": "eager", "zero3": "partitioned"}.get(
+        strategy, "meta"
+    ), start
     if strategy.startswith("zero"):
         zero = json.loads((d / "deepspeed_config.json").read_text())["zero_optimization"]
         assert zero["stage"] == int(strategy[-1])
@@ -171,8 +194,10 @@ def test_no_step_leaves_tensors_in_reference_cycles(matrix):
         gc_found = res["gc"]
         steps = STEPWISE.get(name.split(":")[0], {}).get("close_after", FP16_STEPS)  # the fewest a case runs
         assert gc_found["collections"] >= steps, (name, gc_found)
-        assert gc_found["tensors"] == 0, f"{name}: {gc_found['tensors']} tensors ({gc_found['tensor_bytes']} bytes) " \
-                                         "were held only by reference cycles"
+        assert gc_found["tensors"] == 0, (
+            f"{name}: {gc_found['tensors']} tensors ({gc_found['tensor_bytes']} bytes) "
+            "were held only by reference cycles"
+        )
         seen += gc_found["objects"]
     assert seen > 0  # the probe does find the cycles a run makes (of plain Python objects)
 

@@ -1,5 +1,6 @@
 """Single-process tests of the runtime's pure parts: model size, DeepSpeed config, checkpoint
 selection, data order, fault parsing, environment detection."""
+
 from __future__ import annotations
 
 import json
@@ -41,13 +42,16 @@ def test_tied_embeddings_count_once():
     assert sum(p.numel() for p in model.parameters()) == count_params(shape)
 
 
-@pytest.mark.parametrize("preset,tied,model_parallel,apart", [
-    ("tiny", False, False, False),  # a 512 x 128 table is smaller than a block: both tables in the root
-    ("tiny", False, True, True),  # a pipeline stage holds only one of them
-    ("tiny", True, False, False),  # tied: one weight, in the root
-    ("llama3-8b", False, False, True),  # 128K x 4096 is larger than a block: units of their own
-    ("llama3-8b", True, False, False),
-])
+@pytest.mark.parametrize(
+    "preset,tied,model_parallel,apart",
+    [
+        ("tiny", False, False, False),  # a 512 x 128 table is smaller than a block: both tables in the root
+        ("tiny", False, True, True),  # a pipeline stage holds only one of them
+        ("tiny", True, False, False),  # tied: one weight, in the root
+        ("llama3-8b", False, False, True),  # 128K x 4096 is larger than a block: units of their own
+        ("llama3-8b", True, False, False),
+    ],
+)
 def test_fsdp_units_are_the_ones_the_planner_counts(preset, tied, model_parallel, apart):
     """One rule for both: the runtime's FSDP2 units on the real model hold exactly the parameters the planner's
     units say (the embedding and the head apart, or in the root with the final norm)."""
@@ -58,8 +62,10 @@ def test_fsdp_units_are_the_ones_the_planner_counts(preset, tied, model_parallel
     shape = msgspec.structs.replace(catalog.PRESETS[preset], tied_embeddings=tied, layers=2)
     model = build_model(shape, device="meta")
     got = fsdp_units(model, model_parallel=model_parallel)
-    size = lambda m, nested: sum(p.numel() for p in m.parameters()) - sum(  # noqa: E731
-        p.numel() for u in nested for p in u.parameters())
+
+    def size(m, nested):
+        return sum(p.numel() for p in m.parameters()) - sum(p.numel() for u in nested for p in u.parameters())
+
     lay = Layout("fsdp", dp=2, pp=2 if model_parallel else 1)
     planned = units(shape, "llama", count_params(shape), lay)
     root = got[-1]
@@ -150,8 +156,9 @@ def test_deepspeed_config_offload_and_static_loss_scale():
 
     from launcher.plan.deepspeed import deepspeed_config
 
-    rec, plan = _plan_for(parallelism={"strategy": "zero3", "precision": "fp16", "offload": "params",
-                                       "loss_scaling": "none"})
+    rec, plan = _plan_for(
+        parallelism={"strategy": "zero3", "precision": "fp16", "offload": "params", "loss_scaling": "none"}
+    )
     parsed = DeepSpeedConfig(deepspeed_config(rec, plan, dp=1, grad_accum=4))
     assert parsed.zero_config.offload_optimizer.device == "cpu"
     assert parsed.zero_config.offload_param.device == "cpu"
@@ -313,7 +320,7 @@ def _global_batches(world: int, micro: int, global_batch: int, steps: int, epoch
     streams = [list(iter(s)) for s in samplers]
     per_rank = global_batch // world
     for k in range(steps):
-        out.append(sorted(i for st in streams for i in st[k * per_rank:(k + 1) * per_rank]))
+        out.append(sorted(i for st in streams for i in st[k * per_rank : (k + 1) * per_rank]))
     return out
 
 
@@ -364,6 +371,7 @@ def test_file_tokens_uint16_bin_npy_and_bytes(tmp_path):
     ft = FileTokens(tmp_path / "t.bin", "uint16")
     assert len(ft) == 1000 and torch.equal(ft.window(10, 5), vals[10:15])
     import numpy as np  # installed with deepspeed
+
     np.save(tmp_path / "t.npy", vals.numpy().astype(np.uint32))
     fn = FileTokens(tmp_path / "t.npy", "uint16")  # the .npy header wins over the recipe's dtype
     assert len(fn) == 1000 and torch.equal(fn.window(990, 10), vals[990:])
@@ -402,13 +410,44 @@ def test_fault_parsing_and_selection():
 
 
 def test_detect_torchrun_slurm_skypilot_and_single():
-    t = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h0",
-                "MASTER_PORT": "1234", "TORCHELASTIC_RESTART_COUNT": "2"})
-    assert (t.source, t.rank, t.world_size, t.local_rank, t.local_world_size, t.restart_count) == ("torchrun", 3, 8, 1, 4, 2)
-    s = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-                "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_NTASKS_PER_NODE": "4"})
-    assert (s.source, s.rank, s.world_size, s.master_addr, s.master_port, s.local_world_size) == \
-        ("slurm", 5, 8, "gpu07", 14242, 4)  # job.sbatch's MASTER_PORT for job 4242: 10000 + 4242 % 20000
+    t = detect(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "h0",
+            "MASTER_PORT": "1234",
+            "TORCHELASTIC_RESTART_COUNT": "2",
+        }
+    )
+    assert (t.source, t.rank, t.world_size, t.local_rank, t.local_world_size, t.restart_count) == (
+        "torchrun",
+        3,
+        8,
+        1,
+        4,
+        2,
+    )
+    s = detect(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "1",
+            "SLURM_JOB_NODELIST": "gpu[07-08]",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_NTASKS_PER_NODE": "4",
+        }
+    )
+    assert (s.source, s.rank, s.world_size, s.master_addr, s.master_port, s.local_world_size) == (
+        "slurm",
+        5,
+        8,
+        "gpu07",
+        14242,
+        4,
+    )  # job.sbatch's MASTER_PORT for job 4242: 10000 + 4242 % 20000
     k = detect({"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2\n", "SKYPILOT_NUM_NODES": "2"})
     assert (k.source, k.rank, k.world_size, k.master_addr) == ("skypilot", 1, 2, "10.0.0.1")
     assert detect({}).source == "single"
@@ -416,8 +455,12 @@ def test_detect_torchrun_slurm_skypilot_and_single():
 
 
 def test_job_environment_respects_what_is_set():
-    env = job_environment({"NCCL_IB_DISABLE": "0"}, local_world_size=2, is_gpu=True,
-                          env={"NCCL_IB_DISABLE": "1", "TORCH_NCCL_BLOCKING_WAIT": "1"})
+    env = job_environment(
+        {"NCCL_IB_DISABLE": "0"},
+        local_world_size=2,
+        is_gpu=True,
+        env={"NCCL_IB_DISABLE": "1", "TORCH_NCCL_BLOCKING_WAIT": "1"},
+    )
     assert "NCCL_IB_DISABLE" not in env and "TORCH_NCCL_BLOCKING_WAIT" not in env
     # 2: a timed-out collective's error reaches Python (exit 43) instead of the watchdog aborting the process.
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
@@ -430,8 +473,9 @@ def test_gloo_is_pinned_to_the_interface_of_the_nodes_address():
     """On cloud images the hostname resolves to 127.0.1.1; gloo must announce the node's real address."""
     env = job_environment({}, local_world_size=1, is_gpu=False, env={"DTLAUNCH_NODE_ADDR": "127.0.0.1"})
     assert env["GLOO_SOCKET_IFNAME"] == "lo"
-    env = job_environment({}, local_world_size=1, is_gpu=False, env={"DTLAUNCH_NODE_ADDR": "127.0.0.1",
-                                                                      "GLOO_SOCKET_IFNAME": "eth9"})
+    env = job_environment(
+        {}, local_world_size=1, is_gpu=False, env={"DTLAUNCH_NODE_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "eth9"}
+    )
     assert "GLOO_SOCKET_IFNAME" not in env  # what the user set wins
 
 
@@ -502,8 +546,13 @@ def test_dcp_writer_checksums_equal_a_read_back(tmp_path):
 
     from launcher.runtime.checkpoint import dcpio
 
-    state = {"w": torch.randn(300, 70), "b": torch.arange(1000, dtype=torch.int64), "s": torch.tensor(3.0),
-             "nested": {"x": torch.randn(5, 5).t()}, "note": "bytes too"}
+    state = {
+        "w": torch.randn(300, 70),
+        "b": torch.arange(1000, dtype=torch.int64),
+        "s": torch.tensor(3.0),
+        "nested": {"x": torch.randn(5, 5).t()},
+        "note": "bytes too",
+    }
     w = dcpio.writer(tmp_path, thread_count=3)
     dcp.save(state, storage_writer=w, no_dist=True)
     sums = dcpio.written_sums(w, tmp_path)
@@ -542,13 +591,15 @@ def test_checksums_not_taken_in_order_are_not_trusted(tmp_path):
     fs.rename(tmp_path / "b", tmp_path / "__0_0.distcp")
     sums = {"__0_0.distcp": fs.sums[str(tmp_path / "__0_0.distcp")]}
     assert ckptdir.write_manifest(tmp_path, 0, sums)["files"]["__0_0.distcp"]["crc32"] == ckptdir.crc32_of(
-        tmp_path / "__0_0.distcp")
+        tmp_path / "__0_0.distcp"
+    )
     (tmp_path / "__0_0.distcp").write_bytes(b"changed later")  # a different size: recomputed, not trusted
     m = ckptdir.write_manifest(tmp_path, 0, sums)["files"]["__0_0.distcp"]
     assert m == {"size": 13, "crc32": ckptdir.crc32_of(tmp_path / "__0_0.distcp")}
 
 
 # ----------------------------------------------------------------------------- loss
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 10_000])  # one token per chunk, a chunk that does not divide, all at once
@@ -573,6 +624,7 @@ def test_the_chunked_cross_entropy_is_torchs_in_value_and_gradient(dtype, rows):
 
 
 # ----------------------------------------------------------------------------- gradient clipping
+
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipping, and a norm already under the limit
 def test_clipping_on_plain_gradients_is_torchs(max_norm):

@@ -1,4 +1,5 @@
 """Shared helpers for the SkyPilot target's tests: render a recipe (with overrides) into a directory."""
+
 from __future__ import annotations
 
 from pathlib import Path

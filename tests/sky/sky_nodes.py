@@ -25,6 +25,7 @@ SkyNodes gives each node (as root, with Linux namespaces; no Docker, no VM):
 Not simulated (details in SkyNodes' docstring): sudo, GPUs, bucket consistency delays, `volumes:`, ssh
 between nodes.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -65,8 +66,10 @@ WARM_CACHE = Path("/var/cache/dtlaunch-skynodes/torch_extensions")
 # A login shell's PATH on the image: its Python environment first, as deep-learning images set it.
 BASE_PATH = f"{IMAGE_AT}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # PID 1 of a node: reaps what the task leaves behind, like a VM's init, and says when the mounts are done.
-REAPER = ("import os, time\nos.write(1, b'ready\\n')\nos.close(1)\nwhile True:\n"
-          "    try:\n        os.wait()\n    except ChildProcessError:\n        time.sleep(1)\n")
+REAPER = (
+    "import os, time\nos.write(1, b'ready\\n')\nos.close(1)\nwhile True:\n"
+    "    try:\n        os.wait()\n    except ChildProcessError:\n        time.sleep(1)\n"
+)
 DEFAULT_TASK_ID = "sky-2026-01-01-00-00-00-000000_skynodes_1"  # SkyPilot's format: sky-<timestamp>_<cluster>_<job>
 CANCELLED = 137  # SkyPilot's code for a node whose run it killed because another node failed
 BUCKET_URL = re.compile(r"^(s3|gs|r2|cos|oci|azure|https)://([^/]+)(/.*)?$")
@@ -77,6 +80,7 @@ TOP_DIRS = ("bin", "lib", "lib64", "sbin")
 
 
 # ---------------------------------------------------------------- the VM image (once per session)
+
 
 @dataclass(frozen=True)
 class Image:
@@ -113,8 +117,17 @@ def build_image(root: Path, venv: Path | None = None) -> Image:
     root.chmod(0o755)
     (root / "empty").mkdir(exist_ok=True)
     (root / "empty-file").touch()
-    img = Image(root, root / "dlimage", packages, hidden, prefix, pyver, root / "etc", root / "torch_extensions",
-                _extensions_key(packages, pyver))
+    img = Image(
+        root,
+        root / "dlimage",
+        packages,
+        hidden,
+        prefix,
+        pyver,
+        root / "etc",
+        root / "torch_extensions",
+        _extensions_key(packages, pyver),
+    )
     _write_venv(img.env, prefix, pyver)
     (img.env / "pkgs").mkdir()
     _link_farm(img.env / "lib" / pyver / "site-packages", packages, hidden)
@@ -125,8 +138,11 @@ def build_image(root: Path, venv: Path | None = None) -> Image:
 
 
 def _extensions_key(packages: Path, pyver: str) -> str:
-    dists = sorted(d.name.removesuffix(".dist-info") for d in packages.glob("*.dist-info")
-                   if d.name.lower().startswith(("torch-", "deepspeed-")))
+    dists = sorted(
+        d.name.removesuffix(".dist-info")
+        for d in packages.glob("*.dist-info")
+        if d.name.lower().startswith(("torch-", "deepspeed-"))
+    )
     return "_".join([pyver, *dists]).replace("+", "-")
 
 
@@ -163,8 +179,11 @@ def save_torch_extensions(img: Image) -> None:
 
 def _dtlaunch_entries(packages: Path) -> set[str]:
     """Top-level names in site-packages that belong to dtlaunch (editable or regular install)."""
-    out = {n for n in os.listdir(packages)
-           if n == "launcher" or n.startswith("dtlaunch-") or (n.startswith("__editable__") and "dtlaunch" in n)}
+    out = {
+        n
+        for n in os.listdir(packages)
+        if n == "launcher" or n.startswith("dtlaunch-") or (n.startswith("__editable__") and "dtlaunch" in n)
+    }
     for rec in packages.glob("dtlaunch-*.dist-info/RECORD"):
         out |= {line.split("/")[0] for line in rec.read_text().splitlines() if line and not line.startswith("..")}
     return {n for n in out if (packages / n).exists()}
@@ -184,7 +203,8 @@ def _write_venv(path: Path, prefix: Path, pyver: str) -> None:
     (path / "lib64").symlink_to("lib")
     version = ".".join(map(str, sys.version_info[:3]))
     (path / "pyvenv.cfg").write_text(
-        f"home = {prefix}/bin\ninclude-system-site-packages = false\nversion = {version}\n")
+        f"home = {prefix}/bin\ninclude-system-site-packages = false\nversion = {version}\n"
+    )
     (path / "bin" / "python").symlink_to(prefix / "bin" / pyver)
     for alias in ("python3", pyver):
         (path / "bin" / alias).symlink_to("python")
@@ -241,6 +261,7 @@ def default_image() -> Image:
 
 
 # ---------------------------------------------------------------- reading the task
+
 
 def load_task(task_dir: Path) -> dict:
     return yaml.safe_load((Path(task_dir) / "task.yaml").read_text()) or {}
@@ -304,6 +325,7 @@ def bucket_key(url: str) -> str:
 
 # ---------------------------------------------------------------- copying like rsync with SkyPilot's filters
 
+
 def copy_tree(src: Path, dst: Path) -> None:
     """Copy `src` (a file, or a directory's contents) to `dst` as SkyPilot's rsync does: symlinks kept,
     and the patterns of .skyignore (or else .gitignore and .git/info/exclude) files honoured, each file's
@@ -318,10 +340,13 @@ def copy_tree(src: Path, dst: Path) -> None:
 
     def ignore(d: str, names: list[str]) -> set[str]:
         here = Path(d)
-        rules = [(anc, p) for anc in [here, *here.parents] if anc == src or src in anc.parents
-                 for p in _patterns(anc / name) + (extra if anc == src else [])]
-        return {n for n in names
-                if any(_match(p, here / n, anc) for anc, p in rules)}
+        rules = [
+            (anc, p)
+            for anc in [here, *here.parents]
+            if anc == src or src in anc.parents
+            for p in _patterns(anc / name) + (extra if anc == src else [])
+        ]
+        return {n for n in names if any(_match(p, here / n, anc) for anc, p in rules)}
 
     shutil.copytree(src, dst, symlinks=True, ignore=ignore, dirs_exist_ok=True)
 
@@ -329,8 +354,9 @@ def copy_tree(src: Path, dst: Path) -> None:
 def _patterns(f: Path) -> list[str]:
     if not f.is_file():
         return []
-    return [ln.strip() for ln in f.read_text(errors="replace").splitlines()
-            if ln.strip() and not ln.startswith(("#", "!"))]
+    return [
+        ln.strip() for ln in f.read_text(errors="replace").splitlines() if ln.strip() and not ln.startswith(("#", "!"))
+    ]
 
 
 def _match(pattern: str, path: Path, base: Path) -> bool:
@@ -418,6 +444,7 @@ def _sh(*cmd: str, input: str | None = None) -> None:
 
 # ---------------------------------------------------------------- network (netns mode)
 
+
 @contextlib.contextmanager
 def _host_lock():
     LOCK.parent.mkdir(parents=True, exist_ok=True)
@@ -441,7 +468,7 @@ def _sweep_stale_bridges() -> None:
     for name, alias in _our_bridges().items():
         m = re.search(r"pid=(\d+)", alias)
         if m and not Path(f"/proc/{m.group(1)}").exists():
-            _unplug_all(int(name[len("skyn"):]))
+            _unplug_all(int(name[len("skyn") :]))
 
 
 def _new_bridge() -> int:
@@ -466,8 +493,15 @@ def _plug(slot: int, rank: int, init_pid: int, ip: str) -> None:
     host_end = f"skyn{slot}v{rank}"
     _sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", str(init_pid))
     _sh("ip", "link", "set", host_end, "master", f"skyn{slot}", "up")
-    _sh("nsenter", f"--target={init_pid}", "--net", "ip", "-batch", "-",
-        input=f"link set lo up\naddr add {ip}/24 dev eth0\nlink set eth0 up\n")
+    _sh(
+        "nsenter",
+        f"--target={init_pid}",
+        "--net",
+        "ip",
+        "-batch",
+        "-",
+        input=f"link set lo up\naddr add {ip}/24 dev eth0\nlink set eth0 up\n",
+    )
 
 
 def _unplug_all(slot: int, timeout: float = 10) -> None:
@@ -486,6 +520,7 @@ def _unplug_all(slot: int, timeout: float = 10) -> None:
 
 
 # ---------------------------------------------------------------- one node
+
 
 @dataclass
 class Node:
@@ -541,14 +576,26 @@ class SkyNodes:
         nodes.log(0); nodes.bucket("s3://b/ckpt"); nodes.kill_node(1); nodes.destroy(); nodes.provision()
     """
 
-    def __init__(self, task_dir: Path, *, nodes: int | None = None, task_id: str = DEFAULT_TASK_ID,
-                 root: Path | None = None, netns: bool = False, image: Image | None = None,
-                 secrets: dict | None = None, torch_extensions: bool = False, cluster: str = "skynodes"):
+    def __init__(
+        self,
+        task_dir: Path,
+        *,
+        nodes: int | None = None,
+        task_id: str = DEFAULT_TASK_ID,
+        root: Path | None = None,
+        netns: bool = False,
+        image: Image | None = None,
+        secrets: dict | None = None,
+        torch_extensions: bool = False,
+        cluster: str = "skynodes",
+    ):
         self.task_dir = Path(task_dir).resolve()
         self.task = load_task(self.task_dir)
         if self.task.get("volumes"):
-            raise NotImplementedError("SkyNodes does not simulate `volumes:` (their sharing depends on the "
-                                      "volume type); use a bucket file_mount")
+            raise NotImplementedError(
+                "SkyNodes does not simulate `volumes:` (their sharing depends on the "
+                "volume type); use a bucket file_mount"
+            )
         self.nodes = int(nodes or self.task.get("num_nodes") or 1)
         self.task_id = task_id
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="skynodes-"))
@@ -560,8 +607,14 @@ class SkyNodes:
         self.mounts = parse_file_mounts(self.task, self.task_dir)
         self._check_mount_destinations()
         # launch numbers go on across node sets sharing `root`: a recovery's logs follow the lost launch's
-        self.launches = max((int(m.group(1)) for f in (self.root / "logs").glob("node0.*.log")
-                             if (m := re.fullmatch(r"node0\.(\d+)\.log", f.name))), default=0)
+        self.launches = max(
+            (
+                int(m.group(1))
+                for f in (self.root / "logs").glob("node0.*.log")
+                if (m := re.fullmatch(r"node0\.(\d+)\.log", f.name))
+            ),
+            default=0,
+        )
         self._nodes: list[Node] = []
         self._procs: list[subprocess.Popen] = []
         self._slot: int | None = None
@@ -610,8 +663,10 @@ class SkyNodes:
             with open(path, "wb") as log:
                 procs.append(self._spawn(n, "setup", self._script(n, "setup", env), log))
         codes = self.wait(procs, timeout)
-        return [subprocess.CompletedProcess(p.args, c, path.read_text(errors="replace"), "")
-                for p, c, path in zip(procs, codes, logs, strict=True)]
+        return [
+            subprocess.CompletedProcess(p.args, c, path.read_text(errors="replace"), "")
+            for p, c, path in zip(procs, codes, logs, strict=True)
+        ]
 
     def start(self, env: dict | None = None, per_node: dict[int, dict] | None = None) -> list[subprocess.Popen]:
         """Start the task's `run` on every node, detached; output goes to log(rank)."""
@@ -726,7 +781,19 @@ class SkyNodes:
 
     def _make_rootfs(self, n: Node) -> None:
         r = n.rootfs
-        for d in ("usr", "etc", "dev", "proc", "sys", "run", IMAGE_AT, "/home", "/var", "/root", str(self.image.prefix)):
+        for d in (
+            "usr",
+            "etc",
+            "dev",
+            "proc",
+            "sys",
+            "run",
+            IMAGE_AT,
+            "/home",
+            "/var",
+            "/root",
+            str(self.image.prefix),
+        ):
             (r / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
         for name in TOP_DIRS:
             if os.path.islink(f"/{name}"):
@@ -800,18 +867,20 @@ class SkyNodes:
         """(host source, path in node, read-only) in mount order."""
         img = self.image
         unmerged = [f"/{d}" for d in TOP_DIRS if os.path.isdir(f"/{d}") and not os.path.islink(f"/{d}")]
-        binds = [("/usr", "/usr", True),
-                 *((d, d, True) for d in unmerged),
-                 # this machine's own tools under /usr/local are not part of a VM image
-                 (str(img.empty_dir), "/usr/local", True),
-                 (str(img.etc), "/etc", True),
-                 (str(n.dir / "hosts"), "/etc/hosts", True),
-                 (str(n.dir / "hostname"), "/etc/hostname", True),
-                 ("/dev", "/dev", False),
-                 ("/sys", "/sys", True),
-                 (str(img.prefix), str(img.prefix), True),
-                 (str(img.env), IMAGE_AT, True),
-                 (str(img.packages), f"{IMAGE_AT}/pkgs", True)]
+        binds = [
+            ("/usr", "/usr", True),
+            *((d, d, True) for d in unmerged),
+            # this machine's own tools under /usr/local are not part of a VM image
+            (str(img.empty_dir), "/usr/local", True),
+            (str(img.etc), "/etc", True),
+            (str(n.dir / "hosts"), "/etc/hosts", True),
+            (str(n.dir / "hostname"), "/etc/hostname", True),
+            ("/dev", "/dev", False),
+            ("/sys", "/sys", True),
+            (str(img.prefix), str(img.prefix), True),
+            (str(img.env), IMAGE_AT, True),
+            (str(img.packages), f"{IMAGE_AT}/pkgs", True),
+        ]
         for name in img.hidden:  # dtlaunch stays invisible even where the image's packages really live
             empty = img.empty_dir if (img.packages / name).is_dir() else img.empty_file
             binds.append((str(empty), f"{IMAGE_AT}/pkgs/{name}", True))
@@ -844,8 +913,10 @@ class SkyNodes:
             own = f"127.0.1.1 {n.hostname}\n127.0.0.1 localhost\n"
         else:  # own line first: node0 shares 127.0.0.1 with localhost, and should be called node0
             own = f"{n.ip} {n.hostname}\n127.0.0.1 localhost\n"
-        return own + ("\n# The following lines are desirable for IPv6 capable hosts\n"
-                      "::1 localhost ip6-localhost ip6-loopback\nff02::1 ip6-allnodes\nff02::2 ip6-allrouters\n")
+        return own + (
+            "\n# The following lines are desirable for IPv6 capable hosts\n"
+            "::1 localhost ip6-localhost ip6-loopback\nff02::1 ip6-allnodes\nff02::2 ip6-allrouters\n"
+        )
 
     def _boot(self, n: Node) -> None:
         (n.dir / "hosts").write_text(self._hosts(n))
@@ -855,9 +926,13 @@ class SkyNodes:
         cmd = ["unshare", *spaces, "--fork", "--kill-child", "--propagation", "private", "bash", str(n.dir / "init.sh")]
         with open(n.dir / "init.log", "wb") as log:
             n.unshare = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl works only in the child
+                preexec_fn=_die_with_parent,
+            )  # noqa: PLW1509 - prctl works only in the child
         n.alive = True
 
     def _await_boot(self, n: Node, timeout: float = 20) -> None:
@@ -889,39 +964,63 @@ class SkyNodes:
             raise ValueError(f"no value for {missing}: SkyPilot refuses a task whose envs/secrets are unset")
         out = {k: str(v) for k, v in {**envs, **secrets}.items()}
         ips, gpus = "\n".join(self.ips), str(gpus_per_node(self.task))
-        out |= {"SKYPILOT_TASK_ID": self.task_id, "SKYPILOT_NUM_NODES": str(self.nodes), "SKYPILOT_USER": "tester",
-                "SKYPILOT_CLUSTER_INFO": json.dumps({"cluster_name": self.cluster, "cloud": "SkyNodes",
-                                                     "region": "local", "zone": None})}
+        out |= {
+            "SKYPILOT_TASK_ID": self.task_id,
+            "SKYPILOT_NUM_NODES": str(self.nodes),
+            "SKYPILOT_USER": "tester",
+            "SKYPILOT_CLUSTER_INFO": json.dumps(
+                {"cluster_name": self.cluster, "cloud": "SkyNodes", "region": "local", "zone": None}
+            ),
+        }
         if stage == "setup":
-            out |= {"SKYPILOT_SETUP_NODE_IPS": ips, "SKYPILOT_SETUP_NODE_RANK": str(n.rank),
-                    "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": gpus}
+            out |= {
+                "SKYPILOT_SETUP_NODE_IPS": ips,
+                "SKYPILOT_SETUP_NODE_RANK": str(n.rank),
+                "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": gpus,
+            }
         else:
-            out |= {"SKYPILOT_NODE_IPS": ips, "SKYPILOT_NODE_RANK": str(n.rank), "SKYPILOT_NUM_GPUS_PER_NODE": gpus,
-                    "SKYPILOT_INTERNAL_JOB_ID": str(self.launches or 1)}
+            out |= {
+                "SKYPILOT_NODE_IPS": ips,
+                "SKYPILOT_NODE_RANK": str(n.rank),
+                "SKYPILOT_NUM_GPUS_PER_NODE": gpus,
+                "SKYPILOT_INTERNAL_JOB_ID": str(self.launches or 1),
+            }
         return out
 
     def _script(self, n: Node, stage: str, extra: dict | None) -> str:
         """SkyPilot's task script wrapper (make_task_bash_script): ~/.bashrc, the user env, the workdir,
         the exports, then the task's own commands."""
         exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in self._env(n, stage, extra).items())
-        return "\n".join([
-            "#!/bin/bash",
-            "[ -f ~/.bashrc ] && source ~/.bashrc",
-            "set -a",
-            ". $(conda info --base 2> /dev/null)/etc/profile.d/conda.sh > /dev/null 2>&1 || true",
-            "set +a",
-            ('export PATH=$(echo $PATH | sed "s|$(echo ~/skypilot-runtime)/bin:||") && unset VIRTUAL_ENV'
-             " && unset VIRTUAL_ENV_PROMPT"),
-            f'if [ -z "${{CONDA_PREFIX:-}}" ] && [ -f {USER_ENV}/bin/activate ]; then source {USER_ENV}/bin/activate; fi',
-            "export PYTHONUNBUFFERED=1",
-            f"cd {WORKDIR}",
-            exports,
-            self.task[stage],
-            ""])
+        return "\n".join(
+            [
+                "#!/bin/bash",
+                "[ -f ~/.bashrc ] && source ~/.bashrc",
+                "set -a",
+                ". $(conda info --base 2> /dev/null)/etc/profile.d/conda.sh > /dev/null 2>&1 || true",
+                "set +a",
+                (
+                    'export PATH=$(echo $PATH | sed "s|$(echo ~/skypilot-runtime)/bin:||") && unset VIRTUAL_ENV'
+                    " && unset VIRTUAL_ENV_PROMPT"
+                ),
+                f'if [ -z "${{CONDA_PREFIX:-}}" ] && [ -f {USER_ENV}/bin/activate ]; then source {USER_ENV}/bin/activate; fi',
+                "export PYTHONUNBUFFERED=1",
+                f"cd {WORKDIR}",
+                exports,
+                self.task[stage],
+                "",
+            ]
+        )
 
     def _login_env(self) -> dict[str, str]:
-        return {"HOME": HOME, "USER": USER, "LOGNAME": USER, "SHELL": "/bin/bash", "LANG": "C.UTF-8",
-                "PATH": BASE_PATH, "PIP_NO_INDEX": "1"}
+        return {
+            "HOME": HOME,
+            "USER": USER,
+            "LOGNAME": USER,
+            "SHELL": "/bin/bash",
+            "LANG": "C.UTF-8",
+            "PATH": BASE_PATH,
+            "PIP_NO_INDEX": "1",
+        }
 
     def _spawn(self, n: Node, stage: str | None, text: str, stdout) -> subprocess.Popen:
         """Run a script (stage: SkyPilot's `bash -i` on a file in the node's /tmp) or a command (stage None)
@@ -939,11 +1038,30 @@ class SkyNodes:
             argv = ["/bin/bash", "-i", inside]
         spaces = ["--mount", "--uts", "--ipc", "--pid", *(["--net"] if self.netns else [])]
         # --root enters the node's chroot; --wdns (util-linux >= 2.38, Debian 12) is a path inside it
-        cmd = ["nsenter", f"--target={n.init_pid}", *spaces, "--root", f"--wdns={HOME}", "--",
-               "setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", "--no-new-privs", "--", *argv]
-        p = subprocess.Popen(cmd, env=self._login_env(), stdin=subprocess.DEVNULL, stdout=stdout,
-                             stderr=subprocess.STDOUT, text=stdout is subprocess.PIPE,
-                             preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl works only in the child
+        cmd = [
+            "nsenter",
+            f"--target={n.init_pid}",
+            *spaces,
+            "--root",
+            f"--wdns={HOME}",
+            "--",
+            "setpriv",
+            f"--reuid={UID}",
+            f"--regid={GID}",
+            "--clear-groups",
+            "--no-new-privs",
+            "--",
+            *argv,
+        ]
+        p = subprocess.Popen(
+            cmd,
+            env=self._login_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            text=stdout is subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+        )  # noqa: PLW1509 - prctl works only in the child
         self._procs.append(p)
         return p
 
@@ -983,8 +1101,11 @@ class SkyNodes:
         if not nodes.exists():
             return
         prefix = str(nodes.resolve()) + "/"
-        mounted = [ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()
-                   if ln.split()[4].startswith(prefix)]
+        mounted = [
+            ln.split()[4]
+            for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+            if ln.split()[4].startswith(prefix)
+        ]
         if mounted:
             raise RuntimeError(f"refusing to delete {nodes}: mounts below it: {mounted}")
         shutil.rmtree(nodes)
@@ -1002,14 +1123,17 @@ def _write_user_env(path: Path, img: Image) -> None:
     _write_venv(path, img.prefix, img.pyver)
     site = path / "lib" / img.pyver / "site-packages"
     (site / "_sky_system_site_packages.pth").write_text(
-        f"import site; site.addsitedir('{IMAGE_AT}/lib/{img.pyver}/site-packages')\n")
+        f"import site; site.addsitedir('{IMAGE_AT}/lib/{img.pyver}/site-packages')\n"
+    )
     for name in ("pip", "pip3"):  # pip itself comes from the image, as --seed would have put it here
         (path / "bin" / name).write_text(
-            f"#!{USER_ENV}/bin/python\nimport sys\nfrom pip._internal.cli.main import main\nsys.exit(main())\n")
+            f"#!{USER_ENV}/bin/python\nimport sys\nfrom pip._internal.cli.main import main\nsys.exit(main())\n"
+        )
         (path / "bin" / name).chmod(0o755)
     (path / "bin" / "activate").write_text(
         f"# the parts of venv's activate that a task script relies on\nVIRTUAL_ENV={USER_ENV}\nexport VIRTUAL_ENV\n"
-        'PATH="$VIRTUAL_ENV/bin:$PATH"\nexport PATH\nunset PYTHONHOME\nhash -r 2>/dev/null\n')
+        'PATH="$VIRTUAL_ENV/bin:$PATH"\nexport PATH\nunset PYTHONHOME\nhash -r 2>/dev/null\n'
+    )
 
 
 def destroy_all() -> None:

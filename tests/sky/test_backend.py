@@ -5,6 +5,7 @@ API server and the clouds behind it); it records calls and keeps jobs in memory.
 real: the task file is parsed by SkyPilot's own `Task.from_yaml_config` through the backend's real `_Sdk.task`,
 and no API server is started just to check an error string.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -60,8 +61,9 @@ class FakeSdk:
 
 def test_submit_status_logs_cancel_through_the_sdk_seam(tmp_path, monkeypatch, sky_lib):
     monkeypatch.setenv("HF_TOKEN", "hf_value")
-    rec, art, out = render_to(tmp_path, TINY, ["resources.nodes=2", BUCKET, "targets.sky.managed=true",
-                                               "secrets=[HF_TOKEN]"])
+    rec, art, out = render_to(
+        tmp_path, TINY, ["resources.nodes=2", BUCKET, "targets.sky.managed=true", "secrets=[HF_TOKEN]"]
+    )
     sdk = FakeSdk()
     be = SkyBackend(sdk=sdk)
     job = be.submit(art, str(out))
@@ -105,6 +107,8 @@ def test_missing_secret_is_named_before_skypilot_is_asked(tmp_path, monkeypatch)
 
 def test_cli_path_never_imports_sky():
     """Importing the backend and rendering must not pull in SkyPilot (~2 s, ~160 MB)."""
-    code = ("import sys; import launcher.cli, launcher.targets.sky, launcher.render.sky; "
-            "print('sky' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    code = "import sys; import launcher.cli, launcher.targets.sky, launcher.render.sky; print('sky' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )

@@ -4,6 +4,7 @@
 tests use the version of constraints.txt. SkyPilot's own `Task.from_yaml_config` parses each rendered
 task.yaml there, with the secrets given as `sky launch --secret NAME` gives them (names only in the file).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,10 @@ from sky_helpers import RECIPES, render_to
 
 ROOT = Path(__file__).resolve().parents[2]
 OLDEST = ROOT / ".venv-sky-oldest" / "bin" / "python"
-VARIANTS = {"as-shipped": [], "managed": ["targets.sky.managed=true",
-                                           "targets.sky.checkpoint_storage={bucket: 's3://dtlaunch-test/ckpt'}"]}
+VARIANTS = {
+    "as-shipped": [],
+    "managed": ["targets.sky.managed=true", "targets.sky.checkpoint_storage={bucket: 's3://dtlaunch-test/ckpt'}"],
+}
 
 PARSE = """
 import json, os, sys

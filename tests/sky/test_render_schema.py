@@ -5,6 +5,7 @@ cloud node needs: shared checkpoint storage, dtlaunch shipped with the job, auto
 `sky launch` applies first; a cloud is not needed for that. GPU names are not checked by SkyPilot offline,
 so dtlaunch rejects those itself before rendering (see test_validation.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,20 @@ BUCKET = "targets.sky.checkpoint_storage={bucket: 's3://dtlaunch-test-bucket/ckp
 VARIANTS = {
     "single": ["resources.nodes=1"],
     "two-nodes": ["resources.nodes=2", BUCKET],
-    "managed": ["resources.nodes=2", "targets.sky.managed=true", "targets.sky.spot=false",
-                "targets.sky.infra=gcp/us-central1", "targets.sky.checkpoint_storage={volume: ckpt-vol}"],
-    "spot": ["targets.sky.spot=true", "targets.sky.infra=null", "targets.sky.cloud=aws",
-             "targets.sky.region=us-east-1", BUCKET],
+    "managed": [
+        "resources.nodes=2",
+        "targets.sky.managed=true",
+        "targets.sky.spot=false",
+        "targets.sky.infra=gcp/us-central1",
+        "targets.sky.checkpoint_storage={volume: ckpt-vol}",
+    ],
+    "spot": [
+        "targets.sky.spot=true",
+        "targets.sky.infra=null",
+        "targets.sky.cloud=aws",
+        "targets.sky.region=us-east-1",
+        BUCKET,
+    ],
     "deepspeed-launcher": ["resources.nodes=2", "parallelism.strategy=zero2", "parallelism.launcher=deepspeed", BUCKET],
 }
 
@@ -48,8 +59,10 @@ def test_rendered_yaml_is_accepted_by_skypilot(sky_lib, tmp_path, recipe_path, v
     overrides = VARIANTS[variant] + ["checkpoint.dir=null", "targets.sky.disk_size=16000"]
     data = yaml.safe_load(recipe_path.read_text())["training"].get("data", {})
     if data.get("source") == "file" and str(data.get("path", "")).startswith("/"):  # a SLURM recipe's shared path
-        overrides.append(f"targets.sky.data_mounts=[{{path: {os.path.dirname(data['path'])}, "
-                         "source: 's3://dtlaunch-test-bucket/data', mode: MOUNT}]")
+        overrides.append(
+            f"targets.sky.data_mounts=[{{path: {os.path.dirname(data['path'])}, "
+            "source: 's3://dtlaunch-test-bucket/data', mode: MOUNT}]"
+        )
     rec, art, out = render_to(tmp_path, recipe_path, overrides)
     sky_rules = [r for r in RULES if "sky" in r.targets]
     assert not has_errors(validate(rec, make_plan(rec), "sky", sky_rules)), "the variant must satisfy the sky rules"
@@ -157,8 +170,15 @@ def test_autostop_can_be_turned_off(sky_lib, tmp_path):
 
 LLAMA70B = next(p for p in RECIPES if p.stem == "llama70b")
 IMAGE = "nvcr.io/nvidia/pytorch:24.05-py3"
-KNOBS = [BUCKET, "checkpoint.dir=null", f"resources.image={IMAGE}", "targets.sky.disk_tier=high",
-         "targets.sky.ports=[8888, '10000-10010']", "targets.sky.memory=256+", "targets.sky.cpus=32+"]
+KNOBS = [
+    BUCKET,
+    "checkpoint.dir=null",
+    f"resources.image={IMAGE}",
+    "targets.sky.disk_tier=high",
+    "targets.sky.ports=[8888, '10000-10010']",
+    "targets.sky.memory=256+",
+    "targets.sky.cpus=32+",
+]
 
 
 @pytest.mark.parametrize("order", ["ordered", "any_of"])
@@ -167,8 +187,11 @@ def test_accelerator_fallbacks_and_knobs_are_accepted_by_skypilot(sky_lib, tmp_p
     dtlaunch's cheapest-first order for `ordered`; every other field applies to each candidate."""
     from launcher.plan.choices import plan_choices
 
-    rec, art, out = render_to(tmp_path, LLAMA70B, KNOBS + [
-        "targets.sky.accelerators=[A100-80GB:8, H200:8, V100:8]", f"targets.sky.fallback={order}"])
+    rec, art, out = render_to(
+        tmp_path,
+        LLAMA70B,
+        KNOBS + ["targets.sky.accelerators=[A100-80GB:8, H200:8, V100:8]", f"targets.sky.fallback={order}"],
+    )
     task = from_yaml(sky_lib, out)
     kept = [c.accelerator for c in plan_choices(rec).kept]
     assert sorted(kept) == ["A100-80GB:8", "H100:8", "H200:8"]
@@ -188,9 +211,16 @@ def test_accelerator_fallbacks_and_knobs_are_accepted_by_skypilot(sky_lib, tmp_p
 
 
 def test_instance_type_and_cpus_are_accepted_by_skypilot(sky_lib, tmp_path):
-    rec, art, out = render_to(tmp_path, RECIPES[0], ["resources.accelerator=cpu:4", "targets.sky.cpus=8",
-                                                     "targets.sky.instance_type=n2-standard-8",
-                                                     "targets.sky.infra=gcp"])
+    rec, art, out = render_to(
+        tmp_path,
+        RECIPES[0],
+        [
+            "resources.accelerator=cpu:4",
+            "targets.sky.cpus=8",
+            "targets.sky.instance_type=n2-standard-8",
+            "targets.sky.infra=gcp",
+        ],
+    )
     (r,) = from_yaml(sky_lib, out).resources
     assert (r.instance_type, r.cpus, r.accelerators) == ("n2-standard-8", "8", None)
 
@@ -210,10 +240,16 @@ def test_data_mounts_are_accepted_by_skypilot_and_silence_the_input_rule(sky_lib
     local directory copied; SkyPilot's own Task parses both, and validate is then quiet about the inputs."""
     local = tmp_path / "tokens"
     local.mkdir()
-    rec, art, out = render_to(tmp_path / "out", RECIPES[0], [
-        "training.data.source=file", "training.data.path=/data/tokens.bin",
-        f"targets.sky.data_mounts=[{{path: /data, source: 's3://dtlaunch-test-bucket/tok', mode: MOUNT}}, "
-        f"{{path: /copied, source: '{local}', mode: COPY}}]"])
+    rec, art, out = render_to(
+        tmp_path / "out",
+        RECIPES[0],
+        [
+            "training.data.source=file",
+            "training.data.path=/data/tokens.bin",
+            f"targets.sky.data_mounts=[{{path: /data, source: 's3://dtlaunch-test-bucket/tok', mode: MOUNT}}, "
+            f"{{path: /copied, source: '{local}', mode: COPY}}]",
+        ],
+    )
     task = from_yaml(sky_lib, out)
     assert task.file_mounts == {"/copied": str(local)}  # SkyPilot's own reading: a local copy
     (storage,) = task.storage_mounts.items()
@@ -246,18 +282,43 @@ def test_with_an_image_the_wheel_leaves_the_images_torch_alone(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     (site,) = env.glob("lib/python*/site-packages")
     # what the image has: its own torch, and (so that only torch decides) the pure-Python dependencies too
-    for name, version in (("torch", "2.4.0"), ("click", "8.1.7"), ("PyYAML", "6.0.2"), ("msgspec", "0.19.0"),
-                          ("rich", "13.9.4"), ("Jinja2", "3.1.4"), ("MarkupSafe", "2.1.5"), ("safetensors", "0.4.5"),
-                          ("matplotlib", "3.9.2"), ("psutil", "6.1.0")):
+    for name, version in (
+        ("torch", "2.4.0"),
+        ("click", "8.1.7"),
+        ("PyYAML", "6.0.2"),
+        ("msgspec", "0.19.0"),
+        ("rich", "13.9.4"),
+        ("Jinja2", "3.1.4"),
+        ("MarkupSafe", "2.1.5"),
+        ("safetensors", "0.4.5"),
+        ("matplotlib", "3.9.2"),
+        ("psutil", "6.1.0"),
+    ):
         info = site / f"{name}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         (info / "RECORD").write_text("")
 
     def pip(python, args, report):
-        return subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run",
-                               "--no-index", "--quiet", "--report", str(report), *args],
-                              cwd=out, capture_output=True, text=True)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "--python",
+                str(python),
+                "install",
+                "--dry-run",
+                "--no-index",
+                "--quiet",
+                "--report",
+                str(report),
+                *args,
+            ],
+            cwd=out,
+            capture_output=True,
+            text=True,
+        )
 
     p = pip(env / "bin" / "python", wheel_line[2:], tmp_path / "r1.json")
     assert p.returncode == 0, p.stderr

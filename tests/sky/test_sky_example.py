@@ -3,6 +3,7 @@ with torch but not dtlaunch, no package index): the user's script travels in the
 installs dtlaunch from the shipped wheel, the script checkpoints to the mounted bucket through the library,
 and a managed-job recovery on fresh VMs after the first set is lost resumes it with the losses of an
 uninterrupted run. Only the cloud (VMs, rsync, the bucket service) is simulated."""
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,18 @@ STEPS = 30
 
 
 def overrides() -> list[str]:
-    return ["resources.nodes=2", "resources.accelerator=cpu:1", f"training.steps={STEPS}", "training.log_every=1",
-            "checkpoint.every=10", "checkpoint.dir=null", f"targets.sky.checkpoint_storage={{bucket: '{BUCKET_URL}'}}",
-            "targets.sky.managed=true", "training.init_timeout_seconds=60", "training.timeout_seconds=60"]
+    return [
+        "resources.nodes=2",
+        "resources.accelerator=cpu:1",
+        f"training.steps={STEPS}",
+        "training.log_every=1",
+        "checkpoint.every=10",
+        "checkpoint.dir=null",
+        f"targets.sky.checkpoint_storage={{bucket: '{BUCKET_URL}'}}",
+        "targets.sky.managed=true",
+        "training.init_timeout_seconds=60",
+        "training.timeout_seconds=60",
+    ]
 
 
 def losses(nodes, task_id: str = TASK_ID) -> dict[int, float]:

@@ -4,6 +4,7 @@ tiny hand-written task.yaml run on real simulated nodes (namespaces, chroot, a n
 They do not use dtlaunch's renderer: the harness must be trustworthy on its own before it judges
 rendered tasks.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,10 @@ from sky_nodes import SkyNodes, build_image, copy_tree, gpus_per_node, parse_fil
 
 ROOT = Path(__file__).resolve().parents[2]
 # Prints, as one JSON line, what a node tells about itself (no torch import: it costs ~1.5 s per node).
-PROBE = ("python -c 'import getpass, json, os, socket; print(\"PROBE=\" + json.dumps({\"uid\": os.getuid(), "
-         "\"user\": getpass.getuser(), \"cwd\": os.getcwd(), \"host\": socket.gethostname(), \"env\": dict(os.environ)}))'")
+PROBE = (
+    'python -c \'import getpass, json, os, socket; print("PROBE=" + json.dumps({"uid": os.getuid(), '
+    '"user": getpass.getuser(), "cwd": os.getcwd(), "host": socket.gethostname(), "env": dict(os.environ)}))\''
+)
 
 
 def write_task(d: Path, task: str, files: dict[str, str] | None = None) -> Path:
@@ -35,7 +38,7 @@ def write_task(d: Path, task: str, files: dict[str, str] | None = None) -> Path:
 
 
 def probe(output: str) -> dict:
-    return json.loads(next(line for line in output.splitlines() if line.startswith("PROBE="))[len("PROBE="):])
+    return json.loads(next(line for line in output.splitlines() if line.startswith("PROBE="))[len("PROBE=") :])
 
 
 def ok(results) -> None:
@@ -59,18 +62,42 @@ def dtlaunch_wheel(tmp_path_factory) -> Path:
         shutil.copy(ROOT / name, src)
     shutil.copytree(ROOT / "launcher", src / "launcher", ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    str(src), "-w", str(out)], check=True, capture_output=True, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            str(src),
+            "-w",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        env=env,
+    )
     return next(out.glob("dtlaunch-*.whl"))
 
 
 # ---------------------------------------------------------------- the node's user, environment and image
 
+
 @pytest.mark.slow
 def test_task_runs_as_non_root_user_with_only_skypilots_environment(tmp_path, sky_nodes, monkeypatch):
-    for k, v in {"PYTHONPATH": str(ROOT), "DTLAUNCH_HOME": "/leak", "DTLAUNCH_PORT": "1", "SKYPILOT_NODE_RANK": "9"}.items():
+    for k, v in {
+        "PYTHONPATH": str(ROOT),
+        "DTLAUNCH_HOME": "/leak",
+        "DTLAUNCH_PORT": "1",
+        "SKYPILOT_NODE_RANK": "9",
+    }.items():
         monkeypatch.setenv(k, v)  # none of the host's variables may reach a node
-    task = write_task(tmp_path / "job", f"""
+    task = write_task(
+        tmp_path / "job",
+        f"""
         num_nodes: 2
         workdir: .
         envs: {{MY_ENV: from-task}}
@@ -79,7 +106,8 @@ def test_task_runs_as_non_root_user_with_only_skypilots_environment(tmp_path, sk
           {PROBE}
         run: |
           {PROBE}
-        """)
+        """,
+    )
     nodes = sky_nodes(task, task_id="sky-managed-2026-01-01_job_7-0", secrets={"MY_TOKEN": "s3cr3t"})
     nodes.provision()
     setups = [probe(r.stdout) for r in nodes.setup()]
@@ -103,7 +131,9 @@ def test_task_runs_as_non_root_user_with_only_skypilots_environment(tmp_path, sk
 
 @pytest.mark.slow
 def test_image_has_torch_not_dtlaunch_and_pip_installs_the_wheel_offline(tmp_path, sky_nodes, dtlaunch_wheel):
-    task = write_task(tmp_path / "job", f"""
+    task = write_task(
+        tmp_path / "job",
+        f"""
         file_mounts:
           ~/wheels: {dtlaunch_wheel.parent}
         setup: |
@@ -114,7 +144,8 @@ def test_image_has_torch_not_dtlaunch_and_pip_installs_the_wheel_offline(tmp_pat
         run: |
           python -c 'import launcher; print("LAUNCHER-AT", launcher.__file__)'
           dtlaunch --help > /dev/null && echo "CLI-OK"
-        """)
+        """,
+    )
     nodes = sky_nodes(task)
     nodes.provision()
     [setup] = nodes.setup()
@@ -132,7 +163,9 @@ def test_image_has_torch_not_dtlaunch_and_pip_installs_the_wheel_offline(tmp_pat
 
 @pytest.mark.slow
 def test_node_sees_neither_the_repository_nor_host_tools(tmp_path, sky_nodes):
-    task = write_task(tmp_path / "job", """
+    task = write_task(
+        tmp_path / "job",
+        """
         run: |
           for p in /work /root/.pyenv/shims /usr/local/bin/issues /opt/dlimage/pkgs/launcher; do
             [ -e "$p" ] && echo "VISIBLE $p"
@@ -140,7 +173,8 @@ def test_node_sees_neither_the_repository_nor_host_tools(tmp_path, sky_nodes):
           ls -A /opt/dlimage/pkgs/dtlaunch-*.dist-info | grep . && echo "VISIBLE dist-info"
           python -c 'import importlib.metadata as m; print("DIST", m.version("dtlaunch"))' 2>/dev/null
           echo done
-        """)
+        """,
+    )
     nodes = sky_nodes(task)
     nodes.provision()
     [out] = run(nodes)
@@ -149,9 +183,12 @@ def test_node_sees_neither_the_repository_nor_host_tools(tmp_path, sky_nodes):
 
 # ---------------------------------------------------------------- disks: node-local, buckets, root-only paths
 
+
 @pytest.mark.slow
 def test_node_local_files_are_invisible_to_other_nodes(tmp_path, sky_nodes):
-    task = write_task(tmp_path / "job", """
+    task = write_task(
+        tmp_path / "job",
+        """
         num_nodes: 2
         workdir: .
         setup: |
@@ -162,7 +199,8 @@ def test_node_local_files_are_invisible_to_other_nodes(tmp_path, sky_nodes):
           for f in ~/sky_workdir/ckpt ~/ckpt /tmp/ckpt /dev/shm/ckpt; do
             [ -e $f ] && echo "HAS $f" || echo "MISSING $f"
           done
-        """)
+        """,
+    )
     nodes = sky_nodes(task)
     nodes.provision()
     ok(nodes.setup())
@@ -176,7 +214,9 @@ def test_node_local_files_are_invisible_to_other_nodes(tmp_path, sky_nodes):
 
 @pytest.mark.slow
 def test_bucket_mount_is_shared_and_survives_destroy(tmp_path, sky_nodes):
-    task = write_task(tmp_path / "job", """
+    task = write_task(
+        tmp_path / "job",
+        """
         num_nodes: 2
         file_mounts:
           /checkpoints:
@@ -190,7 +230,8 @@ def test_bucket_mount_is_shared_and_survives_destroy(tmp_path, sky_nodes):
           echo "log" > ~/logs/setup-$SKYPILOT_SETUP_NODE_RANK
         run: |
           echo "SEES $(cd /checkpoints && ls | tr '\\n' ' ')"
-        """)
+        """,
+    )
     first = sky_nodes(task)
     first.provision()
     ok(first.setup())
@@ -208,12 +249,15 @@ def test_bucket_mount_is_shared_and_survives_destroy(tmp_path, sky_nodes):
 
 @pytest.mark.slow
 def test_two_node_sets_at_once_share_buckets_not_disks(tmp_path, sky_nodes):
-    task = write_task(tmp_path / "job", """
+    task = write_task(
+        tmp_path / "job",
+        """
         file_mounts:
           /ckpt: {source: s3://shared, mode: MOUNT}
         run: |
           mktemp /ckpt/$(hostname)-XXXXXX  # not $$: each node set has its own PID namespace, same PIDs
-        """)
+        """,
+    )
     a, b = sky_nodes(task), sky_nodes(task)
     a.provision()
     b.provision()
@@ -224,7 +268,9 @@ def test_two_node_sets_at_once_share_buckets_not_disks(tmp_path, sky_nodes):
 
 @pytest.mark.slow
 def test_root_only_paths_fail_but_file_mounts_there_work(tmp_path, sky_nodes):
-    task = write_task(tmp_path / "job", """
+    task = write_task(
+        tmp_path / "job",
+        """
         file_mounts:
           /checkpoints: ./seed
           /data/ds.txt: ./ds.txt
@@ -237,13 +283,23 @@ def test_root_only_paths_fail_but_file_mounts_there_work(tmp_path, sky_nodes):
           cat /data/ds.txt
           touch /mnt/bucket/from-node && echo "BUCKET-WRITABLE"
           cat /snapshot/part-0 && touch /snapshot/local-only && echo "SNAPSHOT-WRITABLE"
-        """, files={"seed/seed.txt": "SEED\n", "ds.txt": "DATASET\n"})
+        """,
+        files={"seed/seed.txt": "SEED\n", "ds.txt": "DATASET\n"},
+    )
     nodes = sky_nodes(task)
     (nodes.bucket("s3://dataset") / "part-0").write_text("PART0\n")
     nodes.provision()
     [out] = run(nodes)
-    for word in ("MKDIR-DENIED", "OPT-DENIED", "SEED", "CKPT-WRITABLE", "DATASET", "BUCKET-WRITABLE", "PART0",
-                 "SNAPSHOT-WRITABLE"):
+    for word in (
+        "MKDIR-DENIED",
+        "OPT-DENIED",
+        "SEED",
+        "CKPT-WRITABLE",
+        "DATASET",
+        "BUCKET-WRITABLE",
+        "PART0",
+        "SNAPSHOT-WRITABLE",
+    ):
         assert word in out, out
     assert (nodes.bucket("s3://scratch") / "from-node").exists()
     # a plain bucket URL is copied onto the node (SkyPilot's COPY), never written back
@@ -258,11 +314,14 @@ def test_torch_extensions_built_once_serve_later_nodes_and_sessions(tmp_path, sk
     into ~/.cache/torch_extensions, later sets see, and the next session starts with."""
     monkeypatch.setattr("sky_nodes.WARM_CACHE", tmp_path / "warm")
     image = build_image(tmp_path / "image")  # private: the session's would be saved for real
-    task = write_task(tmp_path / "job", """
+    task = write_task(
+        tmp_path / "job",
+        """
         run: |
           D=~/.cache/torch_extensions/py311_cpu/fake_op
           if [ -e $D/fake_op.so ]; then echo "PREBUILT"; else mkdir -p $D && echo built > $D/fake_op.so; fi
-        """)
+        """,
+    )
     first = sky_nodes(task, image=image, torch_extensions=True)
     first.provision()
     assert "PREBUILT" not in run(first)[0]
@@ -277,8 +336,11 @@ def test_torch_extensions_built_once_serve_later_nodes_and_sessions(tmp_path, sk
 
 # ---------------------------------------------------------------- lifecycle: destroy, lost node
 
+
 def _sleepers_everywhere(tmp_path, sky_nodes) -> tuple[SkyNodes, list]:
-    task = write_task(tmp_path / "job", """
+    task = write_task(
+        tmp_path / "job",
+        """
         num_nodes: 2
         run: |
           sleep 1001 &
@@ -286,7 +348,8 @@ def _sleepers_everywhere(tmp_path, sky_nodes) -> tuple[SkyNodes, list]:
           nohup sleep 1003 > /dev/null 2>&1 &
           echo started
           exec sleep 1004
-        """)
+        """,
+    )
     nodes = sky_nodes(task)
     nodes.provision()
     procs = nodes.start()
@@ -316,8 +379,11 @@ def test_destroy_leaves_no_process_no_mount_and_no_node_disk(tmp_path, sky_nodes
     assert _sleepers() == [] and all(p.poll() is not None for p in procs)
     for kind in ("pid", "mnt", "uts", "ipc"):  # a namespace with no process in it no longer exists
         for ns in spaces[kind]:
-            assert not [d for d in filter(str.isdigit, os.listdir("/proc"))
-                        if os.path.exists(f"/proc/{d}/ns/{kind}") and _readlink(f"/proc/{d}/ns/{kind}") == ns]
+            assert not [
+                d
+                for d in filter(str.isdigit, os.listdir("/proc"))
+                if os.path.exists(f"/proc/{d}/ns/{kind}") and _readlink(f"/proc/{d}/ns/{kind}") == ns
+            ]
     assert str(nodes.root) not in Path("/proc/self/mountinfo").read_text()
     assert not nodes.nodes_dir.exists() and not (nodes.root / "nodes").exists()
 
@@ -343,12 +409,15 @@ def test_kill_node_takes_down_that_vm_only(tmp_path, sky_nodes):
 
 @pytest.mark.slow
 def test_a_failed_node_gets_the_others_cancelled_as_skypilot_does(tmp_path, sky_nodes):
-    task = write_task(tmp_path / "job", """
+    task = write_task(
+        tmp_path / "job",
+        """
         num_nodes: 2
         run: |
           [ "$SKYPILOT_NODE_RANK" = 1 ] && exit 3
           sleep 1000
-        """)
+        """,
+    )
     nodes = sky_nodes(task)
     nodes.provision()
     assert nodes.wait(nodes.start(), timeout=30) == [137, 3]
@@ -360,9 +429,12 @@ def test_a_failed_node_gets_the_others_cancelled_as_skypilot_does(tmp_path, sky_
 
 # ---------------------------------------------------------------- network namespaces
 
+
 @pytest.mark.slow
 def test_netns_nodes_reach_each_other_by_ip_and_hostname_is_127_0_1_1(tmp_path, sky_nodes):
-    task = write_task(tmp_path / "job", """
+    task = write_task(
+        tmp_path / "job",
+        """
         num_nodes: 2
         run: |
           echo "HOSTNAME-I $(hostname -i)"
@@ -384,7 +456,8 @@ def test_netns_nodes_reach_each_other_by_ip_and_hostname_is_127_0_1_1(tmp_path, 
                       time.sleep(0.05)
               print("GOT", s.recv(4).decode())
           EOF
-        """)
+        """,
+    )
     nodes = sky_nodes(task, netns=True)
     nodes.provision()
     head_ip, worker_ip = nodes.ips
@@ -400,6 +473,7 @@ def test_netns_nodes_reach_each_other_by_ip_and_hostname_is_127_0_1_1(tmp_path, 
 
 # ---------------------------------------------------------------- reading the task (no processes)
 
+
 def test_gpus_per_node_follows_resources_accelerators():
     assert gpus_per_node({}) == 0
     assert gpus_per_node({"resources": {"accelerators": "H100:8"}}) == 8
@@ -409,13 +483,28 @@ def test_gpus_per_node_follows_resources_accelerators():
 
 
 def test_file_mount_kinds_follow_skypilot(tmp_path):
-    mounts = parse_file_mounts({"file_mounts": {
-        "~/job": ".", "rel": ".", "/a": "s3://b/p", "/c": {"source": "gs://g", "mode": "MOUNT_CACHED"},
-        "/d": {"name": "fresh"}, "/e": {"source": "s3://x", "mode": "COPY"}}}, tmp_path)
+    mounts = parse_file_mounts(
+        {
+            "file_mounts": {
+                "~/job": ".",
+                "rel": ".",
+                "/a": "s3://b/p",
+                "/c": {"source": "gs://g", "mode": "MOUNT_CACHED"},
+                "/d": {"name": "fresh"},
+                "/e": {"source": "s3://x", "mode": "COPY"},
+            }
+        },
+        tmp_path,
+    )
     got = {m.dst: (m.kind, m.source) for m in mounts}
-    assert got == {"/home/sky/job": ("local", str(tmp_path)), "/home/sky/sky_workdir/rel": ("local", str(tmp_path)),
-                   "/a": ("copy", "s3/b/p"), "/c": ("bucket", "gs/g"), "/d": ("bucket", "s3/fresh"),
-                   "/e": ("copy", "s3/x")}
+    assert got == {
+        "/home/sky/job": ("local", str(tmp_path)),
+        "/home/sky/sky_workdir/rel": ("local", str(tmp_path)),
+        "/a": ("copy", "s3/b/p"),
+        "/c": ("bucket", "gs/g"),
+        "/d": ("bucket", "s3/fresh"),
+        "/e": ("copy", "s3/x"),
+    }
 
 
 def test_volumes_are_refused_not_faked(tmp_path, sky_image):
@@ -426,8 +515,17 @@ def test_volumes_are_refused_not_faked(tmp_path, sky_image):
 
 def test_workdir_sync_honours_gitignore(tmp_path):
     src = tmp_path / "proj"
-    for f in ("keep.py", ".venv/bin/python", "runs/x/ckpt", "pkg/mod.py", "pkg/cache.tmp", "pkg/__pycache__/m.pyc",
-              "out/a", "pkg/out/b", "pkg/runs"):
+    for f in (
+        "keep.py",
+        ".venv/bin/python",
+        "runs/x/ckpt",
+        "pkg/mod.py",
+        "pkg/cache.tmp",
+        "pkg/__pycache__/m.pyc",
+        "out/a",
+        "pkg/out/b",
+        "pkg/runs",
+    ):
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         (src / f).write_text("x")
     (src / ".gitignore").write_text(".venv/\nruns/\n__pycache__/\n/out/\n")

@@ -6,6 +6,7 @@ The head-only DeepSpeed launch is checked with DeepSpeed's own runner code (PDSH
 turns .deepspeed_env into the pdsh command line and the remote shell): secret values never reach it, and
 recipe values reach the remote shell only as the data they are.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,13 +44,24 @@ def run_nodes(tmp_path: Path, out: Path, nodes: int, ips=("10.0.0.5", "10.0.0.6"
     py = recording_python(tmp_path)
     rcs = []
     for rank in range(nodes):
-        env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / f"home{rank}"), "DTLAUNCH_PYTHON": str(py),
-               **{k: str(v) for k, v in task["envs"].items()}, "SKYPILOT_NODE_RANK": str(rank),
-               "SKYPILOT_NODE_IPS": "\n".join(ips[:nodes]), "SKYPILOT_NUM_NODES": str(nodes),
-               "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_TASK_ID": TASK_ID, **(extra or {})}
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(tmp_path / f"home{rank}"),
+            "DTLAUNCH_PYTHON": str(py),
+            **{k: str(v) for k, v in task["envs"].items()},
+            "SKYPILOT_NODE_RANK": str(rank),
+            "SKYPILOT_NODE_IPS": "\n".join(ips[:nodes]),
+            "SKYPILOT_NUM_NODES": str(nodes),
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+            "SKYPILOT_TASK_ID": TASK_ID,
+            **(extra or {}),
+        }
         (tmp_path / f"home{rank}").mkdir(exist_ok=True)
-        rcs.append(subprocess.run(["bash", "-c", task["run"]], cwd=out, env=env, capture_output=True, text=True,
-                                  timeout=60).returncode)
+        rcs.append(
+            subprocess.run(
+                ["bash", "-c", task["run"]], cwd=out, env=env, capture_output=True, text=True, timeout=60
+            ).returncode
+        )
     return rcs
 
 
@@ -89,8 +101,9 @@ def test_shell_metacharacters_in_recipe_values_are_never_executed(tmp_path, laun
     marker = tmp_path / "pwned"
     text = TINY.read_text().replace("name: tiny", f"name: {EVIL_NAME.format(m=marker)!r}")
     text += f"env:\n  EVIL: {EVIL_ENV.format(m=marker)!r}\n"
-    ov = ["resources.nodes=2", BUCKET] + (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"]
-                                          if launcher == "deepspeed" else [])
+    ov = ["resources.nodes=2", BUCKET] + (
+        ["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"] if launcher == "deepspeed" else []
+    )
     _, art, out = render_to(tmp_path, None, ov, text=text)
     assert run_nodes(tmp_path, out, 2, ips=("127.0.0.1", "127.0.0.2")) == [0, 0]
     assert not marker.exists(), "a recipe value was executed by the shell"
@@ -110,8 +123,20 @@ def _pdsh_command(out: Path, tmp_path: Path) -> tuple[list[str], dict[str, str]]
     from deepspeed.launcher.runner import parse_args
 
     env_lines = (out / ".deepspeed_env").read_text().splitlines()
-    args = parse_args(["--hostfile", str(tmp_path / "hf"), "--module", "launcher.train", "--no_local_rank",
-                       "--master_addr", "127.0.0.1", "--master_port", "29500", "x"])
+    args = parse_args(
+        [
+            "--hostfile",
+            str(tmp_path / "hf"),
+            "--module",
+            "launcher.train",
+            "--no_local_rank",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            "29500",
+            "x",
+        ]
+    )
     runner = PDSHRunner(args, world_info_base64="e30=")
     for line in env_lines:  # runner.py: key, val = var.split('=', maxsplit=1); runner.add_export(key, val)
         key, val = line.split("=", 1)
@@ -126,8 +151,14 @@ def test_head_only_deepspeed_launch_never_leaks_or_runs_recipe_values(tmp_path, 
     and secret values never reach .deepspeed_env, pdsh's command line or the log."""
     marker = tmp_path / "pwned"
     monkeypatch.setenv("MY_SECRET", "SECRET_VALUE_123")
-    ov = ["resources.nodes=2", BUCKET, "parallelism.strategy=zero2", "parallelism.launcher=deepspeed",
-          "targets.sky.deepspeed_ssh=true", "env={PLAIN: 'a b c', TOKENIZERS_PARALLELISM: 'false'}"]
+    ov = [
+        "resources.nodes=2",
+        BUCKET,
+        "parallelism.strategy=zero2",
+        "parallelism.launcher=deepspeed",
+        "targets.sky.deepspeed_ssh=true",
+        "env={PLAIN: 'a b c', TOKENIZERS_PARALLELISM: 'false'}",
+    ]
     rec, art, out = render_to(tmp_path, TINY, ov)
     assert run_nodes(tmp_path, out, 2, ips=("127.0.0.1", "127.0.0.2")) == [0, 0]
     assert calls(tmp_path, 0) and not calls(tmp_path, 1)  # the head starts node 1's workers over ssh
@@ -137,8 +168,9 @@ def test_head_only_deepspeed_launch_never_leaks_or_runs_recipe_values(tmp_path, 
     remote = " ".join(cmd)  # pdsh runs this on every worker through a shell
     exports = next(c for c in cmd if c.startswith("export "))
     # The remote shell reads every exported value back exactly as the recipe gave it, and runs nothing.
-    got = subprocess.run(["bash", "-c", exports + 'printf "%s|%s" "$PLAIN" "$DTLAUNCH_RUN_ID"'], capture_output=True,
-                         text=True)
+    got = subprocess.run(
+        ["bash", "-c", exports + 'printf "%s|%s" "$PLAIN" "$DTLAUNCH_RUN_ID"'], capture_output=True, text=True
+    )
     assert got.stdout == f"a b c|{TASK_ID}" and not marker.exists()
     for f in out.rglob("*"):
         if f.is_file():
@@ -150,15 +182,18 @@ def test_head_only_deepspeed_launch_never_leaks_or_runs_recipe_values(tmp_path, 
     from launcher.recipe import load
     from launcher.validate import validate
 
-    for extra, rule in ((["env={EVIL: '$(touch /tmp/x)'}"], "deepspeed-ssh-env"), (["secrets=[MY_SECRET]"],
-                                                                                     "deepspeed-ssh-secrets")):
+    for extra, rule in (
+        (["env={EVIL: '$(touch /tmp/x)'}"], "deepspeed-ssh-env"),
+        (["secrets=[MY_SECRET]"], "deepspeed-ssh-secrets"),
+    ):
         r = load(TINY, ov + extra)
         assert rule in {f.rule for f in validate(r, make_plan(r), "sky") if f.severity == "error"}, rule
     assert shlex.split(" ".join(head))  # the recorded launch is plain words
 
 
-@pytest.mark.parametrize("ips,launch_rc,want", [(("10.0.0.5",), 42, 42), (("",), 0, 44)],
-                         ids=["preempted", "fail-before-launch"])
+@pytest.mark.parametrize(
+    "ips,launch_rc,want", [(("10.0.0.5",), 42, 42), (("",), 0, 44)], ids=["preempted", "fail-before-launch"]
+)
 def test_the_run_inside_skypilots_wrapper_waits_for_the_upload_and_keeps_its_code(tmp_path, ips, launch_rc, want):
     """SkyPilot runs `run` as a script of its own making: sky.backends.task_codegen's build_task_bash_script
     appends, after it, the wait until rclone has uploaded everything written to MOUNT_CACHED storage (the
@@ -173,19 +208,33 @@ def test_the_run_inside_skypilots_wrapper_waits_for_the_upload_and_keeps_its_cod
     script = TaskCodeGen.build_task_bash_script(task["run"])
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    for name, body in (("findmnt", "echo '/ckpt b: fuse.rclone rw'"), ("sleep", "exit 0"),
-                       ("py", f'if [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
-                              f'case " $* " in *" --check "*) exit 0 ;; esac\nexit {launch_rc}')):
+    for name, body in (
+        ("findmnt", "echo '/ckpt b: fuse.rclone rw'"),
+        ("sleep", "exit 0"),
+        (
+            "py",
+            f'if [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+            f'case " $* " in *" --check "*) exit 0 ;; esac\nexit {launch_rc}',
+        ),
+    ):
         (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
         (stubs / name).chmod(0o755)
     home = tmp_path / "home"
     (home / ".sky" / "rclone_log").mkdir(parents=True)
     (home / ".sky" / "rclone_log" / "ckpt.log").write_text(
-        "2026/11/25 10:00:00 INFO  : vfs cache: cleaned: objects 3 (was 3) in use 0, to upload 0, uploading 0\n")
-    env = {"PATH": f"{stubs}:{os.environ['PATH']}", "HOME": str(home), "DTLAUNCH_PYTHON": str(stubs / "py"),
-           **{k: str(v) for k, v in task["envs"].items()}, "SKYPILOT_NODE_RANK": "0",
-           "SKYPILOT_NODE_IPS": "\n".join(ips), "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NUM_GPUS_PER_NODE": "0",
-           "SKYPILOT_TASK_ID": TASK_ID}
+        "2026/11/25 10:00:00 INFO  : vfs cache: cleaned: objects 3 (was 3) in use 0, to upload 0, uploading 0\n"
+    )
+    env = {
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "HOME": str(home),
+        "DTLAUNCH_PYTHON": str(stubs / "py"),
+        **{k: str(v) for k, v in task["envs"].items()},
+        "SKYPILOT_NODE_RANK": "0",
+        "SKYPILOT_NODE_IPS": "\n".join(ips),
+        "SKYPILOT_NUM_NODES": "1",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+        "SKYPILOT_TASK_ID": TASK_ID,
+    }
     p = subprocess.run(["bash", "-c", script], cwd=out, env=env, capture_output=True, text=True, timeout=60)
     assert "skypilot: cached mount upload complete" in p.stdout, p.stdout + p.stderr
     assert p.returncode == want, p.stdout + p.stderr

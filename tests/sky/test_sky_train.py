@@ -8,6 +8,7 @@ resolves to 127.0.1.1 (netns mode), and a managed-job recovery on fresh nodes re
 Only the cloud (VMs, rsync, bucket service) is simulated; torchrun, gloo, the runtime and its checkpoints
 are real.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,20 @@ STEPS = 20
 
 def overrides(steps=STEPS, nodes=2):
     # cpu:1 per node: 2 ranks in all on this 2-core machine (more ranks than cores made DDP 8x slower).
-    return [f"resources.nodes={nodes}", "resources.accelerator=cpu:1", f"training.steps={steps}", "checkpoint.every=5",
-            "checkpoint.keep=10", "checkpoint.dir=null", "training.deterministic=true",
-            f"targets.sky.checkpoint_storage={{bucket: '{BUCKET_URL}'}}", "targets.sky.managed=true",
-            "training.init_timeout_seconds=60", "training.timeout_seconds=60", "training.preflight=false"]
+    return [
+        f"resources.nodes={nodes}",
+        "resources.accelerator=cpu:1",
+        f"training.steps={steps}",
+        "checkpoint.every=5",
+        "checkpoint.keep=10",
+        "checkpoint.dir=null",
+        "training.deterministic=true",
+        f"targets.sky.checkpoint_storage={{bucket: '{BUCKET_URL}'}}",
+        "targets.sky.managed=true",
+        "training.init_timeout_seconds=60",
+        "training.timeout_seconds=60",
+        "training.preflight=false",
+    ]
 
 
 def bucket_ckpts(nodes) -> list[int]:
@@ -126,7 +137,9 @@ def test_managed_recovery_on_fresh_nodes_resumes_from_the_bucket(tmp_path, sky_n
     assert rcs == [0, 0], fresh.log(0)[-3000:] + fresh.log(1)[-3000:]
     assert [e["step"] for e in events(fresh, "resume")] == [resume_from], "the recovered job must resume, not restart"
     assert bucket_ckpts(fresh)[-1] == STEPS
-    assert same_weights(exported_weights(fresh), reference["weights"]), "a recovered run must end with the uninterrupted weights"
+    assert same_weights(exported_weights(fresh), reference["weights"]), (
+        "a recovered run must end with the uninterrupted weights"
+    )
 
 
 def test_preempted_code_reaches_skypilot_for_recover_on_exit_codes(tmp_path, sky_nodes):

@@ -3,6 +3,7 @@
 The sharpest case is a GPU name: SkyPilot's offline schema accepts `NotAGPU:8` (it only finds out when
 the optimizer looks for capacity, after the user has waited), so dtlaunch has to reject it itself.
 """
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ Each node claims 2 GPUs (counted GRES, no devices; DTLAUNCH_TEST_SLURM_GPUS), so
 GPU options (--gpus-per-node, --gres, --mem-per-gpu, --cpus-per-gpu) too; a job that asks for none gets
 none, except that an --exclusive job's batch shell sees CUDA_VISIBLE_DEVICES (its steps do not).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,7 @@ def _env_sh(path: Path) -> dict[str, str]:
     out = {}
     for line in path.read_text().splitlines():
         if line.startswith("export "):
-            k, _, v = line[len("export "):].partition("=")
+            k, _, v = line[len("export ") :].partition("=")
             out[k] = shlex.split(v)[0] if v else ""
     return out
 
@@ -51,7 +52,9 @@ def slurm():
     subprocess.run(["bash", str(SCRIPT), "stop", "--purge"], env=env, capture_output=True, timeout=120)
     t0 = time.time()
     p = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"slurm-local.sh start failed (install with scripts/install-system.sh):\n{p.stdout}\n{p.stderr}"
+    assert p.returncode == 0, (
+        f"slurm-local.sh start failed (install with scripts/install-system.sh):\n{p.stdout}\n{p.stderr}"
+    )
     vars_ = _env_sh(Path(KNOBS["SLURM_LOCAL_ROOT"]) / "env.sh")
     saved = {k: os.environ.get(k) for k in vars_}
     os.environ.update(vars_)

@@ -1,4 +1,5 @@
 """Helpers for the SLURM tests: render a recipe into a directory, submit, poll squeue."""
+
 from __future__ import annotations
 
 import json
@@ -95,17 +96,30 @@ VENV_ACTIVATE = str(Path(sys.executable).parent / "activate")
 
 
 def overrides(partition: str) -> list[str]:
-    return [f"targets.slurm.partition={partition}", "resources.nodes=2", "resources.accelerator=cpu:1",
-            f"training.steps={STEPS}", f"checkpoint.every={EVERY}", "training.deterministic=true",
-            "targets.slurm.max_requeues=2", "targets.slurm.max_restarts=2",
-            f'targets.slurm.setup=["source {VENV_ACTIVATE}"]']
+    return [
+        f"targets.slurm.partition={partition}",
+        "resources.nodes=2",
+        "resources.accelerator=cpu:1",
+        f"training.steps={STEPS}",
+        f"checkpoint.every={EVERY}",
+        "training.deterministic=true",
+        "targets.slurm.max_requeues=2",
+        "targets.slurm.max_restarts=2",
+        f'targets.slurm.setup=["source {VENV_ACTIVATE}"]',
+    ]
 
 
 class Job:
     """One submitted job: its id, submit dir and run dir, and readers for what it left there."""
 
-    def __init__(self, out: Path, fault: str | None = None, run_id: str | None = None, env: dict | None = None,
-                 sbatch_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        out: Path,
+        fault: str | None = None,
+        run_id: str | None = None,
+        env: dict | None = None,
+        sbatch_args: tuple[str, ...] = (),
+    ):
         env = {**{k: v for k, v in os.environ.items() if k not in ("DTLAUNCH_FAULT", "DTLAUNCH_RUN_ID")}, **(env or {})}
         if fault:
             env["DTLAUNCH_FAULT"] = fault  # the job inherits it: sbatch's default --export=ALL
@@ -177,8 +191,6 @@ def release_after_requeue(job: str, requeued_at: float) -> None:
     wait_for(lambda: "PENDING" in squeue_state(job), 30, "the job to be pending after the requeue")
     time.sleep(max(0.0, requeued_at + 3.0 - time.time()))
     sh("scontrol", "update", f"JobId={job}", "StartTime=now")
-
-
 
 
 # A cluster's shared filesystem (NFS, Lustre) for absolute checkpoint directories. Not under /tmp: on a real

@@ -26,6 +26,7 @@ No image is pulled and no filesystem is remapped; every mount the scripts ask fo
 host paths are what the container would see. Everything else is real: sbatch, the cluster's two nodes, the
 batch shell, torchrun, the runtime, its checkpoints, and submitit for the submitit variant.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,11 +54,14 @@ apply_image_env() {  # $1: names kept from the host (pyxis --container-env), com
 }
 """
 
-APPTAINER = r"""#!/usr/bin/env bash
+APPTAINER = (
+    r"""#!/usr/bin/env bash
 # Stub apptainer (see the test module's docstring): checks the call, records it, runs CMD on the host.
 set -uo pipefail
 log=${STUB_LOG:?STUB_LOG unset: the job did not inherit the submitting environment}
-""" + IMAGE_ENV + r"""
+"""
+    + IMAGE_ENV
+    + r"""
 if [ "${1:-}" = pull ]; then
   [ $# = 3 ] || { echo "stub apptainer: pull DEST SRC expected" >&2; exit 97; }
   [ ! -e "$2" ] || { echo "stub apptainer: $2 exists" >&2; exit 97; }
@@ -92,11 +96,15 @@ printf 'op=exec host=%s image=%s nv=%s bind=%s pwd=%s envfile=%s pythonpath=%s m
 cd "$pwd" || exit 97
 exec "$@"
 """
+)
 
-PYXIS_SRUN = r"""#!/usr/bin/env bash
+PYXIS_SRUN = (
+    r"""#!/usr/bin/env bash
 # Stub pyxis (see the test module's docstring): srun without the --container-* options pyxis would consume.
 set -uo pipefail
-""" + IMAGE_ENV + r"""
+"""
+    + IMAGE_ENV
+    + r"""
 args=() image="" mounts="" workdir="" name="" keep=""
 for a in "$@"; do
   case "$a" in
@@ -122,6 +130,7 @@ if [ -n "$image" ]; then
 fi
 exec /usr/bin/srun "${args[@]}"
 """
+)
 
 ENROOT = r"""#!/usr/bin/env bash
 # Stub enroot: records `enroot remove` (the job's named pyxis container, removed when the job ends for good).
@@ -158,11 +167,19 @@ def stubs(tmp_path, monkeypatch):
 
 def container_overrides(partition: str, tmp: Path, container: str, *extra: str) -> list[str]:
     (tmp / "datasets").mkdir(exist_ok=True)
-    return [f"targets.slurm.partition={partition}", "resources.nodes=2", "resources.accelerator=cpu:1",
-            f"training.steps={STEPS}", "checkpoint.every=2", f"checkpoint.dir={shared_dir(tmp)}/ckpt-root/{{run_id}}",
-            f"resources.image={IMAGE}", f'targets.slurm.setup=["source {VENV_ACTIVATE}"]',
-            "targets.slurm.max_failures=0",
-            f"targets.slurm.container={{runtime: {container}, mounts: ['{tmp}/datasets:/datasets:ro']}}", *extra]
+    return [
+        f"targets.slurm.partition={partition}",
+        "resources.nodes=2",
+        "resources.accelerator=cpu:1",
+        f"training.steps={STEPS}",
+        "checkpoint.every=2",
+        f"checkpoint.dir={shared_dir(tmp)}/ckpt-root/{{run_id}}",
+        f"resources.image={IMAGE}",
+        f'targets.slurm.setup=["source {VENV_ACTIVATE}"]',
+        "targets.slurm.max_failures=0",
+        f"targets.slurm.container={{runtime: {container}, mounts: ['{tmp}/datasets:/datasets:ro']}}",
+        *extra,
+    ]
 
 
 def calls(log: Path) -> list[dict]:
@@ -237,8 +254,8 @@ def test_a_requeued_apptainer_job_pulls_no_second_time(tmp_path, stubs):
     out = tmp_path / "job"
     render_to(out, "tiny", container_overrides("debug", tmp_path, "apptainer"))
     text = (out / "job.sbatch").read_text()
-    block = text[text.index("SIF="):text.index("fi\n", text.index("SIF=")) + 3]
-    script = f"fail() {{ echo \"fail $*\"; exit 9; }}\nSUBMIT_DIR={shlex.quote(str(out))}\nSLURM_JOB_ID=7\n{block}"
+    block = text[text.index("SIF=") : text.index("fi\n", text.index("SIF=")) + 3]
+    script = f'fail() {{ echo "fail $*"; exit 9; }}\nSUBMIT_DIR={shlex.quote(str(out))}\nSLURM_JOB_ID=7\n{block}'
     for _ in range(2):
         sh("bash", "-c", script)
     assert [c["op"] for c in calls(stubs)] == ["pull"]
@@ -278,8 +295,9 @@ def test_a_broken_image_fails_once_before_training(tmp_path, partition, stubs, m
     log_text = (out / f"tiny-{job}.out").read_text()
     assert "the container image cannot run this plan" in log_text, log_text[-3000:]
     assert (out / "jobs" / job / "state").read_text().strip() == "FAILED"
-    assert [c for c in calls(stubs) if "--check" in c["cmd"]] and not [c for c in calls(stubs)
-                                                                        if c["cmd"].endswith("step.sh")]
+    assert [c for c in calls(stubs) if "--check" in c["cmd"]] and not [
+        c for c in calls(stubs) if c["cmd"].endswith("step.sh")
+    ]
     # failed for good: the named container is removed too
     assert sorted(c["host"] for c in calls(stubs) if c["op"] == "remove") == ["node1", "node2"]
     sacct = sacct_rows(job, "JobID,State,ExitCode")
@@ -292,8 +310,11 @@ def test_submitit_runs_the_same_container_step(tmp_path, partition, stubs):
     same srun with pyxis's options, expanded from the preamble's environment."""
     import launcher
 
-    job = launcher.submit(REPO / "recipes" / "tiny.yaml", target_dir=tmp_path / "out",
-                          overrides=container_overrides(partition, tmp_path, "pyxis"))
+    job = launcher.submit(
+        REPO / "recipes" / "tiny.yaml",
+        target_dir=tmp_path / "out",
+        overrides=container_overrides(partition, tmp_path, "pyxis"),
+    )
     summary = job.result()
     assert summary["state"] == "COMPLETED" and summary["step"] == STEPS, summary
     got = calls(stubs)
@@ -308,5 +329,6 @@ def test_submitit_runs_the_same_container_step(tmp_path, partition, stubs):
 def test_stubs_are_what_the_scripts_meet(tmp_path, stubs):
     """Guard: the stubs are first on the PATH the job inherits (a real srun first would skip the checks)."""
     assert sh("bash", "-c", "command -v srun apptainer enroot").stdout.split() == [
-        str(tmp_path / "stub-bin" / name) for name in ("srun", "apptainer", "enroot")]
+        str(tmp_path / "stub-bin" / name) for name in ("srun", "apptainer", "enroot")
+    ]
     assert Path(sys.executable).parent.joinpath("python3").exists()

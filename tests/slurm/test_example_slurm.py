@@ -1,6 +1,7 @@
 """examples/plain-pytorch on the real local SLURM cluster: the user's own script (shipped as code/ in the
 submit directory) trains on 2 nodes, survives the USR2 a time limit or a preemption sends (checkpoint,
 exit 42, the job script requeues itself), and the resumed run's losses equal an uninterrupted job's."""
+
 from __future__ import annotations
 
 import time
@@ -18,9 +19,18 @@ STEPS = 24
 
 
 def submit_example(out: Path, partition: str) -> Job:
-    r = load(EXAMPLE, [f"targets.slurm.partition={partition}", "resources.nodes=2", "resources.accelerator=cpu:1",
-                       f"training.steps={STEPS}", "training.log_every=1", "targets.slurm.max_requeues=2",
-                       f'targets.slurm.setup=["source {VENV_ACTIVATE}"]'])
+    r = load(
+        EXAMPLE,
+        [
+            f"targets.slurm.partition={partition}",
+            "resources.nodes=2",
+            "resources.accelerator=cpu:1",
+            f"training.steps={STEPS}",
+            "training.log_every=1",
+            "targets.slurm.max_requeues=2",
+            f'targets.slurm.setup=["source {VENV_ACTIVATE}"]',
+        ],
+    )
     art = render(r, make_plan(r), "slurm")
     art.write(out)
     assert (out / "code" / "train.py").is_file()
@@ -53,7 +63,7 @@ def test_user_script_survives_a_preemption_on_slurm(tmp_path, partition, referen
     release_after_requeue(job.id, requeued_at)
     job.done()
     assert job.ledger("state") == ["COMPLETED"], job.explain()
-    resumed, = job.events("resume")
+    (resumed,) = job.events("resume")
     assert resumed["step"] == saved
     got = losses(job)
     assert sorted(got) == list(range(1, STEPS + 1))

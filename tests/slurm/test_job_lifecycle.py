@@ -9,6 +9,7 @@ $SUBMIT_DIR/jobs/$SLURM_JOB_ID (the ledgers and per-attempt logs).
 "Nothing lost" is checked against one uninterrupted reference job of the same deterministic plan: the
 losses an interrupted job logs after resuming equal the reference's at the same steps.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,16 +52,16 @@ def ref_losses(reference) -> dict[int, float]:
 
 def test_two_nodes_rendezvous_and_complete(reference):
     job = reference
-    start, = job.events("start")
+    (start,) = job.events("start")
     assert start["world_size"] == 2 and start["attempt"] == 0, start
-    pre, = job.events("preflight")
+    (pre,) = job.events("preflight")
     assert pre["ok"] and pre["hosts"] == 2, pre  # one rank on node1, one on node2
     assert "rendezvous: 2 ranks on 2 host(s): node1, node2" in job.logs()
     out = (job.out / f"tiny-{job.id}.out").read_text()
     assert f"rendezvous node1:{10000 + int(job.id) % 20000}" in out
     assert [r["step"] for r in job.steps()] == list(range(1, STEPS + 1))
     assert not job.events("resume") and not job.events("preempt")
-    export, = job.events("export")
+    (export,) = job.events("export")
     assert export["step"] == STEPS and Path(export["path"]).is_file() and Path(export["path"]).stat().st_size > 0
     assert complete_steps(job.run / "checkpoints") == [STEPS - EVERY, STEPS]  # keep=2
     assert_completed(job, attempts=1)
@@ -75,7 +76,7 @@ def test_usr2_to_batch_shell_checkpoints_requeues_and_resumes(tmp_path, partitio
     wait_for(lambda: job.ledger("requeues"), 90, "the script to requeue itself")
     requeued_at = time.time()
     assert job.ledger("exit_codes")[0] == "0 42 USR2", job.explain()
-    pre, = job.events("preempt")
+    (pre,) = job.events("preempt")
     saved = pre["step"]
     assert 3 <= saved < STEPS and pre["signal"] == "SIGUSR2", pre
     assert saved in complete_steps(job.run / "checkpoints")
@@ -83,7 +84,7 @@ def test_usr2_to_batch_shell_checkpoints_requeues_and_resumes(tmp_path, partitio
     assert sorted(st) == [0, 1] and {s["code"] for s in st.values()} == {42}, st
     release_after_requeue(job.id, requeued_at)
     job.done()
-    resumed, = job.events("resume")
+    (resumed,) = job.events("resume")
     assert resumed["step"] == saved and resumed["world_size"] == 2, resumed
     assert [e["attempt"] for e in job.events("start")] == [0, 0]  # torchrun restart count: a new allocation
     assert [a.split()[0] for a in job.ledger("attempts")] == ["0", "1"]  # SLURM_RESTART_COUNT
@@ -105,9 +106,11 @@ def test_scontrol_requeue_resumes_from_checkpoint(tmp_path, partition, ref_losse
     # The requeue SIGTERMs the steps; the runtime may still finish a step (and save it) before it stops.
     before = max(r["step"] for r in job.steps() if r["time"] < resumed["time"])
     saved_on_term = [e["step"] for e in job.events("preempt")]
-    print(f"\nscontrol requeue: attempt 0 reached step {before} (checkpoint on SIGTERM: {saved_on_term or 'none'}), "
-          f"resumed from step {resumed['step']}; first resumed step {first['step']} logged "
-          f"{first['time'] - t_requeue:.1f}s after the requeue (incl. the >= 3 s before the hold is released)")
+    print(
+        f"\nscontrol requeue: attempt 0 reached step {before} (checkpoint on SIGTERM: {saved_on_term or 'none'}), "
+        f"resumed from step {resumed['step']}; first resumed step {first['step']} logged "
+        f"{first['time'] - t_requeue:.1f}s after the requeue (incl. the >= 3 s before the hold is released)"
+    )
     job.done()
     # The newest complete checkpoint: at most checkpoint.every steps are redone.
     assert EVERY <= resumed["step"] and before - EVERY <= resumed["step"] <= before, (before, resumed)
@@ -125,7 +128,7 @@ def test_crashing_rank_is_restarted_by_torchrun_without_requeue(tmp_path, partit
     job = submit(tmp_path, partition, fault=f"exit:rank=1:step={crash_at}:code=3")
     job.done()
     assert [e["attempt"] for e in job.events("start")] == [0, 1], job.explain()  # TORCHELASTIC_RESTART_COUNT
-    resumed, = job.events("resume")
+    (resumed,) = job.events("resume")
     assert resumed["step"] == EVERY, resumed
     assert f"FAULT INJECTION rank 1: exit at step {crash_at}" in job.logs()
     assert_same_losses(job.steps(after=resumed["time"]), ref_losses)
@@ -138,12 +141,16 @@ def test_crashing_rank_is_restarted_by_torchrun_without_requeue(tmp_path, partit
 
 
 def _tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_a_new_job_with_an_earlier_jobs_id_trains_its_own_run_and_keeps_the_earlier_one(
-        tmp_path, partition, reference, ref_losses):
+    tmp_path, partition, reference, ref_losses
+):
     """SLURM numbers jobs from FirstJobId again once its saved state is lost, so a new job can get the id of an
     earlier one submitted from the same directory (every `dtlaunch up` of a recipe uses one). Here the earlier
     job is the reference job's own files (ledgers, logs, its finished run and checkpoints), put under the id the
@@ -157,17 +164,25 @@ def test_a_new_job_with_an_earlier_jobs_id_trains_its_own_run_and_keeps_the_earl
     shutil.copytree(reference.run, earlier_run)
     earlier_ledgers, earlier_files = _tree(job.jobdir), _tree(earlier_run)
     sh("scontrol", "release", job.id)
-    wait_for(lambda: list(tmp_path.glob(f"jobs/{job.id}.earlier-*")), 120, "the earlier ledgers to move aside",
-             explain=job.explain)
-    run_id = wait_for(lambda: (job.jobdir / "run_id").is_file() and (job.jobdir / "run_id").read_text().strip(),
-                      60, "the new job's run_id", explain=job.explain)
+    wait_for(
+        lambda: list(tmp_path.glob(f"jobs/{job.id}.earlier-*")),
+        120,
+        "the earlier ledgers to move aside",
+        explain=job.explain,
+    )
+    run_id = wait_for(
+        lambda: (job.jobdir / "run_id").is_file() and (job.jobdir / "run_id").read_text().strip(),
+        60,
+        "the new job's run_id",
+        explain=job.explain,
+    )
     assert run_id.startswith(f"{job.id}-") and run_id != job.id, run_id
     job.run = tmp_path / "runs" / run_id
     wait_for(lambda: job.max_step() >= EVERY + 2, 180, f"step {EVERY + 2}", explain=job.explain)
     sh("scontrol", "requeue", job.id)
     release_after_requeue(job.id, time.time())
     job.done()
-    moved, = tmp_path.glob(f"jobs/{job.id}.earlier-*")
+    (moved,) = tmp_path.glob(f"jobs/{job.id}.earlier-*")
     assert _tree(moved) == earlier_ledgers  # the earlier job's ledgers and logs, moved aside whole
     assert _tree(earlier_run) == earlier_files  # its run untouched: no checkpoint resumed into or pruned
     out = (tmp_path / f"tiny-{job.id}.out").read_text()
@@ -175,7 +190,7 @@ def test_a_new_job_with_an_earlier_jobs_id_trains_its_own_run_and_keeps_the_earl
     # The new run: its own steps from 1, then a resume from its own checkpoint after the requeue.
     start = job.events("start")
     assert [e["attempt"] for e in start] == [0, 0], job.explain()
-    resumed, = job.events("resume")
+    (resumed,) = job.events("resume")
     assert EVERY <= resumed["step"] < STEPS, resumed
     assert [r["step"] for r in job.steps(after=0)][:EVERY] == list(range(1, EVERY + 1))
     assert_same_losses(job.steps(), ref_losses)

@@ -6,6 +6,7 @@ The cluster's nodes claim 2 GPUs each as counted GRES without devices (see conft
 (--gpus-per-node, --gres, --mem-per-gpu, --cpus-per-gpu) are checked by the real sbatch and scheduler; no job
 here uses a GPU. Node names (node1, node2), the reservation and the held job are real.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,8 +38,17 @@ def held(out: Path) -> tuple[str, str]:
 @pytest.fixture
 def reservation(slurm):
     name = f"dtl-{uuid.uuid4().hex[:6]}"
-    sh("scontrol", "create", "reservation", f"ReservationName={name}", "Users=root", "StartTime=now",
-       "Duration=30", "Nodes=node[1-2]", "Flags=IGNORE_JOBS")
+    sh(
+        "scontrol",
+        "create",
+        "reservation",
+        f"ReservationName={name}",
+        "Users=root",
+        "StartTime=now",
+        "Duration=30",
+        "Nodes=node[1-2]",
+        "Flags=IGNORE_JOBS",
+    )
     try:
         yield name
     finally:
@@ -58,11 +68,22 @@ def held_job(tmp_path, partition):
 
 def test_gpu_knobs_are_accepted_and_mean_what_they_say(tmp_path, partition, reservation, held_job):
     out = tmp_path / "gpu"
-    render_to(out, "tiny", [f"targets.slurm.partition={partition}", *GPU, "targets.slurm.gpu_type=local",
-                            "targets.slurm.mem_per_gpu=1G", "targets.slurm.cpus_per_gpu=1",
-                            "targets.slurm.nodelist=node[1-2]", f"targets.slurm.reservation={reservation}",
-                            f"targets.slurm.dependency=afterok:{held_job}", "targets.slurm.mail_type=[END, FAIL]",
-                            "targets.slurm.mail_user=trainer@example.org"])
+    render_to(
+        out,
+        "tiny",
+        [
+            f"targets.slurm.partition={partition}",
+            *GPU,
+            "targets.slurm.gpu_type=local",
+            "targets.slurm.mem_per_gpu=1G",
+            "targets.slurm.cpus_per_gpu=1",
+            "targets.slurm.nodelist=node[1-2]",
+            f"targets.slurm.reservation={reservation}",
+            f"targets.slurm.dependency=afterok:{held_job}",
+            "targets.slurm.mail_type=[END, FAIL]",
+            "targets.slurm.mail_user=trainer@example.org",
+        ],
+    )
     script = (out / "job.sbatch").read_text()
     for line in ("--gpus-per-node=local:2", "--mem-per-gpu=1G", "--cpus-per-gpu=1", f"--dependency=afterok:{held_job}"):
         assert f"#SBATCH {line}\n" in script
@@ -70,9 +91,16 @@ def test_gpu_knobs_are_accepted_and_mean_what_they_say(tmp_path, partition, rese
     assert sbatch_test_only(out) == "node[1-2]"
     job, info = held(out)
     try:
-        for want in (f"Reservation={reservation}", f"Dependency=afterok:{held_job}(unfulfilled)",
-                     "MailUser=trainer@example.org", "MailType=END,FAIL", "ReqNodeList=node[1-2]",
-                     "TresPerNode=gres:gpu:local:2", "MemPerTres=gres:gpu:1024", "CpusPerTres=gres:gpu:1"):
+        for want in (
+            f"Reservation={reservation}",
+            f"Dependency=afterok:{held_job}(unfulfilled)",
+            "MailUser=trainer@example.org",
+            "MailType=END,FAIL",
+            "ReqNodeList=node[1-2]",
+            "TresPerNode=gres:gpu:local:2",
+            "MemPerTres=gres:gpu:1024",
+            "CpusPerTres=gres:gpu:1",
+        ):
             assert want in info, (want, info)
     finally:
         sh("scancel", job, check=False)
@@ -80,9 +108,18 @@ def test_gpu_knobs_are_accepted_and_mean_what_they_say(tmp_path, partition, rese
 
 def test_gres_for_clusters_without_cons_tres_and_exclude(tmp_path, partition):
     out = tmp_path / "gres"
-    render_to(out, "tiny", [f"targets.slurm.partition={partition}", "resources.accelerator=H100:2",
-                            "training.global_batch=8", "targets.slurm.gpu_request=gres", "targets.slurm.gpu_type=local",
-                            "targets.slurm.exclude=node1"])
+    render_to(
+        out,
+        "tiny",
+        [
+            f"targets.slurm.partition={partition}",
+            "resources.accelerator=H100:2",
+            "training.global_batch=8",
+            "targets.slurm.gpu_request=gres",
+            "targets.slurm.gpu_type=local",
+            "targets.slurm.exclude=node1",
+        ],
+    )
     assert "#SBATCH --gres=gpu:local:2\n" in (out / "job.sbatch").read_text()
     assert sbatch_test_only(out) == "node2"  # node1 excluded
     job, info = held(out)
@@ -93,8 +130,11 @@ def test_gres_for_clusters_without_cons_tres_and_exclude(tmp_path, partition):
 
 
 def test_cpu_job_on_a_named_node(tmp_path, partition):
-    render_to(tmp_path, "tiny", [f"targets.slurm.partition={partition}", "targets.slurm.nodelist=node2",
-                                 "targets.slurm.dependency=singleton"])
+    render_to(
+        tmp_path,
+        "tiny",
+        [f"targets.slurm.partition={partition}", "targets.slurm.nodelist=node2", "targets.slurm.dependency=singleton"],
+    )
     assert sbatch_test_only(tmp_path) == "node2"
 
 
@@ -106,8 +146,15 @@ def test_what_sbatch_refuses_validate_refuses_first(tmp_path, partition):
 
     cases = {
         "slurm-nodelist-count": (["targets.slurm.nodelist=node[1-2]"], "invalid number of nodes"),
-        "slurm-nodelist-excluded": (["resources.nodes=2", "training.global_batch=8", "targets.slurm.nodelist=node1",
-                                     "targets.slurm.exclude=node1"], "Invalid node name specified"),
+        "slurm-nodelist-excluded": (
+            [
+                "resources.nodes=2",
+                "training.global_batch=8",
+                "targets.slurm.nodelist=node1",
+                "targets.slurm.exclude=node1",
+            ],
+            "Invalid node name specified",
+        ),
         "slurm-extra-sbatch-field": (['targets.slurm.extra_sbatch=["--mem-per-gpu=1G"]', *GPU], "mutually exclusive"),
     }
     for rule, (over, sbatch_says) in cases.items():
@@ -123,15 +170,36 @@ def test_submitits_batch_script_from_the_knobs_is_accepted(tmp_path, partition, 
     """submitit writes the #SBATCH lines itself, from the parameters render mapped the knobs to."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    _, art = render_to(tmp_path, "tiny", [
-        f"targets.slurm.partition={partition}", *GPU, "targets.slurm.submit=submitit", "targets.slurm.mem_per_gpu=1G",
-        "targets.slurm.cpus_per_gpu=1", "targets.slurm.gpu_request=gres", "targets.slurm.gpu_type=local",
-        "targets.slurm.nodelist=node[1-2]", f"targets.slurm.reservation={reservation}",
-        "targets.slurm.dependency=singleton", "targets.slurm.mail_type=[ALL]", "targets.slurm.mail_user=me"])
+    _, art = render_to(
+        tmp_path,
+        "tiny",
+        [
+            f"targets.slurm.partition={partition}",
+            *GPU,
+            "targets.slurm.submit=submitit",
+            "targets.slurm.mem_per_gpu=1G",
+            "targets.slurm.cpus_per_gpu=1",
+            "targets.slurm.gpu_request=gres",
+            "targets.slurm.gpu_type=local",
+            "targets.slurm.nodelist=node[1-2]",
+            f"targets.slurm.reservation={reservation}",
+            "targets.slurm.dependency=singleton",
+            "targets.slurm.mail_type=[ALL]",
+            "targets.slurm.mail_user=me",
+        ],
+    )
     params = dict(SubmititSpec.from_json(art.files["submitit.json"]).parameters)
     text = _make_sbatch_string(command="true", folder=str(tmp_path / "submitit"), **params)
-    for line in ("--gres=gpu:local:2", "--mem-per-gpu=1G", "--cpus-per-gpu=1", f"--reservation={reservation}",
-                 "--nodelist='node[1-2]'", "--dependency=singleton", "--mail-type=ALL", "--mail-user=me"):
+    for line in (
+        "--gres=gpu:local:2",
+        "--mem-per-gpu=1G",
+        "--cpus-per-gpu=1",
+        f"--reservation={reservation}",
+        "--nodelist='node[1-2]'",
+        "--dependency=singleton",
+        "--mail-type=ALL",
+        "--mail-user=me",
+    ):
         assert f"#SBATCH {line}\n" in text, (line, text)
     (tmp_path / "submitit.sbatch").write_text(text)
     assert sbatch_test_only(tmp_path, "submitit.sbatch") == "node[1-2]"
@@ -140,16 +208,51 @@ def test_submitits_batch_script_from_the_knobs_is_accepted(tmp_path, partition, 
 @pytest.mark.slow
 def test_up_after_chains_an_evaluation_behind_training(tmp_path, partition, run_cli, monkeypatch):
     """A real chain: the evaluation waits (PENDING, Dependency) while the training is held, then both run."""
-    base = ["--set", f"targets.slurm.partition={partition}", "--set", "resources.accelerator=cpu:1",
-            "--set", "training.steps=3", "--set", "checkpoint.every=3", "--set", "targets.slurm.max_failures=0",
-            "--set", f'targets.slurm.setup=["source {VENV_ACTIVATE}"]']
+    base = [
+        "--set",
+        f"targets.slurm.partition={partition}",
+        "--set",
+        "resources.accelerator=cpu:1",
+        "--set",
+        "training.steps=3",
+        "--set",
+        "checkpoint.every=3",
+        "--set",
+        "targets.slurm.max_failures=0",
+        "--set",
+        f'targets.slurm.setup=["source {VENV_ACTIVATE}"]',
+    ]
     tiny = REPO / "recipes" / "tiny.yaml"
-    code, out, err = run_cli("up", tiny, "-t", "slurm", "-o", tmp_path / "train", "--detach", *base,
-                             "--set", "name=chain-train", "--set", "targets.slurm.extra_sbatch=['--hold']")
+    code, out, err = run_cli(
+        "up",
+        tiny,
+        "-t",
+        "slurm",
+        "-o",
+        tmp_path / "train",
+        "--detach",
+        *base,
+        "--set",
+        "name=chain-train",
+        "--set",
+        "targets.slurm.extra_sbatch=['--hold']",
+    )
     assert code == 0, err
     train = re.search(r"slurm job (\d+)", out).group(1)
-    code, out, err = run_cli("up", tiny, "-t", "slurm", "-o", tmp_path / "eval", "--detach", *base,
-                             "--set", "name=chain-eval", "--after", "chain-train")
+    code, out, err = run_cli(
+        "up",
+        tiny,
+        "-t",
+        "slurm",
+        "-o",
+        tmp_path / "eval",
+        "--detach",
+        *base,
+        "--set",
+        "name=chain-eval",
+        "--after",
+        "chain-train",
+    )
     assert code == 0, err
     ev = re.search(r"slurm job (\d+)", out).group(1)
     try:
@@ -162,9 +265,13 @@ def test_up_after_chains_an_evaluation_behind_training(tmp_path, partition, run_
         assert "PENDING" in out and f"after afterok:{train}" in out and "(Dependency)" in out, out
         sh("scontrol", "release", train)
         wait_gone(train, 120)
-        wait_for(lambda: sh("squeue", "-h", "-j", ev, "-o", "%T", check=False).stdout.strip() in ("", "RUNNING",
-                                                                                                   "COMPLETING"),
-                 60, "the evaluation to start after the training")
+        wait_for(
+            lambda: (
+                sh("squeue", "-h", "-j", ev, "-o", "%T", check=False).stdout.strip() in ("", "RUNNING", "COMPLETING")
+            ),
+            60,
+            "the evaluation to start after the training",
+        )
         wait_gone(ev, 120)
     finally:
         sh("scancel", train, ev, check=False)

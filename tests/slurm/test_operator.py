@@ -6,6 +6,7 @@ its own checkpoints, and a checkpoint slower than torchrun's default 30 s grace 
 The submitting shell here has a PATH without the test venv, like a login node's: only the recipe's
 `targets.slurm.setup` lines can make torch and dtlaunch importable in the job.
 """
+
 from __future__ import annotations
 
 import time
@@ -63,9 +64,19 @@ def test_scancel_of_a_running_job_ends_it_for_good(tmp_path, partition):
 def test_a_run_longer_than_its_time_limit_continues_past_max_requeues(tmp_path, partition):
     """max_requeues=0 (no preemption may be retried), yet a time limit is not a preemption: each allocation
     ends with a checkpoint and the job continues in the next one, as long as it makes progress."""
-    render_to(tmp_path, "tiny", activating(partition, [
-        "training.steps=5000", "targets.slurm.time=2", "targets.slurm.signal_seconds=60",
-        "targets.slurm.max_requeues=0"]))
+    render_to(
+        tmp_path,
+        "tiny",
+        activating(
+            partition,
+            [
+                "training.steps=5000",
+                "targets.slurm.time=2",
+                "targets.slurm.signal_seconds=60",
+                "targets.slurm.max_requeues=0",
+            ],
+        ),
+    )
     job = Job(tmp_path, env=BARE)
     t0 = time.time()
     try:
@@ -106,8 +117,11 @@ def test_a_checkpoint_slower_than_torchruns_default_grace_survives_term(tmp_path
     """TERM reaches torchrun and the workers (as a site's preemption or KillWait would); the save it starts
     takes 40 s, longer than torchrun's default 30 s before SIGKILL. With the rendered --shutdown-timeout
     (checkpoint.grace_seconds) the checkpoint is committed and every rank reports PREEMPTED."""
-    render_to(tmp_path, "tiny", activating(partition, ["training.steps=2000", "checkpoint.every=100000",
-                                                       "checkpoint.grace_seconds=90"]))
+    render_to(
+        tmp_path,
+        "tiny",
+        activating(partition, ["training.steps=2000", "checkpoint.every=100000", "checkpoint.grace_seconds=90"]),
+    )
     job = Job(tmp_path, env={**BARE, "DTLAUNCH_FAULT": "slow_checkpoint:step=any:seconds=40"})
     try:
         wait_for(lambda: job.max_step() >= 3, 180, "step 3")

@@ -1,5 +1,6 @@
 """The rendered job script: directives, rendezvous, quoting, the interpreter. Pure rendering plus `bash -n`
 and shellcheck; the scripts run on a real cluster in test_job_lifecycle.py and test_operator.py."""
+
 from __future__ import annotations
 
 import math
@@ -25,10 +26,19 @@ def test_every_recipe_renders_valid_bash(name, tmp_path):
     for f in ("job.sbatch", "step.sh"):
         p = subprocess.run(["bash", "-n", str(tmp_path / f)], capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
-        p = subprocess.run(["shellcheck", "-S", "warning", "-s", "bash", str(tmp_path / f)], capture_output=True, text=True)
+        p = subprocess.run(
+            ["shellcheck", "-S", "warning", "-s", "bash", str(tmp_path / f)], capture_output=True, text=True
+        )
         assert p.returncode == 0, p.stdout
-    for d in ("--ntasks-per-node=1", "--open-mode=append", "--requeue", "--signal=B:USR2@", "--output=%x-%j.out",
-              "--partition=debug", "--time="):
+    for d in (
+        "--ntasks-per-node=1",
+        "--open-mode=append",
+        "--requeue",
+        "--signal=B:USR2@",
+        "--output=%x-%j.out",
+        "--partition=debug",
+        "--time=",
+    ):
         assert f"#SBATCH {d}" in script
     assert art.submit_command == ["sbatch", "--parsable", "job.sbatch"]
     step = art.files["step.sh"]
@@ -57,7 +67,9 @@ def test_the_interpreter_is_resolved_on_the_node_after_setup(tmp_path):
 def test_memory_cpu_and_gpu_requests(tmp_path):
     _, gpu = render_to(tmp_path / "g", "llama3-8b")
     _, cpu = render_to(tmp_path / "c", "tiny")
-    _, shared = render_to(tmp_path / "s", "llama3-8b", ["targets.slurm.exclusive=false", "targets.slurm.cpus_per_gpu=8"])
+    _, shared = render_to(
+        tmp_path / "s", "llama3-8b", ["targets.slurm.exclusive=false", "targets.slurm.cpus_per_gpu=8"]
+    )
     _, offload = render_to(tmp_path / "o", "llama2-13b-zero3", ["targets.slurm.exclusive=false"])
     g, c, s, o = (a.files["job.sbatch"] for a in (gpu, cpu, shared, offload))
     assert "#SBATCH --gpus-per-node=8" in g and "--gpus-per-node" not in c
@@ -115,11 +127,15 @@ def test_sbatch_value_quotes_for_sbatchs_own_parser():
 
 def test_hostile_values_are_quoted_and_secret_values_never_written(tmp_path, monkeypatch):
     monkeypatch.setenv("MY_TOKEN", "s3cr3t-value-42")
-    r, art = render_to(tmp_path, "tiny", [
-        "name=x; touch /tmp/pwned",
-        "env.EVIL=$(touch /tmp/pwned-env) `touch /tmp/pwned-bt` ' \" ; rm -rf /",
-        "secrets=[MY_TOKEN]",
-    ])
+    r, art = render_to(
+        tmp_path,
+        "tiny",
+        [
+            "name=x; touch /tmp/pwned",
+            "env.EVIL=$(touch /tmp/pwned-env) `touch /tmp/pwned-bt` ' \" ; rm -rf /",
+            "secrets=[MY_TOKEN]",
+        ],
+    )
     script = art.files["job.sbatch"]
     assert f"#SBATCH --job-name={r.job_name}" in script and r.job_name.startswith("x-touch-tmp-pwned-")
     assert "export EVIL='$(touch /tmp/pwned-env) `touch /tmp/pwned-bt` '\"'\"' \" ; rm -rf /'" in script
@@ -130,7 +146,7 @@ def test_hostile_values_are_quoted_and_secret_values_never_written(tmp_path, mon
 
 def test_extra_sbatch_must_be_options(tmp_path):
     with pytest.raises(DtlaunchError, match="not an sbatch option"):
-        render_to(tmp_path, "tiny", ["targets.slurm.extra_sbatch=[\"rm -rf /\"]"])
+        render_to(tmp_path, "tiny", ['targets.slurm.extra_sbatch=["rm -rf /"]'])
 
 
 def test_array_render_one_plan_per_task_with_a_throttle(tmp_path):

@@ -1,4 +1,5 @@
 """Rendered scripts against the real local SLURM: sbatch accepts them, quoting holds, errors are clear."""
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,12 @@ def test_sbatch_test_only_accepts_every_recipe(name, tmp_path, partition):
 def test_sbatch_line_quoting_round_trips(tmp_path, partition):
     """sbatch parses #SBATCH lines itself: a hostile value arrives intact, as data."""
     marker = Path(f"/tmp/pwned-comment-{uuid.uuid4().hex[:8]}")
-    comment = f'a b "c" #d $(touch {marker}) \'e\''
-    render_to(tmp_path, "tiny", [f"targets.slurm.partition={partition}",
-                                 f"targets.slurm.extra_sbatch=[{json.dumps('--comment=' + comment)}]"])
+    comment = f"a b \"c\" #d $(touch {marker}) 'e'"
+    render_to(
+        tmp_path,
+        "tiny",
+        [f"targets.slurm.partition={partition}", f"targets.slurm.extra_sbatch=[{json.dumps('--comment=' + comment)}]"],
+    )
     job = sbatch(tmp_path, "--hold")
     try:
         info = sh("scontrol", "show", "job", job).stdout
@@ -46,15 +50,19 @@ def test_hostile_recipe_runs_quoted_never_executed(tmp_path, partition, monkeypa
     tag = uuid.uuid4().hex[:8]
     markers = [Path(f"/tmp/pwned-{tag}-{i}") for i in range(3)]
     monkeypatch.setenv("MY_TOKEN", f"s3cr3t-{tag}")
-    r, _ = render_to(tmp_path, "tiny", [
-        f"name=x; touch {markers[0]}",
-        f"env.EVIL=$(touch {markers[1]}) `touch {markers[2]}` ' \" ; exit 7",
-        "secrets=[MY_TOKEN]",
-        f"targets.slurm.partition={partition}",
-        "targets.slurm.max_failures=0",
-        "training.steps=2",
-        f"targets.slurm.setup=['echo \"secret-length=${{#MY_TOKEN}} evil=$EVIL\"', 'source {VENV_ACTIVATE}']",
-    ])
+    r, _ = render_to(
+        tmp_path,
+        "tiny",
+        [
+            f"name=x; touch {markers[0]}",
+            f"env.EVIL=$(touch {markers[1]}) `touch {markers[2]}` ' \" ; exit 7",
+            "secrets=[MY_TOKEN]",
+            f"targets.slurm.partition={partition}",
+            "targets.slurm.max_failures=0",
+            "training.steps=2",
+            f"targets.slurm.setup=['echo \"secret-length=${{#MY_TOKEN}} evil=$EVIL\"', 'source {VENV_ACTIVATE}']",
+        ],
+    )
     job = sbatch(tmp_path)
     wait_gone(job, 120)
     assert r.job_name.startswith(f"x-touch-tmp-pwned-{tag}-0-")  # scheduler-safe, and distinct from plain "x"
@@ -79,8 +87,17 @@ def test_missing_sbatch_is_a_clear_error_and_records_nothing(tmp_path, run_cli, 
 
 
 def test_sbatch_rejection_shows_its_stderr_and_records_nothing(tmp_path, run_cli, slurm):
-    code, out, err = run_cli("up", REPO / "recipes/tiny.yaml", "-t", "slurm", "-o", tmp_path / "r", "--detach",
-                             "--set", "targets.slurm.partition=nope")
+    code, out, err = run_cli(
+        "up",
+        REPO / "recipes/tiny.yaml",
+        "-t",
+        "slurm",
+        "-o",
+        tmp_path / "r",
+        "--detach",
+        "--set",
+        "targets.slurm.partition=nope",
+    )
     assert code == BackendError.exit_code
     assert "sbatch rejected the job" in err and "invalid partition" in err.lower()
     code, out, _ = run_cli("status")
@@ -89,8 +106,9 @@ def test_sbatch_rejection_shows_its_stderr_and_records_nothing(tmp_path, run_cli
 
 def test_backend_submit_status_logs_cancel(tmp_path, partition):
     """The backend on a held job: submit -> PENDING via squeue -> cancel -> CANCELLED via sacct."""
-    _, art = render_to(tmp_path, "tiny", [f"targets.slurm.partition={partition}",
-                                          "targets.slurm.extra_sbatch=['--hold']"])
+    _, art = render_to(
+        tmp_path, "tiny", [f"targets.slurm.partition={partition}", "targets.slurm.extra_sbatch=['--hold']"]
+    )
     be = SlurmBackend(poll_seconds=0.5)
     rec = be.submit(art, str(tmp_path))
     assert rec.job_id.isdigit() and rec.run_dir == str(tmp_path.resolve())
@@ -114,5 +132,12 @@ def test_status_falls_back_to_job_files_without_accounting(tmp_path, partition):
     (run / "exit_codes").write_text("0 42 USR2\n1 0 none\n")
     rec = JobRecord("tiny", "slurm", "999999", str(tmp_path), SlurmHandle(str(tmp_path), "tiny"))
     st = SlurmBackend().status(rec).to_dict()
-    assert st == {"state": "COMPLETED", "exit_code": 0, "detail": None, "source": "job files", "job_state": "COMPLETED",
-                  "attempts": 2, "last_exit_code": 0}
+    assert st == {
+        "state": "COMPLETED",
+        "exit_code": 0,
+        "detail": None,
+        "source": "job files",
+        "job_state": "COMPLETED",
+        "attempts": 2,
+        "last_exit_code": 0,
+    }

@@ -1,4 +1,5 @@
 """Submission over SSH to a real sshd on loopback (own host key, config, client key), and host-key refusal."""
+
 from __future__ import annotations
 
 import os
@@ -33,16 +34,16 @@ def sshd(tmp_path_factory, slurm):
     port = _free_port()
     (d / "sshd_config").write_text(f"""Port {port}
 ListenAddress 127.0.0.1
-HostKey {d / 'host'}
-PidFile {d / 'sshd.pid'}
-AuthorizedKeysFile {d / 'authorized_keys'}
+HostKey {d / "host"}
+PidFile {d / "sshd.pid"}
+AuthorizedKeysFile {d / "authorized_keys"}
 PasswordAuthentication no
 KbdInteractiveAuthentication no
 PermitRootLogin prohibit-password
 StrictModes no
 UsePAM no
 Subsystem sftp internal-sftp
-SetEnv SLURM_CONF={os.environ['SLURM_CONF']}
+SetEnv SLURM_CONF={os.environ["SLURM_CONF"]}
 """)
     host_pub = (d / "host.pub").read_text().split()
     (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
@@ -50,8 +51,11 @@ SetEnv SLURM_CONF={os.environ['SLURM_CONF']}
     (d / "wrong_known_hosts").write_text(f"[127.0.0.1]:{port} {other_pub[0]} {other_pub[1]}\n")
     (d / "empty_known_hosts").write_text("")
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
-    proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(d / "sshd_config")],
-                            stdout=subprocess.DEVNULL, stderr=open(d / "sshd.log", "w"))
+    proc = subprocess.Popen(
+        ["/usr/sbin/sshd", "-D", "-e", "-f", str(d / "sshd_config")],
+        stdout=subprocess.DEVNULL,
+        stderr=open(d / "sshd.log", "w"),
+    )
 
     def up():
         try:
@@ -69,10 +73,15 @@ SetEnv SLURM_CONF={os.environ['SLURM_CONF']}
 
 def _ssh_overrides(sshd, partition, known_hosts="known_hosts", remote_dir=None):
     d = sshd["dir"]
-    spec = (f"{{host: 127.0.0.1, port: {sshd['port']}, user: root, key_file: '{d / 'client'}', "
-            f"known_hosts: '{d / known_hosts}', remote_dir: '{remote_dir or d / 'remote'}'}}")
-    return [f"targets.slurm.partition={partition}", f"targets.slurm.ssh={spec}",
-            "targets.slurm.extra_sbatch=['--hold']"]
+    spec = (
+        f"{{host: 127.0.0.1, port: {sshd['port']}, user: root, key_file: '{d / 'client'}', "
+        f"known_hosts: '{d / known_hosts}', remote_dir: '{remote_dir or d / 'remote'}'}}"
+    )
+    return [
+        f"targets.slurm.partition={partition}",
+        f"targets.slurm.ssh={spec}",
+        "targets.slurm.extra_sbatch=['--hold']",
+    ]
 
 
 def test_submit_status_cancel_over_ssh(sshd, partition, tmp_path):
@@ -97,8 +106,9 @@ def test_submit_status_cancel_over_ssh(sshd, partition, tmp_path):
 
 @pytest.mark.parametrize("known_hosts", ["wrong_known_hosts", "empty_known_hosts"])
 def test_unknown_or_changed_host_key_is_refused(sshd, partition, tmp_path, known_hosts):
-    _, art = render_to(tmp_path / "local", "tiny",
-                       _ssh_overrides(sshd, partition, known_hosts, remote_dir=str(tmp_path / "remote")))
+    _, art = render_to(
+        tmp_path / "local", "tiny", _ssh_overrides(sshd, partition, known_hosts, remote_dir=str(tmp_path / "remote"))
+    )
     with pytest.raises(BackendError, match="refusing to connect"):
         SlurmBackend().submit(art, str(tmp_path / "local"))
     assert not (tmp_path / "remote").exists()  # nothing was copied

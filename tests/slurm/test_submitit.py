@@ -6,6 +6,7 @@ line activates, and that python runs the rendered step.sh on node1 and node2 und
 real runtime, one CPU rank per node). The submitting process has a PATH without the test venv, as on a
 login node: only `targets.slurm.setup` makes torch, submitit and dtlaunch importable in the job.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,10 +38,18 @@ SUBMITIT = "targets.slurm.submit=submitit"
 
 
 def cluster_overrides(partition: str, tmp: Path, *extra: str) -> list[str]:
-    return [f"targets.slurm.partition={partition}", "resources.nodes=2", "resources.accelerator=cpu:1",
-            f"training.steps={STEPS}", f"checkpoint.every={EVERY}", f"checkpoint.dir={shared_dir(tmp)}/ckpt/{{run_id}}",
-            "training.deterministic=true", f'targets.slurm.setup=["source {VENV_ACTIVATE}"]',
-            "targets.slurm.max_requeues=2", *extra]
+    return [
+        f"targets.slurm.partition={partition}",
+        "resources.nodes=2",
+        "resources.accelerator=cpu:1",
+        f"training.steps={STEPS}",
+        f"checkpoint.every={EVERY}",
+        f"checkpoint.dir={shared_dir(tmp)}/ckpt/{{run_id}}",
+        "training.deterministic=true",
+        f'targets.slurm.setup=["source {VENV_ACTIVATE}"]',
+        "targets.slurm.max_requeues=2",
+        *extra,
+    ]
 
 
 class Run:
@@ -99,8 +108,9 @@ def test_render_ships_the_same_step_a_preamble_and_the_request(tmp_path):
     for f in ("submitit_setup.sh", "step.sh"):
         p = subprocess.run(["bash", "-n", str(tmp_path / "sub" / f)], capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
-        p = subprocess.run(["shellcheck", "-S", "warning", "-s", "bash", str(tmp_path / "sub" / f)],
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            ["shellcheck", "-S", "warning", "-s", "bash", str(tmp_path / "sub" / f)], capture_output=True, text=True
+        )
         assert p.returncode == 0, p.stdout
     req = art.request
     assert req.submit == "submitit" and req.submitit is not None
@@ -121,16 +131,26 @@ def test_render_ships_the_same_step_a_preamble_and_the_request(tmp_path):
 
 def test_the_preamble_is_job_sbatchs_batch_part_from_one_template(tmp_path):
     """Environment, secrets, setup lines, interpreter check and rendezvous: the same shell in both files."""
-    over = ["resources.nodes=2", 'targets.slurm.setup=["module load cuda", "source /opt/venv/bin/activate"]',
-            "secrets=[HF_TOKEN]", "env.FOO=bar"]
+    over = [
+        "resources.nodes=2",
+        'targets.slurm.setup=["module load cuda", "source /opt/venv/bin/activate"]',
+        "secrets=[HF_TOKEN]",
+        "env.FOO=bar",
+    ]
     _, sb = render_to(tmp_path / "a", "tiny", over)
     _, art = render_to(tmp_path / "b", "tiny", over + [SUBMITIT])
     job, pre = sb.files["job.sbatch"], art.files["submitit_setup.sh"]
     start = job.index("# ---- identity.")
-    shared = job[start:job.index("# ---- signals.")]
+    shared = job[start : job.index("# ---- signals.")]
     assert shared in pre and len(shared.splitlines()) > 50
-    for line in ("module load cuda", "source /opt/venv/bin/activate", '[ -n "${HF_TOKEN+x}" ]', "export FOO=bar",
-                 '"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check', "MASTER_PORT=$(( 10000 + "):
+    for line in (
+        "module load cuda",
+        "source /opt/venv/bin/activate",
+        '[ -n "${HF_TOKEN+x}" ]',
+        "export FOO=bar",
+        '"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check',
+        "MASTER_PORT=$(( 10000 + ",
+    ):
         assert line in pre
     assert pre.index("source /opt/venv/bin/activate") < pre.index("--check") < pre.index("import submitit")
     assert 'SUBMIT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"' in pre
@@ -139,10 +159,18 @@ def test_the_preamble_is_job_sbatchs_batch_part_from_one_template(tmp_path):
 
 def test_hostile_values_stay_data_or_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("MY_TOKEN", "s3cr3t-value-42")
-    comment = 'a b "c" #d $(touch /tmp/pwned) \'e\''
-    r, art = render_to(tmp_path, "tiny", [
-        SUBMITIT, "name=x; touch /tmp/pwned", "env.EVIL=$(touch /tmp/pwned-env) `x` ' \" ; rm -rf /",
-        "secrets=[MY_TOKEN]", f"targets.slurm.extra_sbatch=[{json.dumps('--comment=' + comment)}]"])
+    comment = "a b \"c\" #d $(touch /tmp/pwned) 'e'"
+    r, art = render_to(
+        tmp_path,
+        "tiny",
+        [
+            SUBMITIT,
+            "name=x; touch /tmp/pwned",
+            "env.EVIL=$(touch /tmp/pwned-env) `x` ' \" ; rm -rf /",
+            "secrets=[MY_TOKEN]",
+            f"targets.slurm.extra_sbatch=[{json.dumps('--comment=' + comment)}]",
+        ],
+    )
     pre = art.files["submitit_setup.sh"]
     assert "export EVIL='$(touch /tmp/pwned-env) `x` '\"'\"' \" ; rm -rf /'" in pre
     params = art.request.submitit.parameters
@@ -152,8 +180,11 @@ def test_hostile_values_stay_data_or_are_refused(tmp_path, monkeypatch):
         assert "s3cr3t-value-42" not in (tmp_path / rel).read_text(), rel
     # submitit writes #SBATCH values through shlex.quote: a line break would start a shell command there,
     # and sbatch reads a backslash as an escape even in single quotes.
-    for bad, what in (("--comment=x\ntouch /tmp/pwned #", "single line"), ("--comment=a\\b", "backslash"),
-                      ("-w node1", "long options")):
+    for bad, what in (
+        ("--comment=x\ntouch /tmp/pwned #", "single line"),
+        ("--comment=a\\b", "backslash"),
+        ("-w node1", "long options"),
+    ):
         with pytest.raises(DtlaunchError, match=what):
             render_to(tmp_path / "bad", "tiny", [SUBMITIT, f"targets.slurm.extra_sbatch=[{json.dumps(bad)}]"])
 
@@ -163,15 +194,21 @@ def test_submitits_batch_script_execs_the_nodes_python(tmp_path):
     then `exec` makes the batch process submitit's python, the one --signal=B:USR2@N reaches."""
     _, art = render_to(tmp_path, "tiny", [SUBMITIT, "resources.nodes=2", "targets.slurm.signal_seconds=300"])
     spec = art.request.submitit
-    ex = submitit_job.OneTaskSlurmExecutor(tmp_path / spec.folder, max_num_timeout=spec.max_num_timeout,
-                                           python=spec.python)
+    ex = submitit_job.OneTaskSlurmExecutor(
+        tmp_path / spec.folder, max_num_timeout=spec.max_num_timeout, python=spec.python
+    )
     ex.update_parameters(**spec.parameters, setup=[f"source {tmp_path}/submitit_setup.sh"])
     text = ex._make_submission_file_text(ex._submitit_command_str, "uid")
     assert ex._num_tasks() == 1  # job.result() works for a 2-node job
     assert f"source {tmp_path}/submitit_setup.sh\n" in text
     assert f'exec "$PYTHON" -u -m submitit.core._submit {tmp_path}/submitit' in text
-    for line in ("#SBATCH --signal=B:USR2@300", "#SBATCH --requeue", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
-                 f"#SBATCH --output={tmp_path}/submitit/%j_0_log.out"):
+    for line in (
+        "#SBATCH --signal=B:USR2@300",
+        "#SBATCH --requeue",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={tmp_path}/submitit/%j_0_log.out",
+    ):
         assert line + "\n" in text
     assert "srun" not in text.split("# command", 1)[1]  # submitit's own srun is off; the step's srun is ours
     assert "--error" not in text  # one log, stdout and stderr together
@@ -188,8 +225,7 @@ def test_sweeps_stay_with_sbatch():
 
 
 def test_importing_launcher_and_finding_submit_imports_neither_submitit_nor_torch():
-    code = ("import sys, launcher\nf = launcher.submit\n"
-            "print([m for m in ('submitit', 'torch') if m in sys.modules])")
+    code = "import sys, launcher\nf = launcher.submit\nprint([m for m in ('submitit', 'torch') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
 
@@ -216,21 +252,24 @@ def test_registry_rows_from_before_submitit_still_decode():
 # ----------------------------------------------------------------------------- the decisions (pure)
 
 
-@pytest.mark.parametrize("outcome,counts,want", [
-    (Outcome(0), (0, 0), ("done", "COMPLETED", None)),
-    (Outcome(42, "TERM"), (0, 0), ("stop", "STOPPED", None)),  # a cancel: never requeued
-    (Outcome(1, "TERM"), (0, 0), ("stop", "STOPPED", None)),
-    (Outcome(42, "USR2", time_limit=True, progress=True), (5, 0), ("requeue", "REQUEUED", "continuations")),
-    (Outcome(42, "USR2", time_limit=True, progress=False), (0, 0), ("fail", "FAILED", None)),
-    (Outcome(42, "USR2"), (1, 0), ("requeue", "REQUEUED", "requeues")),
-    (Outcome(42, "USR2"), (2, 0), ("fail", "PREEMPTED", None)),  # max_requeues=2 used up
-    (Outcome(42), (0, 0), ("requeue", "REQUEUED", "requeues")),  # the steps were signalled, not this process
-    (Outcome(1, "USR2"), (0, 0), ("requeue", "REQUEUED", "requeues")),  # as job.sbatch: USR2 means preemption
-    (Outcome(43), (0, 1), ("requeue", "REQUEUED", "failures")),  # failure 2 of at most 3
-    (Outcome(43), (0, 2), ("fail", "FAILED", "failures")),  # the third failure is the last
-    (Outcome(ExitCode.CONFIG), (0, 0), ("fail", "FAILED", "failures")),  # never retried
-    (Outcome(ExitCode.DIVERGED), (0, 0), ("fail", "FAILED", "failures")),  # never retried either
-])
+@pytest.mark.parametrize(
+    "outcome,counts,want",
+    [
+        (Outcome(0), (0, 0), ("done", "COMPLETED", None)),
+        (Outcome(42, "TERM"), (0, 0), ("stop", "STOPPED", None)),  # a cancel: never requeued
+        (Outcome(1, "TERM"), (0, 0), ("stop", "STOPPED", None)),
+        (Outcome(42, "USR2", time_limit=True, progress=True), (5, 0), ("requeue", "REQUEUED", "continuations")),
+        (Outcome(42, "USR2", time_limit=True, progress=False), (0, 0), ("fail", "FAILED", None)),
+        (Outcome(42, "USR2"), (1, 0), ("requeue", "REQUEUED", "requeues")),
+        (Outcome(42, "USR2"), (2, 0), ("fail", "PREEMPTED", None)),  # max_requeues=2 used up
+        (Outcome(42), (0, 0), ("requeue", "REQUEUED", "requeues")),  # the steps were signalled, not this process
+        (Outcome(1, "USR2"), (0, 0), ("requeue", "REQUEUED", "requeues")),  # as job.sbatch: USR2 means preemption
+        (Outcome(43), (0, 1), ("requeue", "REQUEUED", "failures")),  # failure 2 of at most 3
+        (Outcome(43), (0, 2), ("fail", "FAILED", "failures")),  # the third failure is the last
+        (Outcome(ExitCode.CONFIG), (0, 0), ("fail", "FAILED", "failures")),  # never retried
+        (Outcome(ExitCode.DIVERGED), (0, 0), ("fail", "FAILED", "failures")),  # never retried either
+    ],
+)
 def test_decisions_are_job_sbatchs(outcome, counts, want):
     d = decide(outcome, requeues=counts[0], failures=counts[1], max_requeues=2, max_failures=3)
     assert (d.action, d.state, d.ledger) == want
@@ -252,8 +291,8 @@ def test_two_nodes_complete_and_the_result_is_the_runs_summary(tmp_path, partiti
     r = Run(job, tmp_path / "out")
     assert summary["state"] == "COMPLETED" and summary["exit_code"] == 0, r.log()
     assert (summary["attempts"], summary["step"], summary["run_dir"]) == (1, STEPS, str(r.run))
-    start, = r.events("start")
-    pre, = r.events("preflight")
+    (start,) = r.events("start")
+    (pre,) = r.events("preflight")
     assert start["world_size"] == 2 and pre["ok"] and pre["hosts"] == 2, pre  # one rank on node1, one on node2
     assert r.steps() == list(range(1, STEPS + 1))
     assert complete_steps(Path(summary["checkpoint_dir"]))[-1] == STEPS
@@ -261,14 +300,21 @@ def test_two_nodes_complete_and_the_result_is_the_runs_summary(tmp_path, partiti
     assert r.ledger("exit_codes") == ["0 0 none"] and r.ledger("state") == ["COMPLETED"]
     assert (r.jobdir / "finished").exists()
     # job.result() returns as the batch process ends; slurmctld records the end in accounting a moment later
-    accounted = wait_for(lambda: (rows := [row[1:] for row in r.sacct() if row[0] in (r.id, f"{r.id}.batch")])
-                         and all(x[0] != "RUNNING" for x in rows) and rows, 30, "sacct to record the end")
+    accounted = wait_for(
+        lambda: (
+            (rows := [row[1:] for row in r.sacct() if row[0] in (r.id, f"{r.id}.batch")])
+            and all(x[0] != "RUNNING" for x in rows)
+            and rows
+        ),
+        30,
+        "sacct to record the end",
+    )
     assert accounted == [["COMPLETED", "0:0"]] * 2
     # the batch step ran the interpreter the setup line activated, not the submitting machine's PATH
     assert f"check ok: dtlaunch {launcher.__version__}" in r.log()
     # dtlaunch follows it like any SLURM job
     code, out, _ = run_cli("status", r.id, "--json")
-    row, = json.loads(out)
+    (row,) = json.loads(out)
     assert code == 0 and (row["state"], row["exit_code"], row["job_state"]) == ("COMPLETED", 0, "COMPLETED"), row
     code, out, _ = run_cli("logs", r.id)
     assert code == 0 and f"done: {STEPS} steps" in out
@@ -286,7 +332,7 @@ def test_usr2_checkpoints_requeues_through_submitit_and_resumes(tmp_path, partit
     wait_for(lambda: r.ledger("requeues"), 90, "submitit to requeue the job", explain=r.state)
     requeued_at = time.time()
     assert r.ledger("exit_codes") == ["0 42 USR2"], r.log()
-    pre, = r.events("preempt")
+    (pre,) = r.events("preempt")
     saved = pre["step"]
     assert pre["signal"] == "SIGUSR2" and 3 <= saved < STEPS, pre
     assert saved in complete_steps(shared_dir(tmp_path) / "ckpt" / r.id)
@@ -294,7 +340,7 @@ def test_usr2_checkpoints_requeues_through_submitit_and_resumes(tmp_path, partit
     summary = job.result()
     took = time.time() - t0
     assert (summary["attempts"], summary["requeues"], summary["continuations"], summary["step"]) == (2, 1, 0, STEPS)
-    resumed, = r.events("resume")
+    (resumed,) = r.events("resume")
     assert resumed["step"] == saved and resumed["world_size"] == 2
     assert r.steps() == list(range(1, STEPS + 1))  # nothing lost, nothing redone
     assert r.ledger("exit_codes") == ["0 42 USR2", "1 0 none"]
@@ -302,15 +348,18 @@ def test_usr2_checkpoints_requeues_through_submitit_and_resumes(tmp_path, partit
     log = r.log()
     assert "Calling checkpoint method" in log and f"Requeued job {r.id}" in log  # submitit's own requeue
     assert log.count("asking the training processes to checkpoint") == 1  # USR2 forwarded once
-    print(f"\nUSR2 -> checkpoint at step {saved} -> submitit requeue -> resume -> done: {took:.1f}s "
-          "(incl. >= 3 s before the requeue hold is released)")
+    print(
+        f"\nUSR2 -> checkpoint at step {saved} -> submitit requeue -> resume -> done: {took:.1f}s "
+        "(incl. >= 3 s before the requeue hold is released)"
+    )
 
 
 @slow
 def test_cancel_of_a_running_job_ends_it_for_good(tmp_path, partition, login_shell):
     t0 = time.time()
-    job = launcher.submit(TINY, target_dir=tmp_path / "out",
-                          overrides=cluster_overrides(partition, tmp_path, "training.steps=2000"))
+    job = launcher.submit(
+        TINY, target_dir=tmp_path / "out", overrides=cluster_overrides(partition, tmp_path, "training.steps=2000")
+    )
     r = Run(job, tmp_path / "out")
     wait_for(lambda: r.max_step() >= 3, 180, "step 3", explain=r.state)
     t_cancel = time.time()
@@ -336,9 +385,13 @@ def test_a_failure_raises_from_result_with_the_ranks_codes(tmp_path, partition, 
     """Through `dtlaunch up`: rank 1 exits 43 at step 3 (no torchrun restarts, no retries). Its peer then
     fails to communicate (exit 1), which the contract reports as the job's code; rank 1's 43 is named."""
     monkeypatch.setenv("DTLAUNCH_FAULT", "exit:rank=1:step=3:code=43")  # the job inherits it (--export=ALL)
-    sets = cluster_overrides(partition, tmp_path, SUBMITIT, "targets.slurm.max_restarts=0", "targets.slurm.max_failures=0")
+    sets = cluster_overrides(
+        partition, tmp_path, SUBMITIT, "targets.slurm.max_restarts=0", "targets.slurm.max_failures=0"
+    )
     t0 = time.time()
-    code, out, err = run_cli("up", TINY, "-t", "slurm", "-o", tmp_path / "out", *[a for s in sets for a in ("--set", s)])
+    code, out, err = run_cli(
+        "up", TINY, "-t", "slurm", "-o", tmp_path / "out", *[a for s in sets for a in ("--set", s)]
+    )
     assert code == 0, err
     rec = Registry().find("tiny")
     assert rec.handle.submit == "submitit" and rec.handle.submitit_folder == str(tmp_path / "out" / "submitit")
@@ -363,17 +416,25 @@ def test_preempted_without_requeues_left_exits_42(tmp_path, partition, login_she
     job fails with the contract's 42, in job.result() and as the batch step's exit code in sacct."""
     monkeypatch.setenv("DTLAUNCH_FAULT", "signal:rank=0:step=3:sig=USR2")
     t0 = time.time()
-    job = launcher.submit(TINY, target_dir=tmp_path / "out", overrides=cluster_overrides(
-        partition, tmp_path, "targets.slurm.max_requeues=0", "targets.slurm.max_restarts=0"))  # no torchrun restart
-    with pytest.raises(submitit.core.utils.FailedJobError, match=r"exit 42 \(PREEMPTED\): preempted, but "
-                       r"max_requeues=0 is used up"):
+    job = launcher.submit(
+        TINY,
+        target_dir=tmp_path / "out",
+        overrides=cluster_overrides(
+            partition, tmp_path, "targets.slurm.max_requeues=0", "targets.slurm.max_restarts=0"
+        ),
+    )  # no torchrun restart
+    with pytest.raises(
+        submitit.core.utils.FailedJobError,
+        match=r"exit 42 \(PREEMPTED\): preempted, but "
+        r"max_requeues=0 is used up",
+    ):
         job.result()
     took = time.time() - t0
     r = Run(job, tmp_path / "out")
     rows = {row[0]: row[1:] for row in r.sacct()}
     assert rows[f"{r.id}.batch"] == ["FAILED", "42:0"] and rows[r.id] == ["FAILED", "42:0"], rows
     assert r.ledger("exit_codes") == ["0 42 none"] and r.ledger("state") == ["PREEMPTED"]
-    pre, = r.events("preempt")
+    (pre,) = r.events("preempt")
     assert pre["step"] in complete_steps(shared_dir(tmp_path) / "ckpt" / r.id)
     print(f"\npreempted with max_requeues=0 -> exit 42 in sacct after {took:.1f}s")
 
@@ -396,9 +457,14 @@ def test_without_setup_the_job_fails_once_and_result_says_what_to_do(tmp_path, p
 def test_sbatch_reads_submitits_quoting_as_data(tmp_path, partition, login_shell):
     """A hostile value reaches SLURM intact through submitit's #SBATCH lines (the job is held, never run)."""
     marker = Path(f"/tmp/pwned-submitit-{uuid.uuid4().hex[:8]}")
-    comment = f'a b "c" #d $(touch {marker}) \'e\''
-    job = launcher.submit(TINY, target_dir=tmp_path / "out", overrides=cluster_overrides(
-        partition, tmp_path, f"targets.slurm.extra_sbatch={json.dumps(['--comment=' + comment, '--hold'])}"))
+    comment = f"a b \"c\" #d $(touch {marker}) 'e'"
+    job = launcher.submit(
+        TINY,
+        target_dir=tmp_path / "out",
+        overrides=cluster_overrides(
+            partition, tmp_path, f"targets.slurm.extra_sbatch={json.dumps(['--comment=' + comment, '--hold'])}"
+        ),
+    )
     try:
         info = sh("scontrol", "show", "job", str(job.job_id)).stdout
         assert f"Comment={comment}" in info, info

@@ -10,6 +10,7 @@ with StorageError and nothing is marked. Full or read-only storage ends the run 
 naming the path, what a checkpoint needs and what is free. Async saves (DCP) run on their own gloo group, at most one in
 flight, and are committed as soon as every rank's manifest is visible, or at the next collective wait.
 """
+
 from __future__ import annotations
 
 import errno
@@ -44,8 +45,9 @@ def staging_options(gpu: bool):
     returns once the copy is taken, and the next optimizer step may then change the weights."""
     from torch.distributed.checkpoint.staging import StagingOptions
 
-    return StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
-                          use_non_blocking_copy=gpu)
+    return StagingOptions(
+        use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu
+    )
 
 
 class CheckpointInvalid(Exception):
@@ -59,10 +61,23 @@ class CheckpointInvalid(Exception):
 class Checkpointer:
     """Collective save/load of one run's checkpoints under `root`. Every rank calls every method except poll."""
 
-    def __init__(self, root: Path, engine: Engine, *, rank: int, world_size: int, keep: int, async_save: bool,
-                 meta: dict, group=None, faults=None, log: Callable[[str], None] | None = None,
-                 event: Callable[..., None] | None = None, allow_changed_recipe: bool = False,
-                 run_id: str | None = None):
+    def __init__(
+        self,
+        root: Path,
+        engine: Engine,
+        *,
+        rank: int,
+        world_size: int,
+        keep: int,
+        async_save: bool,
+        meta: dict,
+        group=None,
+        faults=None,
+        log: Callable[[str], None] | None = None,
+        event: Callable[..., None] | None = None,
+        allow_changed_recipe: bool = False,
+        run_id: str | None = None,
+    ):
         self.root, self.engine = Path(root), engine
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self.deepspeed = isinstance(engine, DeepSpeedEngine)
@@ -155,10 +170,12 @@ class Checkpointer:
             self.log(f"WARNING: {warning}")
         links = ckptdir.linked_steps(self.root)
         if links:
-            raise ConfigError(f"{self.root} holds linked step directories, which dtlaunch never follows (pruning "
-                              "through one would delete another run's checkpoint): "
-                              + ", ".join(f"{p.name} -> {os.readlink(p)}" for p in links),
-                              fix="copy the checkpoint in instead (cp -r --dereference) or remove the link")
+            raise ConfigError(
+                f"{self.root} holds linked step directories, which dtlaunch never follows (pruning "
+                "through one would delete another run's checkpoint): "
+                + ", ".join(f"{p.name} -> {os.readlink(p)}" for p in links),
+                fix="copy the checkpoint in instead (cp -r --dereference) or remove the link",
+            )
         problems: list[str] = []
         for p in ckptdir.clean_partials(self.root, problems):
             self.log(f"removed partial checkpoint {p.name} (never committed)")
@@ -205,12 +222,16 @@ class Checkpointer:
         if full is None and free >= (1 << 20) and free + written >= need:
             return None
         what = {errno.EROFS: "the storage is read-only"}.get(getattr(full, "errno", None), "no space left")
-        needs = f"a checkpoint needs ~{need / 1e9:.3f} GB" if need else f"{written / 1e9:.3f} GB was written before it failed"
-        return StorageError(f"checkpoint step {step} could not be written to {path}: {what} "
-                            f"({free / 1e9:.3f} GB free; {needs})",
-                            fix=f"free space under {self.root} (or lower checkpoint.keep, or point checkpoint.dir "
-                                "at larger storage), then run again: it resumes from "
-                                + (f"step {prev[-1]}" if prev else "the start"))
+        needs = (
+            f"a checkpoint needs ~{need / 1e9:.3f} GB"
+            if need
+            else f"{written / 1e9:.3f} GB was written before it failed"
+        )
+        return StorageError(
+            f"checkpoint step {step} could not be written to {path}: {what} ({free / 1e9:.3f} GB free; {needs})",
+            fix=f"free space under {self.root} (or lower checkpoint.keep, or point checkpoint.dir "
+            "at larger storage), then run again: it resumes from " + (f"step {prev[-1]}" if prev else "the start"),
+        )
 
     def save(self, step: int, data_position: dict, *, blocking: bool = False, reason: str = "interval") -> None:
         """Write checkpoint `step`. Async (DCP) unless `blocking`; returns once the state is staged.
@@ -240,9 +261,17 @@ class Checkpointer:
                 shutil.rmtree(path)  # a dead attempt's files for the same step
         self._barrier()
         path.mkdir(parents=True, exist_ok=True)  # every rank creates what it writes into: nodes may not share a view
-        meta = {**self.meta, "format": FORMAT, "step": step, "data": data_position, "world_size": self.world_size,
-                "torch_version": torch.__version__, "dtlaunch_version": __version__, "time": time.time(),
-                "reason": reason}
+        meta = {
+            **self.meta,
+            "format": FORMAT,
+            "step": step,
+            "data": data_position,
+            "world_size": self.world_size,
+            "torch_version": torch.__version__,
+            "dtlaunch_version": __version__,
+            "time": time.time(),
+            "reason": reason,
+        }
         save_torch(rng_state(), path / rank_file(self.rank))
         if self.rank == 0:
             save_torch(self._trainer_state(), path / "trainer.pt")
@@ -255,8 +284,13 @@ class Checkpointer:
         state = self._model_optim_state()
         writer = dcpio.writer(path)
         if self.async_save and not blocking and self.distributed:
-            fut = dcp.async_save(state, storage_writer=writer, planner=dcpio.planner(), process_group=self.group,
-                                 async_stager=self._async_stager())
+            fut = dcp.async_save(
+                state,
+                storage_writer=writer,
+                planner=dcpio.planner(),
+                process_group=self.group,
+                async_stager=self._async_stager(),
+            )
             if not isinstance(fut, Future):  # AsyncSaveResponse (staging + upload futures)
                 fut = fut.upload_completion
             pending = Pending(step, fut, meta, t0, writer)
@@ -265,8 +299,13 @@ class Checkpointer:
             self.log(f"checkpoint step {step}: staged in {time.time() - t0:.2f}s, writing in the background")
             return
         with dcpio.save_context(synchronous=True):
-            dcp.save(state, storage_writer=writer, planner=dcpio.planner(),
-                     process_group=self.group if self.distributed else None, no_dist=not self.distributed)
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=dcpio.planner(),
+                process_group=self.group if self.distributed else None,
+                no_dist=not self.distributed,
+            )
         self._finish(step, meta, t0, dcpio.written_sums(writer, path))
 
     def _write_manifest_after(self, fut: Future, p: Pending) -> None:
@@ -296,8 +335,14 @@ class Checkpointer:
         path = ckptdir.commit(self.root, step, meta)
         secs = time.time() - t0
         self.log(f"checkpoint step {step} committed to {path} in {secs:.2f}s")
-        self.event("checkpoint", step=step, path=str(path), seconds=round(secs, 3), asynchronous=asynchronous,
-                   reason=meta.get("reason"))
+        self.event(
+            "checkpoint",
+            step=step,
+            path=str(path),
+            seconds=round(secs, 3),
+            asynchronous=asynchronous,
+            reason=meta.get("reason"),
+        )
         # Deleting old checkpoints is not part of the commit (the new one is already durable and marked;
         # a prune cut short leaves unmarked directories that start-up cleans): run it off the critical path.
         self._pruner = Pruner(self.root, self.keep)
@@ -345,8 +390,11 @@ class Checkpointer:
                 self._commit(p.step, p.meta, p.t0, asynchronous=True)
             else:
                 bad = [r for r, good in enumerate(ok) if not good]
-                self.log(f"checkpoint step {p.step} FAILED in the background on rank(s) {bad}"
-                         + (f": {p.error}" if p.error is not None else "") + "; keeping the previous one")
+                self.log(
+                    f"checkpoint step {p.step} FAILED in the background on rank(s) {bad}"
+                    + (f": {p.error}" if p.error is not None else "")
+                    + "; keeping the previous one"
+                )
                 self.event("checkpoint_failed", step=p.step, ranks=bad)
         elif p.error is not None:
             self.log(f"rank {self.rank}: background checkpoint step {p.step} failed: {p.error}")
@@ -372,7 +420,7 @@ class Checkpointer:
         problems, names = self._agree(records)
         if problems:
             return list(dict.fromkeys(problems))
-        mine, error = names[self.rank::self.world_size], None
+        mine, error = names[self.rank :: self.world_size], None
         try:
             found = ckptdir.crc_problems(path, mine)
         except StorageError as e:
@@ -384,8 +432,9 @@ class Checkpointer:
         Returns its metadata, or None when the directory holds no checkpoint at all (a fresh start). One that
         holds only unusable checkpoints (found now, or marked CORRUPT before) stops with ConfigError naming
         them, on every attempt: starting over would silently throw the run's progress away."""
-        steps, corrupt = self._broadcast((ckptdir.complete_steps(self.root), ckptdir.corrupt_steps(self.root))
-                                         if self.rank == 0 else None)
+        steps, corrupt = self._broadcast(
+            (ckptdir.complete_steps(self.root), ckptdir.corrupt_steps(self.root)) if self.rank == 0 else None
+        )
         failed: list[tuple[int, str]] = []
         for step in reversed(steps):
             try:
@@ -397,8 +446,10 @@ class Checkpointer:
                 if self.rank == 0:
                     ckptdir.mark_corrupt(ckptdir.step_path(self.root, step), str(e))
                 older = [s for s in steps if s < step]
-                self.log(f"WARNING: checkpoint step {step} cannot be used ({e}); marked CORRUPT, "
-                         + (f"trying step {older[-1]}" if older else "no older checkpoint left"))
+                self.log(
+                    f"WARNING: checkpoint step {step} cannot be used ({e}); marked CORRUPT, "
+                    + (f"trying step {older[-1]}" if older else "no older checkpoint left")
+                )
                 self.event("checkpoint_corrupt", step=step, problems=e.problems[:10])
                 failed.append((step, str(e)))
                 continue
@@ -406,11 +457,13 @@ class Checkpointer:
                 saved["warnings"].append(f"skipped corrupt checkpoint(s) {', '.join(str(s) for s, _ in failed)}")
             return saved
         if failed or corrupt:
-            reasons = [f"step {s}: {r}" for s, r in failed] + [f"step {s}: marked CORRUPT earlier (see "
-                                                               f"{ckptdir.step_name(s)}/{ckptdir.CORRUPT})"
-                                                               for s in corrupt]
-            raise ConfigError(f"no checkpoint in {self.root} can be used: " + "; ".join(reasons),
-                              fix="restore the files, or move the directory aside to start the run from scratch")
+            reasons = [f"step {s}: {r}" for s, r in failed] + [
+                f"step {s}: marked CORRUPT earlier (see {ckptdir.step_name(s)}/{ckptdir.CORRUPT})" for s in corrupt
+            ]
+            raise ConfigError(
+                f"no checkpoint in {self.root} can be used: " + "; ".join(reasons),
+                fix="restore the files, or move the directory aside to start the run from scratch",
+            )
         return None
 
     def load(self, step: int) -> dict:
@@ -418,16 +471,24 @@ class Checkpointer:
         ConfigError when it belongs to another run; CheckpointInvalid when its files cannot be loaded."""
         path = ckptdir.step_path(self.root, step)
         saved = self._broadcast(ckptdir.read_meta(path) if self.rank == 0 else None)
-        warnings = check_compatible(saved, self.meta, world_size=self.world_size, deepspeed=self.deepspeed,
-                                    allow_changed_recipe=self.allow_changed_recipe, fmt=FORMAT)
+        warnings = check_compatible(
+            saved,
+            self.meta,
+            world_size=self.world_size,
+            deepspeed=self.deepspeed,
+            allow_changed_recipe=self.allow_changed_recipe,
+            fmt=FORMAT,
+        )
         try:
             self._load_states(path)
         except (ConfigError, StorageError):
             raise
         except (Exception, dcpio.CheckpointException) as e:  # noqa: BLE001 - a damaged file can make any loader raise anything
             if dcpio.read_failed(e):  # the files checked out a moment ago: the storage failed, not the checkpoint
-                raise StorageError(f"reading checkpoint {path} failed: {dcpio.first_line(e)}",
-                                   fix="check the storage, then run again: the same checkpoint is tried first") from e
+                raise StorageError(
+                    f"reading checkpoint {path} failed: {dcpio.first_line(e)}",
+                    fix="check the storage, then run again: the same checkpoint is tried first",
+                ) from e
             raise CheckpointInvalid(step, [f"loading failed: {type(e).__name__}: {dcpio.first_line(e)}"]) from e
         rng = path / rank_file(self.rank)
         relaid = "layout" in saved and saved["layout"] != self.meta.get("layout")  # a rank's place changed
@@ -442,8 +503,9 @@ class Checkpointer:
 
     def _load_states(self, path: Path) -> None:
         if self.deepspeed:
-            load_path, _ = self.engine.model.load_checkpoint(str(self.root), tag=path.name, load_optimizer_states=True,
-                                                             load_lr_scheduler_states=True)
+            load_path, _ = self.engine.model.load_checkpoint(
+                str(self.root), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
             if load_path is None:
                 raise RuntimeError(f"DeepSpeed found no checkpoint in {path}")
             return
@@ -451,10 +513,15 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = self._model_optim_state()
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group if self.distributed else None,
-                 no_dist=not self.distributed)
-        set_state_dict(self.engine.model, self.engine.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        dcp.load(
+            state,
+            checkpoint_id=str(path),
+            process_group=self.group if self.distributed else None,
+            no_dist=not self.distributed,
+        )
+        set_state_dict(
+            self.engine.model, self.engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
         trainer = torch.load(path / "trainer.pt", weights_only=False)
         self.engine.scheduler.load_state_dict(trainer["scheduler"])
         if getattr(self.engine, "scaler", None) is not None and "scaler" in trainer:

@@ -1,4 +1,5 @@
 """What a Checkpointer runs beside training: the async save in flight, and pruning on its own thread."""
+
 from __future__ import annotations
 
 import threading

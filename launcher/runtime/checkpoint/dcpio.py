@@ -9,6 +9,7 @@ what went through the stream, gets no recorded checksum and is read back as befo
 same: the manifest describes the bytes handed to the file, and a resume reads the files from storage and
 compares.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ try:
     # DCP reports every rank's failure in one CheckpointException, a BaseException (`except Exception` misses it).
     from torch.distributed.checkpoint.api import CheckpointException
 except ImportError:  # pragma: no cover - torch without distributed
+
     class CheckpointException(BaseException):  # type: ignore[no-redef]
         pass
 

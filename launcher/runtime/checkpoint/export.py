@@ -11,6 +11,7 @@ With a pipeline, each stage's first rank (data-parallel and tensor rank 0) sends
 over the gloo checkpoint group, the stages taking turns tensor by tensor, so that no stage waits in a gather
 (with the training timeout) while rank 0 writes the others' tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -118,15 +119,18 @@ def _stream(engine: Engine, rank: int, group) -> tuple[dict[str, tuple[int, ...]
                 t = safe_get_full_fp32_param(p)  # a gather under ZeRO-3: every rank calls it
                 if rank == 0:
                     yield name, t
+
         return {n: s for n, s, _ in items}, gen()
     layout = engine.layout
     items = _torch_tensors(engine.module)
     if layout.pp == 1:
+
         def gen():
             for name, t in items:
                 whole = _whole(t)
                 if rank == 0:
                     yield name, whole
+
         return {n: tuple(t.shape) for n, t in items}, gen()
     return _stream_stages(engine, rank, group, items)
 
@@ -168,6 +172,7 @@ def _stream_stages(engine: Engine, rank: int, group, items):
                 yield name, whole
             elif leader:
                 dist.send(whole.detach().to("cpu", torch.float32).contiguous(), dst=0, group=group)
+
     return shapes, gen()
 
 
@@ -189,14 +194,15 @@ def export_model(engine: Engine, out_dir: Path, fmt: str, rank: int, group=None)
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         save_torch(full, path)
         return path
-    rename = (lambda n: n) if hf_config is None else (lambda n: n[len("hf."):] if n.startswith("hf.") else None)
+    rename = (lambda n: n) if hf_config is None else (lambda n: n[len("hf.") :] if n.startswith("hf.") else None)
     tied = hf_config is not None and getattr(hf_config, "tie_word_embeddings", False)
     keep = {n: rename(n) for n in shapes if rename(n) is not None and not (tied and rename(n) == "lm_head.weight")}
     out = Path(out_dir) / "hf" if hf_config is not None else Path(out_dir)
     writer = None
     if rank == 0:
-        writer = SafetensorsWriter(out / "model.safetensors", {keep[n]: shapes[n] for n in keep},
-                                   {"format": "pt", "dtlaunch": __version__})
+        writer = SafetensorsWriter(
+            out / "model.safetensors", {keep[n]: shapes[n] for n in keep}, {"format": "pt", "dtlaunch": __version__}
+        )
     try:
         for name, t in tensors:
             if writer is not None and name in keep:

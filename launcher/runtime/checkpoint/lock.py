@@ -6,6 +6,7 @@ Rank 0 of a run holds a POSIX lock (fcntl, which network filesystems support acr
 ends. A second writer is refused with the holder's identity. Where the filesystem cannot lock (some object
 store mounts), the run goes on with a warning: validate and `up` already refuse a second job on one run.
 """
+
 from __future__ import annotations
 
 import errno
@@ -36,9 +37,11 @@ class RunLock:
             holder = self._holder(fd)
             os.close(fd)
             if e.errno in (errno.EACCES, errno.EAGAIN):
-                raise ConfigError(f"another job is writing to {self.path.parent}: {holder}",
-                                  fix="wait for it or stop it; two jobs on one checkpoint directory would overwrite "
-                                      "and prune each other's checkpoints (use another checkpoint.dir or run id)") from None
+                raise ConfigError(
+                    f"another job is writing to {self.path.parent}: {holder}",
+                    fix="wait for it or stop it; two jobs on one checkpoint directory would overwrite "
+                    "and prune each other's checkpoints (use another checkpoint.dir or run id)",
+                ) from None
             return f"cannot lock {self.path} on this filesystem ({e.strerror}): a second job here would not be refused"
         me = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id, "since": time.time()}
         os.ftruncate(fd, 0)

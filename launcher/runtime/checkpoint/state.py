@@ -1,5 +1,6 @@
 """What a checkpoint holds besides the model and optimizer: each rank's RNG streams, the LR schedule and
 loss scaler; and the one way such small files are written (through a buffer, durably)."""
+
 from __future__ import annotations
 
 import io

@@ -1,5 +1,6 @@
 """Model definitions the runtime can build from a recipe: dtlaunch's own Llama (plain torch, from the shape),
 or a Hugging Face decoder built by transformers from the config in the recipe (model.hf)."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,9 @@ def init_on_meta(model_spec, layout, params: int) -> bool:
     return model_spec.hf_config is None or params > HF_META_INIT_PARAMS
 
 
-def build_for_recipe(model_spec, activation_checkpointing: str = "none",
-                     device: str | torch.device | None = "cpu", seed: int = 0) -> nn.Module:
+def build_for_recipe(
+    model_spec, activation_checkpointing: str = "none", device: str | torch.device | None = "cpu", seed: int = 0
+) -> nn.Module:
     """The recipe's model on `device` ("meta": nothing allocated until the strategy materialises its shards)."""
     shape = model_spec.shape()
     if model_spec.hf_config is not None:

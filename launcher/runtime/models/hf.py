@@ -7,6 +7,7 @@ and `forward(tokens) -> logits`.
 No hub access: the config travels in the plan, the weights (optional) are read from `model.hf_weights`
 on the node. `transformers` is imported here only, when such a model is built.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,14 @@ class HFCausalLM(nn.Module):
         try:
             import transformers
         except ImportError as e:
-            raise ConfigError(f"model.hf needs transformers, which this environment cannot import ({e})",
-                              fix="pip install 'dtlaunch[hf]' (transformers) in the job's environment") from None
+            raise ConfigError(
+                f"model.hf needs transformers, which this environment cannot import ({e})",
+                fix="pip install 'dtlaunch[hf]' (transformers) in the job's environment",
+            ) from None
         cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "transformers_version"})
         cfg.use_cache = False
         self.shape = shape
-        self.hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
-                                                                attn_implementation="sdpa")
+        self.hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
         body = self.hf.model
         self.layers = body.layers
         self.tok_embeddings = body.embed_tokens
@@ -74,8 +76,9 @@ class HFCausalLM(nn.Module):
         self.hf.tie_weights()
 
 
-def build_hf(config: dict, shape: ModelShape, activation_checkpointing: str = "none",
-             device: str = "cpu") -> HFCausalLM:
+def build_hf(
+    config: dict, shape: ModelShape, activation_checkpointing: str = "none", device: str = "cpu"
+) -> HFCausalLM:
     with torch.device(device):
         return HFCausalLM(config, shape, activation_checkpointing)
 
@@ -90,9 +93,10 @@ def _weight_files(weights_dir: Path) -> list[Path]:
         return [weights_dir / n for n in names]
     files = sorted(weights_dir.glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"no *.safetensors weights in {weights_dir} on this node",
-                          fix="put the weights where model.hf_weights says on every node, or unset it to train "
-                              "from scratch")
+        raise ConfigError(
+            f"no *.safetensors weights in {weights_dir} on this node",
+            fix="put the weights where model.hf_weights says on every node, or unset it to train from scratch",
+        )
     return files
 
 
@@ -112,9 +116,11 @@ def _check_keys(model: HFCausalLM, keys: set[str]) -> None:
         keys = keys - {"lm_head.weight"}
     missing, unexpected = sorted(want - keys), sorted(keys - want)
     if missing or unexpected:
-        raise ConfigError(f"the weights do not match the model's config: {len(missing)} missing (e.g. "
-                          f"{missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})",
-                          fix="model.hf_weights must hold the weights saved with that config.json")
+        raise ConfigError(
+            f"the weights do not match the model's config: {len(missing)} missing (e.g. "
+            f"{missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})",
+            fix="model.hf_weights must hold the weights saved with that config.json",
+        )
 
 
 def load_weights(model: HFCausalLM, weights_dir: str | Path, *, sharded: bool, rank: int = 0) -> int:
@@ -133,6 +139,7 @@ def load_weights(model: HFCausalLM, weights_dir: str | Path, *, sharded: bool, r
     if rank == 0:
         sd = {f"hf.{k}": v for k, v in read_weights(weights_dir).items()}
         _check_keys(model, {k[3:] for k in sd})
-    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                               strict=False))
+    set_model_state_dict(
+        model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    )
     return len(sd)

@@ -12,6 +12,7 @@ draws only the blocks that overlap its shard and keeps its part, so the initial 
 layout, any world size, eager or meta construction, and on CPU or GPU: a layout change at step 0 changes
 nothing, and a rehearsal on CPU starts from the weights the GPU job starts from.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,10 @@ def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tupl
         with unset_fake_temporarily():  # offsets are plain numbers, also when tracing on fake tensors
             local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
         if tuple(local_shape) != tuple(local.shape):  # pragma: no cover - a placement DCP could not reshard either
-            raise RuntimeError(f"cannot place a shard of shape {tuple(local.shape)} in a {shape} parameter "
-                               f"(expected {tuple(local_shape)})")
+            raise RuntimeError(
+                f"cannot place a shard of shape {tuple(local.shape)} in a {shape} parameter "
+                f"(expected {tuple(local_shape)})"
+            )
         return local, shape, tuple(offset)
     return param, tuple(param.shape), (0,) * param.dim()
 

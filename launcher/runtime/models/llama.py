@@ -4,6 +4,7 @@ Plain modules (one `TransformerBlock` per layer) so that FSDP2 can shard per blo
 checkpointing can wrap a block or just the SwiGLU tail. The parameter set is exactly what
 `launcher.plan.params.count_params` counts, so the planner's memory figures describe this model.
 """
+
 from __future__ import annotations
 
 import math
@@ -214,8 +215,12 @@ class Llama(nn.Module):
                 init.normal_flat_(part[:count], start, tuple(p.ds_shape), std, seed=self.init_seed, name=name)
 
     def _make_rope(self, device: str | torch.device) -> None:
-        cos, sin = rope_tables(self.shape.hidden // self.shape.heads, self.shape.seq_len, self.shape.rope_theta,
-                               device=torch.device(device))
+        cos, sin = rope_tables(
+            self.shape.hidden // self.shape.heads,
+            self.shape.seq_len,
+            self.shape.rope_theta,
+            device=torch.device(device),
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -229,8 +234,9 @@ class Llama(nn.Module):
         # embedding and reads token ids, the others read the residual stream; only the last has the head.
         if self.tok_embeddings is not None:
             if tokens.shape[1] > self.shape.seq_len:
-                raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's seq_len "
-                                 f"{self.shape.seq_len}")
+                raise ValueError(
+                    f"sequence of {tokens.shape[1]} tokens exceeds the model's seq_len {self.shape.seq_len}"
+                )
             h = self.tok_embeddings(tokens)
         else:
             h = tokens
@@ -245,8 +251,9 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def build_model(shape: ModelShape, activation_checkpointing: str = "none",
-                device: str | torch.device | None = "cpu", seed: int = 0) -> Llama:
+def build_model(
+    shape: ModelShape, activation_checkpointing: str = "none", device: str | torch.device | None = "cpu", seed: int = 0
+) -> Llama:
     """Build on `device`; "meta" allocates nothing (materialised by the strategy after sharding, then
     `init_weights`). The initial weights depend on `seed` and the shape only: the same for an eager build and
     a meta one materialised shard by shard, in any layout."""
