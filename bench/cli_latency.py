@@ -1,6 +1,6 @@
 """CLI latency: `dtlaunch --help`, `plan`, `validate` and `render --target slurm` against `python -c "import yaml"`.
 
-Target: each <= 3x the bare interpreter + yaml import (the floor any Python CLI that reads YAML pays).
+Target: each <= 5x the bare interpreter + yaml import (the floor any Python CLI that reads YAML pays).
 
 The CLI runs as `sys.executable -m launcher.cli` from the repository: the interpreter that runs the benchmark
 and this checkout's code, whatever is (or is not) on PATH. `-m` costs the CLI an import of runpy that the
@@ -19,7 +19,7 @@ import tempfile
 
 from common import PY, ROOT, bootstrap_band, interleaved, result, stats, time_command
 
-TARGET = 3.0
+TARGET = 5.0
 CLI = [PY, "-m", "launcher.cli"]
 
 

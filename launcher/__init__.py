@@ -8,7 +8,7 @@ torch and submitit:
   group, the plan's wrapping, atomic checkpoints, preemption and metrics (launcher/runtime/job.py).
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 __all__ = ["submit", "init", "Job"]
 
 

@@ -213,7 +213,7 @@ def job_environment(
         env["NCCL_SOCKET_IFNAME"] = socket_ifname
         env["GLOO_SOCKET_IFNAME"] = socket_ifname
     if omp_threads:
-        # One OMP pool per rank sized to its share of the cores: two threads per rank on 2 cores made DDP 8x slower.
+        # One OMP pool per rank sized to its share of the cores: oversubscribed pools make every rank far slower.
         env["OMP_NUM_THREADS"] = str(omp_threads)
     return env
 

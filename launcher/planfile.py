@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from . import __version__
+from .version import __version__
 from .errors import Problem, RecipeError
 from .plan import Plan
 from .recipe import Recipe, parse

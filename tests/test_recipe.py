@@ -167,7 +167,7 @@ def test_every_bad_item_of_a_list_is_listed_at_its_own_index_and_line():
 
 
 def test_past_the_listed_mistakes_the_rest_are_counted():
-    from launcher.recipe.loading import MAX_PROBLEMS
+    from launcher.recipe.limits import MAX_PROBLEMS
 
     extra = "".join(f"  unknown_{i}: 1\n" for i in range(MAX_PROBLEMS + 5))
     with pytest.raises(RecipeError) as e:
@@ -179,7 +179,7 @@ def test_past_the_listed_mistakes_the_rest_are_counted():
 def test_validate_says_how_many_problems_it_did_not_list(tmp_path, run_cli):
     import json
 
-    from launcher.recipe.loading import MAX_PROBLEMS
+    from launcher.recipe.limits import MAX_PROBLEMS
 
     f = tmp_path / "r.yaml"
     f.write_text(GOOD + "targets: {slurm: {setup: [" + ", ".join(["1"] * (MAX_PROBLEMS + 7)) + "]}}\n")

@@ -2,8 +2,8 @@
 
 A hostile or mistyped value must fail here, not as an overflow in the planner or a loop that runs for hours.
 
-The schema is built on msgspec: its classes are made in C, so the whole schema costs ~1 ms when `dtlaunch
-plan` starts, and msgspec converts strictly (a boolean is not a number, text is not a number, an unknown key
+The schema is built on msgspec: its classes are made in C, so the schema adds little to `dtlaunch plan`'s
+start-up, and msgspec converts strictly (a boolean is not a number, text is not a number, an unknown key
 is an error) with no per-field code of ours. Checks that a type cannot say (a known accelerator, a SLURM time)
 run in each section's `__post_init__`, which msgspec calls while it converts and locates at the section; a
 check that raises `Invalid` also names its field.

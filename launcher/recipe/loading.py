@@ -19,19 +19,12 @@ import msgspec
 import yaml
 
 from ..errors import Problem, RecipeError
+from .limits import MAX_BYTES, MAX_DEPTH, MAX_OVERRIDE_BYTES, MAX_VALUES, Path_, dotted
 from .schema import Recipe, parse
 
-MAX_BYTES = 1 << 20  # a recipe is a page of YAML; 1 MiB leaves room for long env or setup lists
-MAX_DEPTH = 32
-MAX_VALUES = 20_000
-MAX_PROBLEMS = 20  # listed; the rest are counted
-MAX_OVERRIDE_BYTES = 64 * 1024
-
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: 5-10x faster
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: much faster
 _OPEN = ("BlockMappingStartToken", "BlockSequenceStartToken", "FlowMappingStartToken", "FlowSequenceStartToken")
 _CLOSE = ("BlockEndToken", "FlowMappingEndToken", "FlowSequenceEndToken")
-
-Path_ = tuple  # a field path, e.g. ("training", "steps") or ("env", "X") or ("secrets", 0)
 
 
 class SourceMap(msgspec.Struct, frozen=True):
@@ -170,10 +163,6 @@ def _line_map(root: yaml.Node, source: str) -> dict[Path_, int]:
             for i, v in enumerate(node.value):
                 stack.append((v, path + (i,)))
     return lines
-
-
-def dotted(path: Path_) -> str:
-    return ".".join(str(p) for p in path) or "(top level)"
 
 
 # ----------------------------------------------------------------------------- overrides

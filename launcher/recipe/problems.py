@@ -18,10 +18,10 @@ import msgspec
 
 from ..errors import Problem
 from .fields import ONE_LINE, suggest
-from .loading import MAX_DEPTH, MAX_PROBLEMS, Path_, dotted
+from .limits import MAX_DEPTH, MAX_PROBLEMS, Path_, dotted
 from .schema import Recipe, parse
 
-MAX_ROUNDS = 200  # conversions of the copy, at most: each takes ~0.1 ms
+MAX_ROUNDS = 200  # conversions of the copy, at most: a bound on the work a hostile recipe can cause
 _PATH = re.compile(r"\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\]|\[\.\.\.\])*)", re.ASCII)
 _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]|\[\.\.\.\]", re.ASCII)
 

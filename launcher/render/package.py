@@ -15,7 +15,7 @@ import io
 import re
 from pathlib import Path
 
-from .. import __version__
+from ..version import __version__
 from ..errors import DtlaunchError
 
 DIST = "dtlaunch"

@@ -13,7 +13,7 @@ import os
 import uuid
 from pathlib import Path
 
-from .. import __version__
+from ..version import __version__
 from ..jobenv import CHECKPOINT_DIR, CODE_DIR, MIN_TORCH, RUN_ID
 from ..strategies import Family
 from .ckptdir import expand_dir, free_bytes

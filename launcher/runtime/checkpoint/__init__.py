@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import __version__
+from ...version import __version__
 from .. import ckptdir
 from ..failures import ConfigError, RuntimeFailure, StorageError
 from ..parallel import DeepSpeedEngine, Engine

@@ -144,8 +144,7 @@ def _checksumming_fs():
 # DCP writer threads per rank, at most: each writes its own file of the rank's shard (fsync'd), so the
 # serialisation of one tensor overlaps the disk writes of others. Only where the rank has the cores for them
 # (`dcp_write_threads`): a save is CPU-bound (copies into the page cache, the CRC-32 of every byte), and threads
-# beyond a rank's share of the cores only contend for them and for the GIL. Measured on the benchmark (2 ranks,
-# 2 cores, 350 MB per rank): 4 threads cost 0.60 CPU-s per save against 0.46 with one, and torch.save 0.36.
+# beyond a rank's share of the cores only contend for them and for the GIL (bench/checkpoint_stall.py measures it).
 DCP_WRITE_THREADS = 4
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ... import __version__
+from ...version import __version__
 from .. import ckptdir
 from ..parallel import DeepSpeedEngine, Engine
 from .state import save_torch
