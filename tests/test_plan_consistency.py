@@ -105,9 +105,11 @@ def test_a_pipeline_is_sized_at_the_micro_batches_it_keeps_in_flight():
 
 
 def test_an_indivisible_global_batch_is_said_not_multiplied_out_falsely():
-    """micro 3 x dp 64 x grad_accum 3 is 576, not the recipe's 512: `plan` says so, in validate's words."""
+    """micro 3 x dp 64 x grad_accum 3 is 576, not the recipe's 512: `plan` says so, in validate's words, and
+    exits 1 as validate does."""
     res = CliRunner().invoke(cli, ["plan", LLAMA70B, "--set", "training.micro_batch=3"])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output
+    assert "error [batch-divisible]" in res.output and "validate refuses this recipe" in res.output
     batch = next(line for line in res.output.splitlines() if line.startswith("batch:"))
     assert "= global 512" not in batch
     assert "micro 3 x dp 64 x grad_accum 3 = 576 sequences per step, not the recipe's global_batch 512" in batch

@@ -12,7 +12,58 @@ from .common import OVERRIDE, TARGET, load, print_finding
 
 
 def _gb(b: float) -> str:
-    return f"{b / 1e9:.1f}"  # the table's unit is in its title
+    return f"{b / 1e9:.1f}"
+
+
+def _unit(chosen_total: float) -> tuple[str, float]:
+    """The memory table's unit: GB, or MB when the chosen layout needs under 1 GB (small and CPU models), where
+    GB would print a column of 0.0s."""
+    return ("GB", 1e9) if chosen_total >= 1e9 else ("MB", 1e6)
+
+
+def count(n: float) -> str:
+    """A parameter count as people write it: 70.6B, 1.2B, 0.6M, 12.3K."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale or (suffix == "M" and n >= 1e5):
+            return f"{n / scale:.2f}B" if suffix == "B" else f"{n / scale:.1f}{suffix}"
+    return f"{n:.0f}"
+
+
+def duration(hours: float) -> str:
+    """A span in the unit that shows it: 12.5 h, 37 min, 45 s."""
+    s = hours * 3600
+    if s >= 3600:
+        return f"{hours:,.1f} h"
+    return f"{s / 60:.0f} min" if s >= 60 else f"{s:.0f} s"
+
+
+def seconds(s: float) -> str:
+    return f"{s:.1f} s" if s >= 1 else f"{s * 1000:.0f} ms"
+
+
+def model_name(recipe) -> str:
+    """What the recipe trains: its preset, its Hugging Face model, its explicit shape, or only a size."""
+    m = recipe.model
+    if m.preset:
+        return m.preset
+    if m.hf:
+        return str(m.hf).rstrip("/").split("/")[-1]
+    shape = m.shape()
+    if shape is not None:
+        return f"{m.architecture or 'llama'}-style, {shape.layers} layers x {shape.hidden} hidden"
+    return "params-only"
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's memory (Linux), for CPU recipes: a CPU rank has the host's memory, not a device's."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def table(headers: list[str], rows: list[list[str]], left: tuple[str, ...] = (), styles=None) -> list[str]:
@@ -37,25 +88,35 @@ def _print_plan(recipe, p) -> None:
     from ..plan.memory import NOT_MODELLED
 
     echo = click.echo
-    shape = recipe.model.shape()
-    model = recipe.model.preset or ("custom" if shape else "params-only")
+    device = recipe.resources.device()
     echo(
-        f"{click.style(recipe.name, bold=True)}: {model}, {p.params / 1e9:.2f}B parameters, seq {p.seq_len}, "
-        f"{p.nodes} node(s) x {p.gpus_per_node} {p.accelerator} = {p.world_size} devices"
+        f"{click.style(recipe.name, bold=True)}: {model_name(recipe)}, {count(p.params)} parameters, "
+        f"seq {p.seq_len}, {p.nodes} node(s) x {p.gpus_per_node} {p.accelerator} = {p.world_size} devices"
     )
-    echo(f"Per-device memory, GB (1e9 bytes), of {_gb(p.memory.gpu)} GB")
+    unit, scale = _unit(p.memory.total)
+
+    def fig(b: float) -> str:
+        return f"{b / scale:.1f}"
+
+    echo(f"Per-device memory, {unit} (1e{len(str(int(scale))) - 1} bytes), of {fig(p.memory.gpu)} {unit}")
+    host = None if device.is_gpu else host_memory_bytes()
+    if host:
+        echo(
+            f"  (a CPU rank uses host memory: this machine has {host / 1e9:.1f} GB for its "
+            f"{p.gpus_per_node} rank(s) per node; the {fig(p.memory.gpu)} {unit} above is the catalog's figure per rank)"
+        )
     rows, styles = [], []
     for name, m in p.candidates:
         chosen = name == p.strategy
         rows.append(
             [
                 ("* " if chosen else "  ") + name,
-                _gb(m.params),
-                _gb(m.grads),
-                _gb(m.optimizer),
-                _gb(m.activations),
-                _gb(m.buffers),
-                _gb(m.total),
+                fig(m.params),
+                fig(m.grads),
+                fig(m.optimizer),
+                fig(m.activations),
+                fig(m.buffers),
+                fig(m.total),
                 "yes" if m.fits else "no",
             ]
         )
@@ -100,13 +161,13 @@ def _print_plan(recipe, p) -> None:
     if p.steps is None:
         echo(step + "; total time and cost need a training length (training.steps or training.tokens)")
     else:
-        echo(step + f", {p.steps:,} steps = {p.total_hours:,.1f} h")
-        echo(
-            f"cost: ${p.usd:,.0f} ({p.world_size} x {p.total_hours:,.1f} h x "
-            f"${recipe.resources.device().usd_per_hour}/h)"
-        )
+        echo(step + f", {p.steps:,} steps = {duration(p.total_hours)}")
+        if device.usd_per_hour:
+            echo(f"cost: ${p.usd:,.0f} ({p.world_size} x {p.total_hours:,.1f} h x ${device.usd_per_hour}/h)")
+        else:
+            echo(f"cost: none counted ({p.accelerator} has no hourly price in the catalog)")
     echo(
-        f"checkpoint: every {p.checkpoint_every} steps (write ~{p.checkpoint_write_seconds:.1f} s"
+        f"checkpoint: every {p.checkpoint_every} steps (write ~{seconds(p.checkpoint_write_seconds)}"
         + (", Young/Daly)" if recipe.checkpoint.every == "auto" else ")")
     )
     echo(
@@ -176,29 +237,13 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps, trace, compare):
             )
         return _plan_sweep(recipe_path, overrides, sweeps, as_json)
     recipe, p = load(recipe_path, overrides)
+    from ..validate import validate as run_rules
+
+    # What validate would say, said by plan too (the same rules, the same exit code): a plan that "fits" must
+    # not hide that `up` refuses the recipe, e.g. for a default the user never wrote.
+    findings = run_rules(recipe, p, None)
     if as_json:
-        d = p.to_dict()
-        if recipe.targets.sky.accelerators:  # only then: the plain `plan --json` contract stays as it was
-            from .choices import choices_json
-
-            d["sky_accelerators"] = choices_json(recipe, p)
-        refused = None
-        if trace:
-            from ..trace import TraceError
-            from . import tracing
-
-            try:
-                d["trace"] = tracing.run(recipe, p).to_dict()
-            except TraceError as e:  # the plan still goes to stdout, as in text mode; the error and exit code follow
-                d["trace"], refused = {"refused": e.message, "fix": e.fix}, e
-        if compare and refused is None:
-            from . import compare as cmp  # imports deepspeed (and torch): only for this flag
-
-            d["compare"] = {"deepspeed": cmp.compare(recipe, p).to_dict()}
-        click.echo(json.dumps(d, indent=2))
-        if refused is not None:
-            raise refused
-        return
+        return _plan_json(recipe, p, findings, trace, compare)
     _print_plan(recipe, p)
     if recipe.targets.sky.accelerators:
         from .choices import print_choices
@@ -212,6 +257,54 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps, trace, compare):
         from . import compare as cmp  # imports deepspeed (and torch): only for this flag
 
         cmp.print_comparison(cmp.compare(recipe, p))
+    _print_findings(recipe_path, findings)
+
+
+def _plan_json(recipe, p, findings, trace, compare) -> None:
+    from ..validate import has_errors
+
+    d = p.to_dict()
+    d["findings"] = [f.to_dict() for f in findings]
+    if recipe.targets.sky.accelerators:  # only then: the plain `plan --json` contract stays as it was
+        from .choices import choices_json
+
+        d["sky_accelerators"] = choices_json(recipe, p)
+    refused = None
+    if trace:
+        from ..trace import TraceError
+        from . import tracing
+
+        try:
+            d["trace"] = tracing.run(recipe, p).to_dict()
+        except TraceError as e:  # the plan still goes to stdout, as in text mode; the error and exit code follow
+            d["trace"], refused = {"refused": e.message, "fix": e.fix}, e
+    if compare and refused is None:
+        from . import compare as cmp  # imports deepspeed (and torch): only for this flag
+
+        d["compare"] = {"deepspeed": cmp.compare(recipe, p).to_dict()}
+    click.echo(json.dumps(d, indent=2))
+    if refused is not None:
+        raise refused
+    if has_errors(findings):
+        sys.exit(1)
+
+
+def _print_findings(recipe_path: str, findings: list) -> None:
+    """validate's findings after the plan, on stderr (stdout stays the plan); exit 1 on an error, as validate."""
+    from ..validate import has_errors
+
+    if not findings:
+        return
+    click.echo("", err=True)
+    for f in findings:
+        print_finding(f, recipe_path, err=True)
+    if has_errors(findings):
+        click.echo(
+            click.style("validate refuses this recipe", fg="red", bold=True)
+            + ": `up` and `render` would stop here; the fix lines above say what to change",
+            err=True,
+        )
+        sys.exit(1)
 
 
 @click.command("validate")
