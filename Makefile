@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install system check test test-gpu golden lint fmt demo bench bench-smoke clean
+.PHONY: install system check test test-gpu golden lint typecheck fmt demo bench bench-smoke clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,17 +39,22 @@ lint: install
 	$(VENV)/bin/ruff check launcher tests bench scripts
 	$(VENV)/bin/ruff format --check launcher tests bench scripts
 
+# mypy over launcher/ (pyproject.toml's [tool.mypy]: unannotated code checked too, torch's types followed).
+typecheck: install
+	$(VENV)/bin/mypy
+
 # Format the Python sources in place (ruff format, then ruff's import-order fix).
 fmt: install
 	$(VENV)/bin/ruff format launcher tests bench scripts
 	$(VENV)/bin/ruff check --select I --fix launcher tests bench scripts
 
-# The developer loop, no apt and no SLURM: lint, then the fast tier (`pytest -m fast`: every test that is not
-# slow or gpu, outside tests/slurm and tests/gpu, less the few expensive ones tests/conftest.py's FULL_SUITE_ONLY
-# names), two test files at a time: 1.5 min on 2 cores, 2 min in one process (CHECK_WORKERS=0). tests/slurm and
-# tests/gpu are not even collected: nothing in them is in the tier. shellcheck must be on PATH (`make system`).
+# The developer loop, no apt and no SLURM: lint, typecheck, then the fast tier (`pytest -m fast`: every test that
+# is not slow or gpu, outside tests/slurm and tests/gpu, less the few expensive ones tests/conftest.py's
+# FULL_SUITE_ONLY names), two test files at a time: 1.5 min on 2 cores, 2 min in one process (CHECK_WORKERS=0).
+# tests/slurm and tests/gpu are not even collected: nothing in them is in the tier. shellcheck must be on PATH
+# (`make system`).
 CHECK_WORKERS ?= 2
-check: lint
+check: lint typecheck
 	$(PY) -m pytest -q -m fast --ignore=tests/slurm --ignore=tests/gpu -n $(CHECK_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Regenerate the golden files (tests/golden) from what render writes now, then show what changed: review the
@@ -93,4 +98,4 @@ bench-smoke: install
 	$(PY) -m pytest -q -ra bench/test_smoke.py
 
 clean:
-	rm -rf $(VENV) rendered runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) rendered runs .pytest_cache .ruff_cache .mypy_cache

@@ -23,8 +23,9 @@ sys.path.insert(0, str(ROOT))
 def fill(home: Path, rows: int, live: int) -> list[subprocess.Popen]:
     """`rows` registry rows in `home`; `live` of them are real processes carrying their attempt's marker."""
     from launcher.jobenv import ATTEMPT
-    from launcher.targets import local
-    from launcher.targets.registry import JobRecord, LocalHandle, Registry
+    from launcher.targets.local import backend as local
+    from launcher.targets.local.request import LocalHandle
+    from launcher.targets.registry import JobRecord, Registry
 
     reg = Registry(home / "registry.db")
     run_dir = home / "run"

@@ -8,7 +8,8 @@ torch and submitit:
   group, the plan's wrapping, atomic checkpoints, preemption and metrics (launcher/runtime/job.py).
 """
 
-from .version import __version__
+from .version import __version__ as __version__
+
 __all__ = ["submit", "init", "Job"]
 
 

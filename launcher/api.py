@@ -34,8 +34,8 @@ def submit(
     """
     from .prepare import check, prepare
     from .targets.registry import Registry
-    from .targets.submitit_job import record
-    from .targets.submitit_job import submit as submit_request
+    from .targets.slurm.submitit_job import record
+    from .targets.slurm.submitit_job import submit as submit_request
 
     # what `dtlaunch up -t slurm` does, with submitit forced: this API returns a submitit Job
     prep = prepare(recipe, [*overrides, SUBMITIT], "slurm")

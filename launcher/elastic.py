@@ -74,7 +74,7 @@ def _final_codes_stop_restarts() -> None:
             self._remaining_restarts = 0
         return result
 
-    LocalElasticAgent._monitor_workers = monitor_workers
+    LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]  # the patch, on purpose
 
 
 def _ranks_follow_scheduler(node_rank: int) -> None:
@@ -92,8 +92,9 @@ def _ranks_follow_scheduler(node_rank: int) -> None:
     def by_node_rank(participants):
         return builtins.sorted(participants, key=lambda n: (n.local_id, n.addr, n.pid))
 
-    dr._NodeDescGenerator.generate = generate
-    dr.sorted = by_node_rank  # the module's one use of sorted(): `enumerate(sorted(state.participants))`
+    dr._NodeDescGenerator.generate = generate  # type: ignore[method-assign]  # the patch, on purpose
+    # The module's one use of sorted(): `enumerate(sorted(state.participants))`; a module global shadows the builtin.
+    dr.sorted = by_node_rank  # type: ignore[attr-defined]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ through each node's shell, escaping nothing:
 * ARGS (the module's arguments, MODULE too): bare, or in double quotes (only " escaped) when it holds a space.
 * CWD and PYTHON: always bare.
 
-validate refuses recipe values that break this (rules_targets.py); the job script runs this module
+validate refuses recipe values that break this (targets/sky/rules.py); the job script runs this module
 (`python -m launcher.pdsh`) on the values it computes at run time, before it writes .deepspeed_env.
 """
 

@@ -1,7 +1,9 @@
 """The resolved plan file that `render` writes and the job reads: the recipe plus its plan, as JSON.
 
 Shipping the resolved plan (not the YAML) means the job trains exactly what `plan` showed, even if the
-planner's defaults change between the submitting machine and the cluster.
+planner's defaults change between the submitting machine and the cluster. The plan is the Plan struct as msgspec
+encodes and decodes it (its layout under "layout", in the Layout's own field names): what is read back is
+exactly what was planned.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from typing import Any
 
 import msgspec
 
-from .version import __version__
 from .errors import Problem, RecipeError
 from .plan import Plan
 from .recipe import Recipe, parse
+from .version import __version__
 
-FORMAT = 1
+FORMAT = 2  # 2: the plan as the struct itself (1 was the `plan --json` report)
 MAX_BYTES = 16 << 20
 
 
@@ -27,7 +29,7 @@ def build(recipe: Recipe, plan: Plan) -> dict[str, Any]:
         "dtlaunch_version": __version__,
         "recipe_hash": recipe.digest(),
         "recipe": recipe.to_dict(),
-        "plan": plan.to_dict(),
+        "plan": msgspec.to_builtins(plan),
     }
 
 
@@ -69,7 +71,7 @@ def read(path: str | Path) -> tuple[Recipe, Plan, dict[str, Any]]:
         )
     try:
         recipe = parse(doc["recipe"])
-        plan = Plan.from_dict(doc["plan"])
+        plan = msgspec.convert(doc["plan"], Plan)
     except (msgspec.ValidationError, KeyError, TypeError, ValueError) as e:
         raise _fail(p, f"the plan file is damaged or from another dtlaunch version: {str(e).splitlines()[0]}") from None
     return recipe, plan, doc

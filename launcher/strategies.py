@@ -1,8 +1,9 @@
-"""The vocabulary of parallel strategies and targets: one table each, which everything else derives from.
+"""The vocabulary of parallel strategies: one table, which everything else derives from.
 
 The recipe schema takes its allowed names from here, the planner its memory rules and search order, the
 runtime its engine and checkpoint format, the renderer the ZeRO stage, validate its families. A new strategy
-is one row here plus the code that runs it; nothing else should spell a strategy's name.
+is one row here plus the code that runs it; nothing else should spell a strategy's name. (The targets have a
+table of their own, in launcher/targets/__init__.py.)
 Imports nothing of ours, so the CLI can read it without cost.
 """
 
@@ -143,42 +144,3 @@ def reduces_once_per_step(lay) -> bool:
         and lay.offload == "none"
         and lay.grad_accum > 1
     )
-
-
-# ----------------------------------------------------------------------------- targets
-
-
-class TargetName(str, Enum):
-    LOCAL = "local"
-    SLURM = "slurm"
-    SKY = "sky"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class TargetSpec(msgspec.Struct, frozen=True):
-    """Where a target's renderer and backend live ("module:attribute", imported only when used)."""
-
-    name: TargetName
-    renderer: str
-    backend: str
-
-
-TARGETS: dict[TargetName, TargetSpec] = {
-    t.name: t
-    for t in (
-        TargetSpec(TargetName.LOCAL, "launcher.render.local:render_local", "launcher.targets.local:LocalBackend"),
-        TargetSpec(TargetName.SLURM, "launcher.render.slurm:render_slurm", "launcher.targets.slurm:SlurmBackend"),
-        TargetSpec(TargetName.SKY, "launcher.render.sky:render_sky", "launcher.targets.sky:SkyBackend"),
-    )
-}
-TARGET_NAMES: tuple[str, ...] = tuple(t.value for t in TARGETS)
-
-
-def load_attr(ref: str):
-    """'pkg.mod:attr' -> the attribute, imported now (renderers and backends import heavy things lazily)."""
-    import importlib
-
-    mod, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(mod), attr)

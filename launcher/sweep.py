@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 from .errors import DtlaunchError
 
 MAX_COMBINATIONS = 1000
 
 
-def expand(sweeps: list[str] | tuple[str, ...]) -> list[list[str]]:
+def expand(sweeps: Sequence[str]) -> list[list[str]]:
     """["a=1,2", "b=x,y"] -> [["a=1","b=x"], ["a=1","b=y"], ["a=2","b=x"], ["a=2","b=y"]]."""
     axes = []
     for item in sweeps:
@@ -40,7 +41,8 @@ _CLOSE = {"[": "]", "{": "}"}
 def _split(values: str, item: str) -> list[str]:
     """V1,V2,... split at the commas outside brackets, braces and quotes: a value is what --set takes (YAML), so
     `[0.9,0.95],[0.8,0.9]` is two lists and `'a,b',c` two strings."""
-    out, cur, stack, quote, last = [], [], [], None, ","  # last: the previous character that is not a space
+    cur: list[str] = []  # the value being read
+    out, stack, quote, last = [], [], None, ","  # last: the previous character that is not a space
     for ch in values:
         if quote:
             quote = None if ch == quote else quote

@@ -8,7 +8,8 @@ import os
 import pytest
 
 from launcher.errors import DtlaunchError
-from launcher.render.artifacts import Artifacts, LocalRequest
+from launcher.render.artifacts import Artifacts
+from launcher.targets.local.request import LocalRequest
 
 
 def _artifacts(files: dict) -> Artifacts:

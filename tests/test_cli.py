@@ -124,7 +124,7 @@ def test_render_writes_plan_and_launch_script(run_cli, tmp_path):
     files = {p.name for p in (tmp_path / "r").iterdir()}
     assert {"plan.json", "recipe.yaml", "launch.sh"} <= files
     doc = json.loads((tmp_path / "r" / "plan.json").read_text())
-    assert doc["plan"]["strategy"] == "fsdp" and doc["recipe"]["name"] == "tiny"
+    assert doc["plan"]["layout"]["strategy"] == "fsdp" and doc["recipe"]["name"] == "tiny"
 
 
 def test_bad_flag_and_unknown_target_are_clear(run_cli):
@@ -415,3 +415,14 @@ def test_a_loaded_recipe_plans_submits_and_validates_as_its_file_does(tmp_path):
     assert by_object.artifacts.files["plan.json"] == by_path.artifacts.files["plan.json"]
     # overrides apply to the object as to the file
     assert prepare(load(f), ["parallelism.tensor=4"], "slurm").plan.layout.tp == 4
+
+
+def test_up_dry_run_prints_a_summary_and_the_script_only_with_show(run_cli, tmp_path):
+    args = ("up", RECIPES / "tiny.yaml", "-t", "slurm", "-o", tmp_path / "d", "--dry-run")
+    code, out, err = run_cli(*args, "--set", "targets.slurm.partition=debug")
+    assert code == 0, err
+    assert out.splitlines()[0] == "dry run: slurm job tiny: fsdp on 2 ranks (1 node(s) x 2 cpu), 40 steps", out
+    assert "would run in it: sbatch --parsable job.sbatch" in out and "#SBATCH" not in out
+    code, out, err = run_cli(*args, "--show", "--set", "targets.slurm.partition=debug")
+    assert code == 0, err
+    assert f"# ---- {tmp_path / 'd' / 'job.sbatch'}" in out and "#SBATCH --partition=debug" in out

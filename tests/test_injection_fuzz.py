@@ -287,7 +287,7 @@ def execute(config: str, out: Path, root: Path, extra_env=None) -> list[subproce
     try:
         os.environ.clear()
         os.environ.update(step_env)
-        argv = [os.path.expandvars(w) for w in spec["step"]["srun"]]  # what launcher.targets.submitit_job does
+        argv = [os.path.expandvars(w) for w in spec["step"]["srun"]]  # what launcher.targets.slurm.submitit_job does
     finally:
         os.environ.clear()
         os.environ.update(old)
@@ -434,7 +434,9 @@ class Harness:
 
 @pytest.fixture
 def harness(tmp_path, monkeypatch):
-    from launcher.render import package, sky, slurm
+    from launcher.render import package
+    from launcher.targets.sky import render as sky
+    from launcher.targets.slurm import common as slurm
 
     wheel = functools.cache(package.build_wheel)  # the same bytes for every render: built once
     monkeypatch.setattr(sky, "build_wheel", wheel)

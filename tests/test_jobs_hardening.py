@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -16,8 +17,10 @@ from pathlib import Path
 import pytest
 
 from launcher.jobenv import ATTEMPT
-from launcher.targets import local
-from launcher.targets.registry import JobRecord, LocalHandle, Registry
+from launcher.runtime import ckptdir
+from launcher.targets.local import backend as local
+from launcher.targets.local.request import LocalHandle
+from launcher.targets.registry import JobRecord, Registry
 from testpaths import RECIPES, ROOT
 
 TINY = RECIPES / "tiny.yaml"
@@ -151,7 +154,7 @@ def test_concurrent_ups_submit_one_job_and_down_stops_it(run_cli, tmp_path):
             time.sleep(0.3)
         assert sum('"event": "start"' in ln for ln in _lines(run_dir / "metrics.jsonl")) == 1
         code, out, err = run_cli("down", "tiny")
-        assert code == 0 and "stopped tiny (its workers checkpointed on SIGTERM)" in out, out + err
+        assert code == 0 and re.search(r"stopped tiny: its workers checkpointed step \d+ and exited 42", out), out + err
         assert states(run_cli) == ["PREEMPTED"]
     finally:  # whatever failed, no job outlives the test
         for rec in Registry().all():
@@ -214,7 +217,7 @@ def test_down_terms_a_jobs_orphaned_processes_before_any_kill(tmp_path, procs):
     t0 = time.monotonic()
     msg = local.LocalBackend().cancel(rec, grace=10.0)
     assert seen.read_text() == "TERM\n" and p.wait(5) == 0, msg
-    assert "checkpointed on SIGTERM" in msg and time.monotonic() - t0 < 5
+    assert msg.startswith("stopped tiny: ") and time.monotonic() - t0 < 5, msg
 
 
 def test_rows_written_before_the_start_id_still_work(run_cli, tmp_path, procs):
@@ -291,3 +294,19 @@ def test_status_of_1000_jobs_takes_well_under_a_second(run_cli, tmp_path, procs)
     print(f"status of 1,000 jobs: {fn_s:.3f} s (rows), {proc_s:.3f} s (a `dtlaunch status` subprocess)")
     assert fn_s < 1.0, fn_s
     assert proc_s < 5.0, proc_s  # the interpreter's start included; ~20 s before the fix
+
+
+def test_down_in_a_jobs_first_second_is_a_stop_not_a_lost_job(run_cli, tmp_path):
+    """`down` while the job still runs its pre-start check (before torchrun and its traps): the launch script's
+    early trap records the stop, so status reads PREEMPTED (nothing trained, nothing lost), never LOST, and
+    `down` says what happened rather than claiming a checkpoint; `up` then starts it."""
+    run_dir = tmp_path / "early"
+    code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=4", "--detach")
+    assert code == 0, err
+    time.sleep(0.5)  # the check imports torch: seconds
+    code, out, err = run_cli("down", "tiny")
+    assert code == 0 and "stopped tiny: stopped before training began (nothing to checkpoint)" in out, out + err
+    assert states(run_cli) == ["PREEMPTED"]
+    assert not (run_dir / "checkpoints").exists() or not ckptdir.complete_steps(run_dir / "checkpoints")
+    code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=4")
+    assert code == 0 and "done: 4 steps" in out, out + err

@@ -11,6 +11,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 
@@ -20,10 +21,11 @@ from launcher.plan.choices import plan_choices
 from launcher.recipe import load
 from launcher.recipe.images import for_apptainer, for_enroot, for_sky
 from launcher.recipe.schema import parse
-from launcher.recipe.slurmsyntax import expand_hostlist
 from launcher.render import render
-from launcher.render.artifacts import SubmititSpec
-from launcher.targets.registry import JobRecord, Registry, SkyHandle, SlurmHandle
+from launcher.targets.registry import JobRecord, Registry
+from launcher.targets.sky.request import SkyHandle
+from launcher.targets.slurm.request import SlurmHandle, SubmititSpec
+from launcher.targets.slurm.syntax import expand_hostlist
 from launcher.validate import validate
 from testpaths import RECIPES
 
@@ -500,7 +502,7 @@ def test_sky_task_lists_the_kept_accelerators_and_ships_their_plan():
     assert "accelerators" not in res and res["image_id"] == f"docker:{IMAGE}"
     assert res["disk_tier"] == "best" and res["ports"] == [8888, "10000-10010"]
     shipped = json.loads(art.files["plan.json"])["plan"]
-    assert shipped["accelerator"] == "L4" and shipped["memory"] == plan_choices(r).shipped.to_dict()["memory"]
+    assert shipped["accelerator"] == "L4" and shipped["memory"] == msgspec.to_builtins(plan_choices(r).shipped.memory)
     assert any("V100:8 dropped" in n for n in art.notes)
     # Without fallbacks the task and its plan are the recipe's own.
     _, plain = rendered("llama70b", "sky", "targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "checkpoint.dir=null")

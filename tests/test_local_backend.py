@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from launcher.runtime import ckptdir
-from launcher.targets.local import job_processes
-from launcher.targets.registry import JobRecord, LocalHandle, Registry
+from launcher.targets.local.backend import job_processes
+from launcher.targets.local.request import LocalHandle
+from launcher.targets.registry import JobRecord, Registry
 from testpaths import RECIPES
 
 pytestmark = pytest.mark.slow
@@ -49,6 +52,17 @@ def test_up_status_logs_plot_and_history_per_attempt(run_cli, tmp_path):
     code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=6")
     assert code == 0, err
     assert "done: 6 steps" in out and "tiny: COMPLETED (exit code 0)" in out
+    # each step line shows progress, the attempt's elapsed time and an ETA at the current rate
+    assert re.search(r"step 3/6 \(50%\) \| .* \| elapsed \d+s \| eta \d+s", out), out
+    assert re.search(r"step 6/6 \(100%\) \| .* \| eta 0s", out), out
+    assert [m["eta_s"] for m in metrics(run_dir) if m.get("step") == 6 and "loss" in m] == [0]
+    # The same run again: it is complete, so nothing is submitted (it used to "resume", train 0 steps, COMPLETED).
+    logs_before = sorted((run_dir / "logs").iterdir())
+    code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=6")
+    assert code == 0, err
+    assert "this run is complete (its newest checkpoint is step 6, the recipe trains 6 steps)" in out
+    assert "nothing submitted" in out and "--fresh" in out and "submitted tiny" not in out
+    assert sorted((run_dir / "logs").iterdir()) == logs_before and len(status_rows(run_cli)) == 1
     # A longer run in the same directory resumes; `up` streams only the new attempt's log.
     code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=8")
     assert code == 0, err
@@ -81,6 +95,15 @@ def test_up_status_logs_plot_and_history_per_attempt(run_cli, tmp_path):
     code, out, err = run_cli("plot", run_dir)
     assert code == 0, err
     assert (run_dir / "loss.png").stat().st_size > 10_000
+    # --fresh starts over from step 0 and keeps everything of the previous run, set aside
+    code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=4", "--fresh")
+    assert code == 0, err
+    assert "resumed" not in out and "done: 4 steps" in out, out
+    (aside,) = (run_dir / "previous").iterdir()
+    assert ckptdir.complete_steps(aside / "checkpoints")[-1] == 8  # the failed third attempt's last save
+    assert {"checkpoints", "metrics.jsonl", "logs", "loss.png"} <= {p.name for p in aside.iterdir()}
+    assert ckptdir.complete_steps(run_dir / "checkpoints")[-1] == 4
+    assert [m["step"] for m in metrics(run_dir) if "loss" in m][0] == 1
 
 
 def test_one_job_per_run_directory_and_down_checkpoints(run_cli, tmp_path):
@@ -90,7 +113,37 @@ def test_one_job_per_run_directory_and_down_checkpoints(run_cli, tmp_path):
     wait_for(lambda: any(m.get("step", 0) >= 3 for m in metrics(run_dir)), 120, "step 3")
     code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=2000", "--detach")
     assert code == 3 and "is in use by job tiny" in err and "dtlaunch down" in err
-    code, out, err = run_cli("down", "tiny")
+    # the table: a header, the running job with its progress against the plan's 2,000 steps and an ETA
+    code, out, _ = run_cli("status")
+    header, row = out.splitlines()[:2]
+    assert header.split() == [
+        "name",
+        "target",
+        "state",
+        "step",
+        "loss",
+        "tok/s",
+        "MFU",
+        "ETA",
+        "age",
+        "duration",
+        "where",
+    ]
+    assert row.split()[0] == "tiny" and "RUNNING" in row and re.search(r" [\d,]+/2,000 ", row), out
+    assert re.search(r" \d+(s|m|h\d\dm) ", row.split("2,000")[1]), "an ETA"
+    # --watch: a fresh table each interval (plain, as here stdout is not a terminal), until Ctrl-C
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "status", "--watch", "--interval", "0.5"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(4)
+    watch.send_signal(signal.SIGINT)
+    shown, _ = watch.communicate(timeout=30)
+    assert watch.returncode == 0 and shown.count("-- ") >= 3, shown
+    steps = [int(m.group(1).replace(",", "")) for m in re.finditer(r" ([\d,]+)/2,000 ", shown)]
+    assert len(steps) >= 3 and steps[-1] > steps[0], shown
+    code, out, err = run_cli("down", "--all", "--yes")
     assert code == 0 and "stopped tiny" in out, out + err
     (row,) = status_rows(run_cli)
     assert (row["state"], row["exit_code"]) == ("PREEMPTED", 42)

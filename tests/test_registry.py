@@ -7,7 +7,8 @@ import json
 import sqlite3
 import time
 
-from launcher.targets.registry import JobRecord, LocalHandle, Registry
+from launcher.targets.local.request import LocalHandle
+from launcher.targets.registry import JobRecord, Registry
 from testpaths import RECIPES
 
 

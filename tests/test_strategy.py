@@ -102,7 +102,7 @@ def test_checkpoint_interval_follows_young_daly():
     assert b.checkpoint_every * b.step_seconds < a.checkpoint_every * a.step_seconds
 
 
-def _accumulating(
+def _accumulating_recipe(
     strategy: str,
     accel: str,
     grad_reduce: str = "auto",
@@ -111,15 +111,17 @@ def _accumulating(
     global_batch: int = 64,
     nodes: int = 1,
 ):
-    return make_plan(
-        load_text(f"""
+    return load_text(f"""
 name: t
 model: {{preset: {preset}, seq_len: 2048}}
 parallelism: {{strategy: {strategy}, grad_reduce: {grad_reduce}, activation_checkpointing: {ac}}}
 resources: {{accelerator: "{accel}", nodes: {nodes}}}
 training: {{micro_batch: 1, global_batch: {global_batch}, steps: 10}}
 """)
-    )
+
+
+def _accumulating(*args, **kw):
+    return make_plan(_accumulating_recipe(*args, **kw))
 
 
 def test_fsdp_reduces_once_per_step_when_the_unsharded_gradients_fit():
@@ -154,11 +156,16 @@ def test_once_per_step_applies_only_where_fsdp2_accumulates():
     assert single.layout.grad_accum == 1 and not single.layout.reduces_once_per_step
 
 
-def test_grad_reduce_survives_the_plan_file():
-    from launcher.plan import Plan
+def test_grad_reduce_survives_the_plan_file(tmp_path):
+    """The plan file holds the Plan as msgspec encodes it: the job reads back exactly what was planned."""
+    from launcher import planfile
 
-    p = _accumulating("fsdp", "H100:8")
-    assert Plan.from_dict(p.to_dict()).layout == p.layout
+    recipe = _accumulating_recipe("fsdp", "H100:8")
+    p = make_plan(recipe)
+    (tmp_path / "plan.json").write_text(planfile.dumps(recipe, p))
+    _, back, doc = planfile.read(tmp_path / "plan.json")
+    assert back == p and back.layout.grad_reduce == "once_per_step"
+    assert doc["plan"]["layout"]["grad_reduce"] == "once_per_step"
     assert p.to_dict()["grad_reduce"] == "once_per_step"
 
 

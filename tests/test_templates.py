@@ -26,7 +26,12 @@ from launcher.render.template_filters import whole
 from launcher.render.templates import render_template
 from testpaths import RECIPES, ROOT
 
-TEMPLATES = ROOT / "launcher" / "render" / "templates"
+# The shared partials and each target's own templates, which one loader searches.
+TEMPLATES = sorted(
+    t
+    for d in (ROOT / "launcher" / "render" / "templates", *(ROOT / "launcher" / "targets").glob("*/templates"))
+    for t in d.glob("*.j2")
+)
 GOLDEN = Path(__file__).parent / "golden"
 # A value may enter a script only through a filter that quotes it for its context, or be one of our own
 # constants: an exit code, or an environment variable's name from launcher/jobenv.py. `verbatim` is the one
@@ -37,7 +42,7 @@ EXPR = re.compile(r"{{-?(.*?)-?}}", re.S)
 
 def test_every_template_value_goes_through_a_quoting_filter():
     unsafe = []
-    for t in sorted(TEMPLATES.glob("*.j2")):
+    for t in TEMPLATES:
         for expr in EXPR.findall(t.read_text()):
             e = expr.strip()
             last = e.rsplit("|", 1)
@@ -60,11 +65,18 @@ def test_every_dtlaunch_name_a_template_spells_is_one_jobenv_defines():
     known |= {n for n in jobenv.ENV_INPUTS if n.startswith("DTLAUNCH_")}
     unknown = {
         f"{t.name}: {name}"
-        for t in TEMPLATES.glob("*.j2")
+        for t in TEMPLATES
         for name in re.findall(r"DTLAUNCH_[A-Z_]*[A-Z]", t.read_text())
         if name not in known
     }
     assert not unknown, sorted(unknown)
+
+
+def test_template_names_are_unique_across_the_template_directories():
+    """One loader searches the shared directory and every target's: a second template of one name would be
+    silently shadowed by the first."""
+    names = [t.name for t in TEMPLATES]
+    assert len(TEMPLATES) > 10 and len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
 def _scripts(recipe: str, target: str, overrides=()) -> dict[str, str]:

@@ -263,9 +263,8 @@ def test_ddp_on_real_tensors_matches_the_planner(sets, tmp_path):
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from launcher.runtime.layout import resolve_layout
+    from launcher.runtime.engines import build_engine
     from launcher.runtime.models import build_model
-    from launcher.runtime.parallel import wrap_model
 
     recipe, plan = _plan(
         "tiny.yaml", "parallelism.strategy=ddp", "resources.accelerator=cpu:1", "model.layers=2", *sets
@@ -273,11 +272,11 @@ def test_ddp_on_real_tensors_matches_the_planner(sets, tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", rank=0, world_size=1, store=store)
     try:
-        layout, _ = resolve_layout(plan, 1)
+        layout, _ = plan.layout.for_world(1)
         torch.manual_seed(0)
         module = build_model(recipe.model.shape(), layout.activation_checkpointing, device="cpu")
         training = recipe.training.replace(grad_clip=0.0)
-        engine = wrap_model(
+        engine = build_engine(
             module, layout, recipe.replace(training=training), plan, 10, torch.device("cpu"), is_gpu=False
         )
         for group in engine.optimizer.param_groups:

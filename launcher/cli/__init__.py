@@ -12,8 +12,8 @@ import sys
 
 import click
 
-from ..version import __version__
 from ..errors import DtlaunchError
+from ..version import __version__
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..strategies import TARGET_NAMES
+from ..targets import TARGET_NAMES
 
 OVERRIDE = click.option(
     "--set",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -33,7 +34,7 @@ LIVE = frozenset(
 
 def status_rows(recs) -> list[dict]:
     """`status`'s rows. One backend per target, so the local one scans the process table once for all rows,
-    and each run directory's newest step is read once."""
+    and each run directory's newest step and planned length are read once."""
     from ..targets import JobStatus, backend
 
     backends, steps, rows = {}, {}, []
@@ -45,41 +46,162 @@ def status_rows(recs) -> list[dict]:
         except DtlaunchError as e:
             st = JobStatus("UNKNOWN", detail=str(e))
         if r.run_dir not in steps:
-            steps[r.run_dir] = last_logged_step(r.run_dir) if r.run_dir and Path(r.run_dir).is_dir() else None
+            here = r.run_dir and Path(r.run_dir).is_dir()
+            steps[r.run_dir] = (last_logged_step(r.run_dir), planned_steps(r.run_dir)) if here else (None, None)
         rows.append(
             {
                 "name": r.name,
                 "target": r.target,
                 "job_id": r.job_id,
                 "run_dir": r.run_dir,
+                "created": r.created,
                 **st.to_dict(),
-                "last_step": steps[r.run_dir],
+                "last_step": steps[r.run_dir][0],
+                "total_steps": steps[r.run_dir][1],
             }
         )
     return rows
 
 
+def _ago(seconds: float | None) -> str:
+    """A span as `status` shows it: 45s, 12m, 3h05m, 2d04h."""
+    if seconds is None or seconds < 0:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def planned_steps(run_dir: str | None) -> int | None:
+    """The run's length as its rendered plan says (run_dir/plan.json), for progress and the ETA."""
+    try:
+        plan = json.loads((Path(run_dir) / "plan.json").read_text()).get("plan", {})  # type: ignore[arg-type]
+        steps = plan.get("steps")
+        return int(steps) if isinstance(steps, int) and steps > 0 else None
+    except (OSError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def progress(row: dict, now: float) -> dict:
+    """What the table shows of a row: step/total, loss, tok/s, MFU, ETA, age, duration, where."""
+    last, total = row.get("last_step") or {}, row.get("total_steps")
+    step = last.get("step")
+    live = row["state"] in LIVE
+    eta = None
+    if live and step is not None and total and last.get("step_time_s"):
+        eta = max(0, total - step) * float(last["step_time_s"])
+    end = now if live else (last.get("time") or now)
+    tps = last.get("tokens_per_s")
+    where = row["run_dir"] or "-"
+    try:
+        where = str(Path(where).relative_to(Path.cwd()))
+    except ValueError:
+        pass
+    state = row["state"] + (f" exit={row['exit_code']}" if row.get("exit_code") is not None else "")
+    return {
+        "name": row["name"],
+        "target": f"{row['target']}:{row['job_id']}",
+        "state": state + (f" ({row['detail']})" if row.get("detail") else ""),
+        "step": "-" if step is None else (f"{step:,}/{total:,}" if total else f"{step:,}"),
+        "loss": f"{last['loss']:.4f}" if isinstance(last.get("loss"), (int, float)) else "-",
+        "tok/s": "-" if not tps else (f"{tps / 1e3:.1f}k" if tps >= 1e3 else f"{tps:.0f}"),
+        "MFU": f"{last['mfu']:.1%}" if isinstance(last.get("mfu"), (int, float)) else "-",
+        "ETA": _ago(eta) if eta is not None else "-",
+        "age": _ago(now - row["created"]),
+        "duration": _ago(end - row["created"]) if row.get("created") else "-",
+        "where": where,
+    }
+
+
+COLUMNS = ("name", "target", "state", "step", "loss", "tok/s", "MFU", "ETA", "age", "duration", "where")
+
+
+def status_table(rows: list[dict]):
+    """The registry as a rich table with a header (colours only on a terminal)."""
+    import time
+
+    from rich.table import Table
+
+    colour = {"RUNNING": "green", "COMPLETED": "cyan", "FAILED": "red", "LOST": "red", "PREEMPTED": "yellow"}
+    table = Table(*COLUMNS, box=None, header_style="bold", pad_edge=False)
+    now = time.time()
+    for row in rows:
+        cells = progress(row, now)
+        table.add_row(*(cells[c] for c in COLUMNS), style=colour.get(row["state"]))
+    return table
+
+
+def _console():
+    import shutil
+
+    from rich.console import Console
+
+    # Not a terminal (a pipe, a log, a test): wide enough that a row never wraps, and no colour codes.
+    return Console(width=None if sys.stdout.isatty() else max(200, shutil.get_terminal_size().columns))
+
+
 @click.command("status")
 @click.argument("job", required=False)
-@click.option("--json", "as_json", is_flag=True)
-def status_cmd(job, as_json):
-    """Show the state of one job (by name or id), or of all recorded jobs."""
+@click.option("--json", "as_json", is_flag=True, help="The rows as JSON (a stable contract).")
+@click.option("--watch", is_flag=True, help="Refresh the table until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(0.2), help="Seconds per refresh.")
+def status_cmd(job, as_json, watch, interval):
+    """The recorded jobs as a table (or one job): state, progress, loss, throughput, ETA, age and where."""
     from ..targets.registry import Registry
 
     reg = Registry()
-    rows = status_rows([reg.find(job)] if job else reg.all())
+
+    def rows():
+        return status_rows([resolve(reg, job)] if job else reg.all())
+
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps(rows(), indent=2))
         return
-    if not rows:
-        click.echo("no jobs recorded yet (dtlaunch up RECIPE)")
-    for row in rows:
-        extra = f" exit={row['exit_code']}" if row.get("exit_code") is not None else ""
-        detail = f" ({row['detail']})" if row.get("detail") else ""
-        progress = f"\t{describe_step(row['last_step'])}" if row.get("last_step") else ""
-        click.echo(
-            f"{row['name']}\t{row['target']}:{row['job_id']}\t{row['state']}{extra}{detail}\t{row['run_dir']}{progress}"
-        )
+    console = _console()
+    if not watch:
+        current = rows()
+        if not current:
+            click.echo("no jobs recorded yet (dtlaunch up RECIPE)")
+            return
+        console.print(status_table(current))
+        return
+    import time
+
+    from rich.live import Live
+
+    try:
+        if not console.is_terminal:  # a log or a pipe: a new table each time, under the time it was taken
+            while True:
+                console.print(f"-- {time.strftime('%H:%M:%S')}")
+                console.print(status_table(rows()))
+                sys.stdout.flush()
+                time.sleep(interval)
+        with Live(status_table(rows()), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(status_table(rows()), refresh=True)
+    except KeyboardInterrupt:
+        pass
+
+
+def resolve(reg, key: str, rows: list | None = None):
+    """The one job `key` names: a job id, a name, or a run directory. A name used in several run directories
+    (two checkouts, or one recipe run with different -o) is ambiguous: the command asks which, by id or by
+    directory, rather than silently taking the newest."""
+    hits = reg.matching(key)
+    dirs = {r.run_dir for r in hits}
+    if len(dirs) <= 1:
+        return hits[-1]
+    listing = "; ".join(f"{r.target}:{r.job_id} in {r.run_dir}" for r in {r.run_dir: r for r in hits}.values())
+    raise DtlaunchError(
+        f"{key!r} names jobs in {len(dirs)} run directories: {listing}",
+        fix=f"name one by its id (e.g. `{hits[-1].target}:{hits[-1].job_id}`) or by its run directory",
+    )
 
 
 def describe_step(rec: dict) -> str:
@@ -105,28 +227,91 @@ def describe_step(rec: dict) -> str:
 @click.command("logs")
 @click.argument("job")
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends.")
-def logs_cmd(job, follow):
+@click.option("-n", "--tail", "tail", type=click.IntRange(1), default=None, help="Only the last N lines.")
+def logs_cmd(job, follow, tail):
     """Print a job's output."""
+    from collections import deque
+
     from ..targets import backend
     from ..targets.registry import Registry
 
-    rec = Registry().find(job)
+    if follow and tail:
+        raise click.UsageError("--tail prints what is written so far; --follow streams it all: use one")
+    rec = resolve(Registry(), job)
     try:
-        for line in backend(rec.target).logs(rec, follow=follow):
+        lines = backend(rec.target).logs(rec, follow=follow)
+        for line in deque(lines, maxlen=tail) if tail else lines:
             click.echo(line, nl=False)
     except KeyboardInterrupt:
         pass
 
 
 @click.command("down")
-@click.argument("job")
-def down_cmd(job):
+@click.argument("job", required=False)
+@click.option("--all", "every", is_flag=True, help="Stop every running job this registry records.")
+@click.option("-y", "--yes", is_flag=True, help="With --all: do not ask first.")
+def down_cmd(job, every, yes):
     """Stop a job: SIGTERM first, so it checkpoints; what does not stop in time is killed."""
     from ..targets import backend
     from ..targets.registry import Registry
 
-    rec = running_one(Registry().matching(job), job)
-    click.echo(backend(rec.target).cancel(rec))
+    if every == bool(job):
+        raise click.UsageError("name one job, or pass --all")
+    reg = Registry()
+    if not every:
+        rec = running_one(reg.matching(job), job)
+        click.echo(backend(rec.target).cancel(rec))
+        return
+    live = [r for r in reg.all() if _state(r) in LIVE]
+    if not live:
+        click.echo("no running jobs")
+        return
+    names = ", ".join(f"{r.name} ({r.target}:{r.job_id})" for r in live)
+    if not yes and not click.confirm(f"stop {len(live)} job(s): {names}?", default=False):
+        click.echo("nothing stopped")
+        return
+    for r in live:
+        click.echo(backend(r.target).cancel(r))
+
+
+def _state(rec) -> str:
+    from ..targets import backend
+
+    try:
+        return backend(rec.target).status(rec).state
+    except DtlaunchError:
+        return "UNKNOWN"
+
+
+@click.command("forget")
+@click.argument("jobs", nargs=-1, required=True)
+def forget_cmd(jobs):
+    """Remove finished jobs from the registry (by name, id or run directory). Their files stay where they are."""
+    from ..targets.registry import Registry
+
+    reg = Registry()
+    recs = [r for key in jobs for r in reg.matching(key)]
+    running = [r for r in recs if _state(r) in LIVE]
+    if running:
+        raise DtlaunchError(
+            f"{', '.join(f'{r.name} ({r.target}:{r.job_id})' for r in running)} still running",
+            fix="stop it first (dtlaunch down NAME), then forget it",
+        )
+    click.echo(f"forgot {reg.remove(recs)} job record(s); their run directories are untouched")
+
+
+@click.command("prune")
+@click.option("--older-than", "days", type=click.FloatRange(0), default=0.0, help="Only jobs older than DAYS.")
+def prune_cmd(days):
+    """Remove every finished job (and every job whose run directory is gone) from the registry; files stay."""
+    import time
+
+    from ..targets.registry import Registry
+
+    reg = Registry()
+    cutoff = time.time() - days * 86400
+    old = [r for r in reg.all() if r.created <= cutoff and _state(r) not in LIVE]
+    click.echo(f"pruned {reg.remove(old)} finished job record(s); their run directories are untouched")
 
 
 def running_one(hits: list, key: str):
@@ -163,7 +348,7 @@ def plot_cmd(run, out_png):
     if not run_path.exists():
         from ..targets.registry import Registry
 
-        run_path = Path(Registry().find(run).run_dir)
+        run_path = Path(resolve(Registry(), run).run_dir)
     try:
         from ..plot import plot_metrics
     except ImportError as e:
@@ -177,5 +362,5 @@ def plot_cmd(run, out_png):
 
 
 def register(cli: click.Group) -> None:
-    for cmd in (status_cmd, logs_cmd, down_cmd, plot_cmd):
+    for cmd in (status_cmd, logs_cmd, down_cmd, forget_cmd, prune_cmd, plot_cmd):
         cli.add_command(cmd)

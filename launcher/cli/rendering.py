@@ -49,8 +49,8 @@ def _after(recipe_path, overrides, target, after) -> str:
     """`--after JOB...` as a --set item: the recipe's dependency plus afterok on each job. A name is looked up
     in the registry, and must be a SLURM job on the cluster this recipe submits to (job ids are per cluster)."""
     from ..recipe import load as load_recipe
-    from ..recipe.slurmsyntax import parse_dependency
     from ..targets.registry import Registry
+    from ..targets.slurm.syntax import parse_dependency
 
     recipe = load_recipe(recipe_path, list(overrides))
     if (target or recipe.targets.default) != "slurm":
@@ -98,6 +98,54 @@ def _out_dir(recipe, art, out_dir) -> Path:
     return Path(recipe.targets.local.run_dir) / f"{art.job_name}-{art.target}"
 
 
+def _completed_step(recipe, plan, out: Path, run_id: str) -> int | None:
+    """The newest committed checkpoint of the run in `out` when it is at or past the recipe's last step (the run
+    is complete: another attempt would train nothing); None when there is more to train or no checkpoint here."""
+    from ..runtime import ckptdir
+
+    if plan.steps is None or "{run_id}" in (recipe.checkpoint.dir or "") and not run_id:
+        return None
+    root = ckptdir.expand_dir(recipe.checkpoint.dir, out.resolve(), run_id)
+    done = ckptdir.complete_steps(root)
+    return done[-1] if done and done[-1] >= plan.steps else None
+
+
+def _start_over(recipe, art, out: Path, run_id: str) -> str:
+    """`up --fresh`: set the run's history in `out` (checkpoints under it, metrics, status, logs, plots) aside in
+    out/previous/<time>, and give a checkpoint.dir outside `out` a new run id; returns what was done. Nothing
+    is deleted. A fixed checkpoint.dir outside `out` cannot be started over without losing it: refused."""
+    import os
+    import time
+
+    from ..jobenv import RUN_ID
+    from ..render.artifacts import MANIFEST, read_manifest
+    from ..runtime import ckptdir
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    root = ckptdir.expand_dir(recipe.checkpoint.dir, out.resolve(), run_id)
+    said = []
+    if not root.resolve().is_relative_to(out.resolve()) and root.is_dir():
+        if "{run_id}" not in (recipe.checkpoint.dir or ""):
+            raise DtlaunchError(
+                f"--fresh: checkpoint.dir {recipe.checkpoint.dir} holds this run's checkpoints and names no "
+                "{run_id}: a new run there would resume the old one",
+                fix=f"move {root} aside first, or put {{run_id}} in checkpoint.dir",
+            )
+        new_id = f"{run_id}-{stamp}"
+        os.environ[RUN_ID] = new_id  # the job script takes an exported run id over its default
+        said.append(f"new run id {new_id} (the old checkpoints stay in {root})")
+    rendered, _ = read_manifest(out)
+    keep = {MANIFEST, "previous"} | {f.split("/")[0] for f in rendered}
+    history = [p for p in sorted(out.iterdir()) if p.name not in keep] if out.is_dir() else []
+    if history:
+        aside = out / "previous" / stamp
+        aside.mkdir(parents=True)
+        for p in history:
+            p.rename(aside / p.name)
+        said.append(f"the previous run's {', '.join(p.name for p in history)} moved to {aside}")
+    return "; ".join(said) or "nothing to set aside"
+
+
 @click.command("up")
 @click.argument("recipe_path", metavar="RECIPE")
 @TARGET
@@ -109,7 +157,8 @@ def _out_dir(recipe, art, out_dir) -> Path:
     default=None,
     help="Where the job's files go (default: runs/<job name> locally, runs/<job name>-<target> otherwise).",
 )
-@click.option("--dry-run", is_flag=True, help="Render and print the submit command without submitting.")
+@click.option("--dry-run", is_flag=True, help="Render and say what would be submitted, without submitting.")
+@click.option("--show", is_flag=True, help="With --dry-run: also print the job script.")
 @click.option(
     "--detach/--wait",
     default=None,
@@ -117,6 +166,12 @@ def _out_dir(recipe, art, out_dir) -> Path:
     "detach from SLURM and SkyPilot).",
 )
 @click.option("--force", is_flag=True, help="Submit even if validate finds errors.")
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Start the run over from step 0: the previous run's checkpoints, metrics and logs are kept, moved to "
+    "OUT/previous/<time> (or, for a checkpoint.dir with {run_id}, left under a new run id).",
+)
 @SWEEP
 @click.option(
     "--after",
@@ -126,11 +181,11 @@ def _out_dir(recipe, art, out_dir) -> Path:
     help="SLURM: start only after JOB (a recorded job's name, or a job id) completed successfully, e.g. an "
     "evaluation after its training run (adds afterok:ID to targets.slurm.dependency; repeatable).",
 )
-def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, sweeps, after):
+def up_cmd(recipe_path, target, overrides, out_dir, dry_run, show, detach, force, fresh, sweeps, after):
     """Validate, render and submit a job; record it so status/logs/down can follow it."""
     from ..render.artifacts import read_manifest
     from ..targets import backend
-    from ..targets.local import claim_run_dir
+    from ..targets.local.backend import claim_run_dir
     from ..targets.registry import Registry
 
     if after:
@@ -146,7 +201,19 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, swee
     # Before anything is written: a refused `up` changes nothing (a running job's torchrun restart would read a
     # rewritten plan). To submit, the check holds the directory's lock until the job is recorded: of two `up` at
     # once, one submits and the other is refused.
+    run_id = recipe.run_id or art.job_name
     with claim_run_dir(out, registry, lock=not dry_run):
+        done = None if fresh else _completed_step(recipe, prep.plan, out, run_id)
+        if done is not None:
+            click.echo(
+                f"{out}: this run is complete (its newest checkpoint is step {done:,}, the recipe trains "
+                f"{prep.plan.steps:,} steps); nothing to train, nothing submitted.\n"
+                f"  to train further: raise training.steps, e.g. --set training.steps={2 * prep.plan.steps}\n"
+                f"  to start over from step 0, keeping this run's files: dtlaunch up {recipe_path} --fresh"
+            )
+            return
+        if fresh and not dry_run:
+            click.echo(f"--fresh: {_start_over(recipe, art, out, run_id)}")
         _, origin = read_manifest(out)
         if origin == "render":
             click.echo(
@@ -155,9 +222,16 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, detach, force, swee
         out = art.write(out, origin="up")
         _notes(art)
         if dry_run:
-            click.echo(f"# ---- {out / art.entrypoint}")
-            click.echo((art.text(art.entrypoint) or "").rstrip("\n"))
-            click.echo(f"dry run: wrote {out}; would run in it: {' '.join(art.submit_command)}")
+            if show:
+                click.echo(f"# ---- {out / art.entrypoint}")
+                click.echo((art.text(art.entrypoint) or "").rstrip("\n"))
+            p = prep.plan
+            click.echo(
+                f"dry run: {art.target} job {art.job_name}: {p.strategy} on {p.world_size} ranks "
+                f"({p.nodes} node(s) x {p.gpus_per_node} {p.accelerator})" + (f", {p.steps:,} steps" if p.steps else "")
+            )
+            click.echo(f"  wrote {len(art.files)} files to {out} (the entrypoint: {art.entrypoint}; --show prints it)")
+            click.echo(f"  would run in it: {' '.join(art.submit_command)}")
             return
         rec = be.submit(art, str(out))
         try:

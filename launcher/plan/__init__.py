@@ -1,7 +1,7 @@
 """Recipe -> Plan: what fits, which strategy and why, how long and how much. Pure, no I/O.
 
-The Plan is the typed seam between the layers: `render` and the runtime take a Plan, and the plan file
-a job reads is `Plan.to_dict()` (the `plan --json` contract), read back with `Plan.from_dict`.
+The Plan is the typed seam between the layers: `render` and the runtime take a Plan; the plan file a job
+reads holds it as msgspec encodes it (`launcher.planfile`), and `Plan.to_dict()` is the `plan --json` report.
 """
 
 from __future__ import annotations
@@ -58,28 +58,19 @@ class Plan(msgspec.Struct):
         return None if self.steps is None else self.steps * self.step_seconds / 3600
 
     def to_dict(self) -> dict[str, Any]:
-        """The `plan --json` contract (users script against it; keep keys stable)."""
+        """The `plan --json` contract (users script against it; keep keys stable): the layout's fields at the top
+        level, derived figures besides. A report, never read back: the plan file is the struct itself."""
         lay = self.layout
+        layout = msgspec.to_builtins(lay)
+        layout["shard"] = lay.shard_group
+        layout["pipeline_schedule"] = layout.pop("pp_schedule")
         return {
             "params": self.params,
             "world_size": self.world_size,
             "nodes": self.nodes,
             "gpus_per_node": self.gpus_per_node,
             "accelerator": self.accelerator,
-            "dp": lay.dp,
-            "tp": lay.tp,
-            "pp": lay.pp,
-            "strategy": lay.strategy,
-            "shard": lay.shard_group,
-            "precision": lay.precision,
-            "activation_checkpointing": lay.activation_checkpointing,
-            "offload": lay.offload,
-            "sequence_parallel": lay.sequence_parallel,
-            "pipeline_schedule": lay.pp_schedule,
-            "optimizer": lay.optimizer,
-            "micro_batch": lay.micro_batch,
-            "grad_accum": lay.grad_accum,
-            "grad_reduce": lay.grad_reduce,
+            **layout,
             "global_batch": self.global_batch,
             "seq_len": self.seq_len,
             "steps": self.steps,
@@ -98,49 +89,6 @@ class Plan(msgspec.Struct):
             "not_modelled": list(NOT_MODELLED),
             "units": dict(UNITS),
         }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        """The inverse of to_dict (what a job reads from plan.json). KeyError/TypeError on a malformed dict."""
-        spec = STRATEGIES.get(d["strategy"]) if isinstance(d.get("strategy"), str) else None
-        hybrid = spec is not None and spec.replicate_across_nodes
-        layout = Layout(
-            strategy=d["strategy"],
-            dp=int(d["dp"]),
-            tp=int(d.get("tp", 1)),
-            pp=int(d.get("pp", 1)),
-            shard=int(d["shard"]) if hybrid and d.get("shard") else None,
-            precision=d["precision"],
-            activation_checkpointing=d["activation_checkpointing"],
-            offload=d.get("offload", "none"),
-            micro_batch=int(d["micro_batch"]),
-            grad_accum=int(d["grad_accum"]),
-            sequence_parallel=bool(d.get("sequence_parallel", False)),
-            optimizer=d.get("optimizer", "adamw"),
-            pp_schedule=d.get("pipeline_schedule", "1f1b"),
-            grad_reduce=d.get("grad_reduce", "every_micro_batch"),
-        )
-        return cls(
-            params=int(d["params"]),
-            world_size=int(d["world_size"]),
-            nodes=int(d["nodes"]),
-            gpus_per_node=int(d["gpus_per_node"]),
-            accelerator=d["accelerator"],
-            layout=layout,
-            global_batch=int(d["global_batch"]),
-            seq_len=int(d["seq_len"]),
-            steps=None if d.get("steps") is None else int(d["steps"]),
-            tokens_per_step=int(d["tokens_per_step"]),
-            reasons=list(d.get("reasons", [])),
-            memory=Memory.from_dict(d["memory"]),
-            candidates=[(c["strategy"], Memory.from_dict(c["memory"])) for c in d.get("candidates", [])],
-            flops_per_step=float(d["time"]["flops_per_step"]),
-            step_seconds=float(d["time"]["step_seconds"]),
-            usd=d["cost"].get("usd"),
-            checkpoint_every=int(d["checkpoint"]["every_steps"]),
-            checkpoint_write_seconds=float(d["checkpoint"]["write_seconds"]),
-            notes=list(d.get("notes", [])),
-        )
 
 
 def make_plan(recipe: Recipe) -> Plan:

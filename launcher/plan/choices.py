@@ -122,7 +122,8 @@ def plan_choices(recipe: Recipe, primary: Plan | None = None, order: str | None 
         choices.append(Choice(a, dev, p, why, step, usd))
     kept_choices = [c for c in choices if c.dropped is None]
     if order == "ordered" and kept_choices and all(c.usd is not None for c in kept_choices):
-        kept_choices.sort(key=lambda c: c.usd)  # stable: equal costs keep the recipe's order
+        # every one has a cost here (`or 0.0` only tells mypy); stable: equal costs keep the recipe's order
+        kept_choices.sort(key=lambda c: c.usd or 0.0)
     elif order == "ordered" and len(kept_choices) > 1:
         notes.append("no training length: the accelerators are asked for in the recipe's order, not by cost")
     if len(choices) > 1 and basis != recipe.resources.accelerator:

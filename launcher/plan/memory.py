@@ -38,6 +38,7 @@ Choices where the sources disagree (`UNITS`, `NOT_MODELLED`; the plan states the
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import msgspec
 
@@ -102,7 +103,7 @@ class Memory(msgspec.Struct, frozen=True):
     model_states: dict[str, float] = msgspec.field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        d = {
+        d: dict[str, Any] = {
             k: int(round(getattr(self, k)))
             for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu")
         }
@@ -115,13 +116,14 @@ class Memory(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_dict(cls, d: dict) -> Memory:
+        sizes = {k: float(d[k]) for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu")}
         return cls(
-            *(float(d[k]) for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu")),
-            bool(d["fits"]),
-            d.get("peak_at", ""),
-            {k: float(v) for k, v in d.get("terms", {}).items()},
-            {k: float(v) for k, v in d.get("moments", {}).items()},
-            {k: float(v) for k, v in d.get("model_states", {}).items()},
+            **sizes,
+            fits=bool(d["fits"]),
+            peak_at=d.get("peak_at", ""),
+            terms={k: float(v) for k, v in d.get("terms", {}).items()},
+            moments={k: float(v) for k, v in d.get("moments", {}).items()},
+            model_states={k: float(v) for k, v in d.get("model_states", {}).items()},
         )
 
 
@@ -149,6 +151,7 @@ def breakdown(
         at = max(totals, key=totals.__getitem__)
         if best is None or totals[at] > best[1][best[2]]:
             best = (moments, totals, at, part, n)
+    assert best is not None  # pipeline_parts gives at least one part
     moments, totals, peak_at, part, n = best
     p, g, o = model_states(n, lay)  # of the rank the figure describes
     t = dict(moments[peak_at])

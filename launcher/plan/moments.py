@@ -31,7 +31,7 @@ FSDP2 facts used (torch.distributed.fsdp, `fully_shard` with MixedPrecisionPolic
 weights are all-gathered per unit in param_dtype; gradients are produced unsharded in param_dtype and copied
 into an fp32 reduce-scatter input of the unit's size; sharded fp32 gradients accumulate across micro-steps
 when the runtime reduce-scatters on every micro-step, unsharded ones when it reduces once per step
-(`strategies.reduces_once_per_step`). Units are `runtime.parallel.fsdp_units`: the token
+(`strategies.reduces_once_per_step`). Units are `runtime.engines.mesh.fsdp_units`: the token
 embedding, each block, the output head, and the root with the final norm; or, for tables no larger than a
 block (`params.embedding_units_apart`), each block and a root holding the embedding, the head and the norm.
 """

@@ -51,7 +51,7 @@ def embedding_units_apart(s: ModelShape, model_parallel: bool = False) -> bool:
     blocks' weights, and separate units would only add two all-gathers and two reduce-scatters to every
     micro-step (their whole latency where collectives do not overlap compute). Tied tables share one
     parameter and stay in the root. Tensor and pipeline layouts keep them apart (a stage holds only one of
-    the two). The runtime (`runtime.parallel.fsdp_units`) and the planner (`plan.moments.units`) both ask."""
+    the two). The runtime (`runtime.engines.mesh.fsdp_units`) and the planner (`plan.moments.units`) both ask."""
     if s.tied_embeddings:
         return False
     return model_parallel or s.vocab * s.hidden > layer_params(s)

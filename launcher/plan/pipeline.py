@@ -76,7 +76,7 @@ def schedule_problem(schedule: str, pp: int, micro_batches: int, layers: int | N
 
 def precision_problem(pp: int, precision: str) -> str | None:
     """Why the runtime would refuse a pipeline in this precision (None: it runs): fp16 needs loss scaling, and the
-    loss exists on the last stage only (`runtime.meshengine` refuses it at start-up)."""
+    loss exists on the last stage only (`runtime.engines.mesh` refuses it at start-up)."""
     if pp > 1 and precision == "fp16":
         return "fp16 loss scaling is not supported with pipeline parallelism: the loss exists on the last stage only"
     return None

@@ -85,7 +85,7 @@ def deepspeed_step_fp32_grads(n: float, lay: Layout) -> float:
 
 def fsdp_group(lay: Layout) -> int:
     """Ranks an FSDP2 unit is sharded over: the sharding group, or one for `ddp` in a tensor/pipeline layout
-    (the runtime's FSDP2 with shard groups of one; `launcher.runtime.meshengine`)."""
+    (the runtime's FSDP2 with shard groups of one; `launcher.runtime.engines.mesh`)."""
     return lay.shard_group if lay.spec.sharded else 1
 
 

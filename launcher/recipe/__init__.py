@@ -6,6 +6,9 @@ a file within fixed bounds and turns every mistake into a located Problem (file,
 
 from __future__ import annotations
 
+from ..targets.local.spec import LocalTarget
+from ..targets.sky.spec import SkyStorage, SkyTarget
+from ..targets.slurm.spec import SlurmTarget, SshSpec
 from .loading import json_schema, load, load_text, parse_override
 from .model_spec import ModelSpec
 from .schema import (
@@ -18,7 +21,6 @@ from .schema import (
     TrainingSpec,
     parse,
 )
-from .target_specs import LocalTarget, SkyStorage, SkyTarget, SlurmTarget, SshSpec
 
 __all__ = [
     "Recipe",

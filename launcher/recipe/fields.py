@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from ..strategies import STRATEGY_NAMES, TARGET_NAMES
+from ..strategies import STRATEGY_NAMES
+from ..targets import TARGET_NAMES
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z", re.ASCII)
@@ -62,7 +63,9 @@ def Float(
 ):  # noqa: N802
     """A number within bounds. Every Float has an upper bound, so .inf fails it, and .nan fails every bound."""
     assert le is not None or lt is not None, "an unbounded float would accept .inf"
-    return Annotated[float, Meta(gt=gt, ge=ge, le=le, lt=lt, description=description)]
+    # msgspec's stubs take either gt or ge (and either le or lt), not both; at run time None is "unset".
+    bounds: dict[str, Any] = {"gt": gt, "ge": ge, "le": le, "lt": lt}
+    return Annotated[float, Meta(**bounds, description=description)]
 
 
 def AutoInt(limit: int = 10**9, description: str | None = None):  # noqa: N802

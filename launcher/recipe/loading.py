@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import yaml
@@ -47,7 +47,9 @@ class SourceMap(msgspec.Struct, frozen=True):
         return self.file, None
 
 
-def _fail(source: str, message: str, line: int | None = None, fix: str | None = None, field: str = "(file)"):
+def _fail(
+    source: str, message: str, line: int | None = None, fix: str | None = None, field: str = "(file)"
+) -> NoReturn:
     raise RecipeError([Problem(source, field, message, fix, line)])
 
 
@@ -181,7 +183,12 @@ def parse_override(item: str) -> tuple[Path_, Any]:
             fix="write --set SECTION.FIELD=VALUE",
         )
     if len(raw.encode()) > MAX_OVERRIDE_BYTES:
-        _fail(source, f"the value is longer than {MAX_OVERRIDE_BYTES:,} bytes", field=key.strip())
+        _fail(
+            source,
+            f"the value is longer than {MAX_OVERRIDE_BYTES:,} bytes",
+            field=key.strip(),
+            fix="put a value this long in the recipe file, or in a file it names",
+        )
     if raw.strip() == "":
         _fail(
             source,
@@ -254,7 +261,13 @@ def load_data(
     lines = lines or {}
     for k in data:
         if not isinstance(k, str):
-            _fail(source, f"keys must be text, got {k!r}", lines.get((str(k),)), field=str(k))
+            _fail(
+                source,
+                f"keys must be text, got {k!r}",
+                lines.get((str(k),)),
+                fix=f"quote the key ('{k}':) or use a section's field name; `dtlaunch schema` lists them",
+                field=str(k),
+            )
     applied: list[tuple[Path_, str]] = []
     for item in overrides or []:
         path, value = parse_override(item)

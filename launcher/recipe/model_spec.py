@@ -111,7 +111,7 @@ class ModelSpec(Spec, kw_only=True):
         base = catalog.PRESETS.get(self.preset) if self.preset else None
         if base is None and self.layers is None:
             return None
-        vals = {}
+        vals: dict[str, Any] = {}  # int, bool or float by field; None until a default fills it
         for f in (
             "layers",
             "hidden",

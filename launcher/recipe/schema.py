@@ -18,6 +18,9 @@ from ..errors import FieldError
 from ..jobenv import CHECKPOINT_DIR as CHECKPOINT_DIR_ENV
 from ..jobenv import RUN_ID as RUN_ID_ENV
 from ..jobenv import env_owner
+from ..targets.local.spec import LocalTarget
+from ..targets.sky.spec import SkyTarget
+from ..targets.slurm.spec import SlurmTarget
 from .fields import (
     ENV_NAME,
     MAX_ENV_VALUE,
@@ -36,7 +39,6 @@ from .fields import (
     suggest,
 )
 from .model_spec import ModelSpec
-from .target_specs import LocalTarget, SkyTarget, SlurmTarget
 
 
 class ParallelismSpec(Spec, kw_only=True, dict=True):

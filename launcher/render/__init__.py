@@ -1,4 +1,9 @@
-"""Plan -> artifacts for a target. Pure: returns text; writing and submitting happen elsewhere."""
+"""Plan -> artifacts for a target. Pure: returns text; writing and submitting happen elsewhere.
+
+Each target renders in its own package (launcher/targets/NAME/render.py, found through launcher.targets.TARGETS);
+this package keeps what they share: the files every target ships, the torchrun line, shell quoting, the job's
+environment, dtlaunch's wheel, the Artifacts record and the shared templates.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,9 @@ import json
 import yaml
 
 from .. import planfile
-from ..errors import DtlaunchError
 from ..plan import Plan
 from ..recipe import Recipe
-from ..strategies import TARGET_NAMES, TARGETS, TargetName, load_attr
+from ..targets import target as target_spec
 from .artifacts import Artifacts
 from .code import collect as collect_code
 
@@ -36,14 +40,11 @@ def common_files(recipe: Recipe, plan: Plan) -> dict[str, str | bytes]:
 def render(recipe: Recipe, plan: Plan, target: str, choices=None) -> Artifacts:
     """`plan`: the recipe's own; `choices`: the SkyPilot accelerator choices, if already made
     (plan.choices.for_target: made here otherwise)."""
-    if target not in TARGET_NAMES:
-        raise DtlaunchError(f"unknown target {target!r}", fix=f"use one of {', '.join(TARGET_NAMES)}")
+    renderer = target_spec(target).load("renderer")  # an unknown target is refused here
     from ..plan.choices import for_target
 
     choices = choices or for_target(recipe, plan, target)
-    renderer = load_attr(TARGETS[TargetName(target)].renderer)
     if choices is not None:
         # The task may land on any of several accelerators: ship the plan valid on all of them.
         plan = choices.shipped
-        return renderer(recipe, plan, common_files(recipe, plan), choices=choices)
-    return renderer(recipe, plan, common_files(recipe, plan))
+    return renderer(recipe, plan, common_files(recipe, plan), choices=choices)

@@ -3,102 +3,31 @@
 Like TorchX's dry-run request (`submit_dryrun` -> `schedule(dryrun_info)`): rendering never submits, and a
 target's backend submits exactly the request it is handed, without re-reading the files it describes.
 
-The records are msgspec structs rather than dataclasses: `validate` imports this module, and five dataclasses
-cost it ~2 ms of start-up (each one compiles its methods), structs next to nothing.
+The records (this one and each target's request, in launcher/targets/NAME/request.py) are msgspec structs
+rather than dataclasses: `validate` imports this module, and a dataclass costs start-up (each one compiles its
+methods), a struct next to nothing.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Protocol
 
 import msgspec
 
 from ..errors import DtlaunchError
 
-if TYPE_CHECKING:
-    from ..recipe import SlurmTarget
 
-
-class LocalRequest(msgspec.Struct, frozen=True):
-    script: str  # run with bash in the run directory
-    secrets: tuple[str, ...] = ()
+class Request(Protocol):
+    """How a rendered job is submitted: each target's request.py has its own (a frozen msgspec struct), which its
+    backend submits as it is."""
 
     @property
-    def argv(self) -> tuple[str, ...]:
-        return ("bash", self.script)
-
-
-class SubmititSpec(msgspec.Struct, frozen=True):
-    """Everything `targets.slurm.submit: submitit` hands to submitit, decided at render time (plain data, so
-    rendering never imports submitit, and `up` submits exactly what `render` wrote to submitit.json).
-
-    Paths are relative to the rendered directory; the submitting side makes them absolute, because submitit
-    runs sbatch from the caller's working directory, not from the rendered one.
-    """
-
-    folder: str  # submitit's own directory: pickles, the generated batch script, the job's log
-    setup_script: str  # the batch preamble; submitit's `setup` sources it before `exec python`
-    python: str  # the batch script's command for submitit's interpreter (a shell word list, not a path)
-    max_num_timeout: int  # submitit's cap on requeues after a signal it counts as a time-out
-    parameters: Mapping[str, Any]  # SlurmExecutor.update_parameters(**parameters), besides `setup`
-    step: Mapping[str, Any]  # the job-side callable's settings (launcher.targets.submitit_job.StepJob)
-
-    def to_json(self) -> str:
-        return (
-            json.dumps(
-                {
-                    "folder": self.folder,
-                    "setup_script": self.setup_script,
-                    "python": self.python,
-                    "max_num_timeout": self.max_num_timeout,
-                    "parameters": dict(self.parameters),
-                    "step": dict(self.step),
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> SubmititSpec:
-        d = json.loads(text)
-        return cls(d["folder"], d["setup_script"], d["python"], int(d["max_num_timeout"]), d["parameters"], d["step"])
-
-
-class SlurmRequest(msgspec.Struct, frozen=True):
-    job_script: str  # sbatch: the job script; submitit: its request file (submitit.json)
-    settings: SlurmTarget  # how to reach the cluster (ssh), how to submit (sbatch or submitit)
-    array: bool = False
-    secrets: tuple[str, ...] = ()
-    submit: Literal["sbatch", "submitit"] = "sbatch"
-    submitit: SubmititSpec | None = None  # set iff submit == "submitit"
+    def entrypoint(self) -> str: ...  # the file the submission starts from (the script, job script or task)
 
     @property
-    def argv(self) -> tuple[str, ...]:
-        if self.submit == "submitit":  # the same submission `up` makes, from the rendered directory
-            return ("python3", "-m", "launcher.targets.submitit_job", ".")
-        return ("sbatch", "--parsable", self.job_script)
-
-
-class SkyRequest(msgspec.Struct, frozen=True):
-    task_file: str
-    cluster: str  # the cluster name (sky launch) or the managed job's name
-    managed: bool
-    secrets: tuple[str, ...] = ()
-
-    @property
-    def argv(self) -> tuple[str, ...]:
-        secrets = tuple(a for name in self.secrets for a in ("--secret", name))
-        if self.managed:
-            return ("sky", "jobs", "launch", "-n", self.cluster, *secrets, self.task_file)
-        return ("sky", "launch", "-c", self.cluster, *secrets, self.task_file)
-
-
-Request = LocalRequest | SlurmRequest | SkyRequest
+    def argv(self) -> tuple[str, ...]: ...  # the same submission by hand, from the rendered directory
 
 
 class Artifacts(msgspec.Struct):
@@ -111,8 +40,7 @@ class Artifacts(msgspec.Struct):
 
     @property
     def entrypoint(self) -> str:
-        r = self.request
-        return r.script if isinstance(r, LocalRequest) else r.job_script if isinstance(r, SlurmRequest) else r.task_file
+        return self.request.entrypoint
 
     @property
     def submit_command(self) -> list[str]:

@@ -15,8 +15,8 @@ import io
 import re
 from pathlib import Path
 
-from ..version import __version__
 from ..errors import DtlaunchError
+from ..version import __version__
 
 DIST = "dtlaunch"
 PACKAGE = "launcher"

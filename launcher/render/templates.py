@@ -1,5 +1,7 @@
-"""Generated shell lives in template files (launcher/render/templates/*.j2), so the Python side holds a
-context and the shell reads as shell.
+"""Generated shell lives in template files, so the Python side holds a context and the shell reads as shell:
+each target's own in its package (launcher/targets/NAME/templates/*.j2), the partials several targets include
+(the run's identity, the interpreter check, the outcome) in launcher/render/templates/. One loader searches
+them all, so a template's name is unique among them (a test checks) and an include names no directory.
 
 Jinja2 renders them, imported on the first render only: `plan`, `validate` and `--help` never pay for it. As
 this is shell, not HTML, nothing is autoescaped: a value enters a script only through a quoting filter
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 
 from .. import jobenv
+from ..targets import TARGETS
 from .template_filters import FILTERS
 
 
@@ -22,8 +25,9 @@ def environment():
     the file's last line break is kept."""
     import jinja2
 
+    loaders = [jinja2.PackageLoader(__package__), *(jinja2.PackageLoader(t.package) for t in TARGETS.values())]
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader(__package__),
+        loader=jinja2.ChoiceLoader(loaders),
         undefined=jinja2.StrictUndefined,
         autoescape=False,
         keep_trailing_newline=True,

@@ -1,10 +1,10 @@
 """The in-job runtime, usable on its own from a user's training script:
 
-    from launcher.runtime import init_distributed, wrap_model, Checkpointer, PreemptionFlag, build_dataloader
+    from launcher.runtime import init_distributed, build_engine, Checkpointer, PreemptionFlag, build_dataloader
 
     world = init_distributed(recipe)                      # process group, timeouts, NCCL/OMP environment
-    layout, _ = resolve_layout(plan, world.world_size)    # the plan's strategy at this world size
-    engine = wrap_model(model, layout, recipe, plan, steps, world.device, world.is_gpu)
+    layout, _ = plan.layout.for_world(world.world_size)   # the plan's layout at this world size
+    engine = build_engine(model, layout, recipe, plan, steps, world.device, world.is_gpu)
     ...
 
 or all of it at once with `Trainer(recipe, plan, run_dir).run()` (what `python -m launcher.train` does).
@@ -21,10 +21,8 @@ _EXPORTS = {
     "set_collective_timeout": ".dist",
     "shutdown": ".dist",
     "World": ".dist",
-    "wrap_model": ".parallel",
-    "resolve_layout": ".parallel",
-    "RuntimeLayout": ".parallel",
-    "Engine": ".parallel",
+    "build_engine": ".engines",
+    "Engine": ".engines",
     "Checkpointer": ".checkpoint",
     "export_model": ".checkpoint",
     "PreemptionFlag": ".signals",

@@ -31,6 +31,11 @@ class Agreement:
     stop: bool  # some rank received a preemption signal: every rank saves this step and exits
     signalled: tuple[int, ...] = ()
 
+    @property
+    def who(self) -> str:
+        """The signalled ranks, for a log line: "rank 1", "ranks 0, 3"."""
+        return f"rank{'s' if len(self.signalled) > 1 else ''} {', '.join(map(str, self.signalled))}"
+
 
 def _all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
     """(world, n) rows of every rank's (n,) host tensor."""
@@ -157,6 +162,14 @@ def host_values(t: torch.Tensor) -> list:
     return t.tolist()
 
 
+def _counts(row: list[float | None]) -> tuple[int, int, int]:
+    """A report row's non-finite counts (run, worst, its end step): whole numbers from the device, never NaN, so
+    never None after the gather."""
+    run, worst, end = row[1:4]
+    assert run is not None and worst is not None and end is not None, row
+    return int(run), int(worst), int(end)
+
+
 def _scalar(v) -> float | None:
     if v is None:
         return None
@@ -221,9 +234,9 @@ class Reporter:
         value, run, worst, end = host_values(torch.cat((t, state.to(torch.float64))))  # the step's one read
         mem = self.memory.read() if log else dict.fromkeys(MEMORY_FIELDS)
         rows = self.sync.gather(step, [value, run, worst, end, *(mem[k] for k in MEMORY_FIELDS)])
-        finite = self.watch.decide([(int(r[1]), int(r[2]), int(r[3])) for r in rows], step)
-        losses = [r[0] for r in rows]
-        mean = math.nan if any(v is None for v in losses) else sum(losses) / len(losses)
+        finite = self.watch.decide([_counts(r) for r in rows], step)
+        losses = [r[0] for r in rows if r[0] is not None]  # None: a rank's loss was not finite
+        mean = sum(losses) / len(losses) if len(losses) == len(rows) else math.nan
         memory = [dict(zip(MEMORY_FIELDS, r[4:], strict=True)) for r in rows]
         return mean, finite, memory
 

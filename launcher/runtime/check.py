@@ -13,9 +13,9 @@ import os
 import uuid
 from pathlib import Path
 
-from ..version import __version__
 from ..jobenv import CHECKPOINT_DIR, CODE_DIR, MIN_TORCH, RUN_ID
 from ..strategies import Family
+from ..version import __version__
 from .ckptdir import expand_dir, free_bytes
 from .failures import ConfigError, StorageError
 
@@ -183,11 +183,9 @@ def check_checkpoint_dir(recipe, run_dir: Path) -> Path:
 
 def check(recipe, plan, run_dir: Path) -> str:
     """Raise ConfigError on the first problem; return a one-line summary otherwise."""
-    from .layout import resolve_layout
-
     found = check_libraries(plan)
     found += f", {check_node(recipe, plan)}"
-    resolve_layout(plan, plan.world_size)  # the world torchrun will start: a layout it cannot hold fails here, once
+    plan.layout.for_world(plan.world_size)  # the world torchrun will start: a layout it cannot hold fails here, once
     if recipe.entrypoint is not None:  # the user's code brings its own model, data and training length
         what = check_entrypoint(recipe.entrypoint)
     else:

@@ -18,6 +18,7 @@ run's checkpoint, and pruning through it once destroyed that run's newest one.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import re
@@ -269,7 +270,9 @@ def free_bytes(path: Path) -> int:
 def meta_problems(path: Path) -> list[str]:
     """meta.json and the marker agree with the directory's name, and meta.json is as committed (its size and
     CRC-32 in the marker; markers of older versions do not record them, and their step is still compared)."""
-    step = int(_STEP_DIR.match(path.name).group(1))
+    name = _STEP_DIR.match(path.name)
+    assert name is not None, f"{path} is not a step directory"
+    step = int(name.group(1))
     marker_bytes = reading("the commit marker", path / MARKER, (path / MARKER).read_bytes)
     data = reading("the metadata", path / META, (path / META).read_bytes)
     problems = []
@@ -318,7 +321,7 @@ def size_problems(path: Path) -> list[str]:
     files, problems = expected_files(path)
     for rel, info in sorted(files.items()):
         f = path / rel
-        size = reading("the checkpoint file", f, lambda f=f: f.stat().st_size)
+        size = reading("the checkpoint file", f, f.stat).st_size
         if size != info["size"]:
             problems.append(f"{rel} is {size:,} bytes, written as {info['size']:,}")
     return problems
@@ -332,7 +335,7 @@ def crc_problems(path: Path, names: Iterable[str]) -> list[str]:
         info = files.get(rel)
         if info is None:
             continue
-        crc = reading("the checkpoint file", path / rel, lambda rel=rel: crc32_of(path / rel))
+        crc = reading("the checkpoint file", path / rel, functools.partial(crc32_of, path / rel))
         if crc != info["crc32"]:
             out.append(f"{rel} has changed since it was written (CRC-32 {crc:08x}, written as {info['crc32']:08x})")
     return out
@@ -378,7 +381,7 @@ def prune(root: Path, keep: int, problems: list[str] | None = None) -> list[Path
     uncommitted directories older than the newest committed one (dead attempts). Returns what was removed;
     what could not be is added to `problems`."""
     problems = [] if problems is None else problems
-    removed = []
+    removed: list[Path] = []
     steps = complete_steps(root)
     doomed = steps[:-keep] if keep > 0 else steps
     for s in reversed(steps):

@@ -143,7 +143,9 @@ class GlobalOrderSampler(DistributedSampler):
     same for every world size; `start_step` skips the batches already trained on.
     """
 
-    def __init__(self, dataset, num_replicas: int, rank: int, global_batch: int, seed: int):
+    dataset: TokenDataset
+
+    def __init__(self, dataset: TokenDataset, num_replicas: int, rank: int, global_batch: int, seed: int):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         if global_batch % num_replicas:
             raise ConfigError(f"global batch {global_batch} does not divide by the {num_replicas} data-parallel ranks")
@@ -230,18 +232,18 @@ class Batches:
         self.position = pos
         self._it = None
 
-    def _start_epoch(self) -> None:
+    def _start_epoch(self) -> Iterator:
         self.sampler.set_epoch(self.position.epoch)
         self.sampler.start_step = self.position.step_in_epoch
         self._it = iter(self.loader)
+        return self._it
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """grad_accum (inputs, targets) pairs for the next optimizer step."""
-        if self._it is None:
-            self._start_epoch()
+        it = self._it if self._it is not None else self._start_epoch()
         out = []
         for _ in range(self.grad_accum):
-            batch = next(self._it)
+            batch = next(it)
             batch = batch.to(self.device, non_blocking=True)
             out.append((batch[:, :-1], batch[:, 1:]))
         self.position = DataPosition(self.position.epoch, self.position.step_in_epoch + 1, self.position.global_batch)
@@ -274,7 +276,6 @@ def build_dataloader(
     global_batch = micro_batch * grad_accum * world_size
     sampler = GlobalOrderSampler(dataset, world_size, rank, global_batch, seed)
     workers = data_spec.workers if is_gpu else 0
-    extra = {"persistent_workers": True, "multiprocessing_context": "forkserver"} if workers else {}
     loader = DataLoader(
         dataset,
         batch_size=micro_batch,
@@ -282,6 +283,7 @@ def build_dataloader(
         num_workers=workers,
         pin_memory=is_gpu and torch.cuda.is_available(),
         drop_last=True,
-        **extra,
+        persistent_workers=workers > 0,
+        multiprocessing_context="forkserver" if workers else None,
     )
     return Batches(dataset, sampler, loader, grad_accum, device)

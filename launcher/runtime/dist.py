@@ -13,9 +13,14 @@ import os
 import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from .. import jobenv
 from .failures import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -234,12 +239,13 @@ class World:
 
     proc: ProcEnv
     backend: str
-    device: object  # torch.device
+    device: torch.device
     is_gpu: bool
-    checkpoint_group: object = None  # a gloo group for checkpoint I/O (async saves must not share the training group)
+    # A gloo group for checkpoint I/O (async saves must not share the training group).
+    checkpoint_group: ProcessGroup | None = None
     # A gloo group for the per-step agreement (step, preemption flag) on host numbers: no GPU sync, and apart from
     # the checkpoint group, whose collectives an async save runs from its own thread.
-    control_group: object = None
+    control_group: ProcessGroup | None = None
     env_set: dict[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
 
@@ -349,7 +355,7 @@ def init_distributed(
     backend = backend_for(is_gpu, host_collectives(plan))
     world = World(proc, backend, device, is_gpu, env_set=env_set)
     if not dist.is_initialized():
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if init_timeout_s:
             kwargs["timeout"] = datetime.timedelta(seconds=init_timeout_s)
         if proc.source in ("slurm", "skypilot"):
@@ -438,3 +444,17 @@ __all__ = [
     "set_collective_timeout",
     "shutdown",
 ]
+
+
+def enable_determinism() -> None:
+    """Bit-reproducible kernels: a restarted run must end with the same weights as an uninterrupted one. The
+    environment part (cuBLAS, NCCL) is jobenv's, set before the process group exists. Deterministic mode would
+    also fill every new tensor's memory (a kernel per torch.empty); the runtime reads only memory it wrote."""
+    for k, v in jobenv.DETERMINISTIC_ENV.items():
+        os.environ.setdefault(k, v)
+    import torch.utils.deterministic
+
+    torch.use_deterministic_algorithms(True)
+    # A property of the module's own class (torch swaps it in at import), which torch's types cannot show.
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    torch.backends.cudnn.benchmark = False

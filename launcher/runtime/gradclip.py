@@ -13,9 +13,13 @@ DTensor's own path, which reduces each by its placement.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def _uniform_shards(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list] | None:
@@ -23,15 +27,18 @@ def _uniform_shards(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list
     gradients are DTensors placed differently from one another (or partial sums)."""
     if not any(hasattr(g, "device_mesh") for g in grads):
         return grads, []
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    mesh, placements = grads[0].device_mesh, grads[0].placements
-    if not all(getattr(g, "device_mesh", None) == mesh and g.placements == placements for g in grads):
+    dtensors = [g for g in grads if isinstance(g, DTensor)]
+    if len(dtensors) < len(grads):  # plain tensors beside DTensors
+        return None
+    mesh, placements = dtensors[0].device_mesh, dtensors[0].placements
+    if not all(g.device_mesh == mesh and g.placements == placements for g in dtensors):
         return None
     if not all(isinstance(p, (Shard, Replicate)) for p in placements):
         return None
     groups = [mesh.get_group(d) for d, p in enumerate(placements) if isinstance(p, Shard) and mesh.size(d) > 1]
-    return [g.to_local() for g in grads], groups
+    return [g.to_local() for g in dtensors], groups
 
 
 @torch.no_grad()
@@ -44,8 +51,9 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, *, sum
     grads = [p.grad for p in params if p.grad is not None]
     local = _uniform_shards(grads) if grads else ([], [])
     if local is None:  # mixed placements: DTensor reduces each gradient by its own
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None).full_tensor()
-        groups = []
+        total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+        norm = cast("DTensor", total).full_tensor()  # the norm of DTensors is a DTensor
+        groups: list = []
     elif not grads:  # nothing to clip here, but a pipeline's other stages still sum this stage's zero
         grads, groups = local
         norm = torch.zeros((), device=params[0].device if params else "cpu")

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,40 +37,56 @@ from torch import nn
 from .. import jobenv
 from ..jobenv import ExitCode
 from ..plan.cost import flops_per_token
-from .agreement import NonFiniteWatch, Reporter, StepSync
+from ..plan.layout import Layout
+from .agreement import Agreement, NonFiniteWatch, Reporter, StepSync
 from .checkpoint import Checkpointer
 from .checkpoint.compat import identity
 from .ckptdir import expand_dir
 from .dist import World, init_distributed, set_collective_timeout, shutdown
+from .engines import Engine, build_engine
 from .failures import ConfigError, Preempted
-from .layout import RuntimeLayout, resolve_layout
+from .faults import Faults
 from .metrics import Metrics
 from .optim import apply_schedule
-from .parallel import Engine, wrap_model
 from .signals import PreemptionFlag
 from .status import record_progress
+
+if TYPE_CHECKING:
+    from .loop import Watchdog
 
 FALLBACK_STEPS = 10**9  # schedules need a length; a plan without one trains until the user's loop stops
 
 
 class Job:
-    """One rank's view of the job. Collective methods (wrap, resume, step_done, finish) run on every rank."""
+    """One rank's view of the job, and the one lifecycle of a run: the user's loop calls wrap, resume, step_done
+    and finish; dtlaunch's own loop (launcher.runtime.loop.Trainer) builds its model itself and drives the same
+    lifecycle through attach, restore, end_step, complete and release. Collective methods run on every rank."""
 
-    def __init__(self, recipe, plan, run_dir: Path, world: World, flag: PreemptionFlag):
-        self.recipe, self.plan, self.run_dir, self.world, self.flag = recipe, plan, run_dir, world, flag
-        self.layout: RuntimeLayout
-        self.layout, notes = resolve_layout(plan, world.world_size)
+    def __init__(
+        self, recipe, plan, run_dir: Path, world: World, flag: PreemptionFlag, *, faults: Faults | None = None
+    ):
+        self.recipe, self.plan, self.run_dir, self.world, self.flag = recipe, plan, Path(run_dir), world, flag
+        self.faults = faults  # test-only fault injection (the trainer's drills); None for the user's loop
+        self.watchdog: Watchdog | None = None  # the trainer's: paused while a checkpoint is written
+        self.metrics = Metrics(run_dir, enabled=world.is_main, total_steps=plan.steps or 0, is_gpu=world.is_gpu)
+        self.layout: Layout
+        self.layout, notes = plan.layout.for_world(world.world_size, plan.global_batch)
+        for n in notes:
+            self.metrics.log(n)
         self.total_steps: int | None = plan.steps
         self.every: int = plan.checkpoint_every
         self.step = 0  # the last completed (or resumed) optimizer step
         self.start_step = 0
         self.engine: Engine | None = None
         self.checkpointer: Checkpointer | None = None
+        self._reapply_schedule = True
+        self._first = True  # no step of this attempt is done yet: the start-up timeouts still hold
         self._last_saved: int | None = None
-        self._position: dict = {}  # the caller's state at the last step, for finish()
-        self.metrics = Metrics(run_dir, enabled=world.is_main, total_steps=plan.steps or 0, is_gpu=world.is_gpu)
+        self._position: dict = {}  # the resume position at the last step, for the final checkpoint
         self.nonfinite = NonFiniteWatch(recipe.training.max_nonfinite_steps, world.device, self.metrics.log)
-        self._sync = StepSync(world)
+        self._sync = StepSync(
+            world, skip=lambda step: faults is not None and faults.hit("skip_collective", step) is not None
+        )
         self._reporter = Reporter(
             self._sync,
             self.nonfinite,
@@ -79,8 +96,6 @@ class Job:
             flops_per_token=flops_per_token(plan.params, recipe.model.shape(), plan.seq_len),
             world_size=world.world_size,
         )
-        for n in notes:
-            self.metrics.log(n)
         self.checkpoint_dir = Path(
             os.path.expanduser(
                 os.environ.get(jobenv.CHECKPOINT_DIR)
@@ -142,7 +157,7 @@ class Job:
                 "Face model (model.hf) without an entrypoint: python -m launcher.train splits them",
             )
         steps = self.total_steps or FALLBACK_STEPS
-        self.engine = wrap_model(
+        engine = build_engine(
             model,
             self.layout,
             self.recipe,
@@ -170,45 +185,85 @@ class Job:
             "shape": None,
             "entrypoint": True,
         }
+        self.attach(engine, meta, reapply_schedule=self.layout.family != "deepspeed")
+        return engine
+
+    def attach(self, engine: Engine, meta: dict, *, reapply_schedule: bool = True) -> Checkpointer:
+        """Take the wrapped model: its checkpoints go to the job's checkpoint directory, with `meta` (what a
+        resume compares); `reapply_schedule`: a resume sets this run's learning rate (optim.apply_schedule)."""
+        rec = self.recipe
+        self.engine, self._reapply_schedule = engine, reapply_schedule
         self.checkpointer = Checkpointer(
             self.checkpoint_dir,
-            self.engine,
+            engine,
             rank=self.rank,
             world_size=self.world_size,
             keep=rec.checkpoint.keep,
             async_save=rec.checkpoint.async_,
             meta=meta,
             group=self.world.checkpoint_group,
+            faults=self.faults,
             log=self.metrics.log,
             event=self.metrics.event,
             allow_changed_recipe=rec.checkpoint.resume_changed_recipe,
             run_id=os.environ.get(jobenv.RUN_ID),
         )
-        return self.engine
+        return self.checkpointer
 
     def resume(self) -> dict:
         """Load the newest checkpoint that verifies (falling back past corrupt ones); return the `state`
         saved with it ({} on a fresh start). Sets `job.step`."""
-        cp = self._need_checkpointer("resume")
+        self._need_checkpointer("resume")
+        saved = self.restore()
+        return dict(saved.get("data") or {}) if saved is not None else {}
+
+    def restore(self, seek: Callable[[dict], tuple[str, dict, str | None]] | None = None) -> dict | None:
+        """Load the newest checkpoint that verifies into the engine and set `step`; its record, None on a fresh
+        start. `seek(saved data)` moves the trainer's data loader there and returns (what to add to the log line,
+        the position for the resume event, a warning or None)."""
+        engine, cp = self._attached("restore")
         cp.prepare()
+        t0 = time.time()
         saved = cp.restore_latest()
         if saved is None:
             self.metrics.log(f"no checkpoint in {self.checkpoint_dir}: starting from step 0")
             record_progress(start=0, step=0)
-            return {}
-        if self.layout.family != "deepspeed":
-            apply_schedule(self.engine.optimizer, self.engine.scheduler)
+            self._reporter.restart_window()  # the first log window's clock: set-up is not training
+            return None
+        if self._reapply_schedule:  # this run's schedule, not the saved one's
+            apply_schedule(engine.optimizer, engine.scheduler)
         self.step = self.start_step = self._last_saved = int(saved["step"])
         record_progress(start=self.step, step=self.step)
-        notes = "; ".join(saved.get("warnings") or [])
-        self.metrics.log(f"resumed from step {self.step} ({saved['path']})" + (f"; {notes}" if notes else ""))
-        self.metrics.event("resume", step=self.step, path=saved["path"], warnings=saved.get("warnings") or [])
-        return dict(saved.get("data") or {})
+        where, data, warn = seek(saved["data"]) if seek is not None else ("", None, None)
+        warnings = list(saved.get("warnings") or []) + ([warn] if warn else [])
+        changed = f"; changed: {', '.join(warnings)}" if warnings else ""
+        self.metrics.log(
+            f"resumed from step {self.step} ({saved['path']}, saved by {saved.get('world_size')} ranks "
+            f"with {saved.get('strategy')}{where}, {time.time() - t0:.2f}s){changed}"
+        )
+        for wmsg in warnings:
+            self.metrics.log(f"note: resuming with a change: {wmsg}")
+        extra = {"data": data} if data is not None else {}
+        self.metrics.event(
+            "resume",
+            step=self.step,
+            path=saved["path"],
+            from_world_size=saved.get("world_size"),
+            world_size=self.world_size,
+            warnings=warnings,
+            **extra,
+        )
+        self._reporter.restart_window()  # the first log window's clock: set-up and restore are not training
+        return saved
 
     def _need_checkpointer(self, what: str) -> Checkpointer:
-        if self.checkpointer is None:
+        return self._attached(what)[1]
+
+    def _attached(self, what: str) -> tuple[Engine, Checkpointer]:
+        """The engine and its checkpointer, which `attach` (through `wrap`) sets together."""
+        if self.engine is None or self.checkpointer is None:
             raise ConfigError(f"job.{what} needs the wrapped model", fix="call job.wrap(model) first")
-        return self.checkpointer
+        return self.engine, self.checkpointer
 
     # ------------------------------------------------------------------ the step
 
@@ -216,48 +271,77 @@ class Job:
         """After each optimizer step: agree on stopping, log, and checkpoint when due (async) or when
         preempted (then raise Preempted: exit 42 after the checkpoint is committed). The loss (a tensor, kept
         on the device) is read only on log and checkpoint steps."""
-        cp = self._need_checkpointer("step_done")
+        self._need_checkpointer("step_done")
         if step != self.step + 1:
             raise ConfigError(
                 f"job.step_done({step}) after step {self.step}: steps must follow one another",
                 fix="loop from job.step + 1 (after job.resume())",
             )
         value = loss.detach().float().mean() if isinstance(loss, torch.Tensor) else float(loss or 0.0)
-        self.nonfinite.update(value, step)
+        self.end_step(step, value, position=lambda: _json_state(state), extra=metrics or None)
+
+    def end_step(
+        self,
+        step: int,
+        loss: torch.Tensor | float,
+        *,
+        position: Callable[[], dict],
+        info: dict | None = None,
+        lr: float | None = None,
+        extra: dict | None = None,
+    ) -> None:
+        """The end of optimizer step `step` on every rank: the agreement (the same step everywhere, else HangError;
+        the preemption flag), the log line, the checkpoint when due, the stop when preempted (Preempted, after the
+        checkpoint is committed). `position()`: the resume position a checkpoint of this step saves; `info`: the
+        engine's step report; `lr`: the rate the step used (default: the engine's record of it)."""
+        engine, cp = self._attached("end_step")
+        self.nonfinite.update(loss, step)
         agreed = self._sync.agree(step, self.stopping)
         self.step = step
         record_progress(step=step)
-        self._reporter.tick({})
-        if step == self.start_step + 1:  # the first step of this attempt is done: the short timeouts from now on
+        self._reporter.tick(info or {})
+        if self._first:  # the first step of this attempt is done: the short timeouts from now on
             set_collective_timeout(self.world, self.recipe.training.timeout_seconds)
+            self._first = False
         last = step == self.total_steps
         log = step % self.recipe.training.log_every == 0 or agreed.stop or last
         due = step % self.every == 0 and not last
         finite = True
         if log or due:
-            mean_loss, finite, memory = self._reporter.check(step, value, log=log)
+            mean_loss, finite, memory = self._reporter.check(step, loss, log=log)
             if log:
-                self._reporter.log(
-                    step, mean_loss, self.engine.step_lr or self.engine.lr, memory, extra=metrics or None
-                )
-        position = _json_state(state)
+                lr = lr if lr is not None else engine.step_lr or engine.lr
+                self._reporter.log(step, mean_loss, lr, memory, extra=extra)
+        self._position = position()
         cp.poll()
-        if agreed.stop:
-            if finite:
-                self.metrics.log(
-                    f"preemption signal ({self.flag.received or 'on another rank'}) at step {step}: "
-                    f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}"
-                )
-                self._save(position, blocking=True, reason="preempt")
-            raise Preempted(f"preempted at step {step}; checkpoint written, resubmit to resume", step=step)
+        if agreed.stop and not last:  # on the last step the final checkpoint is the same save, and the run is done
+            self._preempt(agreed, finite)
         if finite and due:
-            self._save(position, blocking=False, reason="interval")
-        self._position = position
+            self._save(self._position, blocking=False, reason="interval")
+
+    def _preempt(self, agreed: Agreement, finite: bool) -> None:
+        step, signal = self.step, self.flag.received
+        if finite:
+            self.metrics.log(
+                f"preemption signal ({signal or 'a signal'} on {agreed.who}) at step {step}: "
+                f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}"
+            )
+            self._save(self._position, blocking=True, reason="preempt")
+        else:
+            self.metrics.log(
+                f"preemption signal at step {step} with a non-finite loss: exiting without a "
+                "checkpoint (the previous one is the last good state)"
+            )
+        self.metrics.event("preempt", step=step, signal=signal, ranks=list(agreed.signalled), saved=finite)
+        raise Preempted(f"preempted at step {step}; checkpoint written, resubmit to resume", step=step)
 
     def _save(self, position: dict, *, blocking: bool, reason: str) -> None:
-        self.checkpointer.save(self.step, position, blocking=blocking, reason=reason)
+        if self.watchdog is not None:
+            self.watchdog.pause()  # a save may outlast a step; the trainer beats it again at the step's end
+        cp = self._need_checkpointer("save")
+        cp.save(self.step, position, blocking=blocking, reason=reason)
         if blocking:
-            self.checkpointer.wait()
+            cp.wait()
         self._last_saved = self.step
 
     def save(self, state: dict | None = None) -> None:
@@ -267,17 +351,30 @@ class Job:
 
     def finish(self, state: dict | None = None) -> None:
         """The final checkpoint (unless the last step is already saved), then a clean exit of the world."""
-        cp = self._need_checkpointer("finish")
+        self._need_checkpointer("finish")
         try:
-            if self._last_saved != self.step and self.nonfinite.count == 0:
-                self._save(_json_state(state) if state is not None else self._position, blocking=True, reason="final")
-            cp.close()
-            self.metrics.event("end", step=self.step)
-            self.metrics.log(f"done: {self.step} steps")
+            self.complete(_json_state(state) if state is not None else self._position)
         finally:
-            self.flag.uninstall()
-            self.metrics.close()
+            self.release()
         shutdown(self.world)
+
+    # ------------------------------------------------------------------ the end
+
+    def complete(self, position: dict, export: Callable[[], None] | None = None) -> None:
+        """A run that trained to its end: the final checkpoint (unless this step is saved, or the loss is not
+        finite), every save committed, `export()` (the trainer's weights export), the end record."""
+        if self._last_saved != self.step and self.nonfinite.count == 0:
+            self._save(position, blocking=True, reason="final")
+        self._need_checkpointer("complete").close()
+        if export is not None:
+            export()
+        self.metrics.event("end", step=self.step)
+        self.metrics.log(f"done: {self.step} steps")
+
+    def release(self) -> None:
+        """On every ending: the previous signal handlers back, the metrics closed."""
+        self.flag.uninstall()
+        self.metrics.close()
 
 
 def _json_state(state: dict | None) -> dict:
@@ -309,7 +406,7 @@ def init(plan_path: str | None = None, run_dir: str | None = None) -> Job:
         os.environ.setdefault(k, v)
     rd = Path(run_dir or os.environ.get(jobenv.RUN_DIR) or Path(path).resolve().parent)
     if recipe.training.deterministic:
-        from .loop import enable_determinism
+        from .dist import enable_determinism
 
         enable_determinism()
     world = init_distributed(recipe, plan)

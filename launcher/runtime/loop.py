@@ -1,8 +1,9 @@
 """The training loop: assemble the parts, resume, train, checkpoint, stop cleanly.
 
-Each step ends with one small collective that every rank must reach with the same step number: it
-carries the loss for logging, the preemption flag (so all ranks stop together), and each rank's step,
-so an off-by-one divergence - which timeouts cannot see - ends the job at once with HANG.
+The lifecycle around the steps is the library's (launcher.runtime.job.Job), so dtlaunch's loop and a user's
+own keep the same promises: each step ends with one small collective that every rank must reach with the same
+step number, carrying the preemption flag (so all ranks stop together) and each rank's step, so an off-by-one
+divergence - which timeouts cannot see - ends the job at once with HANG.
 """
 
 from __future__ import annotations
@@ -13,45 +14,31 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import catalog, jobenv
 from ..jobenv import ExitCode
-from ..plan.cost import checkpoint_bytes, flops_per_token
+from ..plan.cost import checkpoint_bytes
+from ..plan.layout import Layout
 from . import ckptdir
 from . import preflight as preflight_mod
-from .agreement import Agreement, NonFiniteWatch, Reporter, StepSync
 from .check import check_model
 from .checkpoint import Checkpointer, export_model
 from .checkpoint.compat import identity
-from .ckptdir import expand_dir
 from .data import Batches, build_dataloader, rescale_position
-from .dist import World, init_distributed, set_collective_timeout
-from .failures import ConfigError, Preempted, PreflightError, StorageError
+from .dist import World, enable_determinism, init_distributed
+from .engines import Engine, build_engine, build_partitioned, builds_partitioned
+from .failures import ConfigError, PreflightError, StorageError
 from .faults import Faults
-from .layout import resolve_layout
+from .job import Job
 from .metrics import Metrics
 from .models import build_for_recipe, init_on_meta
 from .models.hf import load_weights
-from .optim import apply_schedule
-from .parallel import Engine, build_partitioned, builds_partitioned, wrap_model
 from .signals import PreemptionFlag
 from .stepgc import StepGC
-
-
-def enable_determinism() -> None:
-    """Bit-reproducible kernels: a restarted run must end with the same weights as an uninterrupted one. The
-    environment part (cuBLAS, NCCL) is jobenv's, set before the process group exists. Deterministic mode would
-    also fill every new tensor's memory (a kernel per torch.empty); the runtime reads only memory it wrote."""
-    for k, v in jobenv.DETERMINISTIC_ENV.items():
-        os.environ.setdefault(k, v)
-    import torch.utils.deterministic
-
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    torch.backends.cudnn.benchmark = False
 
 
 class Watchdog:
@@ -93,13 +80,29 @@ class Watchdog:
             now = time.monotonic()
             if now - self.last > self.limit:
                 self._exit(f"no progress for {self.limit:.0f}s")
-            sig_at = self.flag.received_at if self.flag is not None else None
-            if sig_at is not None and now - max(sig_at, self.last) > self.grace:
-                self._exit(f"received {self.flag.received} but reached no step boundary within {self.grace:.0f}s")
+            flag = self.flag
+            sig_at = flag.received_at if flag is not None else None
+            if flag is not None and sig_at is not None and now - max(sig_at, self.last) > self.grace:
+                self._exit(f"received {flag.received} but reached no step boundary within {self.grace:.0f}s")
+
+
+@dataclass
+class _Parts:
+    """What one attempt trains with, built by `Trainer._setup` once the world exists: kept together and never
+    None, so that the loop uses them without checking each one."""
+
+    world: World
+    faults: Faults
+    job: Job
+    engine: Engine
+    batches: Batches
 
 
 class Trainer:
-    """Runs one recipe's plan to completion (or to preemption). Collective: every rank runs it."""
+    """Runs one recipe's plan to completion (or to preemption). Collective: every rank runs it.
+
+    It builds dtlaunch's model, data and engine; the run's lifecycle around them (the per-step agreement, logs,
+    checkpoint cadence, preemption, the final checkpoint) is the library's `Job`, the same as a user's loop gets."""
 
     def __init__(
         self,
@@ -114,10 +117,7 @@ class Trainer:
         self.recipe, self.plan, self.run_dir = recipe, plan, Path(run_dir)
         self.recipe_hash = recipe_hash or recipe.digest()
         self.world = world
-        self.step = 0  # optimizer steps completed
-        self.start_step = 0  # the step this attempt resumed from
         self.current: int | None = None  # the step being trained
-        self.nonfinite: NonFiniteWatch | None = None  # built with the loop (it counts on this rank's device)
         # Installed as early as possible by the entry point: a preemption during start-up is not lost.
         self.flag = flag or PreemptionFlag().install()
         if plan.steps is None:
@@ -125,83 +125,94 @@ class Trainer:
         self.total_steps: int = plan.steps
         self.every: int = plan.checkpoint_every
         self.seq_len: int = plan.seq_len
-        # Built by _setup, once the world exists (they need this rank's place in it).
+        self.shape = recipe.model.shape()
+        # Built by _setup, once the world exists (they need this rank's place in it). Each is set as soon as it
+        # is built, so that after a failed set-up the caller still sees what there was (writes_flight_recorder).
+        self.job: Job | None = None  # the lifecycle
         self.faults: Faults | None = None
         self.metrics: Metrics | None = None
-        self.layout = None  # the RuntimeLayout: the plan at this world size
-        self.shape = recipe.model.shape()
+        self.layout: Layout | None = None  # the plan's Layout for this world (Layout.for_world)
         self.ckpt_root: Path | None = None
         self.engine: Engine | None = None
         self.batches: Batches | None = None
         self.checkpointer: Checkpointer | None = None
         self.watchdog: Watchdog | None = None
+        self._parts: _Parts | None = None  # what the loop uses of them, once _setup has finished
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self.job.step if self.job is not None else 0
+
+    @property
+    def start_step(self) -> int:
+        """The step this attempt resumed from."""
+        return self.job.start_step if self.job is not None else 0
+
+    @property
+    def _built(self) -> _Parts:
+        if self._parts is None:
+            raise RuntimeError("the trainer is not set up: Trainer.steps() sets it up before its first step")
+        return self._parts
 
     # ------------------------------------------------------------------ assembly
 
-    def _setup(self) -> None:
+    def _setup(self) -> _Parts:
         rec, plan = self.recipe, self.plan
         tr = rec.training
         if tr.deterministic:
             enable_determinism()
-        self.world = self.world or init_distributed(rec, plan)
-        w = self.world
-        self.faults = Faults(w.rank, w.proc.restart_count)
-        self.metrics = Metrics(self.run_dir, enabled=w.is_main, total_steps=plan.steps, is_gpu=w.is_gpu)
-        self.layout, notes = resolve_layout(plan, w.world_size)
-        for n in notes:
-            self.metrics.log(n)
+        w = self.world = self.world or init_distributed(rec, plan)
+        faults = self.faults = Faults(w.rank, w.proc.restart_count)
+        job = self.job = Job(rec, plan, self.run_dir, w, self.flag, faults=faults)
+        metrics, layout = job.metrics, job.layout
+        self.metrics, self.layout, self.ckpt_root = metrics, layout, job.checkpoint_dir
         check_model(rec)
         shape = self.shape
-        self.ckpt_root = Path(
-            os.path.expanduser(
-                os.environ.get(jobenv.CHECKPOINT_DIR)
-                or str(expand_dir(rec.checkpoint.dir, self.run_dir, os.environ.get(jobenv.RUN_ID)))
-            )
-        )
         # sharded layouts build on meta: each rank materialises only its shards (of its stages)
-        meta = init_on_meta(rec.model, self.layout, plan.params)
-        self.metrics.event(
+        meta = init_on_meta(rec.model, layout, plan.params)
+        metrics.event(
             "start",
             world_size=w.world_size,
-            strategy=self.layout.strategy,
-            layout=self.layout.describe(),
-            precision=self.layout.precision,
-            grad_accum=self.layout.grad_accum,
-            global_batch=self.layout.global_batch,
+            strategy=layout.strategy,
+            layout=layout.describe(),
+            precision=layout.precision,
+            grad_accum=layout.grad_accum,
+            global_batch=layout.global_batch,
             attempt=w.proc.restart_count,
-            init="partitioned" if builds_partitioned(self.layout, rec.model) else "meta" if meta else "eager",
+            init="partitioned" if builds_partitioned(layout, rec.model) else "meta" if meta else "eager",
         )
         if tr.preflight:
-            self._preflight()
+            self._preflight(w, job)
         torch.manual_seed(tr.seed)  # the same initial weights on every rank and every attempt
-        if builds_partitioned(self.layout, rec.model):
-            module = build_partitioned(rec, plan, self.layout, w.rank, w.device, w.is_gpu)
+        if builds_partitioned(layout, rec.model):
+            module = build_partitioned(rec, plan, layout, w.rank, w.device, w.is_gpu)
         else:
             module = build_for_recipe(
-                rec.model, self.layout.activation_checkpointing, device="meta" if meta else "cpu", seed=tr.seed
+                rec.model, layout.activation_checkpointing, device="meta" if meta else "cpu", seed=tr.seed
             )
-        weights = rec.model.hf_weights if not ckptdir.complete_steps(self.ckpt_root) else None
+        weights = rec.model.hf_weights if not ckptdir.complete_steps(job.checkpoint_dir) else None
         if weights and not meta:  # fine-tuning: every rank reads the weights before the strategy wraps the model
             n = load_weights(module, weights, sharded=False)
-            self.metrics.log(f"loaded {n} tensors of pretrained weights from {weights}")
-        self.engine = wrap_model(module, self.layout, rec, plan, self.total_steps, w.device, w.is_gpu)
+            metrics.log(f"loaded {n} tensors of pretrained weights from {weights}")
+        engine = self.engine = build_engine(module, layout, rec, plan, self.total_steps, w.device, w.is_gpu)
         if weights and meta:  # built on meta and sharded: rank 0 reads, FSDP2 shards are filled by broadcast
             n = load_weights(module, weights, sharded=True, rank=w.rank)
-            self.metrics.log(f"loaded {n} tensors of pretrained weights from {weights} (sharded)")
-        ds_config = getattr(self.engine, "config", None)
+            metrics.log(f"loaded {n} tensors of pretrained weights from {weights} (sharded)")
+        ds_config = getattr(engine, "config", None)
         if ds_config is not None and w.is_main:  # what deepspeed.initialize really got, for the record
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
         # Ranks of one tensor-parallel group and one pipeline read the same data: the data-parallel rank's.
-        _, dp_rank, _ = self.layout.coords(w.rank)
-        self.batches = build_dataloader(
+        _, dp_rank, _ = layout.coords(w.rank)
+        batches = self.batches = build_dataloader(
             tr.data,
             vocab=shape.vocab,
             seq_len=self.seq_len,
-            micro_batch=self.layout.micro_batch,
-            grad_accum=self.layout.grad_accum,
+            micro_batch=layout.micro_batch,
+            grad_accum=layout.grad_accum,
             rank=dp_rank,
-            world_size=self.layout.dp,
+            world_size=layout.dp,
             seed=tr.seed,
             device=w.device,
             is_gpu=w.is_gpu,
@@ -209,53 +220,40 @@ class Trainer:
         static_meta = {
             "recipe_hash": self.recipe_hash,
             "identity": identity(rec.to_dict()),
-            "strategy": self.layout.strategy,
-            "family": self.layout.family,
-            "precision": self.layout.precision,
-            "grad_accum": self.layout.grad_accum,
-            "global_batch": self.layout.global_batch,
-            "micro_batch": self.layout.micro_batch,
-            "dp": self.layout.dp,
-            "tp": self.layout.tp,
-            "pp": self.layout.pp,
-            "layout": self.layout.describe(),
+            "strategy": layout.strategy,
+            "family": layout.family,
+            "precision": layout.precision,
+            "grad_accum": layout.grad_accum,
+            "global_batch": layout.global_batch,
+            "micro_batch": layout.micro_batch,
+            "dp": layout.dp,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "layout": layout.describe(),
             "seed": tr.seed,
             "shape": {
                 k: getattr(shape, k)
                 for k in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "tied_embeddings")
             },
         }
-        self.checkpointer = Checkpointer(
-            self.ckpt_root,
-            self.engine,
-            rank=w.rank,
-            world_size=w.world_size,
-            keep=rec.checkpoint.keep,
-            async_save=rec.checkpoint.async_,
-            meta=static_meta,
-            group=w.checkpoint_group,
-            faults=self.faults,
-            log=self.metrics.log,
-            event=self.metrics.event,
-            allow_changed_recipe=rec.checkpoint.resume_changed_recipe,
-            run_id=os.environ.get(jobenv.RUN_ID),
-        )
+        self.checkpointer = job.attach(engine, static_meta)
+        return _Parts(w, faults, job, engine, batches)
 
-    def _preflight(self) -> None:
-        w, rec = self.world, self.recipe
+    def _preflight(self, w: World, job: Job) -> None:
+        rec = self.recipe
         net = catalog.NETWORKS[rec.resources.network]
         size = checkpoint_bytes(self.plan.params, rec.training.optimizer)
         rep = preflight_mod.run(
             world=w,
             network=net,
-            checkpoint_dir=self.ckpt_root,
+            checkpoint_dir=job.checkpoint_dir,
             checkpoint_bytes=size,
             keep=rec.checkpoint.keep,
             min_allreduce_fraction=rec.training.min_allreduce_fraction,
         )
         for line in rep.lines:
-            self.metrics.log(f"preflight: {line}")
-        self.metrics.event("preflight", ok=not rep.failures, failures=rep.failures, **rep.figures)
+            job.metrics.log(f"preflight: {line}")
+        job.metrics.event("preflight", ok=not rep.failures, failures=rep.failures, **rep.figures)
         if rep.failures and rep.storage:
             raise StorageError(
                 "preflight failed before any training step:\n  - " + "\n  - ".join(rep.failures),
@@ -270,67 +268,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ resume
 
-    def _resume(self) -> None:
-        cp = self.checkpointer
-        cp.prepare()
-        t0 = time.time()
-        saved = cp.restore_latest()
-        if saved is None:
-            self.metrics.log(f"no checkpoint in {self.ckpt_root}: starting from step 0")
-            return
-        apply_schedule(self.engine.optimizer, self.engine.scheduler)  # this run's schedule, not the saved one's
-        self.step = self.start_step = int(saved["step"])
-        pos, warn = rescale_position(saved["data"], self.layout.global_batch)
-        self.batches.seek(pos)
-        warnings = list(saved["warnings"]) + ([warn] if warn else [])
-        changed = f"; changed: {', '.join(warnings)}" if warnings else ""
-        self.metrics.log(
-            f"resumed from step {self.step} ({saved['path']}, saved by {saved.get('world_size')} ranks "
-            f"with {saved.get('strategy')}, data epoch {pos.epoch} batch {pos.step_in_epoch}, "
-            f"{time.time() - t0:.2f}s){changed}"
-        )
-        for wmsg in warnings:
-            self.metrics.log(f"note: resuming with a change: {wmsg}")
-        self.metrics.event(
-            "resume",
-            step=self.step,
-            path=saved["path"],
-            from_world_size=saved.get("world_size"),
-            world_size=self.world.world_size,
-            warnings=warnings,
-            data=pos.to_dict(),
-        )
+    def _seek(self, saved: dict) -> tuple[str, dict, str | None]:
+        """The data loader at a checkpoint's position (rescaled to this global batch): for the resume record."""
+        p = self._built
+        pos, warn = rescale_position(saved, p.job.layout.global_batch)
+        p.batches.seek(pos)
+        return f", data epoch {pos.epoch} batch {pos.step_in_epoch}", pos.to_dict(), warn
 
     # ------------------------------------------------------------------ the step
 
-    def _train_step(self) -> tuple[torch.Tensor, dict]:
-        loss = self.engine.forward_backward(self.batches.next_step())
-        info = self.engine.step()
-        if self.faults.hit("nan_loss", self.step + 1):
+    def _train_step(self, step: int) -> tuple[torch.Tensor, dict]:
+        p = self._built
+        loss = p.engine.forward_backward(p.batches.next_step())
+        info = p.engine.step()
+        if p.faults.hit("nan_loss", step):
             loss = loss * float("nan")
         return loss, info
 
-    def _save(self, blocking: bool, reason: str) -> None:
-        self.watchdog.pause()
-        self.checkpointer.save(self.step, self.batches.position.to_dict(), blocking=blocking, reason=reason)
-        if blocking:
-            self.checkpointer.wait()
+    def _position(self) -> dict:
+        return self._built.batches.position.to_dict()
 
-    def _preempt(self, agreed: Agreement, flag: PreemptionFlag, finite: bool) -> None:
-        who = f"rank{'s' if len(agreed.signalled) > 1 else ''} {', '.join(map(str, agreed.signalled))}"
-        if finite:
-            self.metrics.log(
-                f"preemption signal ({flag.received or 'a signal'} on {who}) at step {self.step}: "
-                f"saving a checkpoint, then exiting with {ExitCode.PREEMPTED}"
-            )
-            self._save(blocking=True, reason="preempt")
-        else:
-            self.metrics.log(
-                f"preemption signal at step {self.step} with a non-finite loss: exiting without a "
-                "checkpoint (the previous one is the last good state)"
-            )
-        self.metrics.event("preempt", step=self.step, signal=flag.received, ranks=list(agreed.signalled), saved=finite)
-        raise Preempted(f"preempted at step {self.step}; checkpoint written, resubmit to resume", step=self.step)
+    def _export(self) -> None:
+        p = self._built
+        w = p.world
+        out = export_model(p.engine, self.run_dir, self.recipe.checkpoint.export, w.rank, w.checkpoint_group)
+        if out is not None:
+            p.job.metrics.log(f"exported the trained weights to {out}")
+            p.job.metrics.event("export", path=str(out), step=self.step)
 
     def writes_flight_recorder(self) -> bool:
         """Does this rank's NCCL write a flight-recorder dump when a collective times out (or a drill says it
@@ -356,76 +320,30 @@ class Trainer:
         it: the clean-up (signal handlers restored, metrics closed) runs then. While it is suspended, the
         run's process settings stay in force for the caller too (automatic garbage collection off: StepGC).
         """
-        self._setup()
-        self._resume()
-        tr = self.recipe.training
-        w = self.world
-        flag = self.flag
+        p = self._parts = self._setup()
+        job, faults, engine, tr = p.job, p.faults, p.engine, self.recipe.training
+        job.restore(seek=self._seek)
         # The first step runs under the long start-up timeouts (lazy initialisation, first allocations); then every
-        # training group gets training.timeout_seconds, and the watchdog the same bound.
-        self.watchdog = Watchdog(
-            jobenv.watchdog_seconds(tr.init_timeout_seconds), max(5.0, tr.timeout_seconds), w.rank, flag
+        # training group gets training.timeout_seconds (job.end_step), and the watchdog the same bound.
+        watchdog = self.watchdog = job.watchdog = Watchdog(
+            jobenv.watchdog_seconds(tr.init_timeout_seconds), max(5.0, tr.timeout_seconds), p.world.rank, self.flag
         )
-        sync = StepSync(w, skip=lambda step: self.faults.hit("skip_collective", step) is not None)
-        watch = NonFiniteWatch(tr.max_nonfinite_steps, w.device, self.metrics.log)
-        self.nonfinite = watch
-        reporter = Reporter(
-            sync,
-            watch,
-            self.metrics,
-            is_gpu=w.is_gpu,
-            tokens_per_step=self.layout.global_batch * self.seq_len,
-            flops_per_token=flops_per_token(self.plan.params, self.shape, self.seq_len),
-            world_size=w.world_size,
-        )
-        last_saved = self.step if self.step else None
-        first = True
-        self.watchdog.beat(self.step)
+        watchdog.beat(job.step)
         try:
             with StepGC() as collector:
-                while self.step < self.total_steps:
-                    self.current = self.step + 1
-                    self.faults.at_step_start(self.current)
-                    lr = self.engine.lr  # the rate this step uses (the scheduler advances inside the step)
-                    loss, info = self._train_step()
-                    self.step += 1
-                    if self.faults.hit("desync_step", self.step):
-                        self.step += 1
-                    watch.update(loss, self.step)
-                    agreed = sync.agree(self.step, flag.received is not None)
-                    reporter.tick(info)
-                    if first:
-                        set_collective_timeout(w, tr.timeout_seconds)
-                        self.watchdog.limit = jobenv.watchdog_seconds(tr.timeout_seconds)
-                        first = False
-                    last = self.step == self.total_steps
-                    log = self.step % tr.log_every == 0 or last or agreed.stop
-                    due = self.step % self.every == 0 and not last
-                    finite = True
-                    if log or due:
-                        mean_loss, finite, memory = reporter.check(self.step, loss, log=log)
-                        if log:
-                            reporter.log(self.step, mean_loss, lr, memory)
-                    self.checkpointer.poll()
-                    if agreed.stop and not last:
-                        self._preempt(agreed, flag, finite)
-                    if finite and due:
-                        self._save(blocking=False, reason="interval")
-                        last_saved = self.step
-                    collector.step(self.step)
-                    self.watchdog.beat(self.step)
-                    yield self.step
-            self.watchdog.pause()
-            if last_saved != self.step and watch.count == 0:
-                self._save(blocking=True, reason="final")
-            self.checkpointer.close()
-            out = export_model(self.engine, self.run_dir, self.recipe.checkpoint.export, w.rank, w.checkpoint_group)
-            if out is not None:
-                self.metrics.log(f"exported the trained weights to {out}")
-                self.metrics.event("export", path=str(out), step=self.step)
-            self.metrics.event("end", step=self.step)
-            self.metrics.log(f"done: {self.step} steps")
+                while job.step < self.total_steps:
+                    current = self.current = job.step + 1
+                    faults.at_step_start(current)
+                    lr = engine.lr  # the rate this step uses (the scheduler advances inside the step)
+                    loss, info = self._train_step(current)
+                    step = current + (1 if faults.hit("desync_step", current) else 0)
+                    job.end_step(step, loss, position=self._position, info=info, lr=lr)
+                    watchdog.limit = jobenv.watchdog_seconds(tr.timeout_seconds)  # past the first step
+                    collector.step(job.step)
+                    watchdog.beat(job.step)
+                    yield job.step
+            watchdog.pause()
+            job.complete(self._position(), export=self._export)
         finally:
-            flag.uninstall()
-            self.watchdog.pause()
-            self.metrics.close()
+            watchdog.pause()
+            job.release()

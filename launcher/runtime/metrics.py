@@ -100,7 +100,7 @@ class RankFigures:
     def of(cls, rows: list[dict[str, float | None]], is_gpu: bool) -> RankFigures:
         values: dict[str, float | None] = {}
         for k in MEMORY_FIELDS:
-            known = [r[k] for r in rows if r.get(k) is not None]
+            known = [v for r in rows if (v := r.get(k)) is not None]
             values[k] = max(known) if known else None
         key = "reserved_peak_mb" if is_gpu else "host_rss_mb"
         ranked = [(r[key], i) for i, r in enumerate(rows) if r.get(key) is not None]
@@ -109,6 +109,16 @@ class RankFigures:
 
 def _fmt_rate(x: float) -> str:
     return f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def _span(seconds: float) -> str:
+    """12s, 4m05s, 2h10m: short enough for the step line."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 class Metrics:
@@ -121,6 +131,7 @@ class Metrics:
         self._tb = None
         self._progress = None
         self._mfu_error_shown = False
+        self._started = time.monotonic()  # this attempt's start: the step line's elapsed time
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,10 +200,13 @@ class Metrics:
             if not self._mfu_error_shown:
                 self.log(f"ERROR: {mfu_error}; MFU is not reported")
                 self._mfu_error_shown = True
+        eta = max(0, self.total_steps - step) * step_time  # at the rate of the last log window
+        rec["eta_s"] = round(eta, 1)
         self._write(rec)
         line = (
-            f"step {step}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | {_fmt_rate(tokens_per_s)} tok/s | "
-            f"{step_time * 1e3:.0f} ms/step"
+            f"step {step}/{self.total_steps} ({step / max(1, self.total_steps):.0%}) | loss {loss:.4f} | lr {lr:.2e} | "
+            f"{_fmt_rate(tokens_per_s)} tok/s | {step_time * 1e3:.0f} ms/step | "
+            f"elapsed {_span(time.monotonic() - self._started)} | eta {_span(eta)}"
         )
         if mfu is not None:
             line += f" | mfu {mfu:.1%}"
@@ -201,8 +215,9 @@ class Metrics:
             if memory is not None and memory.peak_rank is not None and memory.ranks > 1
             else ""
         )
-        if mem.get("reserved_peak_mb") is not None:
-            line += f" | mem {mem['active_peak_mb'] / 1024:.1f}/{mem['reserved_peak_mb'] / 1024:.1f} GiB{where}"
+        active, reserved = mem.get("active_peak_mb"), mem.get("reserved_peak_mb")  # read together (memory_stats)
+        if active is not None and reserved is not None:
+            line += f" | mem {active / 1024:.1f}/{reserved / 1024:.1f} GiB{where}"
             if mem.get("alloc_retries"):
                 line += f" | alloc retries {mem['alloc_retries']:.0f}"
         elif mem.get("host_rss_mb") is not None:

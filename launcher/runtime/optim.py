@@ -26,7 +26,8 @@ def lr_factor(step: int, *, steps: int, warmup: int, schedule: str, lr: float, m
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on norms and other 1-D parameters (the usual GPT/Llama practice)."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if not p.requires_grad:
             continue

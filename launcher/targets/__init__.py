@@ -1,36 +1,91 @@
-"""Backends: each takes rendered artifacts and submits exactly their request, then follows the job.
+"""The targets: one package each (launcher/targets/NAME/), registered in one table, `TARGETS`, below.
 
-One small module per target implementing `Backend`; heavy libraries are imported inside their methods.
+A target's package holds everything about it, laid out the same way in every package:
+
+    spec.py     its section of the recipe (`targets.NAME`), named in recipe/schema.py's TargetsSpec
+    render.py   the renderer (`Renderer`): plan -> Artifacts, text only
+    request.py  the request the renderer hands the backend, and the handle the job registry keeps
+    backend.py  the backend (`Backend`): submits exactly the request, then follows the job
+    rules.py    validate's rules for this target (`@rule(..., targets=("NAME",))`), loaded by launcher.validate
+    templates/  its Jinja templates (launcher/render/templates holds the shared ones; the names are unique)
+
+Its row names the renderer, the backend and the handle ("module:attribute" inside the package, imported
+only when used, so the CLI reads this table without loading any target); heavy libraries are imported
+inside the methods that need them. What targets share (the torchrun line, shell quoting, the job's
+environment, the wheel, the Artifacts record) stays in launcher/render; the job registry is registry.py.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
 
 from ..errors import BackendError, DtlaunchError
-from ..strategies import TARGET_NAMES, TARGETS, TargetName, load_attr
 
 if TYPE_CHECKING:
+    from ..plan import Plan
+    from ..plan.choices import Choices
+    from ..recipe import Recipe
     from ..render.artifacts import Artifacts
     from .registry import JobRecord
 
 
-# How a SLURM job gets its secrets' values, whichever way it is submitted (sbatch, or submitit's sbatch).
-SLURM_SECRETS = "sbatch passes the submitting shell's environment to the job (--export=ALL)"
+class TargetSpec(msgspec.Struct, frozen=True):
+    """A target's row: its name (`--target NAME`, the recipe's `targets.NAME`) and where its package keeps its
+    renderer, its backend and its handle ("module:attribute" inside launcher/targets/NAME/)."""
+
+    name: str
+    renderer: str
+    backend: str
+    handle: str
+
+    @property
+    def package(self) -> str:
+        return f"{__name__}.{self.name}"
+
+    def module(self, name: str):
+        """The package's module `name` (e.g. "rules"), imported now."""
+        return importlib.import_module(f"{self.package}.{name}")
+
+    def load(self, part: str) -> Any:
+        """The renderer, backend class or handle class (part: "renderer", "backend" or "handle"), imported now."""
+        mod, _, attr = getattr(self, part).partition(":")
+        return getattr(self.module(mod), attr)
 
 
-def require_secrets(names: Iterable[str], how: str) -> dict[str, str]:
-    """The values of the recipe's secrets in this environment. A recipe names its secrets and never holds
-    them; each target carries the values from where it submits (`how` says how, for the fix line), so a
-    missing one is named here, before anything is submitted."""
-    names = list(names)
-    missing = [n for n in names if n not in os.environ]
-    if missing:
-        raise BackendError(f"secret(s) {', '.join(missing)} not set in this shell", fix=f"export them first: {how}")
-    return {n: os.environ[n] for n in names}
+TARGETS: dict[str, TargetSpec] = {
+    t.name: t
+    for t in (
+        TargetSpec("local", "render:render_local", "backend:LocalBackend", "request:LocalHandle"),
+        TargetSpec("slurm", "render:render_slurm", "backend:SlurmBackend", "request:SlurmHandle"),
+        TargetSpec("sky", "render:render_sky", "backend:SkyBackend", "request:SkyHandle"),
+    )
+}
+TARGET_NAMES: tuple[str, ...] = tuple(TARGETS)
+
+
+def target(name: str) -> TargetSpec:
+    if name not in TARGETS:
+        raise DtlaunchError(f"unknown target {name!r}", fix=f"use one of {', '.join(TARGET_NAMES)}")
+    return TARGETS[name]
+
+
+# ----------------------------------------------------------------------------- what each target implements
+
+
+class Renderer(Protocol):
+    """Plan -> Artifacts for one target. Pure: returns text; writing and submitting happen elsewhere. `files` is
+    what every target ships (render.common_files); `choices` the SkyPilot accelerator fallbacks (None elsewhere),
+    with `plan` their shipped plan."""
+
+    def __call__(
+        self, recipe: Recipe, plan: Plan, files: dict[str, str | bytes], *, choices: Choices | None = None
+    ) -> Artifacts: ...
 
 
 @dataclass
@@ -59,6 +114,15 @@ class Backend(Protocol):
 
 
 def backend(name: str) -> Backend:
-    if name not in TARGET_NAMES:
-        raise DtlaunchError(f"unknown target {name!r}", fix=f"use one of {', '.join(TARGET_NAMES)}")
-    return load_attr(TARGETS[TargetName(name)].backend)()
+    return target(name).load("backend")()
+
+
+def require_secrets(names: Iterable[str], how: str) -> dict[str, str]:
+    """The values of the recipe's secrets in this environment. A recipe names its secrets and never holds
+    them; each target carries the values from where it submits (`how` says how, for the fix line), so a
+    missing one is named here, before anything is submitted."""
+    names = list(names)
+    missing = [n for n in names if n not in os.environ]
+    if missing:
+        raise BackendError(f"secret(s) {', '.join(missing)} not set in this shell", fix=f"export them first: {how}")
+    return {n: os.environ[n] for n in names}

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import BackendError, DtlaunchError
+from . import TARGETS
 
 
 def state_dir() -> Path:
@@ -28,52 +30,18 @@ def state_dir() -> Path:
     return Path(base) / "dtlaunch"
 
 
-@dataclass(frozen=True)
-class LocalHandle:
-    pid: int  # launch.sh
-    create_time: float  # its start time (wall clock): identifies it where start_id is None (old rows, not Linux)
-    attempt: str  # DTLAUNCH_ATTEMPT: marks every process of the job in its environment
-    log: str
-    exit_file: str
-    # "<boot id>:<start in clock ticks>" from /proc: a wall-clock step moves create_time, never this; and a reused
-    # pid never matches it. Rows written before it existed decode with None.
-    start_id: str | None = None
-
-
-@dataclass(frozen=True)
-class SlurmHandle:
-    submit_dir: str
-    job_name: str
-    array: bool = False
-    ssh: dict | None = None
-    submit: str = "sbatch"  # or "submitit": the job's log is then in submitit's folder
-    submitit_folder: str | None = None
-    dependency: str | None = None  # --dependency it was submitted with (`up --after`): status says what it waits for
-
-
-@dataclass(frozen=True)
-class SkyHandle:
-    cluster: str
-    managed: bool
-    job_id: int
-
-
-Handle = LocalHandle | SlurmHandle | SkyHandle
-_HANDLES = {"local": LocalHandle, "slurm": SlurmHandle, "sky": SkyHandle}
-
-
 @dataclass
 class JobRecord:
     name: str
     target: str
     job_id: str
     run_dir: str
-    handle: Handle
+    handle: Any  # the target's handle: a dataclass in its request.py (named by its row in TARGETS)
     created: float = field(default_factory=time.time)
 
 
-def _decode(target: str, handle_json: str) -> Handle:
-    cls = _HANDLES[target]
+def _decode(target: str, handle_json: str) -> Any:
+    cls = TARGETS[target].load("handle")  # KeyError for a target this dtlaunch does not know
     return cls(**json.loads(handle_json))
 
 
@@ -145,13 +113,28 @@ class Registry:
     def matching(self, key: str) -> list[JobRecord]:
         """Every job whose name or job id is `key`, oldest first; at least one."""
         recs = self.all()
-        hits = [r for r in recs if key in (r.name, r.job_id, f"{r.target}:{r.job_id}")]
+        path = os.path.realpath(key)
+        hits = [r for r in recs if key in (r.name, r.job_id, f"{r.target}:{r.job_id}") or r.run_dir == path]
         if not hits:
             known = ", ".join(sorted({r.name for r in recs})) or "none yet"
             raise DtlaunchError(
                 f"no job named {key!r} in {self.path} (known: {known})", fix="`dtlaunch status` lists the recorded jobs"
             )
         return hits
+
+    def remove(self, recs: list[JobRecord]) -> int:
+        """Forget these jobs (nothing on disk is touched); returns how many rows went."""
+        try:
+            with self._db() as db:
+                return sum(
+                    db.execute(
+                        "DELETE FROM jobs WHERE target=? AND job_id=? AND run_dir=? AND created=?",
+                        (r.target, r.job_id, r.run_dir, r.created),
+                    ).rowcount
+                    for r in recs
+                )
+        except sqlite3.Error as e:
+            raise self._fail("could not forget the jobs", e) from None
 
     def find(self, key: str) -> JobRecord:
         """The newest job whose name or job id is `key`."""

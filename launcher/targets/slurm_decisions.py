@@ -1,7 +1,11 @@
 """What a submitit job decides after its srun, and the files it decides from: the same decisions, in the same
 order, with the same ledgers under jobs/$SLURM_JOB_ID as job.sbatch's bash, so that the exit-code contract
 and `dtlaunch status` read the same whichever way the job was submitted. No submitit import: the decisions
-are tested as plain functions."""
+are tested as plain functions.
+
+Part of the SLURM target (slurm/submitit_job.py runs it), kept at this path outside slurm/: the decision block
+of every rendered job.sbatch (slurm/templates/_decide.sh.j2) names this file as its twin, and job scripts
+rendered and submitted before keep naming it."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Any
 
 from ..errors import DtlaunchError
 from ..jobenv import ExitCode, outcome
-from ..recipe.slurmtime import parse_time
+from .slurm.timelimit import parse_time
 
 # ----------------------------------------------------------------------------- the decisions (pure)
 

@@ -1,6 +1,6 @@
 """One traced training step of the runtime's own code, on fake tensors and a fake process group.
 
-What runs is what `launcher.train` runs: `resolve_layout` -> `build_model(shape, ac, "meta")` -> `wrap_model`
+What runs is what `launcher.train` runs: `Layout.for_world` -> `build_model(shape, ac, "meta")` -> `build_engine`
 (FSDP2 units, MixedPrecisionPolicy, AdamW, LambdaLR) -> `engine.micro_step` x grad_accum -> `engine.step`,
 under `FakeTensorMode` (no memory is allocated, shapes and dtypes are exact) with PyTorch's memory tracker
 counting every live tensor by category. Four deliberate differences from a GPU job, each because fake tensors
@@ -123,13 +123,14 @@ def _moment(
 class StepTracker(FSDPMemTracker):
     """FSDPMemTracker that also records where in the step the peak is reached, and each moment's own peak.
 
-    `units` are the FSDP units' names in forward order, the root last (`runtime.parallel.fsdp_units`).
+    `units` are the FSDP units' names in forward order, the root last (`runtime.engines.mesh.fsdp_units`).
     """
 
     def __init__(self, model, optimizer, units: list[str]):
         super().__init__(model, optimizer)
         self.model, self.units = model, units
-        self.stage, self.unit, self.peak_at = "start", None, ("start", "start")
+        self.stage, self.peak_at = "start", ("start", "start")
+        self.unit: str | None = None
         self.moments: dict = {}  # moment -> (snapshot at its own peak, op index)
         self._born = WeakIdKeyDictionary()  # storage -> the op that made it
         self._ops, self._peak_op = 0, 0
@@ -234,7 +235,7 @@ class StepTracker(FSDPMemTracker):
                 if "allocate" in vars(comm):
                     continue  # one comm object may serve several groups
                 comm.allocate = self._labelled(comm.allocate, ref)
-                self._undo.append(lambda c=comm: vars(c).pop("allocate", None))
+                self._undo.append(lambda c=comm: c.__dict__.pop("allocate", None))
 
     def _labelled(self, allocate, ref):
         def wrapped(*args, **kwargs):
@@ -246,8 +247,9 @@ class StepTracker(FSDPMemTracker):
 
     def _param_groups(self):
         for m in self._root_mod.modules():
-            if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None:
-                yield m._get_fsdp_state()._fsdp_param_group
+            state = getattr(m, "_get_fsdp_state", None)  # an FSDP2 module's
+            if state is not None and state()._fsdp_param_group is not None:
+                yield state()._fsdp_param_group
 
     def _label_unsharded_grads(self):
         def hook(p):
@@ -314,23 +316,23 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..runtime.engines import build_engine, fsdp_units
     from ..runtime.gradclip import clip_grad_norm
-    from ..runtime.layout import resolve_layout
     from ..runtime.models import build_model
-    from ..runtime.parallel import fsdp_units, wrap_model
 
     t0 = time.monotonic()
     shape = recipe.model.shape()
     if layers is not None:
         shape = msgspec.structs.replace(shape, layers=layers)
-    layout, _ = resolve_layout(plan, plan.world_size)
+    layout, _ = plan.layout.for_world(plan.world_size)
     no_clip = recipe.replace(training=recipe.training.replace(grad_clip=0.0))
     n_micro = min(layout.grad_accum, 2)  # from the second micro-step on, every micro-step looks alike
     with _mesh_outside_fake_mode(), FakeTensorMode():
         module = build_model(shape, layout.activation_checkpointing, device="meta")
-        engine = wrap_model(module, layout, no_clip, plan, plan.steps or 1000, torch.device("cpu"), is_gpu=False)
-        if getattr(engine, "scaler", None) is not None:
-            _steady_loss_scale(engine.scaler)
+        engine = build_engine(module, layout, no_clip, plan, plan.steps or 1000, torch.device("cpu"), is_gpu=False)
+        scaler = getattr(engine, "scaler", None)
+        if scaler is not None:
+            _steady_loss_scale(scaler)
         for group in engine.optimizer.param_groups:
             group["foreach"] = True  # what AdamW picks on CUDA
         names = {m: n for n, m in module.named_modules()}

@@ -2,8 +2,9 @@
 
 Rules run over a Recipe and its Plan before anything is queued, so a user does not wait hours in a
 queue for a job that was never going to work. Some rules belong to one target (a SkyPilot job needs
-shared checkpoint storage; a SLURM job's extra options must not contradict the plan): they run when that
-target is rendered or submitted, or for the recipe's default target under `dtlaunch validate`.
+shared checkpoint storage; a SLURM job's extra options must not contradict the plan): they live in the target's
+package (launcher/targets/NAME/rules.py, loaded below for every row of launcher.targets.TARGETS) and run when
+that target is rendered or submitted, or for the recipe's default target under `dtlaunch validate`.
 Each finding names the file and line of its field (or the `--set` item that gave it). Pure: no I/O except
 the optional path checks.
 """
@@ -14,8 +15,12 @@ from collections.abc import Iterable
 
 from ..plan import Plan
 from ..recipe import Recipe
-from . import rules_plan, rules_runtime, rules_targets  # noqa: F401, E402 - registering the rules
+from ..targets import TARGETS
+from . import rules_plan, rules_runtime, rules_targets  # noqa: F401 - registering the rules
 from .core import RULES, Finding, Rule, rule
+
+for _target in TARGETS.values():
+    _target.module("rules")  # registering each target's own rules
 
 SEVERITY_ORDER = {"error": 0, "warning": 1}
 

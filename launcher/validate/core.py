@@ -7,9 +7,6 @@ from collections.abc import Callable
 import msgspec
 from msgspec.structs import asdict
 
-from ..plan import Plan
-from ..recipe import Recipe
-
 
 class Finding(msgspec.Struct, frozen=True):
     rule: str
@@ -29,7 +26,8 @@ class Rule(msgspec.Struct, frozen=True):
     severity: str
     field: str
     summary: str
-    check: Callable[[Recipe, Plan], tuple[str, ...] | None]  # -> (message, fix[, field]) when the rule fires
+    # (recipe, plan[, choices]) -> (message, fix[, field]) when the rule fires; choices with `choices` below
+    check: Callable[..., tuple[str, ...] | None]
     targets: tuple[str, ...] = ()  # the targets it applies to; () = every target
     trainer_only: bool = False  # about dtlaunch's own trainer: silent when the recipe runs the user's entrypoint
     choices: bool = False  # the check also takes the SkyPilot accelerator choices (plan.choices.Choices or None)

@@ -54,7 +54,7 @@ def _fp32_gqa(r: Recipe, p: Plan):
     s, dev = r.model.shape(), r.resources.device()
     if s is None or not dev.is_gpu or p.layout.precision != "fp32" or s.kv_heads >= s.heads:
         return None
-    extra = 2 * 4 * p.seq_len * p.layout.micro_batch * (s.hidden - s.hidden * s.kv_heads // s.heads) * s.layers
+    extra: float = 2 * 4 * p.seq_len * p.layout.micro_batch * (s.hidden - s.hidden * s.kv_heads // s.heads) * s.layers
     extra /= max(1, p.layout.tp * p.layout.pp)
     return (
         f"fp32 attention has no flash kernel, and the memory-efficient kernel has no grouped-query attention: "

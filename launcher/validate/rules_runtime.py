@@ -175,6 +175,7 @@ def _entry_missing(r: Recipe, p: Plan):
     from ..render.code import workdir
 
     wd = workdir(r)
+    assert wd is not None  # the recipe has an entrypoint
     if not wd.is_dir():
         return (f"entrypoint.workdir {wd} is not a directory", "point it at your code (relative to the recipe file)")
     if ep.script is not None and not (wd / ep.script).is_file():

@@ -1,5 +1,5 @@
 """Test driver for test_rt_layouts.py's memory check: in ONE torchrun world, for each layout in CASES.json, wrap
-the runtime's own model as the trainer does (`wrap_model`), run two optimizer steps of real tensors under
+the runtime's own model as the trainer does (`build_engine`), run two optimizer steps of real tensors under
 PyTorch's MemTracker, and write every rank's peak (the second step's) beside the planner's largest moment for
 that rank's pipeline position.
 
@@ -26,9 +26,8 @@ from launcher.plan import make_plan
 from launcher.plan.moments import timeline
 from launcher.plan.parts import part_of, rank_params
 from launcher.recipe import load
-from launcher.runtime.layout import resolve_layout
+from launcher.runtime.engines import build_engine
 from launcher.runtime.models import build_model
-from launcher.runtime.parallel import wrap_model
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
 
@@ -53,11 +52,13 @@ class NoModules:
 def measure(sets: list[str], world: int, rank: int) -> dict:
     recipe = load(str(TINY), [f"resources.accelerator=cpu:{world}", "training.preflight=false", *sets])
     plan = make_plan(recipe)
-    layout, _ = resolve_layout(plan, world)
+    layout, _ = plan.layout.for_world(world)
     torch.manual_seed(0)
     module = build_model(recipe.model.shape(), layout.activation_checkpointing, device="cpu")
     training = recipe.training.replace(grad_clip=0.0)
-    engine = wrap_model(module, layout, recipe.replace(training=training), plan, 10, torch.device("cpu"), is_gpu=False)
+    engine = build_engine(
+        module, layout, recipe.replace(training=training), plan, 10, torch.device("cpu"), is_gpu=False
+    )
     for group in engine.optimizer.param_groups:
         group["foreach"] = True  # what AdamW picks on CUDA
     g = torch.Generator().manual_seed(1)

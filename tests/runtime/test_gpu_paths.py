@@ -118,7 +118,7 @@ def test_3_an_interleaved_split_built_on_meta_materialises_every_chunk():
     """Interleaved 1F1B: a rank's `local` module is separate from the chunks it runs (they share its blocks, not
     its buffers), and each chunk is materialised on its own; no chunk keeps a meta rotary table, and every
     weight is the eager model's."""
-    from launcher.runtime.pipeline import materialise_split, split_model
+    from launcher.runtime.engines.pipeline import materialise_split, split_model
 
     shape = catalog.PRESETS["tiny"]
     eager = dict(build_model(shape, seed=7).named_parameters())
@@ -412,7 +412,7 @@ def test_13_18_gpu_jobs_set_expandable_segments_and_deterministic_nccl():
 def test_13_deterministic_mode_does_not_fill_every_new_tensor():
     import torch.utils.deterministic
 
-    from launcher.runtime.loop import enable_determinism
+    from launcher.runtime.dist import enable_determinism
 
     before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
     try:
@@ -509,11 +509,11 @@ def test_11_an_aborted_communicator_is_a_hang():
 def test_17_adamw_is_fused_on_gpu_jobs(monkeypatch):
     """On a GPU job (offloaded states included) AdamW runs fused, one kernel for all parameters; on CPU-only
     jobs torch's default. (The fused kernel exists on both devices; here it runs on CPU tensors.)"""
-    from launcher.runtime.layout import RuntimeLayout
-    from launcher.runtime.parallel import TorchEngine
+    from launcher.plan.layout import Layout
+    from launcher.runtime.engines import TorchEngine
 
     rec, _ = _plan()
-    lay = RuntimeLayout("ddp", "fp32", "none", "none", micro_batch=1, grad_accum=1, world_size=1)
+    lay = Layout("ddp", dp=1, precision="fp32")
     gpu = TorchEngine(build_model(catalog.PRESETS["micro"]), lay, rec.training, 10, torch.device("cpu"), is_gpu=True)
     cpu = TorchEngine(build_model(catalog.PRESETS["micro"]), lay, rec.training, 10, torch.device("cpu"), is_gpu=False)
     assert gpu.optimizer.defaults["fused"] is True
@@ -639,16 +639,15 @@ def test_host_values_is_a_plain_read():
 def test_the_mesh_at_full_size_puts_each_rank_where_its_data_says(recipe, ranks):
     """At the shipped recipes' real world sizes (64, 128 ranks: a fake process group, this process being each rank
     in turn), the DeviceMesh torch builds puts every rank at the coordinates the runtime reads its data by
-    (`RuntimeLayout.coords`): a rank that torch places in another tensor-parallel group than the data loader
+    (`Layout.coords`): a rank that torch places in another tensor-parallel group than the data loader
     assumes would train on another group's batch."""
     from launcher.recipe import load
-    from launcher.runtime.layout import resolve_layout
-    from launcher.runtime.meshengine import build_mesh, dp_dims
+    from launcher.runtime.engines.mesh import build_mesh, dp_dims
     from testpaths import RECIPES
 
     rec = load(RECIPES / recipe)
     plan = make_plan(rec)
-    layout, _ = resolve_layout(plan, plan.world_size)
+    layout, _ = plan.layout.for_world(plan.world_size)
     _, shard = dp_dims(layout)
     for r in ranks:
         with fake_world(plan.world_size, "fake", rank=r):

@@ -233,8 +233,8 @@ def test_fsdp_reducing_once_per_step_trains_as_reducing_every_micro_step(matrix)
     changes (fp32 rounding: agreement to 1e-4, not bit-for-bit)."""
     d_once, _, once = _result(matrix, "main:fsdp:fp32:none:none")
     d_every, _, every = _result(matrix, "every-micro:fsdp:fp32:none:none")
-    assert json.loads((d_once / "plan.json").read_text())["plan"]["grad_reduce"] == "once_per_step"
-    assert json.loads((d_every / "plan.json").read_text())["plan"]["grad_reduce"] == "every_micro_batch"
+    assert json.loads((d_once / "plan.json").read_text())["plan"]["layout"]["grad_reduce"] == "once_per_step"
+    assert json.loads((d_every / "plan.json").read_text())["plan"]["layout"]["grad_reduce"] == "every_micro_batch"
     a, b = [r["loss"] for r in once], [r["loss"] for r in every]
     assert len(a) == len(b) == STEPS
     assert a == pytest.approx(b, rel=1e-4)

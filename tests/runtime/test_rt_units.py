@@ -57,7 +57,7 @@ def test_fsdp_units_are_the_ones_the_planner_counts(preset, tied, model_parallel
     units say (the embedding and the head apart, or in the root with the final norm)."""
     from launcher.plan.layout import Layout
     from launcher.plan.moments import units
-    from launcher.runtime.parallel import fsdp_units
+    from launcher.runtime.engines import fsdp_units
 
     shape = msgspec.structs.replace(catalog.PRESETS[preset], tied_embeddings=tied, layers=2)
     model = build_model(shape, device="meta")
@@ -513,27 +513,29 @@ def test_plot_metrics(tmp_path):
 
 
 def test_fsdp2_cpu_offload_on_a_cpu_machine_is_a_config_error():
-    from launcher.runtime.layout import RuntimeLayout
-    from launcher.runtime.parallel import shard_fsdp2
+    from launcher.plan.layout import Layout
+    from launcher.runtime.engines import TorchEngine
 
-    lay = RuntimeLayout("fsdp", "fp32", "none", "params", micro_batch=1, grad_accum=1, world_size=2)
+    rec, _ = _plan_for()
+    lay = Layout("fsdp", dp=2, precision="fp32", offload="params")
     with pytest.raises(ConfigError, match="needs a GPU"):
-        shard_fsdp2(build_model(catalog.PRESETS["micro"]), lay, torch.device("cpu"), is_gpu=False)
+        TorchEngine(build_model(catalog.PRESETS["micro"]), lay, rec.training, 10, torch.device("cpu"), is_gpu=False)
 
 
 def test_layout_keeps_the_global_batch_on_another_world_size():
-    from launcher.runtime.layout import resolve_layout
+    from launcher.plan.layout import LayoutError
 
     _, plan = _plan_for()
-    lay, notes = resolve_layout(plan, 1)
+    lay, notes = plan.layout.for_world(1)
     assert (lay.grad_accum, lay.global_batch) == (4, 16) and "grad_accum 2 -> 4" in notes[0]
-    with pytest.raises(ConfigError, match="cannot be split"):
-        resolve_layout(plan, 3)
+    with pytest.raises(LayoutError, match="cannot be split"):
+        plan.layout.for_world(3)
     # tensor 2 on 2 ranks keeps one data-parallel rank, so the micro-steps per rank double again
-    lay, _ = resolve_layout(msgspec.structs.replace(plan, layout=msgspec.structs.replace(plan.layout, tp=2)), 2)
+    tp2 = msgspec.structs.replace(plan.layout, tp=2)
+    lay, _ = tp2.for_world(2)
     assert (lay.tp, lay.dp, lay.global_batch) == (2, 1, 16)
-    with pytest.raises(ConfigError, match="cannot hold tensor 2 x pipeline 1"):
-        resolve_layout(msgspec.structs.replace(plan, layout=msgspec.structs.replace(plan.layout, tp=2)), 3)
+    with pytest.raises(LayoutError, match="cannot hold tensor 2 x pipeline 1"):
+        tp2.for_world(3)
 
 
 # ----------------------------------------------------------------------------- checksums taken while writing

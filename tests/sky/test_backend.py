@@ -15,8 +15,8 @@ import pytest
 
 from launcher.errors import BackendError
 from launcher.targets import JobStatus
-from launcher.targets.registry import SkyHandle
-from launcher.targets.sky import SkyBackend, _Sdk
+from launcher.targets.sky.backend import SkyBackend, _Sdk
+from launcher.targets.sky.request import SkyHandle
 from sky_helpers import RECIPES, render_to
 
 TINY = next(p for p in RECIPES if p.name == "tiny.yaml")
@@ -107,7 +107,7 @@ def test_missing_secret_is_named_before_skypilot_is_asked(tmp_path, monkeypatch)
 
 def test_cli_path_never_imports_sky():
     """Importing the backend and rendering must not pull in SkyPilot (~2 s, ~160 MB)."""
-    code = "import sys; import launcher.cli, launcher.targets.sky, launcher.render.sky; print('sky' in sys.modules)"
+    code = "import sys; import launcher.cli, launcher.targets.sky.backend, launcher.targets.sky.render; print('sky' in sys.modules)"
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         == "False"

@@ -121,7 +121,7 @@ def test_the_wheel_is_installable_and_holds_this_dtlaunch(tmp_path):
         names = set(zf.namelist())
         meta = zf.read(f"dtlaunch-{launcher.__version__}.dist-info/METADATA").decode()
         record = zf.read(f"dtlaunch-{launcher.__version__}.dist-info/RECORD").decode()
-    assert "launcher/train.py" in names and "launcher/render/templates/slurm_job.sh.j2" in names
+    assert "launcher/train.py" in names and "launcher/targets/slurm/templates/slurm_job.sh.j2" in names
     assert not any("__pycache__" in n for n in names)
     assert "Requires-Dist: torch" in meta and 'extra == "train"' in meta
     assert all(line.count(",") == 2 for line in record.splitlines())

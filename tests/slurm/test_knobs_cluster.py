@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.render.artifacts import SubmititSpec
+from launcher.targets.slurm.request import SubmititSpec
 from slurmkit import REPO, VENV_ACTIVATE, render_to, sh, wait_for, wait_gone
 
 GPU = ["resources.accelerator=H100:2", "resources.nodes=2", "training.global_batch=8"]

@@ -12,8 +12,8 @@ from launcher.errors import DtlaunchError
 from launcher.plan import make_plan
 from launcher.recipe import load
 from launcher.render.shell import sbatch_value
-from launcher.render.slurm import render_slurm_array
 from launcher.sweep import expand
+from launcher.targets.slurm.sbatch import render_slurm_array
 from slurmkit import REPO, render_to
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import BackendError
-from launcher.targets.slurm import SlurmBackend
+from launcher.targets.slurm.backend import SlurmBackend
 from slurmkit import REPO, VENV_ACTIVATE, render_to, sbatch, sh, wait_gone
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
@@ -86,6 +86,18 @@ def test_missing_sbatch_is_a_clear_error_and_records_nothing(tmp_path, run_cli, 
     assert "no jobs recorded" in out
 
 
+def test_sbatch_without_a_configuration_says_to_set_slurm_conf(tmp_path, run_cli, monkeypatch):
+    """The real sbatch with no slurm.conf to find (no SLURM_CONF, none in /etc/slurm, no DNS record): its
+    "Could not establish a configuration source" gets a fix that says what is missing."""
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    code, out, err = run_cli("up", REPO / "recipes/tiny.yaml", "-t", "slurm", "-o", tmp_path / "r", "--detach")
+    assert code == BackendError.exit_code
+    assert "Could not establish a configuration source" in err, err
+    assert "set SLURM_CONF to the cluster's slurm.conf, or source the cluster's environment" in err, err
+    code, out, _ = run_cli("status")
+    assert "no jobs recorded" in out
+
+
 def test_sbatch_rejection_shows_its_stderr_and_records_nothing(tmp_path, run_cli, slurm):
     code, out, err = run_cli(
         "up",
@@ -123,7 +135,8 @@ def test_backend_submit_status_logs_cancel(tmp_path, partition):
 
 def test_status_falls_back_to_job_files_without_accounting(tmp_path, partition):
     """Without squeue/sacct records (sacct off, job aged out), the script's own state files answer."""
-    from launcher.targets.registry import JobRecord, SlurmHandle
+    from launcher.targets.registry import JobRecord
+    from launcher.targets.slurm.request import SlurmHandle
 
     run = tmp_path / "jobs" / "999999"
     run.mkdir(parents=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import BackendError
-from launcher.targets.slurm import SlurmBackend
+from launcher.targets.slurm.backend import SlurmBackend
 from slurmkit import render_to, wait_for, wait_gone
 
 

@@ -22,11 +22,11 @@ import submitit
 import launcher
 from launcher.errors import DtlaunchError
 from launcher.jobenv import ExitCode
-from launcher.render.artifacts import SubmititSpec
 from launcher.runtime.ckptdir import complete_steps
 from launcher.runtime.metrics import read_metrics
-from launcher.targets import submitit_job
 from launcher.targets.registry import Registry
+from launcher.targets.slurm import submitit_job
+from launcher.targets.slurm.request import SubmititSpec
 from launcher.targets.slurm_decisions import Outcome, decide
 from slurmkit import REPO, release_after_requeue, render_to, sacct_rows, sh, shared_dir, squeue_state, wait_for
 
@@ -115,7 +115,7 @@ def test_render_ships_the_same_step_a_preamble_and_the_request(tmp_path):
     req = art.request
     assert req.submit == "submitit" and req.submitit is not None
     assert SubmititSpec.from_json(art.files["submitit.json"]) == req.submitit  # `up` submits what render wrote
-    assert art.submit_command == ["python3", "-m", "launcher.targets.submitit_job", "."]
+    assert art.submit_command == ["python3", "-m", "launcher.targets.slurm.submitit_job", "."]
     spec = req.submitit
     assert spec.python == 'exec "$PYTHON"' and spec.setup_script == "submitit_setup.sh"
     p = spec.parameters
@@ -217,7 +217,7 @@ def test_submitits_batch_script_execs_the_nodes_python(tmp_path):
 def test_sweeps_stay_with_sbatch():
     from launcher.plan import make_plan
     from launcher.recipe import load
-    from launcher.render.slurm import render_slurm_array
+    from launcher.targets.slurm.sbatch import render_slurm_array
 
     items = [load(TINY, [SUBMITIT, f"training.seed={s}"]) for s in (1, 2)]
     with pytest.raises(DtlaunchError, match="submit=sbatch"):

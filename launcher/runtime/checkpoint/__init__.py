@@ -20,21 +20,24 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ...version import __version__
 from .. import ckptdir
+from ..engines import DeepSpeedEngine, Engine
 from ..failures import ConfigError, RuntimeFailure, StorageError
-from ..parallel import DeepSpeedEngine, Engine
 from . import dcpio
 from .background import Pending, Pruner
 from .compat import check_compatible
 from .export import export_model
 from .lock import RunLock
 from .state import rank_file, rng_state, save_torch, set_rng_state
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import DefaultStager
 
 FORMAT = 2  # 2: written in place with per-rank manifests (1: renamed from step-N.tmp, no checksums)
 
@@ -93,7 +96,8 @@ class Checkpointer:
         self._pruner: Pruner | None = None  # rank 0: deleting old checkpoints in the background
         self._lock = RunLock(self.root)
         self.distributed = dist.is_available() and dist.is_initialized()
-        self._stager = None  # async saves: DCP's stager, kept so that its CPU copy is reused by every save
+        # async saves: DCP's stager, kept so that its CPU copy is reused by every save
+        self._stager: DefaultStager | None = None
 
     # ------------------------------------------------------------------ collectives on the checkpoint group
 
@@ -151,8 +155,9 @@ class Checkpointer:
         out = {}
         if not self.deepspeed:
             out["scheduler"] = eng.scheduler.state_dict()
-            if getattr(eng, "scaler", None) is not None:
-                out["scaler"] = eng.scaler.state_dict()
+            scaler = getattr(eng, "scaler", None)
+            if scaler is not None:
+                out["scaler"] = scaler.state_dict()
         return out
 
     # ------------------------------------------------------------------ start-up
@@ -221,7 +226,7 @@ class Checkpointer:
             return None
         if full is None and free >= (1 << 20) and free + written >= need:
             return None
-        what = {errno.EROFS: "the storage is read-only"}.get(getattr(full, "errno", None), "no space left")
+        what = "the storage is read-only" if getattr(full, "errno", None) == errno.EROFS else "no space left"
         needs = (
             f"a checkpoint needs ~{need / 1e9:.3f} GB"
             if need
@@ -276,7 +281,8 @@ class Checkpointer:
         if self.rank == 0:
             save_torch(self._trainer_state(), path / "trainer.pt")
         if self.deepspeed:
-            self.engine.model.save_checkpoint(str(self.root), tag=path.name, save_latest=False)
+            ds_engine: Any = self.engine.model  # DeepSpeed's engine (no type information)
+            ds_engine.save_checkpoint(str(self.root), tag=path.name, save_latest=False)
             self._finish(step, meta, t0)
             return
         import torch.distributed.checkpoint as dcp
@@ -294,7 +300,7 @@ class Checkpointer:
             if not isinstance(fut, Future):  # AsyncSaveResponse (staging + upload futures)
                 fut = fut.upload_completion
             pending = Pending(step, fut, meta, t0, writer)
-            fut.add_done_callback(lambda f, p=pending: self._write_manifest_after(f, p))
+            fut.add_done_callback(lambda f: self._write_manifest_after(f, pending))
             self._pending = pending
             self.log(f"checkpoint step {step}: staged in {time.time() - t0:.2f}s, writing in the background")
             return
@@ -503,7 +509,8 @@ class Checkpointer:
 
     def _load_states(self, path: Path) -> None:
         if self.deepspeed:
-            load_path, _ = self.engine.model.load_checkpoint(
+            ds_engine: Any = self.engine.model  # DeepSpeed's engine (no type information)
+            load_path, _ = ds_engine.load_checkpoint(
                 str(self.root), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
             )
             if load_path is None:
@@ -524,8 +531,9 @@ class Checkpointer:
         )
         trainer = torch.load(path / "trainer.pt", weights_only=False)
         self.engine.scheduler.load_state_dict(trainer["scheduler"])
-        if getattr(self.engine, "scaler", None) is not None and "scaler" in trainer:
-            self.engine.scaler.load_state_dict(trainer["scaler"])
+        scaler = getattr(self.engine, "scaler", None)
+        if scaler is not None and "scaler" in trainer:
+            scaler.load_state_dict(trainer["scaler"])
 
 
 __all__ = ["Checkpointer", "CheckpointInvalid", "export_model", "FORMAT", "staging_options"]

@@ -113,8 +113,8 @@ def _checksumming_fs():
         @contextmanager
         def create_stream(self, path, mode: str):
             if mode != "wb":
-                with super().create_stream(path, mode) as s:
-                    yield s
+                with super().create_stream(path, mode) as stream:
+                    yield stream
                 return
             p = Path(path)
             with p.open(mode) as f:

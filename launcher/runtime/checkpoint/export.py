@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ...version import __version__
 from .. import ckptdir
-from ..parallel import DeepSpeedEngine, Engine
+from ..engines import DeepSpeedEngine, Engine
 from .state import save_torch
 
 
@@ -58,7 +58,7 @@ class SafetensorsWriter:
         t = tensor.detach().to("cpu", torch.float32).contiguous()
         if tuple(t.shape) != shape:
             raise ValueError(f"export: {name} has shape {tuple(t.shape)}, the header says {shape}")
-        view = memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""
+        view = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""  # bytes, so short writes resume right
         done = 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], self.base + at + done)
@@ -112,15 +112,15 @@ def _stream(engine: Engine, rank: int, group) -> tuple[dict[str, tuple[int, ...]
     if isinstance(engine, DeepSpeedEngine):
         from deepspeed.utils import safe_get_full_fp32_param
 
-        items = list(_deepspeed_tensors(engine))
+        params = list(_deepspeed_tensors(engine))
 
         def gen():
-            for name, _, p in items:
+            for name, _, p in params:
                 t = safe_get_full_fp32_param(p)  # a gather under ZeRO-3: every rank calls it
                 if rank == 0:
                     yield name, t
 
-        return {n: s for n, s, _ in items}, gen()
+        return {n: s for n, s, _ in params}, gen()
     layout = engine.layout
     items = _torch_tensors(engine.module)
     if layout.pp == 1:
@@ -196,7 +196,7 @@ def export_model(engine: Engine, out_dir: Path, fmt: str, rank: int, group=None)
         return path
     rename = (lambda n: n) if hf_config is None else (lambda n: n[len("hf.") :] if n.startswith("hf.") else None)
     tied = hf_config is not None and getattr(hf_config, "tie_word_embeddings", False)
-    keep = {n: rename(n) for n in shapes if rename(n) is not None and not (tied and rename(n) == "lm_head.weight")}
+    keep = {n: r for n in shapes if (r := rename(n)) is not None and not (tied and r == "lm_head.weight")}
     out = Path(out_dir) / "hf" if hf_config is not None else Path(out_dir)
     writer = None
     if rank == 0:

@@ -3,6 +3,8 @@ or a Hugging Face decoder built by transformers from the config in the recipe (m
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 from torch import nn
 
@@ -24,7 +26,7 @@ def init_on_meta(model_spec, layout, params: int) -> bool:
 
 
 def build_for_recipe(
-    model_spec, activation_checkpointing: str = "none", device: str | torch.device | None = "cpu", seed: int = 0
+    model_spec, activation_checkpointing: str = "none", device: str | torch.device = "cpu", seed: int = 0
 ) -> nn.Module:
     """The recipe's model on `device` ("meta": nothing allocated until the strategy materialises its shards)."""
     shape = model_spec.shape()
@@ -35,12 +37,18 @@ def build_for_recipe(
     return build_model(shape, activation_checkpointing, device=device, seed=seed)
 
 
+class _Initialisable(Protocol):
+    """What both models here (Llama, HFCausalLM) have besides nn.Module's."""
+
+    def init_weights(self, buffer_device: str | torch.device | None = None) -> None: ...
+
+
 def materialise(module: nn.Module, device: torch.device, offload: bool) -> None:
     """Allocate and initialise a model built on the meta device, after sharding: parameters where FSDP2 keeps
     them (the host when offloading, else `device`), buffers (the rotary tables) on `device`, where forward
     runs: FSDP2 moves buffers to the device only inside fully_shard, and skips meta ones."""
     module.to_empty(device="cpu" if offload else device)
-    module.init_weights(buffer_device=device)
+    cast(_Initialisable, module).init_weights(buffer_device=device)
 
 
 __all__ = ["Llama", "build_model", "build_for_recipe", "init_on_meta", "materialise"]

@@ -123,9 +123,15 @@ def _check_keys(model: HFCausalLM, keys: set[str]) -> None:
         )
 
 
-def load_weights(model: HFCausalLM, weights_dir: str | Path, *, sharded: bool, rank: int = 0) -> int:
+def load_weights(model: nn.Module, weights_dir: str | Path, *, sharded: bool, rank: int = 0) -> int:
     """Load the safetensors weights into a model not yet wrapped (`sharded=False`, every rank reads them), or
-    into one already sharded by FSDP2 (rank 0 reads, the shards are broadcast). Returns the tensors loaded."""
+    into one already sharded by FSDP2 (rank 0 reads, the shards are broadcast). Returns the tensors loaded.
+    `model` is the trainer's module, which is a Hugging Face one (HFCausalLM) whenever the recipe has weights."""
+    if not isinstance(model, HFCausalLM):  # the recipe takes model.hf_weights only with model.hf
+        raise ConfigError(
+            f"model.hf_weights is for a Hugging Face model, not a {type(model).__name__}",
+            fix="set model.hf, or unset model.hf_weights",
+        )
     if not sharded:
         sd = read_weights(weights_dir)
         _check_keys(model, set(sd))
@@ -133,13 +139,13 @@ def load_weights(model: HFCausalLM, weights_dir: str | Path, *, sharded: bool, r
         if model.shape.tied_embeddings:
             model.hf.tie_weights()
         return len(sd)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, ValueType, set_model_state_dict
 
-    sd: dict[str, torch.Tensor] = {}
+    full: dict[str, ValueType] = {}
     if rank == 0:
-        sd = {f"hf.{k}": v for k, v in read_weights(weights_dir).items()}
-        _check_keys(model, {k[3:] for k in sd})
+        full = {f"hf.{k}": v for k, v in read_weights(weights_dir).items()}
+        _check_keys(model, {k[3:] for k in full})
     set_model_state_dict(
-        model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     )
-    return len(sd)
+    return len(full)

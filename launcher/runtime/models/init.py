@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 BLOCK_ELEMS = 1 << 22  # 16 MB of fp32 per drawn block: a bounded transient, few generator set-ups
 
@@ -35,10 +39,11 @@ def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tupl
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local = param.to_local()
-        shape = tuple(param.shape)
+        dt = cast("DTensor", param)  # the tensor with a device mesh
+        local = dt.to_local()
+        shape = tuple(dt.shape)
         with unset_fake_temporarily():  # offsets are plain numbers, also when tracing on fake tensors
-            local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
+            local_shape, offset = compute_local_shape_and_global_offset(shape, dt.device_mesh, dt.placements)
         if tuple(local_shape) != tuple(local.shape):  # pragma: no cover - a placement DCP could not reshard either
             raise RuntimeError(
                 f"cannot place a shard of shape {tuple(local.shape)} in a {shape} parameter "

@@ -8,6 +8,7 @@ checkpointing can wrap a block or just the SwiGLU tail. The parameter set is exa
 from __future__ import annotations
 
 import math
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,15 @@ from . import init
 
 AC_MODES = ("none", "selective", "full")
 INIT_STD = 0.02
+
+
+class _ZeroParam(Protocol):
+    """What DeepSpeed's zero.Init (ZeRO-3) adds to each parameter: this rank's flat partition, and the whole
+    parameter's element count and shape."""
+
+    ds_tensor: torch.Tensor
+    ds_numel: int
+    ds_shape: torch.Size
 
 
 def init_std(name: str, layers: int) -> float | None:
@@ -144,21 +154,30 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    # A pipeline stage (`stage`) holds the embedding only when first, the norm and the head only when last.
+    tok_embeddings: nn.Embedding | None
+    layers: nn.ModuleList | nn.ModuleDict
+    norm: RMSNorm | None
+    output: nn.Linear | None
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, shape: ModelShape, activation_checkpointing: str = "none"):
         super().__init__()
         if activation_checkpointing not in AC_MODES:
             raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {activation_checkpointing!r}")
         self.shape = shape
         self.init_seed = 0  # init_weights draws from it (launcher.runtime.models.init); build_model sets it
-        self.tok_embeddings = nn.Embedding(shape.vocab, shape.hidden)
-        self.layers = nn.ModuleList(TransformerBlock(shape) for _ in range(shape.layers))
+        self.tok_embeddings = embeddings = nn.Embedding(shape.vocab, shape.hidden)
+        blocks = [TransformerBlock(shape) for _ in range(shape.layers)]
+        self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(shape.hidden, shape.norm_eps)
-        self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        self.output = output = nn.Linear(shape.hidden, shape.vocab, bias=False)
         if shape.tied_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+            output.weight = embeddings.weight
         self.full_checkpoint = activation_checkpointing == "full"
-        for layer in self.layers:
-            layer.feed_forward.recompute = activation_checkpointing == "selective"
+        for block in blocks:
+            block.feed_forward.recompute = activation_checkpointing == "selective"
         # Rotary tables are derived data, not state: non-persistent so checkpoints hold parameters only.
         cos, sin = rope_tables(shape.hidden // shape.heads, shape.seq_len, shape.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -204,7 +223,8 @@ class Llama(nn.Module):
         partition of each parameter (`ds_tensor`, a flat slice of ds_numel / world elements), with exactly the
         values `init_weights` gives the whole parameter; nothing is gathered."""
         self._make_rope(buffer_device)
-        for name, p in self.named_parameters():
+        for name, param in self.named_parameters():
+            p = cast(_ZeroParam, param)
             part = p.ds_tensor.view(-1)
             start = rank * part.numel()
             count = max(0, min(part.numel(), p.ds_numel - start))
@@ -230,7 +250,7 @@ class Llama(nn.Module):
         return list(self.layers.values()) if isinstance(self.layers, nn.ModuleDict) else list(self.layers)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # A pipeline stage (launcher.runtime.pipeline) holds a part of the model: only the first has the
+        # A pipeline stage (launcher.runtime.engines.pipeline) holds a part of the model: only the first has the
         # embedding and reads token ids, the others read the residual stream; only the last has the head.
         if self.tok_embeddings is not None:
             if tokens.shape[1] > self.shape.seq_len:
@@ -248,11 +268,12 @@ class Llama(nn.Module):
                 h = layer(h, cos, sin)
         if self.output is None:
             return h
+        assert self.norm is not None  # the last stage has both
         return self.output(self.norm(h))
 
 
 def build_model(
-    shape: ModelShape, activation_checkpointing: str = "none", device: str | torch.device | None = "cpu", seed: int = 0
+    shape: ModelShape, activation_checkpointing: str = "none", device: str | torch.device = "cpu", seed: int = 0
 ) -> Llama:
     """Build on `device`; "meta" allocates nothing (materialised by the strategy after sharding, then
     `init_weights`). The initial weights depend on `seed` and the shape only: the same for an eager build and

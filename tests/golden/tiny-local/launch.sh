@@ -11,6 +11,19 @@ fail() {
   if [ -d "${DTLAUNCH_STATUS:-}" ]; then echo "$rc" > "$DTLAUNCH_STATUS/exit_code"; fi
   exit "$rc"
 }
+# Stopped before torchrun starts (`dtlaunch down` in the job's first seconds, during the check below): nothing
+# has trained, so nothing is lost; record it as stopped, not as a vanished job. torchrun's traps replace these.
+stop_early() {
+  echo "dtlaunch: stopped by SIG$1 before training began" >&2
+  if [ -n "${DTLAUNCH_STATUS:-}" ]; then
+    mkdir -p "$DTLAUNCH_STATUS" && echo 42 > "$DTLAUNCH_STATUS/exit_code"
+  fi
+  exit 42
+}
+trap 'stop_early TERM' TERM
+trap 'stop_early INT' INT
+trap 'stop_early USR2' USR2
+trap 'stop_early HUP' HUP
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=2
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1

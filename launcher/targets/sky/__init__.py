@@ -1,0 +1,5 @@
+"""The SkyPilot target: one task YAML that `sky launch` (or `sky jobs launch`) accepts as it is."""
+
+# The recipe schema imports this package's section (spec.py): importing the schema first keeps that order
+# whichever module of the package is imported first (spec.py itself imports from launcher.recipe).
+from ... import recipe as _recipe  # noqa: F401
