@@ -95,7 +95,7 @@ def make_plan(recipe: Recipe) -> Plan:
     model, par, res, tr = recipe.model, recipe.parallelism, recipe.resources, recipe.training
     shape = model.shape()
     arch = model.architecture
-    n = count_params(shape, arch) if shape is not None else int(model.params)
+    n = count_params(shape, arch) if shape is not None else int(model.params or 0)  # the schema requires one
     seq = model.seq()
     dev = res.device()
     world = res.world_size

@@ -5,6 +5,7 @@ DeepSpeed accumulates gradients by its own gradient_accumulation_steps, and clip
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +29,8 @@ def _import_deepspeed(layout: Layout):
 
 class DeepSpeedEngine(Engine):
     """ZeRO 1/2/3 through deepspeed.initialize, with the config from launcher.plan.deepspeed."""
+
+    model: Any  # deepspeed's DeepSpeedEngine: a Module whose own methods (backward, step) deepspeed leaves untyped
 
     def __init__(
         self,

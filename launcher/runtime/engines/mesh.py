@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,7 +118,8 @@ def repeated_blocks(module: nn.Module) -> list[nn.Module]:
             f"{type(module).__name__} has no list of repeated blocks for FSDP2 to shard one by one",
             fix="pass blocks=[...] to job.wrap (e.g. blocks=list(model.blocks))",
         )
-    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+    biggest: nn.ModuleList = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return list(biggest)
 
 
 def fsdp_units(
@@ -135,11 +137,12 @@ def fsdp_units(
     named = all(hasattr(module, a) for a in ("tok_embeddings", "layers", "output")) and shape is not None
     if blocks is not None or not named:
         return [*(blocks if blocks is not None else repeated_blocks(module)), module]
-    layers = module.blocks() if hasattr(module, "blocks") else list(module.layers)
-    if not embedding_units_apart(shape, model_parallel):
+    llama: Any = module  # dtlaunch's Llama (or a stage of it): the attributes checked above
+    layers = llama.blocks() if hasattr(llama, "blocks") else list(llama.layers)
+    if not embedding_units_apart(llama.shape, model_parallel):
         return [*layers, module]
     # a pipeline stage (Llama.stage) has the embedding only first and the head only last
-    return [u for u in (module.tok_embeddings, *layers, module.output) if u is not None] + [module]
+    return [u for u in (llama.tok_embeddings, *layers, llama.output) if u is not None] + [module]
 
 
 def apply_fsdp(chunks: list[nn.Module], mesh, layout: Layout, blocks: list[nn.Module] | None = None) -> None:
@@ -233,7 +236,7 @@ class TorchEngine(Engine):
                 self.model = DDP(
                     module,
                     device_ids=[device] if is_gpu else None,
-                    process_group=self.mesh["dp_replicate"].get_group(),
+                    process_group=self._group("dp_replicate"),
                     gradient_as_bucket_view=True,
                     broadcast_buffers=False,
                 )
@@ -252,7 +255,7 @@ class TorchEngine(Engine):
             if not meta and (layout.model_parallel or not offload):
                 split.local.to(device)
             if layout.tp > 1:
-                apply_tensor_parallel(split.local, self.mesh["tp"], layout.sequence_parallel)
+                apply_tensor_parallel(split.local, self._mesh()["tp"], layout.sequence_parallel)
             apply_fsdp(split.chunks, self.mesh, layout, blocks)
             if meta:
                 materialise_split(split, device, offload=offload)
@@ -267,7 +270,7 @@ class TorchEngine(Engine):
             self.scaler = make_scaler(device, fsdp=not self.ddp)
         self.schedule = None
         if layout.pp > 1:
-            group = self.mesh["pp"].get_group()
+            group = self._group("pp")
             self.schedule, self.stages = build_schedule(
                 split, device, group, layout.pp_schedule, layout.grad_accum, self._pipeline_loss
             )
@@ -296,15 +299,25 @@ class TorchEngine(Engine):
             if losses
             else torch.zeros((), dtype=torch.float32, device=self.device)
         )
-        dist.broadcast(loss, src=self._last_rank, group=self.mesh["pp"].get_group())
+        dist.broadcast(loss, src=self._last_rank, group=self._group("pp"))
         return loss
+
+    def _mesh(self):
+        """The device mesh; only a distributed layout has one, and only such a layout reaches its users."""
+        if self.mesh is None:
+            raise ConfigError("this layout runs without a process group: it has no device mesh")
+        return self.mesh
+
+    def _group(self, dim: str):
+        return self._mesh()[dim].get_group()
 
     def _sync_context(self, last: bool):
         """When this micro-step's gradients are reduced: DDP and FSDP2 reducing once per step on the last one
         only, replicas all-reduced on the last one only."""
         if self.ddp:
-            return contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-        root = self.split.chunks[0]
+            ddp: Any = self.model  # DistributedDataParallel, whose no_sync the Module type does not show
+            return contextlib.nullcontext() if last or not hasattr(ddp, "no_sync") else ddp.no_sync()
+        root: Any = self.split.chunks[0]  # an FSDPModule: fully_shard swapped its class in
         if self.layout.reduces_once_per_step:  # accumulate unsharded; reduce-scatter (and all-reduce) at the end
             root.set_requires_gradient_sync(last)
         elif dp_dims(self.layout)[0] > 1:  # reduce-scatter now, all-reduce across replicas at the end
@@ -331,7 +344,7 @@ class TorchEngine(Engine):
         if self.grad_clip > 0:
             # the pipeline's stages hold different parameters: their squares are summed too (torchtitan's
             # clip_grad_norm_)
-            stages = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+            stages = self._group("pp") if self.layout.pp > 1 else None
             norm = clip_grad_norm(self.module.parameters(), self.grad_clip, sum_over=stages)
         skipped = optimizer_step(self.optimizer, self.scaler)
         self.scheduler.step()

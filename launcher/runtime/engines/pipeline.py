@@ -55,7 +55,9 @@ def split_model(model: nn.Module, pp: int, pp_rank: int, schedule: str) -> Split
         ) from None
     starts = [sum(counts[:i]) for i in range(n)]
     ids = stages_of_rank(pp_rank, pp, schedule)
-    chunks = [Llama.stage(model, i == 0, list(range(starts[i], starts[i] + counts[i])), i == n - 1) for i in ids]
+    chunks: list[nn.Module] = [
+        Llama.stage(model, i == 0, list(range(starts[i], starts[i] + counts[i])), i == n - 1) for i in ids
+    ]
     if len(chunks) == 1:
         local = chunks[0]
     else:
@@ -92,7 +94,7 @@ def build_schedule(
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 
-    stages = [
+    stages: list = [  # of PipelineStage; torch's schedules take their private base class's list
         PipelineStage(c, i, split.num_stages, device, group=group)
         for c, i in zip(split.chunks, split.stage_ids, strict=True)
     ]

@@ -16,6 +16,8 @@ Every parameter keeps its name, so a checkpoint written under one layout loads u
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from ..failures import ConfigError
@@ -158,7 +160,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) ->
         blocks = list(model.layers)
     elif all(hasattr(model, a) for a in ("tok_embeddings", "layers", "norm", "output", "blocks")):
         root, block = llama_plan(model, sequence_parallel)
-        blocks = model.blocks()
+        llama: Any = model  # dtlaunch's Llama: the attributes checked above
+        blocks = llama.blocks()
     else:
         raise ConfigError(
             f"tensor parallelism needs to know the module names of {type(model).__name__}; it splits "
