@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -232,14 +233,17 @@ class TorchEngine(Engine):
                 from torch.nn.parallel import DistributedDataParallel as DDP
 
                 # broadcast_buffers=False: the only buffers are the derived RoPE tables; syncing them would
-                # add a broadcast to every forward.
-                self.model = DDP(
-                    module,
-                    device_ids=[device] if is_gpu else None,
-                    process_group=self._group("dp_replicate"),
-                    gradient_as_bucket_view=True,
-                    broadcast_buffers=False,
-                )
+                # add a broadcast to every forward. Newer torch deprecates the name (FutureWarning, once per
+                # rank) for forward_sync_buffers, which older torch lacks; the meaning is the same here.
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated", category=FutureWarning)
+                    self.model = DDP(
+                        module,
+                        device_ids=[device] if is_gpu else None,
+                        process_group=self._group("dp_replicate"),
+                        gradient_as_bucket_view=True,
+                        broadcast_buffers=False,
+                    )
             if layout.precision != "fp32":
                 self.autocast_dtype = DTYPES[layout.precision]
         else:
