@@ -265,6 +265,21 @@ def last_logged_step(path: str | os.PathLike, tail_bytes: int = 1 << 16) -> dict
 
 # ----------------------------------------------------------------------------- formatting
 
+
+def span(seconds: float | None) -> str:
+    """A span as `status` and the step line show it: 45s, 12m, 3h05m, 2d04h."""
+    if seconds is None or seconds < 0:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 GB = 1e9  # vendors quote GPU memory in GB of 1e9 bytes; so does every figure dtlaunch prints
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli.jobs import COLUMNS, _ago
+from launcher.cli.jobs import COLUMNS
+from launcher.jobenv import span as _ago
 from launcher.targets.local.request import LocalHandle
 from launcher.targets.registry import JobRecord, Registry
 

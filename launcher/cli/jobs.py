@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from ..errors import DtlaunchError
-from ..jobenv import last_logged_step
+from ..jobenv import last_logged_step, span
 
 # States in which a job still runs (or waits to), on any target: `down NAME` acts on such a job.
 LIVE = frozenset(
@@ -33,18 +33,9 @@ LIVE = frozenset(
 
 
 def status_rows(recs) -> list[dict]:
-    """`status`'s rows. One backend per target, so the local one scans the process table once for all rows,
-    and each run directory's newest step and planned length are read once."""
-    from ..targets import JobStatus, backend
-
-    backends, steps, rows = {}, {}, []
-    for r in recs:
-        try:
-            if r.target not in backends:
-                backends[r.target] = backend(r.target)
-            st = backends[r.target].status(r)
-        except DtlaunchError as e:
-            st = JobStatus("UNKNOWN", detail=str(e))
+    """`status`'s rows; each run directory's newest step and planned length are read once."""
+    steps, rows = {}, []
+    for r, st in zip(recs, job_states(recs), strict=True):
         if r.run_dir not in steps:
             here = r.run_dir and Path(r.run_dir).is_dir()
             steps[r.run_dir] = (last_logged_step(r.run_dir), planned_steps(r.run_dir)) if here else (None, None)
@@ -63,18 +54,23 @@ def status_rows(recs) -> list[dict]:
     return rows
 
 
-def _ago(seconds: float | None) -> str:
-    """A span as `status` shows it: 45s, 12m, 3h05m, 2d04h."""
-    if seconds is None or seconds < 0:
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+def job_states(recs) -> list:
+    """Each job's JobStatus, from one backend per target: the local one scans the process table once for all."""
+    from ..targets import JobStatus, backend
+
+    backends, out = {}, []
+    for r in recs:
+        try:
+            if r.target not in backends:
+                backends[r.target] = backend(r.target)
+            out.append(backends[r.target].status(r))
+        except DtlaunchError as e:
+            out.append(JobStatus("UNKNOWN", detail=str(e)))
+    return out
+
+
+def live_jobs(recs) -> list:
+    return [r for r, st in zip(recs, job_states(recs), strict=True) if st.state in LIVE]
 
 
 def planned_steps(run_dir: str | None) -> int | None:
@@ -111,9 +107,9 @@ def progress(row: dict, now: float) -> dict:
         "loss": f"{last['loss']:.4f}" if isinstance(last.get("loss"), (int, float)) else "-",
         "tok/s": "-" if not tps else (f"{tps / 1e3:.1f}k" if tps >= 1e3 else f"{tps:.0f}"),
         "MFU": f"{last['mfu']:.1%}" if isinstance(last.get("mfu"), (int, float)) else "-",
-        "ETA": _ago(eta) if eta is not None else "-",
-        "age": _ago(now - row["created"]),
-        "duration": _ago(end - row["created"]) if row.get("created") else "-",
+        "ETA": span(eta) if eta is not None else "-",
+        "age": span(now - row["created"]),
+        "duration": span(end - row["created"]) if row.get("created") else "-",
         "where": where,
     }
 
@@ -262,7 +258,7 @@ def down_cmd(job, every, yes):
         rec = running_one(reg.matching(job), job)
         click.echo(backend(rec.target).cancel(rec))
         return
-    live = [r for r in reg.all() if _state(r) in LIVE]
+    live = live_jobs(reg.all())
     if not live:
         click.echo("no running jobs")
         return
@@ -274,15 +270,6 @@ def down_cmd(job, every, yes):
         click.echo(backend(r.target).cancel(r))
 
 
-def _state(rec) -> str:
-    from ..targets import backend
-
-    try:
-        return backend(rec.target).status(rec).state
-    except DtlaunchError:
-        return "UNKNOWN"
-
-
 @click.command("forget")
 @click.argument("jobs", nargs=-1, required=True)
 def forget_cmd(jobs):
@@ -291,7 +278,7 @@ def forget_cmd(jobs):
 
     reg = Registry()
     recs = [r for key in jobs for r in reg.matching(key)]
-    running = [r for r in recs if _state(r) in LIVE]
+    running = live_jobs(recs)
     if running:
         raise DtlaunchError(
             f"{', '.join(f'{r.name} ({r.target}:{r.job_id})' for r in running)} still running",
@@ -310,26 +297,18 @@ def prune_cmd(days):
 
     reg = Registry()
     cutoff = time.time() - days * 86400
-    old = [r for r in reg.all() if r.created <= cutoff and _state(r) not in LIVE]
+    recs = [r for r in reg.all() if r.created <= cutoff]
+    live = {id(r) for r in live_jobs(recs)}
+    old = [r for r in recs if id(r) not in live]
     click.echo(f"pruned {reg.remove(old)} finished job record(s); their run directories are untouched")
 
 
 def running_one(hits: list, key: str):
     """Of the jobs `key` names (oldest first), the one still running; the newest if none is. A name used again
     (a loser of two racing `up`, an older run elsewhere) must not hide the live job behind a newer dead one."""
-    from ..targets import backend
-
     if len(hits) == 1:
         return hits[0]
-    backends, live = {}, []
-    for r in hits:
-        try:
-            if r.target not in backends:  # one per target: the local one scans the process table once
-                backends[r.target] = backend(r.target)
-            if backends[r.target].status(r).state in LIVE:
-                live.append(r)
-        except DtlaunchError:
-            continue
+    live = live_jobs(hits)
     if len(live) > 1:
         ids = ", ".join(f"{r.target}:{r.job_id} ({r.run_dir})" for r in live)
         raise DtlaunchError(

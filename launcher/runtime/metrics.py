@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..jobenv import METRICS_FILE, read_metrics
+from ..jobenv import METRICS_FILE, read_metrics, span
 
 MB = 2**20
 MEMORY_FIELDS = ("active_peak_mb", "reserved_peak_mb", "alloc_retries", "ooms", "host_rss_mb")
@@ -111,16 +111,6 @@ def _fmt_rate(x: float) -> str:
     return f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
 
 
-def _span(seconds: float) -> str:
-    """12s, 4m05s, 2h10m: short enough for the step line."""
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
 class Metrics:
     """Rank 0 writes; other ranks' calls are no-ops, so callers need no rank checks."""
 
@@ -206,7 +196,7 @@ class Metrics:
         line = (
             f"step {step}/{self.total_steps} ({step / max(1, self.total_steps):.0%}) | loss {loss:.4f} | lr {lr:.2e} | "
             f"{_fmt_rate(tokens_per_s)} tok/s | {step_time * 1e3:.0f} ms/step | "
-            f"elapsed {_span(time.monotonic() - self._started)} | eta {_span(eta)}"
+            f"elapsed {span(time.monotonic() - self._started)} | eta {span(eta)}"
         )
         if mfu is not None:
             line += f" | mfu {mfu:.1%}"
