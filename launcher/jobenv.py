@@ -241,26 +241,30 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return out
 
 
-def last_logged_step(path: str | os.PathLike, tail_bytes: int = 1 << 16) -> dict | None:
-    """The newest logged step's record of a metrics.jsonl (a run dir or the file), read from the file's end only
-    (a long run's file grows by a line per logged step; `status` must not read it all); None if there is none."""
-    p = metrics_path(path)
+def tail_records(path: str | os.PathLike, tail_bytes: int = 1 << 16) -> list[dict]:
+    """The records at the end of a metrics.jsonl (a run dir or the file), oldest first, read from the file's end
+    only (a long run's file grows by a line per logged step; `status` must not read it all)."""
     try:
-        with open(p, "rb") as f:
+        with open(metrics_path(path), "rb") as f:
             f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - tail_bytes))
+            f.seek(max(0, f.tell() - tail_bytes))
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
-        return None
-    for line in reversed(lines):
+        return []
+    out = []
+    for line in lines:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(rec, dict) and "step" in rec and "loss" in rec:
-            return rec
-    return None
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def last_logged_step(path: str | os.PathLike, tail_bytes: int = 1 << 16) -> dict | None:
+    """The newest logged step's record of a metrics.jsonl; None if there is none."""
+    return next((r for r in reversed(tail_records(path, tail_bytes)) if "step" in r and "loss" in r), None)
 
 
 # ----------------------------------------------------------------------------- formatting

@@ -11,7 +11,6 @@ a run directory is never rewritten.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import BackendError
-from ...jobenv import ATTEMPT, ExitCode, metrics_path
+from ...jobenv import ATTEMPT, ExitCode, tail_records
 from .. import JobStatus, require_secrets
 from ..registry import JobRecord, Registry
 from .request import LocalHandle, LocalRequest
@@ -265,19 +264,9 @@ class LocalBackend:
         if rc != ExitCode.PREEMPTED:
             return f"it ended with exit code {rc} ({STATES.get(rc, 'FAILED')})"
         saved = None
-        try:
-            with open(metrics_path(job.run_dir), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - (1 << 16)))
-                for line in f.read().decode(errors="replace").splitlines():
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if isinstance(rec, dict) and rec.get("event") == "preempt" and rec.get("time", 0) >= job.created:
-                        saved = rec.get("step")
-        except OSError:
-            pass
+        for rec in tail_records(job.run_dir):
+            if rec.get("event") == "preempt" and rec.get("time", 0) >= job.created:
+                saved = rec.get("step")
         if saved is None:
             return "stopped before training began (nothing to checkpoint); `dtlaunch up` starts it again"
         return f"its workers checkpointed step {saved} and exited {rc}; `dtlaunch up` resumes from there"
