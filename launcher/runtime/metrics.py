@@ -180,7 +180,8 @@ class Metrics:
             "step_time_s": round(step_time, 4),
             "grad_norm": grad_norm,
             "time": round(time.time(), 3),
-            "mfu": None if mfu is None else round(mfu, 4),
+            # three significant figures: a small model's MFU on a large GPU is well under 0.01%, not 0
+            "mfu": None if mfu is None else float(f"{mfu:.3g}"),
             "peak_rank": memory.peak_rank if memory else None,
             **{k: (None if v is None else round(v, 1)) for k, v in mem.items()},
             **(extra or {}),

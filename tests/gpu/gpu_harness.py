@@ -45,6 +45,7 @@ def gpu_recipe(gpus: int = 1, **over) -> dict:
 def run_cases(root: Path, nproc: int, cases: list[tuple[str, dict, dict]], timeout: float = 900) -> dict[str, Path]:
     """Run (name, recipe, env) cases one after another in one torchrun world of `nproc` GPUs (gpu_driver.py);
     each case's run dir gets result-rank0.json and placement-rank{r}.json."""
+    root.mkdir(parents=True, exist_ok=True)
     spec, dirs = [], {}
     for name, rec, env in cases:
         d = root / name

@@ -74,6 +74,8 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
+    """Every case in one torchrun world, but the offloaded FSDP2 one in a world of its own: its process group
+    also serves host tensors (cuda:nccl,cpu:gloo), and a world's backends are set when it starts."""
     root = tmp_path_factory.mktemp("gpu-matrix")
     cases = [
         (
@@ -87,7 +89,8 @@ def matrix(tmp_path_factory):
         )
         for name, (over, _) in MATRIX.items()
     ]
-    return run_cases(root, 1, cases)
+    host = [c for c in cases if MATRIX[c[0]][1] == "cpu"]
+    return {**run_cases(root / "device", 1, [c for c in cases if c not in host]), **run_cases(root / "host", 1, host)}
 
 
 @pytest.mark.parametrize("name", list(MATRIX))
@@ -103,7 +106,8 @@ def test_every_strategy_trains_with_its_tensors_where_they_belong(matrix, name):
     want = MATRIX[name][1]
     if want is not None:  # torch strategies: parameters, gradients (after the step: set to None or zeroed), states
         assert placed["params"] == [want] and placed["optimizer"] == [want], placed
-        assert placed["fused"], placed  # 17: fused AdamW on GPU jobs
+        # 17: fused AdamW on GPU jobs, but under FSDP2's sharded fp16 scaler (its fused step fails after clipping)
+        assert placed["fused"] is (name != "fsdp-fp16"), placed
         assert placed["backend"] == ("cuda:nccl,cpu:gloo" if want == "cpu" else "nccl")
     if name == "zero2-offload-adamw":
         assert placed["optimizer_type"] == "DeepSpeedCPUAdam", placed

@@ -449,6 +449,19 @@ def test_14_mfu_uses_the_dense_peak_of_the_exact_device_and_refuses_above_100_pe
         mfu(300_000, 8, per_token, 989)
 
 
+def test_14_a_small_models_mfu_is_logged_as_a_figure_not_zero(tmp_path):
+    """A tiny model on an H200 ran at an MFU of a few millionths; four decimals logged it as 0.0."""
+    import json
+
+    from launcher.runtime.metrics import Metrics
+
+    m = Metrics(tmp_path, enabled=True, total_steps=2, is_gpu=True)
+    m.step(1, loss=1.0, lr=1e-3, tokens_per_s=9e4, step_time=0.01, grad_norm=1.0, mfu=3.4567e-6)
+    m.step(2, loss=1.0, lr=1e-3, tokens_per_s=9e4, step_time=0.01, grad_norm=1.0, mfu=0.412345)
+    logged = [json.loads(line)["mfu"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [3.46e-6, 0.412]
+
+
 def test_14_memory_is_the_maximum_over_ranks_with_the_rank_that_holds_it():
     from launcher.runtime.metrics import RankFigures
 
@@ -518,6 +531,32 @@ def test_17_adamw_is_fused_on_gpu_jobs(monkeypatch):
     cpu = TorchEngine(build_model(catalog.PRESETS["micro"]), lay, rec.training, 10, torch.device("cpu"), is_gpu=False)
     assert gpu.optimizer.defaults["fused"] is True
     assert not cpu.optimizer.defaults.get("fused")
+
+
+def test_17_fp16_fsdp_steps_after_clipping_with_the_sharded_scaler():
+    """FSDP2 in fp16 scales the loss with ShardedGradScaler; clipping unscales first, which leaves a found-inf
+    flag shaped [1], and torch's fused AdamW then fails its step ("output with shape [] doesn't match the
+    broadcast shape [1]", first seen on an H200). The engine's choice for a GPU job, run here on CPU tensors
+    (the fused kernel exists on both): the step goes through, and DDP's plain scaler keeps the fused kernel."""
+    from launcher.runtime.engines.mesh import backward, fused_adamw, make_scaler, optimizer_step
+    from launcher.runtime.optim import build_optimizer
+
+    rec, _ = _plan()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for fsdp in (True, False):
+            model = torch.nn.Linear(8, 8)
+            scaler = make_scaler(torch.device("cpu"), fsdp=fsdp)
+            opt = build_optimizer(model, rec.training, fused=fused_adamw(True, scaler))
+            assert bool(opt.defaults.get("fused")) is not fsdp
+            backward(model(torch.randn(4, 8)).square().mean(), 1, scaler)
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            before = model.weight.detach().clone()
+            assert int(optimizer_step(opt, scaler)) == 0
+            assert not torch.equal(model.weight, before)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_20_async_staging_copies_without_blocking_into_pinned_memory_on_a_gpu():

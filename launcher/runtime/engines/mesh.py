@@ -191,6 +191,16 @@ def optimizer_step(optimizer, scaler) -> torch.Tensor | None:
     return (scaler._scale < before).to(torch.int64)
 
 
+def fused_adamw(is_gpu: bool, scaler) -> bool:
+    """Whether AdamW runs fused (one kernel over all parameters): on GPUs, except under FSDP2's sharded scaler.
+    Once that scaler has unscaled the gradients (clipping does), its found-inf flag is shaped [1] where the fused
+    step's counters are scalars, and the fused step fails ("output with shape [] doesn't match the broadcast
+    shape [1]"; torch 2.11 to 2.13). fp16 FSDP2 steps with the foreach AdamW instead."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return is_gpu and not isinstance(scaler, ShardedGradScaler)
+
+
 def make_scaler(device: torch.device, fsdp: bool):
     """GradScaler; for FSDP2 the sharded variant, which all-reduces found-inf so every rank skips together."""
     if fsdp:
@@ -265,13 +275,15 @@ class TorchEngine(Engine):
                 materialise_split(split, device, offload=offload)
             self.model = split.local  # every parameter of this rank under its whole-model name
         self.module, self.split = split.local, split
-        self.optimizer = (
-            optimizer(self.module.parameters()) if optimizer else build_optimizer(self.module, training, fused=is_gpu)
-        )
-        self.scheduler = build_scheduler(self.optimizer, training, steps)
         self.scaler = None
         if layout.precision == "fp16" and loss_scaling == "dynamic":
             self.scaler = make_scaler(device, fsdp=not self.ddp)
+        self.optimizer = (
+            optimizer(self.module.parameters())
+            if optimizer
+            else build_optimizer(self.module, training, fused=fused_adamw(is_gpu, self.scaler))
+        )
+        self.scheduler = build_scheduler(self.optimizer, training, steps)
         self.schedule = None
         if layout.pp > 1:
             group = self._group("pp")
