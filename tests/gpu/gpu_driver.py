@@ -50,7 +50,8 @@ def placement(trainer: Trainer) -> dict:
             for n, p in module.named_parameters()
             if "attention.wq" in n and not hasattr(p, "ds_id")
         },
-        "optimizer_type": type(eng.optimizer).__name__,
+        # the optimizer that steps the states: inside DeepSpeed's ZeRO wrapper, the one it was given
+        "optimizer_type": type(getattr(eng.optimizer, "optimizer", eng.optimizer)).__name__,
         "fused": bool(getattr(eng.optimizer, "defaults", {}).get("fused")),
     }
 
