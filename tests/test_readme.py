@@ -74,19 +74,20 @@ def _workspace(tmp: Path) -> Path:
     return ws
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.runnable], ids=lambda b: b.id)
-def test_runnable_block(block, tmp_path):
-    cwd = ROOT if block.kind == "repo" else _workspace(tmp_path)
+def _newcomer_env(home: Path) -> dict:
     env = {
         **os.environ,
         "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        "DTLAUNCH_HOME": str(tmp_path / "home"),
+        "DTLAUNCH_HOME": str(home),
         "PYTHONUNBUFFERED": "1",
     }
     for k in list(env):  # nothing of the test session's own cluster or faults leaks into a newcomer's shell
         if k.startswith(("SLURM_", "DTLAUNCH_TEST_")) or k in ("DTLAUNCH_FAULT", "DTLAUNCH_RUN_ID"):
             env.pop(k)
+    return env
+
+
+def _run_block(block, cwd: Path, env: dict, where: str = "") -> None:
     try:
         p = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", block.code],
@@ -105,6 +106,43 @@ def test_runnable_block(block, tmp_path):
                 timeout=300,
             )
     out = p.stdout + p.stderr
-    assert p.returncode == 0, f"README.md:{block.line} ({block.kind}) exited {p.returncode}:\n{out[-4000:]}"
+    assert p.returncode == 0, f"README.md:{block.line} ({block.kind}){where} exited {p.returncode}:\n{out[-4000:]}"
     for text in block.expect:
-        assert text in out, f"README.md:{block.line}: the output no longer contains {text!r}:\n{out[-4000:]}"
+        assert text in out, f"README.md:{block.line}{where}: the output no longer contains {text!r}:\n{out[-4000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.runnable], ids=lambda b: b.id)
+def test_runnable_block(block, tmp_path):
+    """Each block alone, in a fresh workspace: a block must not depend on what an earlier one left."""
+    cwd = ROOT if block.kind == "repo" else _workspace(tmp_path)
+    _run_block(block, cwd, _newcomer_env(tmp_path / "home"))
+
+
+@pytest.mark.slow
+def test_the_readme_in_order_in_one_workspace(tmp_path):
+    """The reader's path: every block run here, top to bottom, in ONE workspace with one job registry, so a
+    block that meets an earlier block's run (the same `runs/NAME`, a job of the same name) is caught. The
+    repository's own blocks (make targets acting on the checkout) are left to the test above."""
+    ws, env = _workspace(tmp_path), _newcomer_env(tmp_path / "home")
+    ordered = [b for b in BLOCKS if b.runnable and b.kind != "repo"]
+    assert len(ordered) >= 5
+    for block in ordered:
+        _run_block(block, ws, env, where=" (run in order, after the blocks above it)")
+
+
+def test_the_shipped_recipes_table_is_what_plan_says(run_cli):
+    """The README's table of the shipped recipes: each row's per-GPU figure is the one `dtlaunch plan` prints
+    for that recipe (the figures were typed once and drifted)."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| recipe | layout | peak | planner | trace |") :].split("\n\n")[0].splitlines()[2:]
+    assert len(table) >= 4
+    for row in table:
+        recipe = re.search(r"`([\w.-]+\.yaml)`", row).group(1)
+        documented = re.search(r"([\d.]+) per GPU|([\d.]+) GB per GPU", row)
+        code, out, err = run_cli("plan", ROOT / "recipes" / recipe)
+        assert code == 0, out + err
+        printed = re.search(r"fits: ([\d.]+) GB of", out).group(1)
+        assert (documented.group(1) or documented.group(2)) == printed, (recipe, row, printed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 from dataclasses import dataclass
 
@@ -72,6 +73,8 @@ def _deepspeed():
     try:
         # DeepSpeed's logger writes to the stdout it finds at import: send it to stderr, where `plan --json`'s
         # readers do not look.
+        # its estimators are arithmetic: no device is used, and DeepSpeed need not guess one (and warn)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         with contextlib.redirect_stdout(sys.stderr):
             import deepspeed
             from deepspeed.runtime.zero import stage3, stage_1_and_2

@@ -200,26 +200,6 @@ def resolve(reg, key: str, rows: list | None = None):
     )
 
 
-def describe_step(rec: dict) -> str:
-    """The newest logged step as `status` shows it: step, loss, throughput, MFU, memory (the maximum over ranks)."""
-    parts = [f"step {rec['step']}", f"loss {rec['loss']:.4f}" if isinstance(rec.get("loss"), (int, float)) else ""]
-    if rec.get("tokens_per_s"):
-        tps = rec["tokens_per_s"]
-        parts.append(f"{tps / 1e3:.1f}k tok/s" if tps >= 1e3 else f"{tps:.0f} tok/s")
-    if rec.get("mfu") is not None:
-        parts.append(f"mfu {rec['mfu']:.1%}")
-    where = f" (rank {rec['peak_rank']})" if rec.get("peak_rank") is not None else ""
-    if rec.get("reserved_peak_mb") is not None:
-        parts.append(f"mem {rec['active_peak_mb'] / 1024:.1f}/{rec['reserved_peak_mb'] / 1024:.1f} GiB{where}")
-        if rec.get("alloc_retries"):
-            parts.append(f"alloc retries {rec['alloc_retries']:.0f}")
-        if rec.get("ooms"):
-            parts.append(f"OOMs {rec['ooms']:.0f}")
-    elif rec.get("host_rss_mb") is not None:
-        parts.append(f"rss {rec['host_rss_mb']:.0f} MB{where}")
-    return " | ".join(p for p in parts if p)
-
-
 @click.command("logs")
 @click.argument("job")
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends.")

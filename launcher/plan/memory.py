@@ -114,18 +114,6 @@ class Memory(msgspec.Struct, frozen=True):
         d["model_states"] = {k: int(round(v)) for k, v in self.model_states.items()}
         return d
 
-    @classmethod
-    def from_dict(cls, d: dict) -> Memory:
-        sizes = {k: float(d[k]) for k in ("params", "grads", "optimizer", "activations", "buffers", "total", "gpu")}
-        return cls(
-            **sizes,
-            fits=bool(d["fits"]),
-            peak_at=d.get("peak_at", ""),
-            terms={k: float(v) for k, v in d.get("terms", {}).items()},
-            moments={k: float(v) for k, v in d.get("moments", {}).items()},
-            model_states={k: float(v) for k, v in d.get("model_states", {}).items()},
-        )
-
 
 def activations(shape: ModelShape, arch: str, seq: int, lay: Layout) -> float:
     """The activations one pipeline stage keeps between forward and backward, per GPU (the layers' term)."""

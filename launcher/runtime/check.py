@@ -85,7 +85,7 @@ def check_node(recipe, plan) -> str:
     return found
 
 
-def check_libraries(plan) -> str:
+def check_libraries(plan, is_gpu: bool) -> str:
     import torch
 
     if _version_tuple(torch.__version__) < MIN_TORCH:
@@ -96,6 +96,9 @@ def check_libraries(plan) -> str:
         )
     found = f"torch {torch.__version__}"
     if plan.layout.spec.family is Family.DEEPSPEED:
+        from .engines.deepspeed import name_the_accelerator
+
+        name_the_accelerator(is_gpu)
         try:
             import deepspeed
         except ImportError as e:
@@ -183,7 +186,7 @@ def check_checkpoint_dir(recipe, run_dir: Path) -> Path:
 
 def check(recipe, plan, run_dir: Path) -> str:
     """Raise ConfigError on the first problem; return a one-line summary otherwise."""
-    found = check_libraries(plan)
+    found = check_libraries(plan, recipe.resources.device().is_gpu)
     found += f", {check_node(recipe, plan)}"
     plan.layout.for_world(plan.world_size)  # the world torchrun will start: a layout it cannot hold fails here, once
     if recipe.entrypoint is not None:  # the user's code brings its own model, data and training length

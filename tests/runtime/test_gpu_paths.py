@@ -784,3 +784,22 @@ def test_5_6_the_export_is_written_in_place_one_tensor_at_a_time(tmp_path):
         w.close()
     w.abort()
     assert not list(tmp_path.glob("x.safetensors*"))
+
+
+def test_deepspeed_is_told_the_jobs_device_rather_than_left_to_guess():
+    """Left to guess, DeepSpeed warns on every rank of a CPU job that it found no GPU; the runtime names the
+    job's device first (a DS_ACCELERATOR the user set still wins)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    probe = "import deepspeed; from deepspeed.accelerator import get_accelerator; print('accelerator', get_accelerator()._name)"
+    named = "from launcher.runtime.engines.deepspeed import name_the_accelerator; name_the_accelerator(False); "
+    told = subprocess.run([sys.executable, "-c", named + probe], capture_output=True, text=True, env=env, timeout=120)
+    guessed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert "accelerator cpu" in told.stdout, told.stdout + told.stderr
+    assert "Setting accelerator to CPU" not in told.stdout + told.stderr
+    assert "Setting accelerator to CPU" in guessed.stdout + guessed.stderr  # what the runtime spares its users
+    mine = subprocess.run(
+        [sys.executable, "-c", named + probe], capture_output=True, text=True, env={**env, "DS_ACCELERATOR": "cpu"}
+    )
+    assert "accelerator cpu" in mine.stdout

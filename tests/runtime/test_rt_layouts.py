@@ -364,6 +364,18 @@ def test_every_training_group_gets_the_training_timeout(runs, name):
 
 
 @pytest.mark.slow
+def test_the_runs_print_none_of_the_third_party_warnings_the_runtime_quiets(runs):
+    """Warnings torch raises for what the runtime does on purpose, each shown safe where it is filtered
+    (engines/mesh.py): FSDP2's view-tensor warning for the tensor-parallel embedding, DTensor's implicit
+    replication of the fp16 sharded scaler's flag, DDP's deprecated broadcast_buffers."""
+    _, logs = runs
+    quieted = ("returned a view tensor", "Found a non-scalar tensor with numel=1", "`broadcast_buffers` is deprecated")
+    for nproc, log in logs.items():
+        for text in quieted:
+            assert text not in log, f"{nproc}-rank world: {text!r}"
+
+
+@pytest.mark.slow
 def test_dtlaunch_up_trains_tiny_at_tp2_pp2(run_cli, tmp_path):
     """The command the README gives, through `dtlaunch up` and the local target's rendered launch script (the
     recipe's own 40 steps cut to 6 here)."""

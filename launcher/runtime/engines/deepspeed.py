@@ -5,6 +5,7 @@ DeepSpeed accumulates gradients by its own gradient_accumulation_steps, and clip
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -16,7 +17,15 @@ from ..optim import build_optimizer, build_scheduler
 from .base import Engine, OptimizerFactory
 
 
-def _import_deepspeed(layout: Layout):
+def name_the_accelerator(is_gpu: bool) -> None:
+    """Tell DeepSpeed the job's device before it is imported. Left to guess, it warns on every rank of a CPU
+    job "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it"; the
+    job knows its device. A DS_ACCELERATOR the user set wins."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if is_gpu else "cpu")
+
+
+def _import_deepspeed(layout: Layout, is_gpu: bool):
+    name_the_accelerator(is_gpu)
     try:
         import deepspeed
     except ImportError:
@@ -42,7 +51,7 @@ class DeepSpeedEngine(Engine):
         is_gpu: bool,
         optimizer: OptimizerFactory | None = None,
     ):
-        deepspeed = _import_deepspeed(layout)
+        deepspeed = _import_deepspeed(layout, is_gpu)
         from deepspeed.accelerator import get_accelerator
 
         from ...plan.deepspeed import uses_cpu_adam
@@ -124,7 +133,7 @@ def build_partitioned(recipe, plan, layout: Layout, rank: int, device: torch.dev
     hold the full fp32 model on the host (~2.2 TB per node of 8 for 70B) and deepspeed.initialize would then
     move it whole to each GPU: any model above ~35B runs out of memory. Each rank then fills only its own
     partitions, with the weights every other layout starts from (`Llama.init_partitions`)."""
-    deepspeed = _import_deepspeed(layout)
+    deepspeed = _import_deepspeed(layout, is_gpu)
     from ..models.llama import Llama
 
     with deepspeed.zero.Init(config_dict_or_path=ds_config(layout, recipe, plan, is_gpu)):

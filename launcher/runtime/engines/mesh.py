@@ -270,6 +270,12 @@ class TorchEngine(Engine):
                 split.local.to(device)
             if layout.tp > 1:
                 apply_tensor_parallel(split.local, self._mesh()["tp"], layout.sequence_parallel)
+                # FSDP2 warns when a wrapped module returns a view: an in-place op on it would skip the
+                # all-gather. Under tensor parallelism the embedding's output is one; the blocks that read it
+                # add out of place (h = x + ...), so nothing writes into it.
+                warnings.filterwarnings(
+                    "ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view", category=UserWarning
+                )
             apply_fsdp(split.chunks, self.mesh, layout, blocks)
             if meta:
                 materialise_split(split, device, offload=offload)
@@ -355,7 +361,14 @@ class TorchEngine(Engine):
     def step(self) -> dict:
         self.step_lr = self.lr
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+            with warnings.catch_warnings():
+                # FSDP2's sharded scaler keeps its found-inf flag as a plain tensor of shape [1]; meeting the
+                # DTensor gradients, DTensor warns that it treats it as replicated. It is: every rank holds the
+                # same flag, all-reduced by the scaler.
+                warnings.filterwarnings(
+                    "ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning
+                )
+                self.scaler.unscale_(self.optimizer)
         norm = None
         if self.grad_clip > 0:
             # the pipeline's stages hold different parameters: their squares are summed too (torchtitan's
