@@ -194,3 +194,45 @@ def test_down_never_signals_a_process_that_is_not_the_job(run_cli, tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def _up_in_a_terminal(run_dir: Path) -> subprocess.Popen:
+    """`dtlaunch up` as a user starts it: Ctrl-C reaches dtlaunch alone (the job runs in its own session)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher.cli", "up", str(TINY), "-o", str(run_dir), "--set", "training.steps=2000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def test_ctrl_c_shows_the_stop_to_its_end_and_a_second_one_leaves_it_stopping(run_cli, tmp_path):
+    """Ctrl-C during `up`: the job checkpoints and exits 42, and the log goes on to the checkpoint's commit line
+    (streaming used to end at the Ctrl-C). A second Ctrl-C stops watching at once and says the job still stops."""
+    once = _up_in_a_terminal(tmp_path / "once")
+    wait_for(lambda: any("loss" in m for m in metrics(tmp_path / "once")), 120, "a first step")
+    once.send_signal(signal.SIGINT)
+    out, _ = once.communicate(timeout=120)
+    saved = [m["step"] for m in metrics(tmp_path / "once") if m.get("event") == "preempt"]
+    assert once.returncode == 42 and saved, out
+    assert "dtlaunch: stopping tiny: its workers checkpoint, then exit" in out, out
+    assert f"checkpoint step {saved[-1]} committed" in out.split("dtlaunch: stopping tiny")[1], out
+    assert f"its workers checkpointed step {saved[-1]}" in out and "tiny: PREEMPTED (exit code 42)" in out, out
+
+    twice = _up_in_a_terminal(tmp_path / "twice")
+    wait_for(lambda: any("loss" in m for m in metrics(tmp_path / "twice")), 120, "a first step")
+    twice.send_signal(signal.SIGINT)
+    time.sleep(1)
+    twice.send_signal(signal.SIGINT)
+    out, _ = twice.communicate(timeout=30)
+    assert twice.returncode == 130 and "goes on stopping by itself" in out, out
+    wait_for(
+        lambda: [
+            r
+            for r in status_rows(run_cli)
+            if Path(r["run_dir"]).name == "twice" and (r["state"], r["exit_code"]) == ("PREEMPTED", 42)
+        ],
+        120,
+        "the job, left stopping, to end PREEMPTED",
+    )

@@ -132,8 +132,9 @@ def test_the_readme_in_order_in_one_workspace(tmp_path):
 
 
 def test_the_shipped_recipes_table_is_what_plan_says(run_cli):
-    """The README's table of the shipped recipes: each row's per-GPU figure is the one `dtlaunch plan` prints
-    for that recipe (the figures were typed once and drifted)."""
+    """The README's table of the shipped recipes: each row's peak moment and per-GPU figure are the ones
+    `dtlaunch plan` gives for that recipe (the figures were typed once and drifted)."""
+    import json
     import re
 
     text = (ROOT / "README.md").read_text()
@@ -146,3 +147,6 @@ def test_the_shipped_recipes_table_is_what_plan_says(run_cli):
         assert code == 0, out + err
         printed = re.search(r"fits: ([\d.]+) GB of", out).group(1)
         assert (documented.group(1) or documented.group(2)) == printed, (recipe, row, printed)
+        code, out, err = run_cli("plan", ROOT / "recipes" / recipe, "--json")
+        peak = json.loads(out)["memory"]["peak_at"]
+        assert row.split("|")[3].strip() == peak, (recipe, row, peak)

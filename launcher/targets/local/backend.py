@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -220,13 +221,15 @@ class LocalBackend:
             return JobStatus("STOPPING", detail="the launcher is gone; its workers are checkpointing and stopping")
         return JobStatus("LOST", detail="the launcher is gone without an exit code (killed?)")
 
-    def logs(self, job: JobRecord, *, follow: bool) -> Iterator[str]:
+    def logs(self, job: JobRecord, *, follow: bool, skip: int = 0) -> Iterator[str]:
+        """The job's log, from its `skip`-th character on; with `follow`, until the job ends."""
         h = job.handle
         assert isinstance(h, LocalHandle)
         path = Path(h.log)
         if not path.exists():
             raise BackendError(f"no log for {job.name} at {path}", fix="the run directory may have been removed")
         with open(path, errors="replace") as f:
+            f.read(skip)
             while True:
                 line = f.readline()
                 if line:
@@ -240,14 +243,37 @@ class LocalBackend:
                 time.sleep(0.2)
 
     def wait(self, job: JobRecord, stream=None) -> int:
-        """Stream the log until the job ends; Ctrl-C asks the job to checkpoint and stop."""
+        """Stream the log until the job ends. Ctrl-C asks the job to checkpoint and stop, and the log goes on to
+        the end (the checkpoint's commit line included); a second Ctrl-C stops watching, not the stop."""
         stream = stream or sys.stdout  # looked up now: the caller may have replaced sys.stdout
-        try:
-            for line in self.logs(job, follow=True):
-                stream.write(line)
-                stream.flush()
-        except KeyboardInterrupt:
-            print(self.cancel(job), file=sys.stderr)
+        shown, stopping, said = 0, None, []
+        while True:
+            try:
+                for line in self.logs(job, follow=True, skip=shown):
+                    stream.write(line)
+                    stream.flush()
+                    shown += len(line)
+                break
+            except KeyboardInterrupt:
+                if stopping is not None:
+                    print(
+                        f"dtlaunch: no longer watching; {job.name} goes on stopping by itself "
+                        f"(`dtlaunch status {job.name}` shows when it has)",
+                        file=sys.stderr,
+                    )
+                    return 130  # interrupted: the job's own exit code is not known yet
+                print(
+                    f"dtlaunch: stopping {job.name}: its workers checkpoint, then exit "
+                    "(Ctrl-C again stops watching; the job still stops)",
+                    file=sys.stderr,
+                )
+                # the stop (TERM, the grace period, a KILL for what outlives it) runs beside the log, which shows
+                # the workers checkpointing; a daemon thread, so a second Ctrl-C can leave at once
+                stopping = threading.Thread(target=lambda: said.append(self.cancel(job)), daemon=True)
+                stopping.start()
+        if stopping is not None:
+            stopping.join()
+            print(said[0] if said else f"stopped {job.name}", file=sys.stderr)
         if self._proc is not None:
             self._proc.wait()
         rc = self._exit_code(job.handle)
