@@ -22,6 +22,7 @@ from .jobenv import METRICS_FILE, metrics_path, read_metrics
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+    from matplotlib.typing import LineStyleType
 
 
 class PlotError(DtlaunchError):
@@ -36,7 +37,7 @@ PANELS = (
     ("grad_norm", "grad norm", "tab:brown"),
 )
 # event -> (colour, line style); the events the runtime writes with a step.
-EVENT_STYLES = {
+EVENT_STYLES: dict[str, tuple[str, LineStyleType]] = {
     "checkpoint": ("tab:green", ":"),
     "preempt": ("tab:red", "-"),
     "resume": ("tab:orange", "--"),
@@ -145,6 +146,9 @@ def _label_events(fig: Figure, ax: Axes, events: list[tuple[int, str]]) -> None:
     labelled = sorted(s for s, names in at.items() if any(n != "checkpoint" for n in names))
     if not labelled:
         return
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    assert isinstance(fig.canvas, FigureCanvasAgg)  # metrics_figure draws on Agg: it can measure text
     renderer = fig.canvas.get_renderer()
     box = ax.get_window_extent(renderer)
     pad, gap = 3.0, 6.0  # pixels: from the line to its label; between two labels of a row

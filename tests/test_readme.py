@@ -150,3 +150,20 @@ def test_the_shipped_recipes_table_is_what_plan_says(run_cli):
         code, out, err = run_cli("plan", ROOT / "recipes" / recipe, "--json")
         peak = json.loads(out)["memory"]["peak_at"]
         assert row.split("|")[3].strip() == peak, (recipe, row, peak)
+
+
+def test_the_readme_recipe_is_one_validate_accepts():
+    """The recipe a reader copies from "The recipe" section loads, plans and validates with no error (one written
+    from the README used to plan as "fits" and then be refused by validate)."""
+    import re
+
+    from launcher.plan import make_plan
+    from launcher.recipe import load_text
+    from launcher.validate import validate
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### The recipe") :]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    recipe = load_text(block, "README.md (The recipe)")
+    errors = [f for f in validate(recipe, make_plan(recipe)) if f.severity == "error"]
+    assert not errors, [f"{f.rule}: {f.message}" for f in errors]

@@ -132,6 +132,7 @@ CASES = [
     (["parallelism.tensor=2", "model.ffn_hidden=351"], "tp-shape", None),
     (["parallelism.pipeline=2", "training.global_batch=4"], "pipeline-schedule", None),
     (["parallelism.pipeline=2", "parallelism.precision=fp16"], "fp16-pipeline", None),
+    (["parallelism.pipeline=2", "training.eval_every=5"], "eval-pipeline", None),
     (
         [
             "model={hf_config: {model_type: llama, hidden_size: 64, intermediate_size: 176, num_hidden_layers: 2, "

@@ -179,6 +179,31 @@ class DataSpec(Spec, kw_only=True):
 Beta = Float(ge=0, lt=1)
 
 
+class TrackingSpec(Spec, kw_only=True):
+    """Where rank 0 sends the step figures besides metrics.jsonl and the log: off unless selected."""
+
+    tensorboard: Doc(
+        "write TensorBoard event files to RUN_DIR/tensorboard (needs tensorboard: pip install 'dtlaunch[track]')",
+        bool,
+    ) = False
+    wandb: Doc(
+        "log to Weights & Biases; the W&B run id is the run's id, so a resumed run continues the same W&B run "
+        "(needs wandb: pip install 'dtlaunch[track]'; an API key through secrets: [WANDB_API_KEY], or "
+        "WANDB_MODE=offline)",
+        bool,
+    ) = False
+    wandb_project: Text(128, "the W&B project; default: WANDB_PROJECT, else the recipe's name") | None = None
+
+    def __post_init__(self) -> None:
+        p = self.wandb_project
+        if p is not None and (not p.strip() or set(p) & set("/\\#?%:\n\r\t\x00")):
+            raise Invalid(
+                "wandb_project",
+                f"{p!r} is not a W&B project name: it must not be empty or hold / \\ # ? % : or a line break",
+                "name the entity with WANDB_ENTITY, and the project alone here",
+            )
+
+
 class TrainingSpec(Spec, kw_only=True):
     micro_batch: Int(1, 1_000_000, "sequences per GPU per forward pass") = 1
     global_batch: Int(1, 10**9, "sequences per optimizer step, all GPUs") | None = None
@@ -195,6 +220,17 @@ class TrainingSpec(Spec, kw_only=True):
     seed: Int(0, 2**63 - 1) = 0
     data: DataSpec = msgspec.field(default_factory=DataSpec)
     log_every: Int(1, 10**9) = 1
+    tracking: Doc("TensorBoard and Weights & Biases, besides metrics.jsonl; off by default", TrackingSpec) = (
+        msgspec.field(default_factory=TrackingSpec)
+    )
+    eval_every: Int(
+        0,
+        10**9,
+        "every this many steps, the loss on held-out data (val_loss; dtlaunch's trainer, not with pipeline "
+        "parallelism); 0 = never. Synthetic data holds out a separate stream of the same walk; a token file, its "
+        "last eval_batches global batches, which training then never reads",
+    ) = 0
+    eval_batches: Int(1, 10_000, "global batches of held-out data each evaluation reads") = 4
     timeout_seconds: Int(1, 10**7, "collective timeout after init; a hang ends the job after this") = 600
     init_timeout_seconds: Int(1, 10**7, "rendezvous / first collective timeout") = 900
     deterministic: bool = False
@@ -316,11 +352,22 @@ class Recipe(Spec, kw_only=True, dict=True):
                 f"{self.run_id!r}: a run id is 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit",
             )
         self.env = _env_values(self.env)
+        if self.entrypoint is not None:
+            self._check_entrypoint_training()
         for s in self.secrets:
             if not ENV_NAME.match(s):
                 raise Invalid(
                     "secrets", f"{s!r} is not an environment variable name; secrets lists names only, never values"
                 )
+
+    def _check_entrypoint_training(self) -> None:
+        """What only dtlaunch's own trainer does: with the user's loop it would silently do nothing."""
+        if self.training.eval_every:
+            raise Invalid(
+                ("training", "eval_every"),
+                "the held-out loss is computed by dtlaunch's trainer; an entrypoint trains with its own loop",
+                "evaluate in your own loop, or remove training.eval_every",
+            )
 
     def set_source(self, source: Any) -> None:
         """Remember where the recipe came from (loading.SourceMap: file and line of each field)."""
@@ -449,6 +496,9 @@ LATER_FIELDS: tuple[str, ...] = (
     "model.hf_config",
     "model.hf_weights",
     "parallelism.pipeline_schedule",
+    "training.tracking",
+    "training.eval_every",
+    "training.eval_batches",
 )
 
 

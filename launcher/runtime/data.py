@@ -33,9 +33,13 @@ class SyntheticTokens:
     STEPS = torch.tensor([1, 2, 3], device="cpu")
     PROBS = torch.tensor([0.6, 0.3, 0.1], device="cpu")
 
-    def __init__(self, num_tokens: int, vocab: int, seed: int):
+    def __init__(self, num_tokens: int, vocab: int, seed: int, stream: int = 0):
+        """`stream` > 0: another walk through the same chain (the same shuffled vocabulary, its own moves), for
+        held-out data that the training stream (0) never contains by construction."""
         g = torch.Generator().manual_seed(seed)
         perm = torch.randperm(vocab, generator=g, device="cpu")
+        if stream:
+            g = torch.Generator().manual_seed((seed * 1_000_003 + stream) % 2**63)
         moves = self.STEPS[torch.multinomial(self.PROBS, num_tokens, replacement=True, generator=g)]
         start = torch.randint(0, vocab, (1,), generator=g, device="cpu")
         walk = (start + torch.cumsum(moves, 0)) % vocab
@@ -115,17 +119,24 @@ def token_source(data_spec, vocab: int, seed: int):
     return FileTokens(data_spec.path, data_spec.dtype)
 
 
-class TokenDataset(Dataset):
-    """Sample i = tokens [i*seq, (i+1)*seq] (seq+1 tokens: inputs and shifted targets)."""
+def sequences_in(source, seq_len: int) -> int:
+    return (len(source) - 1) // seq_len
 
-    def __init__(self, source, seq_len: int, vocab: int):
+
+class TokenDataset(Dataset):
+    """Sample i = tokens [(first+i)*seq, (first+i+1)*seq] (seq+1 tokens: inputs and shifted targets), for `count`
+    samples (default: to the end of the source)."""
+
+    def __init__(self, source, seq_len: int, vocab: int, first: int = 0, count: int | None = None):
         self.source, self.seq_len, self.vocab = source, seq_len, vocab
-        self.n = (len(source) - 1) // seq_len
+        self.first = first
+        self.n = sequences_in(source, seq_len) - first if count is None else count
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        i += self.first
         w = self.source.window(i * self.seq_len, self.seq_len + 1)
         top = int(w.max())
         if top >= self.vocab:
@@ -265,14 +276,20 @@ def build_dataloader(
     seed: int,
     device: torch.device,
     is_gpu: bool,
+    held_out: int = 0,
 ) -> Batches:
     """The training data for this rank. Workers and pinned memory only on GPU (they only cost on CPU).
+    `held_out`: sequences at the end of a token file that training never reads (`build_eval_data`'s); synthetic
+    data holds out a stream of its own, so its training data is the same with or without them.
 
     Workers are started once and kept (persistent) across epochs and seeks: re-forking them each time stalled the
     step, from a process that by then holds CUDA and NCCL threads; and they are started by a fork server, whose
     clean process holds neither (a fork of a threaded process copies its locks in whatever state they are)."""
     source = token_source(data_spec, vocab, seed)
-    dataset = TokenDataset(source, seq_len, vocab)
+    count = None
+    if held_out and data_spec.source == "file":
+        count = _trained_sequences(data_spec, source, seq_len, held_out)
+    dataset = TokenDataset(source, seq_len, vocab, count=count)
     global_batch = micro_batch * grad_accum * world_size
     sampler = GlobalOrderSampler(dataset, world_size, rank, global_batch, seed)
     workers = data_spec.workers if is_gpu else 0
@@ -287,3 +304,58 @@ def build_dataloader(
         multiprocessing_context="forkserver" if workers else None,
     )
     return Batches(dataset, sampler, loader, grad_accum, device)
+
+
+def _trained_sequences(data_spec, source, seq_len: int, held_out: int) -> int:
+    """The sequences of a token file before the `held_out` last ones."""
+    total = sequences_in(source, seq_len)
+    if total <= held_out:
+        raise ConfigError(
+            f"{data_spec.path} holds {total} sequences of {seq_len} tokens, not more than the {held_out} held out "
+            "for the validation loss",
+            fix="lower training.eval_batches, set training.eval_every: 0, or add data",
+        )
+    return total - held_out
+
+
+def held_out_sequences(global_batch: int, eval_batches: int) -> int:
+    """How many sequences the validation loss reads: whole global batches, so the held-out part of a token file
+    (and with it the training data) does not change with the world size."""
+    return global_batch * eval_batches
+
+
+class EvalData:
+    """The held-out sequences, the same at every evaluation: rank r of W reads every W-th of them, in micro-batches.
+    Every rank reads as many, so the mean of the ranks' means is the mean over all of them, whatever W is."""
+
+    def __init__(self, dataset: TokenDataset, micro_batch: int, rank: int, world_size: int):
+        self.dataset, self.micro_batch, self.rank, self.world_size = dataset, micro_batch, rank, world_size
+
+    def micro_batches(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        mine = list(range(self.rank, len(self.dataset), self.world_size))
+        for i in range(0, len(mine), self.micro_batch):
+            batch = torch.stack([self.dataset[j] for j in mine[i : i + self.micro_batch]]).to(device)
+            yield batch[:, :-1], batch[:, 1:]
+
+
+def build_eval_data(
+    data_spec,
+    *,
+    vocab: int,
+    seq_len: int,
+    micro_batch: int,
+    global_batch: int,
+    eval_batches: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+) -> EvalData:
+    """The validation data for this data-parallel rank: `eval_batches` global batches that training never reads (a
+    synthetic run's own held-out stream, or a token file's last sequences: `build_dataloader(held_out=...)`)."""
+    n = held_out_sequences(global_batch, eval_batches)
+    if data_spec.source == "synthetic":
+        dataset = TokenDataset(SyntheticTokens(n * seq_len + 1, vocab, seed, stream=1), seq_len, vocab)
+    else:
+        source = token_source(data_spec, vocab, seed)
+        dataset = TokenDataset(source, seq_len, vocab, first=_trained_sequences(data_spec, source, seq_len, n), count=n)
+    return EvalData(dataset, micro_batch, rank, world_size)

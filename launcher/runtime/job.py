@@ -46,7 +46,7 @@ from .dist import World, init_distributed, set_collective_timeout, shutdown
 from .engines import Engine, build_engine
 from .failures import ConfigError, Preempted
 from .faults import Faults
-from .metrics import Metrics
+from .metrics import Metrics, check_tracking
 from .optim import apply_schedule
 from .signals import PreemptionFlag
 from .status import record_progress
@@ -69,6 +69,7 @@ class Job:
         self.faults = faults  # test-only fault injection (the trainer's drills); None for the user's loop
         self.watchdog: Watchdog | None = None  # the trainer's: paused while a checkpoint is written
         self.metrics = Metrics(run_dir, enabled=world.is_main, total_steps=plan.steps or 0, is_gpu=world.is_gpu)
+        self._open_sinks()
         self.layout: Layout
         self.layout, notes = plan.layout.for_world(world.world_size, plan.global_batch)
         for n in notes:
@@ -102,6 +103,20 @@ class Job:
                 or str(expand_dir(recipe.checkpoint.dir, run_dir, os.environ.get(jobenv.RUN_ID)))
             )
         )
+
+    def _open_sinks(self) -> None:
+        """TensorBoard and W&B when the recipe selects them, for dtlaunch's trainer and a user's loop alike; before
+        any model is built, so that a refused W&B start ends the job before the expensive part."""
+        tracking = self.recipe.training.tracking
+        check_tracking(tracking)
+        config = self.recipe.to_dict()
+        config["env"] = sorted(config["env"])  # the names only: a value may be a token, and W&B keeps the config
+        run_id = os.environ.get(jobenv.RUN_ID) or self.recipe.run_id or self.recipe.job_name
+        self.metrics.open_sinks(tracking, run_id=run_id, name=self.recipe.job_name, config=config)
+
+    def restart_window(self) -> None:
+        """The next logged tokens/s counts from now: time spent outside training (an evaluation) is left out."""
+        self._reporter.restart_window()
 
     # ------------------------------------------------------------------ facts the loop needs
 

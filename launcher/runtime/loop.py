@@ -8,6 +8,7 @@ divergence - which timeouts cannot see - ends the job at once with HANG.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -18,23 +19,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .. import catalog, jobenv
 from ..jobenv import ExitCode
 from ..plan.cost import checkpoint_bytes
 from ..plan.layout import Layout
+from ..validate.rules_runtime import eval_with_pipeline
 from . import ckptdir
 from . import preflight as preflight_mod
 from .check import check_model
 from .checkpoint import Checkpointer, export_model
 from .checkpoint.compat import identity
-from .data import Batches, build_dataloader, rescale_position
+from .data import Batches, EvalData, build_dataloader, build_eval_data, held_out_sequences, rescale_position
 from .dist import World, enable_determinism, init_distributed
 from .engines import Engine, build_engine, build_partitioned, builds_partitioned
 from .failures import ConfigError, PreflightError, StorageError
 from .faults import Faults
 from .job import Job
-from .metrics import Metrics
+from .loss import cross_entropy
+from .metrics import Metrics, check_tracking
 from .models import build_for_recipe, init_on_meta
 from .models.hf import load_weights
 from .signals import PreemptionFlag
@@ -96,6 +100,7 @@ class _Parts:
     job: Job
     engine: Engine
     batches: Batches
+    eval_data: EvalData | None  # the held-out data, when training.eval_every asks for a validation loss
 
 
 class Trainer:
@@ -160,6 +165,7 @@ class Trainer:
     def _setup(self) -> _Parts:
         rec, plan = self.recipe, self.plan
         tr = rec.training
+        check_tracking(tr.tracking)  # before the world: a missing package needs no rendezvous to say so
         if tr.deterministic:
             enable_determinism()
         w = self.world = self.world or init_distributed(rec, plan)
@@ -168,6 +174,9 @@ class Trainer:
         metrics, layout = job.metrics, job.layout
         self.metrics, self.layout, self.ckpt_root = metrics, layout, job.checkpoint_dir
         check_model(rec)
+        refused = eval_with_pipeline(rec, plan)
+        if refused:
+            raise ConfigError(refused[0], fix=refused[1])
         shape = self.shape
         # sharded layouts build on meta: each rank materialises only its shards (of its stages)
         meta = init_on_meta(rec.model, layout, plan.params)
@@ -216,7 +225,21 @@ class Trainer:
             seed=tr.seed,
             device=w.device,
             is_gpu=w.is_gpu,
+            held_out=held_out_sequences(layout.global_batch, tr.eval_batches) if tr.eval_every else 0,
         )
+        eval_data = None
+        if tr.eval_every:
+            eval_data = build_eval_data(
+                tr.data,
+                vocab=shape.vocab,
+                seq_len=self.seq_len,
+                micro_batch=layout.micro_batch,
+                global_batch=layout.global_batch,
+                eval_batches=tr.eval_batches,
+                rank=dp_rank,
+                world_size=layout.dp,
+                seed=tr.seed,
+            )
         static_meta = {
             "recipe_hash": self.recipe_hash,
             "identity": identity(rec.to_dict()),
@@ -237,7 +260,7 @@ class Trainer:
             },
         }
         self.checkpointer = job.attach(engine, static_meta)
-        return _Parts(w, faults, job, engine, batches)
+        return _Parts(w, faults, job, engine, batches, eval_data)
 
     def _preflight(self, w: World, job: Job) -> None:
         rec = self.recipe
@@ -284,6 +307,40 @@ class Trainer:
         if p.faults.hit("nan_loss", step):
             loss = loss * float("nan")
         return loss, info
+
+    def _evaluate(self, step: int) -> None:
+        """The mean loss over the held-out data, in eval mode without gradients, averaged over the ranks as the
+        training loss is (every rank evaluates: the forward of a sharded model is collective). Reads no training
+        data and changes no weights, so the training losses are those of a run without it."""
+        p = self._built
+        data, engine, w = p.eval_data, p.engine, p.world
+        if data is None:
+            return
+        t0 = time.perf_counter()
+        model = engine.model
+        autocast = getattr(engine, "autocast_dtype", None)  # DDP's mixed precision; FSDP2 and ZeRO cast themselves
+        total = torch.zeros((), dtype=torch.float32, device=w.device)
+        count = 0
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for x, y in data.micro_batches(w.device):
+                    with (
+                        torch.autocast(w.device.type, dtype=autocast)
+                        if autocast is not None
+                        else contextlib.nullcontext()
+                    ):
+                        total += cross_entropy(model(x), y).float()
+                    count += 1
+        finally:
+            model.train(training)
+        loss = total / max(1, count)
+        if w.distributed:
+            dist.all_reduce(loss)
+            loss /= w.world_size
+        p.job.metrics.validation(step, float(loss), sequences=len(data.dataset), seconds=time.perf_counter() - t0)
+        p.job.restart_window()  # the next tokens/s is training's, without the evaluation's time
 
     def _position(self) -> dict:
         return self._built.batches.position.to_dict()
@@ -338,6 +395,8 @@ class Trainer:
                     loss, info = self._train_step(current)
                     step = current + (1 if faults.hit("desync_step", current) else 0)
                     job.end_step(step, loss, position=self._position, info=info, lr=lr)
+                    if tr.eval_every and job.step % tr.eval_every == 0:
+                        self._evaluate(job.step)
                     watchdog.limit = jobenv.watchdog_seconds(tr.timeout_seconds)  # past the first step
                     collector.step(job.step)
                     watchdog.beat(job.step)

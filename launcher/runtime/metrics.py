@@ -1,6 +1,7 @@
 """What rank 0 reports: plain log lines (greppable in any scheduler's log), RUN_DIR/metrics.jsonl
-(one JSON object per logged step, plus event lines), TensorBoard when it is installed, and a rich
-progress bar only when a person is watching a terminal.
+(one JSON object per logged step, plus event lines), the sinks the recipe selects (training.tracking:
+TensorBoard in RUN_DIR/tensorboard, Weights & Biases under the run's id), and a rich progress bar only when a
+person is watching a terminal.
 
 Per logged step, what a GPU user watches: tokens/s and the time per step over the log window, MFU against the
 device's dense peak, and memory as the maximum over ranks (with the rank that holds it; with pipelines rank 0 is
@@ -11,7 +12,10 @@ GPU-only fields are null, never invented.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -22,9 +26,25 @@ from typing import Any
 import torch
 
 from ..jobenv import METRICS_FILE, read_metrics, span
+from .failures import ConfigError
 
 MB = 2**20
 MEMORY_FIELDS = ("active_peak_mb", "reserved_peak_mb", "alloc_retries", "ooms", "host_rss_mb")
+# What the sinks get of a step record: the figures a curve is drawn of (not the time, the ETA or the peak's rank).
+SINK_FIELDS = ("loss", "lr", "tokens_per_s", "step_time_s", "grad_norm", "mfu", "loss_scale", *MEMORY_FIELDS)
+SINKS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # training.tracking's field: the package it needs
+
+
+def check_tracking(tracking) -> None:
+    """On every rank, before anything is built: a selected sink whose package is missing ends the run at once
+    (CONFIG), rather than after the queue and the set-up, or on rank 0 alone."""
+    for sink, package in SINKS.items():
+        if getattr(tracking, sink) and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"training.tracking.{sink} is on, but the {package} package is not installed in the job's Python",
+                fix=f"pip install {package} (or 'dtlaunch[track]') where the job runs, or set "
+                f"training.tracking.{sink}: false",
+            )
 
 
 def host_rss_bytes() -> int | None:
@@ -116,9 +136,14 @@ class Metrics:
 
     def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, is_gpu: bool):
         self.enabled, self.total_steps, self.is_gpu = enabled, total_steps, is_gpu
-        self.path = Path(run_dir) / METRICS_FILE
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
         self._file = None
-        self._tb = None
+        self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter, made at the first figure (open_sinks)
+        self._tb_dir: Path | None = None
+        self._wandb: Any = None  # the wandb Run
+        self._wandb_from = 0  # the first step the W&B run accepts (a resumed run's history goes up to it)
+        self._resumed_at = 0  # the step this attempt resumed from: TensorBoard hides what an earlier one wrote after
         self._progress = None
         self._mfu_error_shown = False
         self._started = time.monotonic()  # this attempt's start: the step line's elapsed time
@@ -126,12 +151,6 @@ class Metrics:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-        except Exception:
-            self._tb = None
         if sys.stdout.isatty():
             try:
                 from rich.progress import Progress
@@ -141,6 +160,66 @@ class Metrics:
                 self._progress.start()
             except Exception:
                 self._progress = None
+
+    def open_sinks(self, tracking, *, run_id: str, name: str, config: dict) -> None:
+        """The sinks training.tracking selects (rank 0; check_tracking has found their packages). W&B: the run
+        `run_id` in resume="allow" mode, so every attempt of a dtlaunch run (a requeue, a restart, a resubmission
+        with the same run id) continues one W&B run."""
+        if not self.enabled:
+            return
+        if tracking.tensorboard:
+            self._tb_dir = self.run_dir / "tensorboard"
+        if tracking.wandb:
+            # imported only here (it takes seconds), by name: typing does not depend on the optional package
+            wandb = importlib.import_module("wandb")
+
+            project = tracking.wandb_project or os.environ.get("WANDB_PROJECT") or name
+            try:
+                self._wandb = wandb.init(
+                    id=run_id,
+                    resume="allow",
+                    project=project,
+                    name=name,
+                    config=config,
+                    # WANDB_DIR, when set, is the user's choice; else the run's files stay with the run
+                    dir=None if os.environ.get("WANDB_DIR") else str(self.run_dir),
+                    # the job's log already holds every line; capturing the console would rewire stdout
+                    settings=wandb.Settings(console="off"),
+                )
+            except wandb.errors.UsageError as e:  # no API key, a bad entity: the recipe's or the job's setup
+                raise ConfigError(
+                    f"W&B refused the run: {e}",
+                    fix="pass the key with secrets: [WANDB_API_KEY] (exported where you launch), set "
+                    "WANDB_MODE=offline in env to sync later, or set training.tracking.wandb: false",
+                ) from None
+            except Exception as e:  # W&B unreachable: not worth losing the training run for
+                self.log(f"WARNING: W&B did not start ({type(e).__name__}: {e}); training goes on without it")
+                return
+            self._wandb_from = int(self._wandb.step)
+            if self._wandb.offline:  # each attempt writes a directory of its own, all with the run's id
+                where = Path(self._wandb.dir).parent
+                self.log(
+                    f"W&B run {run_id} in project {project}, offline in {where} (upload: wandb sync {where}; "
+                    "after the first attempt's, a later attempt's with wandb sync --append)"
+                )
+            else:
+                self.log(f"W&B run {run_id} in project {project}: {self._wandb.url}")
+
+    def _scalars(self, step: int, figures: dict[str, Any]) -> None:
+        """The numbers of one record to the selected sinks; what is not a finite number (None) is left out."""
+        values = {k: float(v) for k, v in figures.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        if self._tb_dir is not None:
+            if self._tb is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                # purge_step: TensorBoard hides what a failed attempt wrote past the checkpoint this one resumed
+                self._tb = SummaryWriter(
+                    str(self._tb_dir), purge_step=self._resumed_at + 1 if self._resumed_at else None
+                )
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None and step >= self._wandb_from:  # W&B drops (and warns about) earlier steps
+            self._wandb.log(values, step=step)
 
     def _write(self, obj: dict) -> None:
         if self._file is not None:
@@ -153,6 +232,19 @@ class Metrics:
     def event(self, name: str, **fields: Any) -> None:
         if self.enabled:
             self._write({"event": name, "time": round(time.time(), 3), **fields})
+            if name == "resume":
+                self._resumed_at = int(fields.get("step") or 0)
+
+    def validation(self, step: int, val_loss: float, *, sequences: int, seconds: float) -> None:
+        """The held-out loss at `step`: a record of its own in metrics.jsonl (step, val_loss) and the sinks."""
+        if not self.enabled:
+            return
+        self._write({"step": step, "val_loss": val_loss, "val_sequences": sequences, "time": round(time.time(), 3)})
+        print(
+            f"step {step}/{self.total_steps} | val_loss {val_loss:.4f} | {sequences} sequences in {seconds:.1f}s",
+            flush=True,
+        )
+        self._scalars(step, {"val_loss": val_loss})
 
     def step(
         self,
@@ -216,10 +308,7 @@ class Metrics:
         if grad_norm is not None:
             line += f" | grad_norm {grad_norm:.3f}"
         print(line, flush=True)
-        if self._tb is not None:
-            self._tb.add_scalar("loss", loss, step)
-            self._tb.add_scalar("lr", lr, step)
-            self._tb.add_scalar("tokens_per_s", tokens_per_s, step)
+        self._scalars(step, {k: rec.get(k) for k in SINK_FIELDS})
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
 
@@ -228,6 +317,13 @@ class Metrics:
             self._progress.stop()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            run, self._wandb = self._wandb, None
+            try:
+                run.finish()
+            except Exception as e:  # the run's files are written; a failed upload must not fail the job
+                self.log(f"WARNING: W&B did not finish cleanly ({type(e).__name__}: {e})")
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -241,6 +337,7 @@ __all__ = [
     "MemoryWindow",
     "Metrics",
     "RankFigures",
+    "check_tracking",
     "device_peak_tflops",
     "mfu",
     "read_metrics",

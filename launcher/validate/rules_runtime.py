@@ -207,3 +207,14 @@ def _step_watchdog(r: Recipe, p: Plan):
             "with HANG: every step would end the job",
             f"set training.timeout_seconds to at least {need}, or make a step shorter (training.global_batch)",
         )
+
+
+@rule("eval-pipeline", "error", "training.eval_every", "a validation loss with pipeline parallelism", trainer_only=True)
+def eval_with_pipeline(r: Recipe, p: Plan):
+    """Also the runtime's own refusal at start (a plan run by hand skips validation)."""
+    if r.training.eval_every and p.layout.pp > 1:
+        return (
+            f"training.eval_every needs a forward pass outside the pipeline's schedule, which the pipeline engine "
+            f"does not run (the plan's pipeline is {p.layout.pp})",
+            "set training.eval_every: 0, or parallelism.pipeline: 1",
+        )
