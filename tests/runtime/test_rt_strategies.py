@@ -227,6 +227,17 @@ def test_deepspeed_fp16_on_cpu_is_a_config_error(run_dir):
 
 
 @pytest.mark.slow
+def test_zero3_starts_in_a_fresh_world_of_two(run_dir):
+    """ZeRO-3 builds its model under zero.Init before deepspeed.initialize: in a fresh world DeepSpeed's comm
+    must already see both ranks, or its batch check fails ("16 != 4 * 2 * 1"). The matrix above shares one
+    world with earlier DeepSpeed cases, which hid it."""
+    rec = recipe_dict(parallelism={"strategy": "zero3"}, training={"steps": 2})
+    res = run_torchrun(write_plan(run_dir, rec), run_dir)
+    assert res.rc == 0, res.output[-3000:]
+    assert len(res.losses()) == 2
+
+
+@pytest.mark.slow
 def test_fsdp_reducing_once_per_step_trains_as_reducing_every_micro_step(matrix):
     """The plan has the tiny FSDP run reduce-scatter once per step (its unsharded gradients fit): the same run
     reducing on each of its 2 micro-steps must follow the same loss curve, since only the order of the sums

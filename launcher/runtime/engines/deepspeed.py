@@ -136,6 +136,9 @@ def build_partitioned(recipe, plan, layout: Layout, rank: int, device: torch.dev
     deepspeed = _import_deepspeed(layout, is_gpu)
     from ..models.llama import Llama
 
+    # zero.Init checks the config's batch sizes against DeepSpeed's own view of the world, which is one rank until
+    # its comm wraps the process group the runtime started (deepspeed.initialize does that, but after the build)
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False, verbose=False)
     with deepspeed.zero.Init(config_dict_or_path=ds_config(layout, recipe, plan, is_gpu)):
         model = Llama(recipe.model.shape(), layout.activation_checkpointing)
     model.init_seed = recipe.training.seed
