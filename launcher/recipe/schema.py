@@ -411,20 +411,9 @@ class Recipe(Spec, kw_only=True, dict=True):
         return d
 
     def digest(self) -> str:
-        """A recipe's identity: unchanged by a newer dtlaunch that only added optional fields it leaves unset."""
-        d = self.to_dict()
-        for path in LATER_FIELDS:
-            *parents, leaf = path.split(".")
-            section, data = self, d
-            for k in parents:
-                section = getattr(section, k)
-                if section is None:  # an optional section left out: so are its fields
-                    break
-                data = data[k]
-            else:
-                if _at_default(section, leaf):
-                    del data[leaf]
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        """A recipe's identity: the fields that differ from their defaults. A newer dtlaunch that only adds
+        optional fields leaves it unchanged, and so does writing out a default."""
+        return hashlib.sha256(json.dumps(_given(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # Reserved variables a recipe field sets: the fix names the field.
@@ -469,41 +458,22 @@ def parse(data: Any) -> Recipe:
     return recipe
 
 
-# Fields added after the first recipe format: left at the default their struct declares, they are left out of
-# Recipe.digest(), so the same recipe keeps the same hash across dtlaunch versions. A new field belongs here
-# (tests/test_knobs.py pins two digests, which change until it is listed).
-LATER_FIELDS: tuple[str, ...] = (
-    "resources.image",
-    "targets.slurm.mem_per_gpu",
-    "targets.slurm.gpu_request",
-    "targets.slurm.gpu_type",
-    "targets.slurm.nodelist",
-    "targets.slurm.exclude",
-    "targets.slurm.reservation",
-    "targets.slurm.dependency",
-    "targets.slurm.mail_type",
-    "targets.slurm.mail_user",
-    "targets.slurm.container",
-    "targets.sky.accelerators",
-    "targets.sky.fallback",
-    "targets.sky.instance_type",
-    "targets.sky.cpus",
-    "targets.sky.memory",
-    "targets.sky.ports",
-    "targets.sky.disk_tier",
-    "entrypoint",
-    "model.hf",
-    "model.hf_config",
-    "model.hf_weights",
-    "parallelism.pipeline_schedule",
-    "training.tracking",
-    "training.eval_every",
-    "training.eval_batches",
-)
-
-
-def _at_default(section: msgspec.Struct, name: str) -> bool:
-    """Whether the field `name` (as a recipe spells it) of `section` holds the default its struct declares."""
-    f = next(f for f in msgspec.structs.fields(section) if f.encode_name == name)
-    default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
-    return getattr(section, f.name) == default
+def _given(section: msgspec.Struct) -> dict:
+    """The fields of `section` (as a recipe spells them) that differ from the defaults their structs declare,
+    sections recursively; a section left at its defaults is left out."""
+    out = {}
+    for f in msgspec.structs.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, msgspec.Struct):
+            if sub := _given(value):
+                out[f.encode_name] = sub
+            continue
+        if f.default is not msgspec.NODEFAULT:
+            default = f.default
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory()
+        else:
+            default = msgspec.NODEFAULT  # a required field: always part of the identity
+        if value != default:
+            out[f.encode_name] = msgspec.to_builtins(value)
+    return out
