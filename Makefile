@@ -76,19 +76,14 @@ test: install system lint
 test-gpu: install
 	$(PY) -m pytest -q -ra -m gpu tests/gpu $(PYTEST_ARGS)
 
-demo: install
-	@echo "== plan: Llama 3 70B on 8 nodes x 8 H100"
-	$(VENV)/bin/dtlaunch plan recipes/llama70b.yaml
-	@echo "== render: the SLURM job script and the SkyPilot task for it"
-	$(VENV)/bin/dtlaunch render recipes/llama70b.yaml --target slurm -o rendered/llama70b-slurm
-	$(VENV)/bin/dtlaunch render recipes/llama70b.yaml --target sky -o rendered/llama70b-sky
-	@echo "== up: train recipes/tiny.yaml on this machine (2 CPU ranks, torchrun), then resume it"
-	rm -rf runs/tiny
-	$(VENV)/bin/dtlaunch up recipes/tiny.yaml --target local --set training.steps=20
-	@echo "== up again with more steps: resumes from the step-20 checkpoint"
-	$(VENV)/bin/dtlaunch up recipes/tiny.yaml --target local --set training.steps=30
-	$(VENV)/bin/dtlaunch status
-	$(VENV)/bin/dtlaunch plot runs/tiny
+# A first run with only what it needs: torch's CPU build and dtlaunch's [train] extra (no DeepSpeed build, no
+# SkyPilot, submitit or transformers), into the same venv with a stamp of its own ($(VENV)/.installed-demo), so a
+# later `make install` adds the rest. Numbered, timed steps; then plan, render, train and resume: scripts/demo.sh.
+# TORCH_INDEX: where torch comes from, where the default index serves its CUDA build
+# (make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu).
+TORCH_INDEX ?=
+demo:
+	VENV='$(VENV)' TORCH_INDEX='$(TORCH_INDEX)' bash scripts/demo.sh
 
 bench: install
 	$(PY) bench/run.py

@@ -4,12 +4,19 @@ SkyPilot's Python SDK changed its arguments between releases (users pinned old v
 call lives in `_Sdk` below and nothing else here knows SkyPilot's signatures. `sky` is imported only
 inside methods: importing it costs ~2 s and ~160 MB, and the CLI imports this module for every target.
 Any SkyPilot failure becomes a BackendError with SkyPilot's own reason and what to do, never a traceback.
+
+SkyPilot 0.14's SDK starts a local API server on its first call when none answers, and leaves it running.
+`_ServerGuard` does that start itself instead: it says so on stderr first, and stops the server again when the
+dtlaunch command ends, but only one this process started (never one that was already running, or one another
+process won the race to start).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,14 +64,120 @@ def _field(record: Any, key: str) -> Any:
     return record.get(key) if isinstance(record, dict) else getattr(record, key, None)
 
 
+STARTING = (
+    "dtlaunch: no SkyPilot API server is running; starting a local one for this command "
+    "(dtlaunch stops it when the command ends)"
+)
+
+
+class _ApiServer:
+    """SkyPilot's local API server, probed, started and stopped with SkyPilot 0.14's own functions."""
+
+    def __init__(self):
+        from sky.client import sdk
+        from sky.server import common
+
+        self.sdk, self.common = sdk, common
+
+    def would_start(self) -> bool:
+        """What the SDK's first call decides (check_server_healthy_or_start): the endpoint is local and no
+        healthy server answers there. A remote endpoint, or a server that answers at all (even one asking for
+        a login or of another version), is left to the SDK's own handling."""
+        c = self.common
+        return bool(c.is_api_server_local()) and c.get_api_server_status().status == c.ApiServerStatus.UNHEALTHY
+
+    def check_allowed(self) -> None:
+        """SkyPilot's own error when SKYPILOT_DISABLE_LOCAL_API_SERVER=1 forbids starting one here (a check the
+        oldest SkyPilot dtlaunch supports, 0.11.2, does not have)."""
+        check = getattr(self.common, "check_local_api_server_enabled_or_raise", None)
+        if check is not None:
+            check()
+
+    def start(self) -> bool:
+        """Start it the way the SDK would (under SkyPilot's creation lock); True when this process started it.
+        A server this process spawned is its child; when another process won the race to start one, there is
+        none, and that server is not ours to stop."""
+        import psutil  # a SkyPilot dependency
+
+        self.common.check_server_healthy_or_start_fn()
+        for child in psutil.Process().children():
+            with contextlib.suppress(psutil.Error):  # a child that exited meanwhile
+                if self.common.API_SERVER_CMD in " ".join(child.cmdline()):
+                    return True
+        return False
+
+    def runs_job_controllers(self) -> bool:
+        """In jobs-controller consolidation mode the managed jobs' controllers run inside this server, and
+        `sky api stop` kills them with it: a server that does is never stopped."""
+        from sky.jobs import utils as jobs_utils
+
+        return bool(jobs_utils.is_consolidation_mode())
+
+    def stop(self) -> None:
+        from sky import sky_logging
+
+        with sky_logging.silent():  # its "API server stopped" would land on stdout
+            self.sdk.api_stop()
+
+
+class _ServerGuard:
+    """Starts SkyPilot's local API server where the SDK's first call would, saying so on stderr first, and
+    stops it when the process ends (atexit) if, and only if, this process started it. The record that it did
+    lives in this object, for this process only: no file another command could read."""
+
+    def __init__(self, server):
+        self.server = server
+        self.started = False
+
+    def open(self) -> None:
+        if not self.server.would_start():
+            return
+        self.server.check_allowed()
+        print(STARTING, file=sys.stderr, flush=True)
+        self.started = self.server.start()
+        if self.started:
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the server this process started (once); never raises: the command's own outcome stands."""
+        if not self.started:
+            return
+        self.started = False
+        atexit.unregister(self.close)
+        try:
+            if self.server.runs_job_controllers():
+                print(
+                    "dtlaunch: left SkyPilot's API server running: the managed jobs' controllers run in it "
+                    "(jobs consolidation mode); `sky api stop` stops it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
+            self.server.stop()
+        except Exception as e:  # noqa: BLE001 - at exit, a failed stop is a note, not a traceback
+            print(
+                f"dtlaunch: could not stop the SkyPilot API server it started ({type(e).__name__}: {e}); "
+                "`sky api stop` stops it",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 class _Sdk:
     """The only place that calls SkyPilot's SDK (written against skypilot 0.14's client/server SDK)."""
 
-    def __init__(self):
+    def __init__(self, server=None):
         import sky  # noqa: F401 - heavy; only when a sky job is actually submitted or followed
         from sky.client import sdk
 
         self.sky, self.sdk = sky, sdk
+        # Before the first SDK call, which would start a local API server silently and leave it running.
+        self.server = _ServerGuard(server if server is not None else _ApiServer())
+        self.server.open()
+
+    def close(self) -> None:
+        """Stop the local API server if this process started it (atexit does it otherwise)."""
+        self.server.close()
 
     def enabled_clouds(self) -> list[str]:
         return [str(c) for c in self.sdk.get(self.sdk.enabled_clouds())]
