@@ -97,7 +97,7 @@ NODE_ADDR = "DTLAUNCH_NODE_ADDR"  # this node's address as the others reach it (
 NODE_RANK = "DTLAUNCH_NODE_RANK"  # this node's rank as the scheduler numbers it (SLURM_NODEID, SKYPILOT_NODE_RANK)
 TARGET = "DTLAUNCH_TARGET"
 PORT = "DTLAUNCH_PORT"  # the local and SkyPilot job scripts read it: a rendezvous port instead of their own choice
-FAULT = "DTLAUNCH_FAULT"  # test-only fault injection (launcher.runtime.faults)
+FAULT = "DTLAUNCH_FAULT"  # test-only fault injection (launcher.runtime.inject)
 
 # Names a recipe's env must not give: the job scripts export the recipe's variables first, so one of
 # these would win over what dtlaunch sets for the job (env.DTLAUNCH_ATTEMPT made a finished run read LOST) or

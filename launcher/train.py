@@ -134,7 +134,7 @@ def wait_for_flight_recorder(rank: int, limit_s: float = jobenv.FLIGHT_RECORDER_
 
 def _check(recipe, plan, run_dir: Path) -> int:
     try:
-        from .runtime.check import check
+        from .runtime.nodecheck import check
 
         summary = check(recipe, plan, run_dir)
     except DtlaunchError as e:  # CONFIG (the plan or the environment) or PREFLIGHT (this node's hardware)

@@ -45,7 +45,7 @@ from .ckptdir import expand_dir
 from .dist import World, init_distributed, set_collective_timeout, shutdown
 from .engines import Engine, build_engine
 from .failures import ConfigError, Preempted
-from .faults import Faults
+from .inject import Faults
 from .metrics import Metrics, check_tracking
 from .optim import apply_schedule
 from .signals import PreemptionFlag

@@ -28,19 +28,19 @@ from ..plan.layout import Layout
 from ..validate.rules_runtime import eval_with_pipeline
 from . import ckptdir
 from . import preflight as preflight_mod
-from .check import check_model
 from .checkpoint import Checkpointer, export_model
 from .checkpoint.compat import identity
 from .data import Batches, EvalData, build_dataloader, build_eval_data, held_out_sequences, rescale_position
 from .dist import World, enable_determinism, init_distributed
 from .engines import Engine, build_engine, build_partitioned, builds_partitioned
 from .failures import ConfigError, PreflightError, StorageError
-from .faults import Faults
+from .inject import Faults
 from .job import Job
 from .loss import cross_entropy
 from .metrics import Metrics, check_tracking
 from .models import build_for_recipe, init_on_meta
 from .models.hf import load_weights
+from .nodecheck import check_model
 from .signals import PreemptionFlag
 from .stepgc import StepGC
 

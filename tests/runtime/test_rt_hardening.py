@@ -228,7 +228,7 @@ def test_r08_a_full_disk_says_so_and_is_not_retried(run_dir, tmp_path, strategy)
 def test_r08_leftovers_count_as_room_and_the_probe_never_stays(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from launcher.runtime import check, preflight
+    from launcher.runtime import nodecheck, preflight
 
     root = tmp_path / "ck"
     partial = ckptdir.step_path(root, 8)
@@ -247,12 +247,12 @@ def test_r08_leftovers_count_as_room_and_the_probe_never_stays(tmp_path, monkeyp
         open(self, "wb").close()
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(check.Path, "write_bytes", full)
+    monkeypatch.setattr(nodecheck.Path, "write_bytes", full)
     monkeypatch.setenv("DTLAUNCH_CHECKPOINT_DIR", str(root))
     from launcher.runtime.failures import StorageError
 
     with pytest.raises(StorageError, match="No space left on device .* GB free"):
-        check.check_checkpoint_dir(SimpleNamespace(checkpoint=SimpleNamespace(dir=None)), tmp_path)
+        nodecheck.check_checkpoint_dir(SimpleNamespace(checkpoint=SimpleNamespace(dir=None)), tmp_path)
     monkeypatch.undo()
     assert not list(root.glob(".dtlaunch-probe-*"))
 

@@ -21,7 +21,7 @@ from launcher.runtime import ckptdir
 from launcher.runtime.data import DataPosition, GlobalOrderSampler, SyntheticTokens, TokenDataset, rescale_position
 from launcher.runtime.dist import detect, first_slurm_host, job_environment
 from launcher.runtime.failures import ConfigError
-from launcher.runtime.faults import Faults, parse
+from launcher.runtime.inject import Faults, parse
 from launcher.runtime.models import build_model
 from rt_harness import recipe_dict
 
