@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from launcher.plot import LABEL_GID, PlotError, metrics_figure, plot_metrics  # noqa: E402
+from launcher.cli.plot import LABEL_GID, PlotError, metrics_figure, plot_metrics  # noqa: E402
 
 
 def _write(path, lines):

@@ -309,7 +309,7 @@ def plot_cmd(run, out_png):
 
         run_path = Path(resolve(Registry(), run).run_dir)
     try:
-        from ..plot import plot_metrics
+        from .plot import plot_metrics
     except ImportError as e:
         raise DtlaunchError(f"plotting needs matplotlib ({e})", fix="pip install 'dtlaunch[train]'") from None
     out = out_png or str((run_path if run_path.is_dir() else run_path.parent) / "loss.png")

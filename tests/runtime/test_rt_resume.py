@@ -117,7 +117,7 @@ def test_sigusr2_checkpoints_exits_42_and_the_next_start_resumes(run_dir):
     assert f"resumed from step {saved}" in again.stdout
     assert sorted(again.losses()) == list(range(1, steps + 1))
     # The plot of this interrupted run: one curve, with the preemption and the resume marked.
-    from launcher.plot import plot_metrics
+    from launcher.cli.plot import plot_metrics
 
     png = plot_metrics(run_dir, run_dir / "loss.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

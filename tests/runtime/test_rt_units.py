@@ -496,7 +496,7 @@ def test_lr_schedule():
 
 
 def test_plot_metrics(tmp_path):
-    from launcher.plot import PlotError, plot_metrics
+    from launcher.cli.plot import PlotError, plot_metrics
 
     with pytest.raises(PlotError, match="no metrics"):
         plot_metrics(tmp_path)

@@ -16,8 +16,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import DtlaunchError
-from .jobenv import METRICS_FILE, metrics_path, read_metrics
+from ..errors import DtlaunchError
+from ..jobenv import METRICS_FILE, metrics_path, read_metrics
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
