@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import sys
 from dataclasses import dataclass
 
@@ -73,8 +72,10 @@ def _deepspeed():
     try:
         # DeepSpeed's logger writes to the stdout it finds at import: send it to stderr, where `plan --json`'s
         # readers do not look.
-        # its estimators are arithmetic: no device is used, and DeepSpeed need not guess one (and warn)
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from ..runtime.engines.deepspeed import name_the_accelerator
+
+        # its estimators are arithmetic on the host: no GPU is used, and DeepSpeed need not guess one (and warn)
+        name_the_accelerator(is_gpu=False)
         with contextlib.redirect_stdout(sys.stderr):
             import deepspeed
             from deepspeed.runtime.zero import stage3, stage_1_and_2

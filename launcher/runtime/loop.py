@@ -37,7 +37,7 @@ from .failures import ConfigError, PreflightError, StorageError
 from .inject import Faults
 from .job import Job
 from .loss import cross_entropy
-from .metrics import Metrics, check_tracking
+from .metrics import Metrics
 from .models import build_for_recipe, init_on_meta
 from .models.hf import load_weights
 from .nodecheck import check_model
@@ -165,7 +165,6 @@ class Trainer:
     def _setup(self) -> _Parts:
         rec, plan = self.recipe, self.plan
         tr = rec.training
-        check_tracking(tr.tracking)  # before the world: a missing package needs no rendezvous to say so
         if tr.deterministic:
             enable_determinism()
         w = self.world = self.world or init_distributed(rec, plan)

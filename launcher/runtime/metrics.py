@@ -32,17 +32,17 @@ MB = 2**20
 MEMORY_FIELDS = ("active_peak_mb", "reserved_peak_mb", "alloc_retries", "ooms", "host_rss_mb")
 # What the sinks get of a step record: the figures a curve is drawn of (not the time, the ETA or the peak's rank).
 SINK_FIELDS = ("loss", "lr", "tokens_per_s", "step_time_s", "grad_norm", "mfu", "loss_scale", *MEMORY_FIELDS)
-SINKS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # training.tracking's field: the package it needs
+SINKS = ("tensorboard", "wandb")  # training.tracking's fields, each named as the package it needs
 
 
 def check_tracking(tracking) -> None:
     """On every rank, before anything is built: a selected sink whose package is missing ends the run at once
     (CONFIG), rather than after the queue and the set-up, or on rank 0 alone."""
-    for sink, package in SINKS.items():
-        if getattr(tracking, sink) and importlib.util.find_spec(package) is None:
+    for sink in SINKS:
+        if getattr(tracking, sink) and importlib.util.find_spec(sink) is None:
             raise ConfigError(
-                f"training.tracking.{sink} is on, but the {package} package is not installed in the job's Python",
-                fix=f"pip install {package} (or 'dtlaunch[track]') where the job runs, or set "
+                f"training.tracking.{sink} is on, but the {sink} package is not installed in the job's Python",
+                fix=f"pip install {sink} (or 'dtlaunch[track]') where the job runs, or set "
                 f"training.tracking.{sink}: false",
             )
 
