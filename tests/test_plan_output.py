@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from launcher.cli.planning import count, duration, seconds
+from launcher.cli.common import duration, seconds
+from launcher.cli.planning import count
 from launcher.plan import make_plan
 from launcher.recipe import load
 from launcher.validate import validate

@@ -38,3 +38,33 @@ def print_finding(f, default_file: str, err: bool = False) -> None:
     click.echo(f"{where}: {f.severity} [{f.rule}] {f.field}: {f.message}", err=err)
     if f.fix:
         click.echo(f"    fix: {f.fix}", err=err)
+
+
+def seconds(s: float) -> str:
+    return f"{s:.1f} s" if s >= 1 else f"{s * 1000:.0f} ms"
+
+
+def table(headers: list[str], rows: list[list[str]], left: tuple[str, ...] = (), styles=None) -> list[str]:
+    """Rows as aligned plain-text lines (header, rule, rows). Plain text rather than rich: this table needs
+    neither wrapping nor boxes, and `plan` never imports rich (bench/cli_latency.py measures its start-up).
+    `styles`: click.style keywords per row (dropped when stdout is not a tty)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(
+            c.ljust(w) if h in left else c.rjust(w) for c, w, h in zip(cells, widths, headers, strict=True)
+        ).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    for i, r in enumerate(rows):
+        st = (styles or [None] * len(rows))[i]
+        out.append(click.style(line(r), **st) if st else line(r))
+    return out
+
+
+def duration(hours: float) -> str:
+    """A span in the unit that shows it: 12.5 h, 37 min, 45 s."""
+    s = hours * 3600
+    if s >= 3600:
+        return f"{hours:,.1f} h"
+    return f"{s / 60:.0f} min" if s >= 60 else f"{s:.0f} s"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
 
 from ..errors import RecipeError
-from .common import OVERRIDE, TARGET, load, print_finding
+from .calibrate import print_accuracy, print_calibrated_plan
+from .common import OVERRIDE, TARGET, duration, load, print_finding, seconds, table
 
 
 def _gb(b: float) -> str:
@@ -27,18 +29,6 @@ def count(n: float) -> str:
         if n >= scale or (suffix == "M" and n >= 1e5):
             return f"{n / scale:.2f}B" if suffix == "B" else f"{n / scale:.1f}{suffix}"
     return f"{n:.0f}"
-
-
-def duration(hours: float) -> str:
-    """A span in the unit that shows it: 12.5 h, 37 min, 45 s."""
-    s = hours * 3600
-    if s >= 3600:
-        return f"{hours:,.1f} h"
-    return f"{s / 60:.0f} min" if s >= 60 else f"{s:.0f} s"
-
-
-def seconds(s: float) -> str:
-    return f"{s:.1f} s" if s >= 1 else f"{s * 1000:.0f} ms"
 
 
 def model_name(recipe) -> str:
@@ -64,24 +54,6 @@ def host_memory_bytes() -> int | None:
     except OSError:
         pass
     return None
-
-
-def table(headers: list[str], rows: list[list[str]], left: tuple[str, ...] = (), styles=None) -> list[str]:
-    """Rows as aligned plain-text lines (header, rule, rows). Plain text rather than rich: this table needs
-    neither wrapping nor boxes, and `plan` never imports rich (bench/cli_latency.py measures its start-up).
-    `styles`: click.style keywords per row (dropped when stdout is not a tty)."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells):
-        return "  ".join(
-            c.ljust(w) if h in left else c.rjust(w) for c, w, h in zip(cells, widths, headers, strict=True)
-        ).rstrip()
-
-    out = [line(headers), "  ".join("-" * w for w in widths)]
-    for i, r in enumerate(rows):
-        st = (styles or [None] * len(rows))[i]
-        out.append(click.style(line(r), **st) if st else line(r))
-    return out
 
 
 def _print_plan(recipe, p) -> None:
@@ -157,7 +129,8 @@ def _print_plan(recipe, p) -> None:
         echo(f"  - {r}")
     for n in p.notes:
         echo(f"  {click.style('note:', fg='yellow')} {n}")
-    step = f"time: {p.flops_per_step:.3g} FLOPs/step, {p.step_seconds:.3g} s/step at MFU {recipe.resources.mfu}"
+    mfu = f"MFU {recipe.resources.mfu:.3g}" + (" (measured)" if recipe.resources.calibration else "")
+    step = f"time: {p.flops_per_step:.3g} FLOPs/step, {p.step_seconds:.3g} s/step at {mfu}"
     if p.steps is None:
         echo(step + "; total time and cost need a training length (training.steps or training.tokens)")
     else:
@@ -203,7 +176,7 @@ def _plan_sweep(recipe_path, overrides, sweeps, as_json):
 
 
 @click.command("plan")
-@click.argument("recipe_path", metavar="RECIPE")
+@click.argument("args", nargs=-1, metavar="RECIPE | --accuracy [RUNS...]")
 @OVERRIDE
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (a stable contract).")
 @click.option(
@@ -228,8 +201,30 @@ def _plan_sweep(recipe_path, overrides, sweeps, as_json):
     help="Also print DeepSpeed's own ZeRO memory estimators for this layout beside the planner's "
     "figures, with the reason for each difference (needs DeepSpeed).",
 )
-def plan_cmd(recipe_path, overrides, as_json, sweeps, trace, compare):
+@click.option(
+    "--calibration",
+    "calibration",
+    default=None,
+    metavar="FILE",
+    help="Time, cost and the checkpoint interval from a calibration file (`dtlaunch calibrate`) instead of the "
+    "assumed MFU and storage rate; prints the calibration run's plan against what it measured.",
+)
+@click.option(
+    "--accuracy",
+    is_flag=True,
+    help="Instead of a plan: the plan's error against measurement (memory, step time, checkpoint write; median "
+    "and worst per strategy) over the ledgers of the runs named (run directories, or directories of runs; "
+    "default: runs/).",
+)
+def plan_cmd(args, overrides, as_json, sweeps, trace, compare, calibration, accuracy):
     """Show per-GPU memory for each strategy, the chosen one and why, step time, total time and cost."""
+    if accuracy:
+        return print_accuracy(list(args))
+    if len(args) != 1:
+        raise click.UsageError("plan takes one RECIPE (or --accuracy and run directories)")
+    (recipe_path,) = args
+    if calibration:  # a path on the command line is the shell's, not the recipe's (as resources.calibration is)
+        overrides = (*overrides, f"resources.calibration={os.path.abspath(calibration)}")
     if sweeps:
         if trace or compare:
             raise click.UsageError(
@@ -245,6 +240,8 @@ def plan_cmd(recipe_path, overrides, as_json, sweeps, trace, compare):
     if as_json:
         return _plan_json(recipe, p, findings, trace, compare)
     _print_plan(recipe, p)
+    if recipe.resources.calibration:
+        print_calibrated_plan(recipe, p)
     if recipe.targets.sky.accelerators:
         from .choices import print_choices
 

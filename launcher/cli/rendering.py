@@ -90,12 +90,13 @@ def _after(recipe_path, overrides, target, after) -> str:
     return f"targets.slurm.dependency={dep}"
 
 
-def _out_dir(recipe, art, out_dir) -> Path:
+def out_dir_for(recipe, target: str, out_dir=None) -> Path:
+    """Where `up` puts a job's files."""
     if out_dir is not None:
         return Path(out_dir)
-    if art.target == "local":  # the run directory itself: a second `up` resumes the same run
-        return Path(recipe.targets.local.run_dir) / art.job_name
-    return Path(recipe.targets.local.run_dir) / f"{art.job_name}-{art.target}"
+    if target == "local":  # the run directory itself: a second `up` resumes the same run
+        return Path(recipe.targets.local.run_dir) / recipe.job_name
+    return Path(recipe.targets.local.run_dir) / f"{recipe.job_name}-{target}"
 
 
 def _completed_step(recipe, plan, out: Path, run_id: str) -> int | None:
@@ -193,7 +194,7 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, show, detach, force
     prep = prepare(recipe_path, overrides, target, sweeps)
     check(prep, force, "submitted")
     recipe, art = prep.recipe, prep.artifacts
-    out = _out_dir(recipe, art, out_dir)
+    out = out_dir_for(recipe, art.target, out_dir)
     registry = Registry()
     if not dry_run:
         registry.check_writable()

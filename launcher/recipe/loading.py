@@ -20,7 +20,7 @@ import yaml
 
 from ..errors import Problem, RecipeError
 from .limits import MAX_BYTES, MAX_DEPTH, MAX_OVERRIDE_BYTES, MAX_VALUES, Path_, dotted
-from .schema import Recipe, parse
+from .schema import Recipe, ResourcesSpec, parse
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: much faster
 _OPEN = ("BlockMappingStartToken", "BlockSequenceStartToken", "FlowMappingStartToken", "FlowSequenceStartToken")
@@ -274,6 +274,7 @@ def load_data(
         _apply(data, path, value, item)
         applied.append((path, item))
     _read_hf_config(data, source, lines, base_dir)
+    _read_calibration(data, source, lines, base_dir)
     try:
         recipe = parse(data)
         recipe.set_source(SourceMap(source, lines, tuple(applied), base_dir))
@@ -315,6 +316,27 @@ def _read_hf_config(data: dict, source: str, lines: dict, base_dir: str | None) 
     model["hf_config"] = cfg
     if model.get("hf_weights") is None and weight_files(d):
         model["hf_weights"] = str(d)
+
+
+def _read_calibration(data: dict, source: str, lines: dict, base_dir: str | None) -> None:
+    """resources.calibration: read the file now (relative to the recipe file) and put its measured MFU and
+    checkpoint write rate in the recipe's place of the assumed ones; the path is kept, made absolute."""
+    from .. import catalog
+    from .calibration import CalibrationError, calibrated_values, read_calibration, resolve
+
+    res = data.get("resources")
+    if not isinstance(res, dict) or not isinstance(res.get("calibration"), str):
+        return
+    path = resolve(res["calibration"], base_dir)
+    try:
+        accel = catalog.parse_accelerator(str(res.get("accelerator", ResourcesSpec.accelerator)))[0]
+    except ValueError:
+        return  # the schema says what is wrong with the accelerator
+    try:
+        res.update(calibrated_values(read_calibration(path), accel, str(path)))
+    except CalibrationError as e:
+        _fail(source, e.message, lines.get(("resources", "calibration")), e.fix, field="resources.calibration")
+    res["calibration"] = str(path)
 
 
 def read_bounded(path: str | os.PathLike, what: str = "recipe") -> str:

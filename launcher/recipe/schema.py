@@ -103,6 +103,11 @@ class ResourcesSpec(Spec, kw_only=True):
     mfu: Float(gt=0, le=1, description="assumed model FLOPs utilisation for time estimates") = 0.40
     gpu_mtbf_hours: Float(gt=0, le=1e9, description="mean time between failures per GPU") = catalog.GPU_MTBF_HOURS
     storage_gbps_per_node: Float(ge=0.001, le=1_000_000) = catalog.STORAGE_GBPS_PER_NODE
+    calibration: Doc(
+        "a calibration file from `dtlaunch calibrate` (relative to the recipe): the MFU and checkpoint write rate "
+        "it measured replace mfu and storage_gbps_per_node",
+        Str | None,
+    ) = None
     socket_ifname: (
         Text(
             256,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ from .. import jobenv
 from ..jobenv import ExitCode
 from ..plan.cost import flops_per_token
 from ..plan.layout import Layout
+from ..plan.ledger import write_ledger
 from .agreement import Agreement, NonFiniteWatch, Reporter, StepSync
 from .checkpoint import Checkpointer
 from .checkpoint.compat import identity
@@ -387,9 +389,15 @@ class Job:
         self.metrics.log(f"done: {self.step} steps")
 
     def release(self) -> None:
-        """On every ending: the previous signal handlers back, the metrics closed."""
+        """On every ending: the previous signal handlers back, the metrics closed, the plan-vs-measured ledger
+        (RUN_DIR/ledger.json) written from them."""
         self.flag.uninstall()
         self.metrics.close()
+        if self.metrics.enabled:
+            try:
+                write_ledger(self.run_dir, self.recipe, self.plan, jobenv.read_metrics(self.run_dir))
+            except (OSError, ValueError) as e:  # a figure not recorded must not fail a run that trained
+                print(f"dtlaunch: WARNING: the ledger was not written ({e})", file=sys.stderr, flush=True)
 
 
 def _json_state(state: dict | None) -> dict:
