@@ -22,12 +22,13 @@ def cli():
     """Plan, validate, render and launch distributed training from one recipe YAML."""
 
 
-from . import calibrate, jobs, planning, rendering  # noqa: E402 - the commands register themselves on `cli`
+from . import calibrate, jobs, planning, rehearse, rendering  # noqa: E402 - the commands register themselves on `cli`
 
 planning.register(cli)
 rendering.register(cli)
 jobs.register(cli)
 calibrate.register(cli)
+rehearse.register(cli)
 
 
 def main() -> None:

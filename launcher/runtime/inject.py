@@ -13,6 +13,8 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
 `step=any` fires at the first occasion (e.g. the first checkpoint, whatever its step).
     signal:rank=0:step=6[:sig=USR2]    the rank sends itself a signal at the start of the step (preemption tests)
     nan_loss:step=7                    the loss of step 7 is NaN (a diverging run)
+    drop_grads:rank=1:step=2           rank 1's gradients (its shard) are zeroed before step 2's update: a layout
+                                       that loses a shard (what `dtlaunch rehearse` must catch)
     collective_abort:rank=1:step=5     what NCCL's watchdog does after a collective timeout (no GPU here to time
                                        one out) under TORCH_NCCL_ASYNC_ERROR_HANDLING=3: write the flight-recorder
                                        dump, then abort the process
@@ -48,6 +50,7 @@ KINDS = (
     "slow_checkpoint",
     "signal",
     "nan_loss",
+    "drop_grads",
     "collective_abort",
     "comm_abort",
     "oom",

@@ -302,6 +302,10 @@ class Trainer:
     def _train_step(self, step: int) -> tuple[torch.Tensor, dict]:
         p = self._built
         loss = p.engine.forward_backward(p.batches.next_step())
+        if p.faults.hit("drop_grads", step):
+            for prm in p.engine.model.parameters():
+                if prm.grad is not None:
+                    prm.grad.zero_()
         info = p.engine.step()
         if p.faults.hit("nan_loss", step):
             loss = loss * float("nan")
