@@ -21,7 +21,9 @@ CALIBRATION_FILE = "calibration.json"
 
 
 def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:+.0%}"
+    if x is None:
+        return "-"
+    return f"{x:+.1%}" if abs(x) < 0.1 else f"{x:+.0%}"
 
 
 def calibration_overrides(recipe, steps: int, nodes: int) -> tuple[list[str], list[str]]:
@@ -98,12 +100,15 @@ def print_terms(doc: dict) -> None:
             "-" if me["checkpoint_write_seconds"] is None else seconds(me["checkpoint_write_seconds"]),
             _pct(err["checkpoint_write_seconds"]),
         ],
-        [
-            "peak memory / rank",
-            gb(pr["peak_bytes"]),
-            gb(me["peak_bytes"]),
-            _pct(err["peak_bytes"]) if me["peak_bytes"] is not None else "not measured (no GPU allocator)",
-        ],
+        *(
+            [
+                name,
+                gb(pr[key]),
+                gb(me[key]),
+                _pct(err[key]) if me[key] is not None else "not measured (no GPU allocator)",
+            ]
+            for name, key in (("active peak / rank", "peak_bytes"), ("reserved peak / rank", "reserved_bytes"))
+        ),
     ]
     for ln in table(["term", "planned", "measured", "difference"], rows, left=("term", "difference")):
         click.echo("  " + ln)

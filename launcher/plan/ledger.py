@@ -6,9 +6,11 @@ What is compared, per run:
 - step time: the plan's (at its MFU) against the median logged step time, leaving out each attempt's first
   logged step (start-up, compilation, the allocator's first growth);
 - checkpoint write: the plan's write time against the median of the run's blocking saves;
-- peak memory per rank: the plan's peak moment (tensors) against the caching allocator's active peak, the
-  maximum over ranks. A CPU run has no allocator figures: its memory is not measured (the plan's CPU figures are
-  checked against the runtime's tensors by `plan --trace` instead).
+- peak memory per rank, the maximum over ranks: the plan's peak moment without the CUDA context and the
+  fragmentation allowance against the caching allocator's active peak (what the tensors hold), and with the
+  fragmentation against its reserved peak (the context is outside the allocator, so in neither). A CPU run has
+  no allocator figures: its memory is not measured (`plan --trace` checks the CPU figures against the runtime's
+  tensors instead).
 From these, the figures a plan can reuse: the MFU this code reached on this hardware (the plan's own FLOPs
 formula over the measured step time) and each node's checkpoint write rate.
 """
@@ -27,7 +29,7 @@ from ..recipe.calibration import FORMAT, KIND, CalibrationError
 from . import cost
 
 LEDGER_FILE = "ledger.json"
-TERMS = ("step_seconds", "checkpoint_write_seconds", "peak_bytes")
+TERMS = ("step_seconds", "checkpoint_write_seconds", "peak_bytes", "reserved_bytes")
 
 
 def _median(xs: list[Any]) -> float | None:
@@ -81,10 +83,13 @@ def entry(recipe, plan, records: list[dict], run_dir: str = "") -> dict[str, Any
     """One run's ledger: the plan's predictions, the measured values, their relative error (measured / planned
     - 1; None where a value was not measured)."""
     m = measure(records)
+    mem = plan.memory
+    reserved = mem.total - mem.terms.get("context", 0.0)
     predicted = {
         "step_seconds": plan.step_seconds,
         "checkpoint_write_seconds": plan.checkpoint_write_seconds,
-        "peak_bytes": plan.memory.total,
+        "peak_bytes": reserved - mem.terms.get("fragmentation", 0.0),
+        "reserved_bytes": reserved,
         "mfu": recipe.resources.mfu,
     }
     measured = dict(m)

@@ -38,7 +38,8 @@ def write_status(
     code_file: bool = True,
 ) -> None:
     """Two records per rank: a JSON one for people (run_dir/status/rank-N.json, the latest), and a one-line
-    "CODE STEP START_STEP" file in this attempt's status directory for the job scripts, which pick the job's
+    "CODE STEP START_STEP CAUSE" file in this attempt's status directory (CAUSE: "peer" for a FAILED rank
+    that only lost a peer's connection, else "own") for the job scripts, which pick the job's
     exit code (and whether a time-limited allocation made progress) from it with nothing but `read`.
     code_file=False writes the first only (torchrun's report of a rank that died without its own record)."""
     try:
@@ -63,7 +64,8 @@ def write_status(
         a = status_dir(run_dir)
         a.mkdir(parents=True, exist_ok=True)
         tmp = a / f".rank-{rank:05d}.code.tmp"
-        tmp.write_text(f"{int(code)} {int(step or 0)} {int(start_step or 0)}\n")
+        cause = "peer" if code == ExitCode.FAILED and message.startswith(PEER_LOST) else "own"
+        tmp.write_text(f"{int(code)} {int(step or 0)} {int(start_step or 0)} {cause}\n")
         os.replace(tmp, a / f"rank-{rank:05d}.code")
     except OSError:
         pass  # the exit code still tells the story
@@ -82,6 +84,12 @@ NODE_FAULT_MARKERS = (
 # How NCCL's communicators look after the watchdog aborted them (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) because a
 # collective timed out: the next NCCL call on this rank raises this, without the timeout's own text.
 ABORTED_MARKERS = ("communicator was aborted", "NCCL communicator was aborted", "Communicator was aborted")
+
+
+# A rank that failed only because a peer's connection closed under it (the peer crashed, or timed out first and
+# left): not a cause of its own. Its code file says so ("peer"), and the job scripts' dtl_outcome lets another
+# rank's hang (43) stand: with gloo, the ranks that time out first close the connections the others wait on.
+PEER_LOST = "communication with a peer failed"
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -128,7 +136,7 @@ def classify(
         text = str(exc)
         mismatch = any(m in text for m in ("preamble", "mismatch", "EnforceNotMet"))
         code = ExitCode.HANG if mismatch else ExitCode.FAILED
-        what = "ranks issued mismatched collectives (divergence)" if mismatch else "communication with a peer failed"
+        what = "ranks issued mismatched collectives (divergence)" if mismatch else PEER_LOST
         return code, f"{what} {where}: {text.splitlines()[0][:300]}"
     if isinstance(exc, KeyboardInterrupt):
         return ExitCode.FAILED, f"interrupted {where}"

@@ -84,24 +84,27 @@ while :; do
   kill -0 "$LAUNCHER" 2>/dev/null || break  # wait returns early when a trapped signal arrives
 done
 # The exit code of this node's share of the job: the workers' own codes for this attempt, not torchrun's
-# generic 1. The runtime writes "CODE STEP START_STEP" to $DTLAUNCH_STATUS/rank-N.code as each rank ends.
+# generic 1. The runtime writes "CODE STEP START_STEP CAUSE" to $DTLAUNCH_STATUS/rank-N.code as each rank ends
+# (CAUSE "peer": the rank failed only because a peer's connection closed under it).
 # A rank killed after a collective timed out (NCCL's watchdog aborts it) writes no code, but leaves the
 # flight recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)
 # even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44), a
 # diverged loss (45) and failing checkpoint storage (46) come first: restarting would not help.
 dtl_outcome() {
-  local rc=$1 f code worst=""
+  local rc=$1 f code cause worst="" peer=""
   if [ "$rc" = 0 ]; then echo 0; return; fi
   for f in "$DTLAUNCH_STATUS"/rank-*.code; do
     [ -f "$f" ] || continue
-    read -r code _ < "$f" || continue
+    read -r code _ _ cause < "$f" || continue
     case "$code" in
       2|44|45|46) echo "$code"; return ;;
-      1) worst=1 ;;
+      1) if [ "$cause" = peer ]; then peer=1; else worst=1; fi ;;
       43) [ "$worst" = 1 ] || worst=43 ;;
       42) [ -n "$worst" ] || worst=42 ;;
     esac
   done
+  # A rank that only lost a peer fails the job unless another rank's hang explains it.
+  if [ -n "$peer" ] && [ "$worst" != 43 ]; then worst=1; fi
   for f in "$DTLAUNCH_STATUS"/nccl_trace_rank_*; do
     if [ -e "$f" ]; then echo 43; return; fi
   done
