@@ -169,7 +169,7 @@ def make_plan(recipe: Recipe) -> Plan:
         steps = None
         notes.append("no training length (training.steps or training.tokens): time and cost need one")
     flops = cost.flops_per_token(n, shape, seq) * tokens_per_step
-    step_s = cost.step_seconds(flops, world, dev.peak_tflops, res.mfu, lay.activation_checkpointing)
+    step_s = cost.step_seconds(flops, world, dev.peak_tflops, res.mfu, lay)
     write_s = cost.checkpoint_write_seconds(n, tr.optimizer, res.nodes, res.storage_gbps_per_node)
     if isinstance(recipe.checkpoint.every, int):
         every = recipe.checkpoint.every

@@ -115,7 +115,7 @@ def plan_choices(recipe: Recipe, primary: Plan | None = None, order: str | None 
                 shipped.world_size,
                 dev.peak_tflops,
                 recipe.resources.mfu,
-                shipped.layout.activation_checkpointing,
+                shipped.layout,
             )
             if shipped.steps is not None:
                 usd = shipped.steps * step / 3600 * shipped.world_size * dev.usd_per_hour

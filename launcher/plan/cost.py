@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ..catalog import ModelShape
+from .pipeline import STAGES_PER_RANK
 
 
 def flops_per_token(n_params: int, shape: ModelShape | None, seq: int) -> float:
@@ -20,9 +21,21 @@ def recompute_factor(activation_checkpointing: str) -> float:
     return {"full": 4 / 3, "selective": 1.05}.get(activation_checkpointing, 1.0)
 
 
-def step_seconds(flops_per_step: float, world: int, peak_tflops: float, mfu: float, ac: str) -> float:
-    """Time of one optimizer step at an assumed model FLOPs utilisation over every GPU's dense peak."""
-    return flops_per_step * recompute_factor(ac) / (world * peak_tflops * 1e12 * mfu)
+def pipeline_bubble(pp: int, micro_batches: int, schedule: str) -> float:
+    """The fraction of a step a pipeline's ranks wait: (pp - 1) / (v * m + pp - 1) for m micro-batches and v
+    stages per rank (Narayanan et al. 2021: 1F1B's bubble, and interleaving's v-fold smaller one)."""
+    if pp <= 1:
+        return 0.0
+    v = STAGES_PER_RANK.get(schedule, 1)
+    return (pp - 1) / (v * micro_batches + pp - 1)
+
+
+def step_seconds(flops_per_step: float, world: int, peak_tflops: float, mfu: float, layout) -> float:
+    """Time of one optimizer step: the model FLOPs (with recomputation) at an assumed MFU over every GPU's dense
+    peak while it computes, and a pipeline's bubble on top. The MFU is of the busy time: a measured one
+    (launcher.plan.ledger) has the bubble taken out, so it carries over to another pipeline depth."""
+    busy = flops_per_step * recompute_factor(layout.activation_checkpointing) / (world * peak_tflops * 1e12 * mfu)
+    return busy / (1 - pipeline_bubble(layout.pp, layout.grad_accum, layout.pp_schedule))
 
 
 def checkpoint_bytes(n_params: int, optimizer: str) -> float:

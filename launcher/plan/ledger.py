@@ -64,13 +64,9 @@ def measure(records: list[dict]) -> dict[str, Any]:
 
 
 def achieved_mfu(plan, recipe, step_seconds: float) -> float:
-    """The MFU that makes the plan's own time formula give `step_seconds`: the inverse of cost.step_seconds."""
-    dev = recipe.resources.device()
-    return (
-        plan.flops_per_step
-        * cost.recompute_factor(plan.layout.activation_checkpointing)
-        / (plan.world_size * dev.peak_tflops * 1e12 * step_seconds)
-    )
+    """The MFU that makes the plan's own time formula give `step_seconds` (cost.step_seconds, inverted)."""
+    peak = recipe.resources.device().peak_tflops
+    return cost.step_seconds(plan.flops_per_step, plan.world_size, peak, 1.0, plan.layout) / step_seconds
 
 
 def write_rate_gbps(plan, recipe, write_seconds: float) -> float:
