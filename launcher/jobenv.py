@@ -98,6 +98,8 @@ NODE_RANK = "DTLAUNCH_NODE_RANK"  # this node's rank as the scheduler numbers it
 TARGET = "DTLAUNCH_TARGET"
 PORT = "DTLAUNCH_PORT"  # the local and SkyPilot job scripts read it: a rendezvous port instead of their own choice
 FAULT = "DTLAUNCH_FAULT"  # test-only fault injection (launcher.runtime.inject)
+TRACK_MEMORY = "DTLAUNCH_TRACK_MEMORY"  # a step whose tensors each rank counts (`dtlaunch rehearse`'s memory check)
+MEMTRACK_DIR = "memtrack"  # RUN_DIR/memtrack/rank-N.json: what each rank counted
 
 # Names a recipe's env must not give: the job scripts export the recipe's variables first, so one of
 # these would win over what dtlaunch sets for the job (env.DTLAUNCH_ATTEMPT made a finished run read LOST) or

@@ -1,10 +1,10 @@
 """Issue 34, `dtlaunch rehearse`: the recipe's layout scaled down and trained here for real (local jobs under
 torchrun, gloo ranks), checked against one rank, through a preemption, a reshard and back, and a hang.
 
-The scale-down is checked on the shipped recipes' plans (pure); the rehearsals run for real: llama70b's layout
-passes every check, and a layout broken on purpose (one rank's gradient shard lost before an update, the
-test-only DTLAUNCH_REHEARSAL_FAULT) fails parity, the check that must catch it. The 405B rehearsal (tensor 8 on 8
-ranks) is in the slow tier.
+The scale-down is checked on the shipped recipes' plans (pure); the rehearsals run for real: the 405B layout
+(tensor 8 on 8 ranks) passes every check, the ZeRO-3 recipe's memory is the plan's, and a layout broken on
+purpose (one rank's gradient shard lost before an update, the test-only DTLAUNCH_REHEARSAL_FAULT) fails parity,
+the check that must catch it. The README runs the 70B layout's parity.
 """
 
 from __future__ import annotations
@@ -64,12 +64,13 @@ def rehearse(run_cli, recipe: Path, *args: str) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-def test_the_70b_layout_rehearses_and_passes(run_cli, tmp_path):
-    code, doc = rehearse(run_cli, RECIPES / "llama70b.yaml", "-o", str(tmp_path))
-    by = {c["name"]: c for c in doc["checks"]}
-    assert list(by) == ["parity", "preemption", "reshard", "hang"], doc
-    assert code == 0 and doc["ok"], json.dumps(doc, indent=2)
-    assert "exit 42 (PREEMPTED)" in by["preemption"]["detail"] and "exit 43 (HANG)" in by["hang"]["detail"]
+def test_the_zero3_recipes_memory_is_the_plans_on_real_tensors(run_cli, tmp_path):
+    """DeepSpeed's ZeRO-3 on CPU ranks: every rank's tensors counted (MemTracker) against the plan. This found
+    the reduce bucket ZeRO-3 allocates whole at start-up (reduce_bucket_size elements), which the plan left out."""
+    code, doc = rehearse(run_cli, RECIPES / "llama2-13b-zero3.yaml", "--only", "memory", "-o", str(tmp_path))
+    (memory,) = doc["checks"]
+    assert code == 0 and memory["ok"], json.dumps(doc, indent=2)
+    assert len(list((tmp_path / "layout" / "memtrack").glob("rank-*.json"))) == doc["ranks"] == 2
 
 
 @pytest.mark.slow
@@ -87,4 +88,7 @@ def test_a_layout_that_loses_a_gradient_shard_fails_parity(run_cli, tmp_path, mo
 def test_the_405b_layout_rehearses_on_8_ranks(run_cli, tmp_path):
     code, doc = rehearse(run_cli, RECIPES / "llama3-405b.yaml", "-o", str(tmp_path))
     assert doc["degrees"] == {"tp": 8, "pp": 1, "dp": 1} and doc["full"]["world"] == 128
+    by = {c["name"]: c for c in doc["checks"]}
+    assert list(by) == ["parity", "preemption", "memory", "reshard", "hang"], doc
     assert code == 0 and doc["ok"], json.dumps(doc, indent=2)
+    assert "exit 42 (PREEMPTED)" in by["preemption"]["detail"] and "exit 43 (HANG)" in by["hang"]["detail"]

@@ -115,7 +115,7 @@ def largest_module_params(shape) -> int:
 
 
 def compare(recipe, plan) -> Comparison:
-    from ..plan.moments import deepspeed_buffers, units
+    from ..plan.moments import units, zero3_gathered
     from ..plan.states import deepspeed_step_fp32_grads, states
     from ..strategies import spec
 
@@ -180,7 +180,7 @@ def compare(recipe, plan) -> Comparison:
         u = units(shape, recipe.model.architecture, n, lay)
         unit = max(u.layer, u.emb, u.head, u.root)
         rows.append(Row("16-bit weights (partition)", st.params, ds_params, ""))
-        gathered = deepspeed_buffers(u, lay, w)
+        gathered = zero3_gathered(u, w)
         rows.append(
             Row(
                 "gathered layer",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import click
 
-from ..jobenv import FAULT, ExitCode, read_metrics
+from ..jobenv import FAULT, MEMTRACK_DIR, TRACK_MEMORY, ExitCode, read_metrics
 from .common import OVERRIDE, load, table
 
 # Test-only: a fault (launcher.runtime.inject's syntax) for every run of the rehearsal's layout, so that a test or
@@ -56,7 +56,7 @@ class Check:
     runs: list[str] = field(default_factory=list)
 
 
-def run_one(root: Path, name: str, data: dict, fault: str | None = None) -> Run:
+def run_one(root: Path, name: str, data: dict, fault: str | None = None, track: int | None = None) -> Run:
     """One local job of recipe `data` in root/name, to its end; its exit code and what it logged."""
     from ..prepare import check, prepare
     from ..recipe.loading import load_data
@@ -67,8 +67,11 @@ def run_one(root: Path, name: str, data: dict, fault: str | None = None) -> Run:
     d = prep.artifacts.write(root / name, origin="up")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop(FAULT, None)
+    env.pop(TRACK_MEMORY, None)
     if fault:
         env[FAULT] = fault
+    if track is not None:
+        env[TRACK_MEMORY] = str(track)
     log = d / "rehearse.log"
     t0 = time.monotonic()
     with open(log, "w") as out:
@@ -106,7 +109,8 @@ def _code(rc: int) -> str:
     return f"{rc} ({ExitCode.name_of(rc)})"
 
 
-CHECKS = ("parity", "preemption", "reshard", "hang")
+CHECKS = ("parity", "preemption", "reshard", "memory", "hang")
+TRACKED_STEP = 2  # the first step with the optimizer's states: the peak of every later step
 
 
 def _join(*faults: str | None) -> str | None:
@@ -119,25 +123,32 @@ def rehearse(recipe, plan, root: Path, max_ranks: int, only: tuple[str, ...] = C
     r = scale_down(recipe, plan, max_ranks)
     fault = os.environ.get(REHEARSAL_FAULT)
     checks: list[Check] = []
-    if {"parity", "preemption", "reshard"} & set(only):
+    control = None
+    if {"parity", "reshard"} & set(only):
         control = run_one(root, "control", r.control)
         if control.rc != 0 or len(control.losses) < STEPS:
             checks.append(Check("control", False, f"the one-rank run ended {_code(control.rc)}: see {control.log}"))
             return r, checks
+    if {"parity", "preemption", "reshard", "memory"} & set(only):
         stop_at = FIRST + 1
         first = run_one(
-            root, "layout", _chained(r.layout, root), _join(f"signal:rank=0:step={stop_at}:sig=USR2", fault)
+            root,
+            "layout",
+            _chained(r.layout, root),
+            _join(f"signal:rank=0:step={stop_at}:sig=USR2", fault),
+            track=TRACKED_STEP if "memory" in only else None,
         )
-        worst, at = _worst(first, control, range(1, FIRST + 1))
-        checks.append(
-            Check(
-                "parity",
-                worst <= PARITY_TOL,
-                f"steps 1-{FIRST}: largest loss difference from one rank {worst:.2e} (step {at}), tolerance "
-                f"{PARITY_TOL:.0e}",
-                [first.name, control.name],
+        if control is not None:
+            worst, at = _worst(first, control, range(1, FIRST + 1))
+            checks.append(
+                Check(
+                    "parity",
+                    worst <= PARITY_TOL,
+                    f"steps 1-{FIRST}: largest loss difference from one rank {worst:.2e} (step {at}), tolerance "
+                    f"{PARITY_TOL:.0e}",
+                    [first.name, control.name],
+                )
             )
-        )
         checks.append(
             Check(
                 "preemption",
@@ -147,11 +158,38 @@ def rehearse(recipe, plan, root: Path, max_ranks: int, only: tuple[str, ...] = C
                 [first.name],
             )
         )
-        if "reshard" in only:
+        if "memory" in only:
+            checks.append(_memory(r, first))
+        if "reshard" in only and control is not None:
             checks.append(_reshard(r, root, control, first, fault))
     if "hang" in only:
         checks.append(_hang(r, root, fault))
     return r, [c for c in checks if c.name in only]
+
+
+def _memory(r, run: Run) -> Check:
+    """The plan's tensors at its peak moment for the rehearsal layout against what each rank counted (PyTorch's
+    MemTracker on the real tensors of step TRACKED_STEP), the largest rank against the plan's largest."""
+    from ..plan import make_plan
+    from ..plan.rehearsal import MEMORY_TOL
+    from ..recipe.loading import load_data
+
+    m = make_plan(load_data(copy.deepcopy(r.layout), "<rehearsal>")).memory
+    planned = m.total - m.terms.get("context", 0.0) - m.terms.get("fragmentation", 0.0)
+    counted = []
+    for f in sorted((run.log.parent / MEMTRACK_DIR).glob("rank-*.json")):
+        doc = json.loads(f.read_text())
+        counted.append(max(kinds.get("Total", 0) for kinds in doc["peak"].values()))
+    if len(counted) != r.nproc:
+        return Check("memory", False, f"{len(counted)} of {r.nproc} ranks counted their tensors: see {run.log}")
+    err = max(counted) / planned - 1
+    return Check(
+        "memory",
+        abs(err) <= MEMORY_TOL,
+        f"step {TRACKED_STEP}'s peak, the largest rank: {max(counted) / 1e6:.2f} MB counted, {planned / 1e6:.2f} MB "
+        f"planned ({err:+.1%}; tolerance {MEMORY_TOL:.0%})",
+        [run.name],
+    )
 
 
 def _chained(data: dict, root: Path) -> dict:

@@ -24,6 +24,12 @@ STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
 STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
 
 
+def overlaps_comm(is_gpu: bool) -> bool:
+    """DeepSpeed's overlap_comm: on GPUs (a second stream; ZeRO-1/2 then double-buffer their reduce bucket), not on
+    CPU ranks, where it would only add copies."""
+    return is_gpu
+
+
 def uses_cpu_adam(recipe: Recipe, offload: str, is_gpu: bool) -> bool:
     """DeepSpeedCPUAdam steps the optimizer states on the host: only for AdamW, with the states offloaded and the
     model computing on GPUs (on a CPU-only machine the states are on the host anyway, and torch's AdamW does the
@@ -60,7 +66,7 @@ def deepspeed_config(
         "reduce_bucket_size": DS_REDUCE_BUCKET,
         "allgather_bucket_size": DS_ALLGATHER_BUCKET,
         "contiguous_gradients": True,
-        "overlap_comm": bool(is_gpu),  # overlap needs a second stream; on CPU it only adds copies
+        "overlap_comm": overlaps_comm(bool(is_gpu)),
     }
     if stage == 3:
         zero.update(

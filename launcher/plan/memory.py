@@ -134,7 +134,7 @@ def breakdown(
     for part in pipeline_parts(shape, lay):
         # TP splits the blocks, PP gives each rank its stages' blocks (`parts.rank_params`)
         n = rank_params(shape, arch, n_params, lay, part)
-        moments = timeline(shape, arch, n, seq, lay, part)
+        moments = timeline(shape, arch, n, seq, lay, part, is_gpu)
         totals = {m: sum(t.values()) for m, t in moments.items()}
         at = max(totals, key=totals.__getitem__)
         if best is None or totals[at] > best[1][best[2]]:

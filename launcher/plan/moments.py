@@ -44,7 +44,7 @@ from msgspec.structs import replace
 from ..catalog import ModelShape
 from ..strategies import Family
 from . import activations as act
-from .deepspeed import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
+from .deepspeed import DS_REDUCE_BUCKET, overlaps_comm
 from .layout import Layout
 from .params import embedding_params, embedding_units_apart, layer_params, layer_params_per_rank
 from .parts import WHOLE_MODEL, Part, pipeline_parts
@@ -239,7 +239,7 @@ def model_parallel(lay: Layout) -> bool:
 
 
 def timeline(
-    shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layout, part: Part | None = None
+    shape: ModelShape | None, arch: str, n: float, seq: int, lay: Layout, part: Part | None = None, is_gpu: bool = True
 ) -> dict[str, dict[str, float]]:
     """moment -> term -> bytes per GPU, for `n` parameters on this rank (`rank_params`); `part` is what the
     rank holds (default: the first pipeline rank, or the whole model)."""
@@ -259,7 +259,7 @@ def timeline(
     elif not sp.sharded:
         buffers = _ddp_buffers(shape, u, n, lay, w)
     else:
-        buffers = dict.fromkeys((*MOMENTS, *VARIANTS), deepspeed_buffers(u, lay, w))
+        buffers = dict.fromkeys((*MOMENTS, *VARIANTS), deepspeed_buffers(u, lay, w, is_gpu))
     buffers["optimizer step"] = 0.0
     if part.recv and shape is not None:
         # torch's pipeline stages allocate, once and for good, a receive buffer per micro-batch for the stage's
@@ -408,13 +408,20 @@ def _ddp_buffers(shape: ModelShape | None, u: Units, n: float, lay: Layout, w: f
     return out
 
 
-def deepspeed_buffers(u: Units, lay: Layout, w: float) -> float:
-    """DeepSpeed's reduce/all-gather buckets as rendered; for ZeRO-3 the largest unit gathered twice plus its
-    fp32 gradient (DeepSpeed cannot be traced: its own estimate, not derived from a trace). With ZeRO-1/2
+def deepspeed_buffers(u: Units, lay: Layout, w: float, is_gpu: bool = True) -> float:
+    """DeepSpeed's buffers as rendered (DeepSpeed cannot be traced: its own estimate, not derived from a trace).
+    Its reduce bucket is allocated whole, reduce_bucket_size elements of the gradients' dtype: ZeRO-1/2 twice
+    with overlap_comm (`setup_buckets` in `stage_1_and_2.py`), ZeRO-3 once (`stage3.py`); the all-gather bucket
+    only chunks a collective. ZeRO-3 adds the largest unit gathered twice plus its fp32 gradient. With ZeRO-1/2
     optimizer offload, DeepSpeed also keeps a 16-bit staging buffer of the largest parameter's size on the GPU
-    for the gradients it copies to the host (`temp_grad_buffer_for_gpu_offload` in `stage_1_and_2.py`)."""
+    for the gradients it copies to the host (`temp_grad_buffer_for_gpu_offload`)."""
     if "params" not in lay.spec.shards:  # ZeRO-1/2
         staging = w * max(u.emb, u.head, u.root, u.w2) if lay.offload in ("optimizer", "params") else 0.0
-        return (DS_REDUCE_BUCKET + DS_ALLGATHER_BUCKET) * w + staging
+        return DS_REDUCE_BUCKET * w * (2 if overlaps_comm(is_gpu) else 1) + staging
+    return DS_REDUCE_BUCKET * w + zero3_gathered(u, w)
+
+
+def zero3_gathered(u: Units, w: float) -> float:
+    """ZeRO-3's largest unit, in use and prefetched (2 x w bytes a parameter), with its fp32 gradient."""
     unit = max(u.layer, u.emb, u.head, u.root)
     return 2 * unit * w + unit * 4

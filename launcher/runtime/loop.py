@@ -300,6 +300,15 @@ class Trainer:
     # ------------------------------------------------------------------ the step
 
     def _train_step(self, step: int) -> tuple[torch.Tensor, dict]:
+        if os.environ.get(jobenv.TRACK_MEMORY) == str(step):  # `dtlaunch rehearse`: this step's tensors, counted
+            from .memtrack import tracked
+
+            p = self._built
+            with tracked(p.engine, p.job.run_dir, p.world.rank):
+                return self._step(step)
+        return self._step(step)
+
+    def _step(self, step: int) -> tuple[torch.Tensor, dict]:
         p = self._built
         loss = p.engine.forward_backward(p.batches.next_step())
         if p.faults.hit("drop_grads", step):
