@@ -85,10 +85,12 @@ def test_a_layout_that_loses_a_gradient_shard_fails_parity(run_cli, tmp_path, mo
 
 
 @pytest.mark.slow
-def test_the_405b_layout_rehearses_on_8_ranks(run_cli, tmp_path):
-    code, doc = rehearse(run_cli, RECIPES / "llama3-405b.yaml", "-o", str(tmp_path))
+def test_the_405b_layout_trains_like_one_rank_on_8_ranks_and_its_memory_is_the_plans(run_cli, tmp_path):
+    """Tensor parallel 8 with sequence parallelism, kept at its degree; parity and memory share one 8-rank run
+    (the whole rehearsal, with the reshard and the hang, takes about 4 minutes here: the README quotes it)."""
+    code, doc = rehearse(
+        run_cli, RECIPES / "llama3-405b.yaml", "--only", "parity", "--only", "memory", "-o", str(tmp_path)
+    )
     assert doc["degrees"] == {"tp": 8, "pp": 1, "dp": 1} and doc["full"]["world"] == 128
-    by = {c["name"]: c for c in doc["checks"]}
-    assert list(by) == ["parity", "preemption", "memory", "reshard", "hang"], doc
+    assert [c["name"] for c in doc["checks"]] == ["parity", "memory"], doc
     assert code == 0 and doc["ok"], json.dumps(doc, indent=2)
-    assert "exit 42 (PREEMPTED)" in by["preemption"]["detail"] and "exit 43 (HANG)" in by["hang"]["detail"]
