@@ -24,11 +24,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from ..jobenv import FAULT, MEMTRACK_DIR, TRACK_MEMORY, ExitCode, read_metrics
 from .common import OVERRIDE, load, table
+
+if TYPE_CHECKING:
+    from ..plan.rehearsal import Rehearsal
 
 # Test-only: a fault (launcher.runtime.inject's syntax) for every run of the rehearsal's layout, so that a test or
 # a drill can break the layout on purpose and see which check catches it.
@@ -117,7 +121,7 @@ def _join(*faults: str | None) -> str | None:
     return ";".join(f for f in faults if f) or None
 
 
-def rehearse(recipe, plan, root: Path, max_ranks: int, only: tuple[str, ...] = CHECKS) -> tuple[object, list[Check]]:
+def rehearse(recipe, plan, root: Path, max_ranks: int, only: tuple[str, ...] = CHECKS) -> tuple[Rehearsal, list[Check]]:
     from ..plan.rehearsal import FIRST, PARITY_TOL, STEPS, scale_down
 
     r = scale_down(recipe, plan, max_ranks)

@@ -155,7 +155,7 @@ def scale_down(recipe, plan, max_ranks: int = MAX_RANKS) -> Rehearsal:
             "grad_accum": rdp * ga,
         },
     }
-    other = {
+    other: dict[str, Any] = {
         **base,
         "name": f"{recipe.name}-resharded",
         "resources": {"accelerator": f"cpu:{nproc}", "nodes": 1, "network": "loopback"},
