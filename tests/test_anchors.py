@@ -97,3 +97,33 @@ def test_the_calibrated_mfus_are_what_torchtitan_reports():
     """torchtitan: 'the 1D Llama 3.1 8B model training on 8 or 128 H100 GPUs without Float8 achieves 33% to 39%
     MFU' (against the SXM peak, which their lower-power H100s do not reach)."""
     assert 0.33 <= calibrated_mfu("bf16") <= 0.39
+
+
+# ----------------------------------------------------------------------------- measured on a GPU
+
+H200 = json.loads((HERE / "anchors" / "h200_ledgers.json").read_text())
+# The allocator's active peak on the H200 against the plan's tensors (with cuBLAS's workspaces): (lowest, highest)
+# relative error. Within 1% unless said.
+ACTIVE = {
+    "gpu-matrix0/device/ddp-fp16": (0.0, 0.06),  # +4.0%: not yet explained (fp16 DDP only; bf16 is +0.2%)
+    "gpu-matrix0/device/zero2-fp16": (0.0, 0.03),  # +1.5%
+    "gpu-matrix0/device/zero3-bf16": (0.0, 0.07),  # +5.0%: not yet explained
+    # +50%: with optimizer offload DeepSpeed holds ~440 MB more on the GPU than the plan's staging buffer; not
+    # yet explained
+    "gpu-matrix0/device/zero2-offload-adamw": (0.4, 0.6),
+    "gpu-matrix0/device/zero2-offload-sgd": (0.4, 0.6),
+}
+
+
+@pytest.mark.parametrize("run", H200["runs"], ids=lambda r: r["run"])
+def test_the_plans_tensors_are_what_an_h200_allocated(run):
+    from launcher.plan.ledger import entry
+    from launcher.recipe.loading import load_data
+
+    recipe = load_data(json.loads(json.dumps(run["recipe"])), run["run"])
+    predicted = entry(recipe, make_plan(recipe), [])["predicted"]["peak_bytes"]
+    err = run["active_peak_bytes"] / predicted - 1
+    lo, hi = ACTIVE.get(run["run"], (-0.01, 0.01))
+    assert lo <= err <= hi, (
+        f"{run['run']}: {run['active_peak_bytes'] / 1e6:.1f} MB measured, {predicted / 1e6:.1f} planned"
+    )
