@@ -14,7 +14,6 @@ from pathlib import Path
 
 import click
 
-from ..recipe.calibration import CalibrationError, read_calibration
 from .common import OVERRIDE, TARGET, duration, load, seconds, table
 
 CALIBRATION_FILE = "calibration.json"
@@ -45,6 +44,8 @@ def calibration_overrides(recipe, steps: int, nodes: int) -> tuple[list[str], li
 def fit_depth(recipe_path: str, overrides: list[str]) -> tuple[list[str], str | None]:
     """Fewer layers until the calibration run's plan fits one node: the MFU is measured per FLOP of this model's
     own layers, so it carries over to the full depth."""
+    from ..recipe.calibration import CalibrationError
+
     recipe, plan = load(recipe_path, overrides)
     if plan.memory.fits:
         return overrides, None
@@ -66,6 +67,7 @@ def fit_depth(recipe_path: str, overrides: list[str]) -> tuple[list[str], str | 
 def find_ledger(out: Path) -> Path:
     """The newest ledger a run left under `out` (its run directory, or a SLURM job's runs/<run id>/)."""
     from ..plan.ledger import LEDGER_FILE
+    from ..recipe.calibration import CalibrationError
 
     found = [p for p in (out / LEDGER_FILE, *out.glob(f"runs/*/{LEDGER_FILE}")) if p.is_file()]
     if not found:
@@ -116,6 +118,8 @@ def print_terms(doc: dict) -> None:
 
 def print_calibrated_plan(recipe, p) -> None:
     """After `plan`'s own lines: which calibration it used, and what it changed."""
+    from ..recipe.calibration import read_calibration
+
     path = recipe.resources.calibration
     doc = read_calibration(path)
     lay = doc["layout"]
@@ -144,6 +148,7 @@ def print_calibrated_plan(recipe, p) -> None:
 
 def print_accuracy(paths: list[str]) -> None:
     from ..plan.ledger import accuracy, read_ledgers
+    from ..recipe.calibration import CalibrationError
 
     ledgers = read_ledgers(paths or ["runs"])
     if not ledgers:
@@ -179,6 +184,7 @@ def print_accuracy(paths: list[str]) -> None:
 def calibrate_cmd(ctx, recipe_path, target, overrides, steps, nodes, out_dir, from_dir):
     """Run the recipe briefly on its own hardware and target; write what it measured (step time, MFU, peak
     memory, checkpoint write time) to a calibration file for `plan --calibration`."""
+    from ..recipe.calibration import CalibrationError, read_calibration
     from .rendering import out_dir_for, up_cmd
 
     if from_dir is None:

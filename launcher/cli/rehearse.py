@@ -16,11 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +58,9 @@ class Check:
 
 def run_one(root: Path, name: str, data: dict, fault: str | None = None, track: int | None = None) -> Run:
     """One local job of recipe `data` in root/name, to its end; its exit code and what it logged."""
+    import signal
+    import subprocess
+
     from ..prepare import check, prepare
     from ..recipe.loading import load_data
 
@@ -262,6 +261,9 @@ def _hang(r, root: Path, fault: str | None) -> Check:
 def rehearse_cmd(recipe_path, overrides, max_ranks, out_dir, only, as_json):
     """Train the recipe's layout scaled down on this machine's CPU and check it: loss parity with one rank,
     preemption, a reshard into another layout and back, a hang. Exit 0 only when every check passes."""
+    import shutil
+    import tempfile
+
     recipe, plan = load(recipe_path, overrides)
     root = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="dtlaunch-rehearse-"))
     root.mkdir(parents=True, exist_ok=True)
