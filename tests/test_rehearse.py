@@ -94,3 +94,10 @@ def test_the_405b_layout_trains_like_one_rank_on_8_ranks_and_its_memory_is_the_p
     assert doc["degrees"] == {"tp": 8, "pp": 1, "dp": 1} and doc["full"]["world"] == 128
     assert [c["name"] for c in doc["checks"]] == ["parity", "memory"], doc
     assert code == 0 and doc["ok"], json.dumps(doc, indent=2)
+
+
+def test_the_rehearsal_says_when_it_does_not_run_the_users_script():
+    rec = load(RECIPES / "tiny.yaml", ["entrypoint.script=train.py"])
+    r = scale_down(rec, make_plan(rec))
+    assert "entrypoint" not in r.layout and "entrypoint" not in r.control
+    assert any("the recipe's script is not run" in c for c in r.changes), r.changes

@@ -100,6 +100,10 @@ def scale_down(recipe, plan, max_ranks: int = MAX_RANKS) -> Rehearsal:
         f"model: {model['layers']} layers x {model['hidden']} hidden, {model['heads']} heads ({model['kv_heads']} "
         f"kv), vocab {VOCAB}, sequence {SEQ} (the recipe's: {plan.params:,} parameters, sequence {plan.seq_len})"
     )
+    if recipe.model.hf is not None:
+        changes.append("model.hf: a Llama of the sizes above stands in for the Hugging Face model")
+    if recipe.entrypoint is not None:
+        changes.append("entrypoint: dtlaunch's own trainer trains the layout; the recipe's script is not run")
     if lay.precision != "fp32":
         changes.append(f"precision {lay.precision} -> fp32 (parity must tell a fault from rounding)")
     if lay.offload != "none":
