@@ -27,15 +27,16 @@ def _pct(x: float | None) -> str:
 
 def calibration_overrides(recipe, steps: int, nodes: int) -> tuple[list[str], list[str]]:
     """The --set items that make the calibration run of `recipe`, and what they changed, said for the user."""
+    every = max(1, steps // 2)
     sets = [
         f"name={recipe.name}-calibrate",
         f"resources.nodes={nodes}",
         f"training.steps={steps}",
         "training.tokens=null",
         "training.log_every=1",
-        f"checkpoint.every={max(1, steps // 2)}",
+        f"checkpoint.every={every}",
     ]
-    said = [f"{steps} steps, each logged; a checkpoint at step {max(1, steps // 2)} and at the end"]
+    said = [f"{steps} steps, each logged; a checkpoint at step {every} and at the end"]
     if nodes != recipe.resources.nodes:
         said.append(f"{nodes} node(s) instead of {recipe.resources.nodes}")
     return sets, said
@@ -80,12 +81,11 @@ def find_ledger(out: Path) -> Path:
 
 def write_calibration(ledger_path: Path) -> Path:
     from ..plan.ledger import calibration
+    from ..runtime.ckptdir import write_file_durably
 
     doc = calibration(json.loads(ledger_path.read_text()))
     out = ledger_path.with_name(CALIBRATION_FILE)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    tmp.replace(out)
+    write_file_durably(out, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
     return out
 
 
@@ -195,20 +195,15 @@ def calibrate_cmd(ctx, recipe_path, target, overrides, steps, nodes, out_dir, fr
         cal, _ = load(recipe_path, sets)
         out = out_dir_for(cal, target or cal.targets.default, out_dir)
         click.echo(f"calibrating {recipe.name}: {'; '.join(said)}")
-        try:
+        try:  # `up` itself, its other options at their defaults (click fills them in)
             ctx.invoke(
                 up_cmd,
                 recipe_path=recipe_path,
                 target=target,
                 overrides=tuple(sets),
                 out_dir=str(out),
-                dry_run=False,
-                show=False,
                 detach=False,
-                force=False,
                 fresh=True,
-                sweeps=(),
-                after=(),
             )
             rc = 0
         except SystemExit as e:

@@ -1,6 +1,6 @@
 """The plan beside what a run measured: the ledger every run leaves (RUN_DIR/ledger.json), the calibration file
 `dtlaunch calibrate` writes, and the summary `plan --accuracy` prints. Pure functions over a plan and the
-records of a metrics.jsonl; the runtime and the CLI do the reading and writing.
+records of a metrics.jsonl; the runtime (Job.release) and the CLI do the reading and writing.
 
 What is compared, per run:
 - step time: the plan's (at its MFU) against the median logged step time, leaving out each attempt's first
@@ -79,13 +79,11 @@ def entry(recipe, plan, records: list[dict], run_dir: str = "") -> dict[str, Any
     """One run's ledger: the plan's predictions, the measured values, their relative error (measured / planned
     - 1; None where a value was not measured)."""
     m = measure(records)
-    mem = plan.memory
-    reserved = mem.total - mem.terms.get("context", 0.0)
     predicted = {
         "step_seconds": plan.step_seconds,
         "checkpoint_write_seconds": plan.checkpoint_write_seconds,
-        "peak_bytes": reserved - mem.terms.get("fragmentation", 0.0),
-        "reserved_bytes": reserved,
+        "peak_bytes": plan.memory.active,
+        "reserved_bytes": plan.memory.reserved,
         "mfu": recipe.resources.mfu,
     }
     measured = dict(m)
@@ -120,15 +118,6 @@ def entry(recipe, plan, records: list[dict], run_dir: str = "") -> dict[str, Any
         "measured": measured,
         "error": error,
     }
-
-
-def write_ledger(run_dir: str | Path, recipe, plan, records: list[dict]) -> Path:
-    """RUN_DIR/ledger.json, replaced atomically (a reader never sees half a file)."""
-    out = Path(run_dir) / LEDGER_FILE
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(entry(recipe, plan, records, str(run_dir)), indent=2, sort_keys=True) + "\n")
-    tmp.replace(out)
-    return out
 
 
 # ------------------------------------------------------------------ calibration

@@ -107,6 +107,17 @@ class Memory(msgspec.Struct, frozen=True):
     # micro-batches, say), which can differ.
     model_states: dict[str, float] = msgspec.field(default_factory=dict)
 
+    @property
+    def reserved(self) -> float:
+        """What the caching allocator should reserve at the peak: everything but the CUDA context (and NCCL),
+        which live outside it."""
+        return self.total - self.terms.get("context", 0.0)
+
+    @property
+    def active(self) -> float:
+        """What the caching allocator's tensors hold at the peak (its active bytes): `reserved` less fragmentation."""
+        return self.reserved - self.terms.get("fragmentation", 0.0)
+
     def to_dict(self) -> dict:
         d: dict[str, Any] = {
             k: int(round(getattr(self, k)))

@@ -39,11 +39,11 @@ from .. import jobenv
 from ..jobenv import ExitCode
 from ..plan.cost import flops_per_token
 from ..plan.layout import Layout
-from ..plan.ledger import write_ledger
+from ..plan.ledger import LEDGER_FILE, entry
 from .agreement import Agreement, NonFiniteWatch, Reporter, StepSync
 from .checkpoint import Checkpointer
 from .checkpoint.compat import identity
-from .ckptdir import expand_dir
+from .ckptdir import expand_dir, write_file_durably
 from .dist import World, init_distributed, set_collective_timeout, shutdown
 from .engines import Engine, build_engine
 from .failures import ConfigError, Preempted
@@ -395,7 +395,8 @@ class Job:
         self.metrics.close()
         if self.metrics.enabled:
             try:
-                write_ledger(self.run_dir, self.recipe, self.plan, jobenv.read_metrics(self.run_dir))
+                ledger = entry(self.recipe, self.plan, jobenv.read_metrics(self.run_dir), str(self.run_dir))
+                write_file_durably(self.run_dir / LEDGER_FILE, (json.dumps(ledger, indent=2) + "\n").encode())
             except (OSError, ValueError) as e:  # a figure not recorded must not fail a run that trained
                 print(f"dtlaunch: WARNING: the ledger was not written ({e})", file=sys.stderr, flush=True)
 
