@@ -81,7 +81,8 @@ def test_a_layout_that_loses_a_gradient_shard_fails_parity(run_cli, tmp_path, mo
     assert code == 1 and not doc["ok"] and parity["name"] == "parity" and not parity["ok"], doc
     worst = float(parity["detail"].split("one rank ")[1].split(" ")[0])
     assert worst > 1e-3, parity  # far beyond rounding: the fault, not noise, is what failed it
-    assert "FAULT INJECTION rank 1: drop_grads at step 2" in (tmp_path / "layout" / "rehearse.log").read_text()
+    (log,) = (tmp_path / "layout" / "logs").glob("*.log")
+    assert "FAULT INJECTION rank 1: drop_grads at step 2" in log.read_text()
 
 
 @pytest.mark.slow

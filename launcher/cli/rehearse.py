@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 # Test-only: a fault (launcher.runtime.inject's syntax) for every run of the rehearsal's layout, so that a test or
 # a drill can break the layout on purpose and see which check catches it.
 REHEARSAL_FAULT = "DTLAUNCH_REHEARSAL_FAULT"
-RUN_TIMEOUT_S = 420
 HANG_TIMEOUT_S = 8  # the hang run's training.timeout_seconds
 
 
@@ -45,7 +44,8 @@ class Run:
     saved: list[int]  # steps of the committed checkpoints
     resumed_from: int | None
     seconds: float
-    log: Path
+    log: Path  # the job's log
+    dir: Path  # its run directory
 
 
 @dataclass
@@ -57,44 +57,33 @@ class Check:
 
 
 def run_one(root: Path, name: str, data: dict, fault: str | None = None, track: int | None = None) -> Run:
-    """One local job of recipe `data` in root/name, to its end; its exit code and what it logged."""
-    import signal
-    import subprocess
-
+    """One local job of recipe `data` in root/name, started and followed to its end by the local target's own
+    backend (not recorded in the registry); its exit code and what it logged."""
     from ..prepare import check, prepare
     from ..recipe.loading import load_data
+    from ..targets.local.backend import LocalBackend
 
     recipe = load_data(copy.deepcopy(data), f"<rehearsal {name}>")
     prep = prepare(recipe, (), "local")
     check(prep, False, "rehearsed")
     d = prep.artifacts.write(root / name, origin="up")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop(FAULT, None)
-    env.pop(TRACK_MEMORY, None)
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT, TRACK_MEMORY)}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if fault:
         env[FAULT] = fault
     if track is not None:
         env[TRACK_MEMORY] = str(track)
-    log = d / "rehearse.log"
     t0 = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            ["bash", str(d / prep.artifacts.entrypoint)], cwd=d, stdout=out, stderr=subprocess.STDOUT, env=env
-        )
-        try:
-            rc = proc.wait(RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the job script passes it to torchrun's session
-            try:
-                rc = proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
+    backend = LocalBackend(cwd=str(d))
+    rec = backend.submit(prep.artifacts, str(d), env)
+    with open(os.devnull, "w") as quiet:  # the log stays in the run directory; the rehearsal prints its table
+        rc = backend.wait(rec, stream=quiet)
     recs = read_metrics(d) if (d / "metrics.jsonl").exists() else []
     losses = {int(r["step"]): float(r["loss"]) for r in recs if "event" not in r and "loss" in r}
     saved = [int(r["step"]) for r in recs if r.get("event") == "checkpoint"]
     resumed = [int(r["step"]) for r in recs if r.get("event") == "resume" and "step" in r]
-    return Run(name, rc, losses, saved, resumed[0] if resumed else None, time.monotonic() - t0, log)
+    log = Path(rec.handle.log)
+    return Run(name, rc, losses, saved, resumed[0] if resumed else None, time.monotonic() - t0, log, d)
 
 
 def _worst(run: Run, control: Run, steps) -> tuple[float, int | None]:
@@ -177,10 +166,9 @@ def _memory(r, run: Run) -> Check:
     from ..plan.rehearsal import MEMORY_TOL
     from ..recipe.loading import load_data
 
-    m = make_plan(load_data(copy.deepcopy(r.layout), "<rehearsal>")).memory
-    planned = m.total - m.terms.get("context", 0.0) - m.terms.get("fragmentation", 0.0)
+    planned = make_plan(load_data(copy.deepcopy(r.layout), "<rehearsal>")).memory.active
     counted = []
-    for f in sorted((run.log.parent / MEMTRACK_DIR).glob("rank-*.json")):
+    for f in sorted((run.dir / MEMTRACK_DIR).glob("rank-*.json")):
         doc = json.loads(f.read_text())
         counted.append(max(kinds.get("Total", 0) for kinds in doc["peak"].values()))
     if len(counted) != r.nproc:

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -155,8 +155,9 @@ class LocalBackend:
 
     # ---------------------------------------------------------------- submit
 
-    def submit(self, artifacts: Artifacts, out_dir: str) -> JobRecord:
-        """Start the job; the caller holds claim_run_dir(out_dir) around this and recording it."""
+    def submit(self, artifacts: Artifacts, out_dir: str, env: Mapping[str, str] | None = None) -> JobRecord:
+        """Start the job; the caller holds claim_run_dir(out_dir) around this and recording it. `env`: the job's
+        environment instead of this process's (`dtlaunch rehearse` sets a fault or a memory count per run)."""
         req = artifacts.request
         assert isinstance(req, LocalRequest)
         require_secrets(req.secrets, "the job reads them from the environment it is started in")
@@ -164,7 +165,7 @@ class LocalBackend:
         attempt = f"up-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         log_path = run_dir / "logs" / f"{attempt}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, ATTEMPT: attempt}
+        env = {**(os.environ if env is None else env), ATTEMPT: attempt}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 ["bash", str(run_dir / req.script)],
