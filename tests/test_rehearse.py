@@ -102,3 +102,58 @@ def test_the_rehearsal_says_when_it_does_not_run_the_users_script():
     r = scale_down(rec, make_plan(rec))
     assert "entrypoint" not in r.layout and "entrypoint" not in r.control
     assert any("the recipe's script is not run" in c for c in r.changes), r.changes
+
+
+@pytest.mark.slow
+def test_the_world_check_runs_the_recipes_whole_world_on_a_fake_process_group(run_cli, tmp_path):
+    """The tiny model at tensor 2 over 4 nodes of 4 GPUs: 16 ranks, more than the rehearsal starts, each placed in
+    the mesh and one step traced at full size. FSDP2 reduce-scatters each of its units' gradients once per
+    micro-step over the data-parallel ranks: the tiny preset's blocks, its embedding and its head (units of their
+    own in a tensor-parallel layout) and the root (the final norm)."""
+    from launcher.catalog import PRESETS
+
+    code, doc = rehearse(
+        run_cli,
+        RECIPES / "tiny.yaml",
+        *("--set", "parallelism.tensor=2", "--set", "resources.nodes=4", "--set", "resources.accelerator=H100:4"),
+        *("--only", "world", "-o", str(tmp_path)),
+    )
+    (world,) = doc["checks"]
+    assert code == 0 and world["ok"], json.dumps(doc, indent=2)
+    detail = world["detail"]
+    assert detail.startswith("16 ranks as pp 1 x dp_replicate 1 x dp_shard 8 x tp 2: each rank once"), detail
+    units = PRESETS["tiny"].layers + 3
+    assert f"{units} reduce-scatter over 8 ranks (dp_shard)" in detail, detail
+    assert "all-reduce over 2 ranks (tp)" in detail, detail
+    ratio = float(detail.rsplit("(", 1)[1].rstrip(")"))
+    assert abs(ratio - 1) < 0.1, detail
+
+
+def test_a_mesh_that_places_ranks_elsewhere_fails_the_world_check():
+    """The 405B layout's 128 ranks: the check fails when the runtime's coordinates (its data shards, its checkpoint
+    files) disagree with the mesh torch builds, and when a tensor group would span nodes."""
+    from launcher.trace.world import check_mesh
+
+    recipe = load(RECIPES / "llama3-405b.yaml")
+    layout, _ = make_plan(recipe).layout.for_world(128)
+    assert check_mesh(layout, 128, 8).ok
+    swapped = check_mesh(layout, 128, 8, coords=lambda r: (0, r % 16, r // 16))  # dp innermost instead of tp
+    assert not swapped.ok
+    assert swapped.problems[0] == (
+        "rank 1 is at (pp 0, dp 0, tp 1) in the mesh, but the runtime places it at (pp 0, dp 1, tp 0)"
+    )
+    small_nodes = check_mesh(layout, 128, 4)
+    assert "tensor group [0, 1, 2, 3, 4, 5, 6, 7] spans nodes [0, 1]" in small_nodes.problems
+
+
+def test_a_steps_collectives_are_its_micro_steps_and_its_optimizer_step():
+    from launcher.trace.report import per_step
+
+    traced = {
+        "micro-step|all-gather|16": 4,
+        "last micro-step|all-gather|16": 4,
+        "last micro-step|reduce-scatter|16": 2,
+        "optimizer step|all-reduce|16": 1,
+    }
+    assert per_step(traced, 8) == {("all-gather", 16): 32, ("all-reduce", 16): 1, ("reduce-scatter", 16): 2}
+    assert per_step({"last micro-step|all-gather|2": 3}, 1) == {("all-gather", 2): 3}

@@ -6,7 +6,9 @@ what a layout must do:
 - preemption: a USR2 at a step ends the job with 42 after a committed checkpoint;
 - reshard: that checkpoint resumes into another layout (data parallel only, the same ranks), which is preempted in
   turn, and the recipe's layout resumes from it and finishes: every loss after a resume is the one-rank run's;
-- hang: a rank that stops answering ends the job with 43 within the collective timeout.
+- hang: a rank that stops answering ends the job with 43 within the collective timeout;
+- world: the recipe's own layout at its full size, every rank on a fake process group (no process per rank): each
+  rank's place in the mesh, one step's collectives and its memory traced against the plan.
 
 Exit 0 only when every check passes (1 otherwise); `--json` prints the same for CI.
 """
@@ -101,7 +103,7 @@ def _code(rc: int) -> str:
     return f"{rc} ({ExitCode.name_of(rc)})"
 
 
-CHECKS = ("parity", "preemption", "reshard", "memory", "hang")
+CHECKS = ("parity", "preemption", "reshard", "memory", "hang", "world")
 TRACKED_STEP = 2  # the first step with the optimizer's states: the peak of every later step
 
 
@@ -156,7 +158,44 @@ def rehearse(recipe, plan, root: Path, max_ranks: int, only: tuple[str, ...] = C
             checks.append(_reshard(r, root, control, first, fault))
     if "hang" in only:
         checks.append(_hang(r, root, fault))
+    if "world" in only:
+        checks.append(world(recipe, plan))
     return r, [c for c in checks if c.name in only]
+
+
+def world(recipe, plan, coords=None) -> Check:
+    """The recipe's own layout at its full world size, on a fake process group in this process: every rank's place
+    in the mesh (launcher.trace.world), then one step of the full-width model traced (launcher.trace): its
+    collectives and its memory against the plan's. `coords`: see check_mesh."""
+    from ..trace import TraceError
+    from ..trace.report import per_step
+    from ..trace.world import check_mesh
+    from . import tracing
+
+    layout, _ = plan.layout.for_world(plan.world_size)
+    mesh = check_mesh(layout, plan.world_size, recipe.resources.per_node, coords)
+    detail = f"{plan.world_size} ranks as {mesh.describe()}: " + (
+        "each rank once, where the runtime places it, every tensor group inside a node"
+        if mesh.ok
+        else "; ".join(mesh.problems[:3]) + (f" (and {len(mesh.problems) - 3} more)" if len(mesh.problems) > 3 else "")
+    )
+    try:
+        c = tracing.run(recipe, plan)
+    except TraceError as e:
+        return Check("world", mesh.ok, f"{detail}; the step not traced: {e.message}")
+    calls = per_step(c.traced.collectives, layout.grad_accum)
+    sizes = [v for v in mesh.shape.values() if v > 1]
+    dim = {v: f" ({k})" for k, v in mesh.shape.items() if v > 1 and sizes.count(v) == 1}
+    said = ", ".join(f"{n} {kind} over {ranks} ranks{dim.get(ranks, '')}" for (kind, ranks), n in calls.items())
+    peak = next(r for r in c.rows if r.term == "total")
+    agree = not c.warnings
+    return Check(
+        "world",
+        mesh.ok and agree,
+        f"{detail}; one step ({layout.grad_accum} micro-steps) calls {said or 'no collective'}; its memory at full "
+        f"size: {peak.traced / 1e9:.2f} GB traced at the {c.peak_traced}, {peak.planned / 1e9:.2f} GB planned "
+        f"({peak.planned / peak.traced:.3f})" + ("" if agree else f": {'; '.join(c.warnings)}"),
+    )
 
 
 def _memory(r, run: Run) -> Check:

@@ -9,9 +9,10 @@ were checked on.
 
 Cannot be traced: a GPT architecture (the runtime builds Llama blocks only), DeepSpeed ZeRO (it allocates its
 flat buffers and launches its own kernels outside what fake tensors can follow), FSDP2 CPU offload (it pins
-host memory), tensor/pipeline parallel layouts (the runtime does not train them), and DDP (moving the model and
-building its C++ reducer need real storage; its formulas are checked on the tiny model's real tensors by
-tests/test_trace.py instead).
+host memory), pipeline layouts (the schedule runs the step's micro-batches across stages at once, not the
+micro-steps the tracker follows), and a plain DDP layout (moving the model and building its C++ reducer need
+real storage; its formulas are checked on the tiny model's real tensors by tests/test_trace.py instead).
+Tensor and sequence parallel layouts are traced: DTensor's collectives run on the fake process group too.
 """
 
 from __future__ import annotations
@@ -83,14 +84,12 @@ def check_plan(recipe, plan) -> None:
             fix="trace the same model with a torch strategy for the activations and loss, e.g. "
             "--set parallelism.strategy=fsdp --set parallelism.offload=none",
         )
-    if lay.tp > 1 or lay.pp > 1:
+    if lay.pp > 1:
         raise TraceError(
-            f"tensor={lay.tp} pipeline={lay.pp} cannot be traced: DTensor's collectives and the "
-            "pipeline's point-to-point sends need a real process group per mesh dimension, which the "
-            "fake world does not give (tests/runtime/test_rt_layouts.py checks the planner's per-rank "
-            "states against real runs instead)",
-            fix="trace the same model with --set parallelism.tensor=1 --set parallelism.pipeline=1 for "
-            "the data-parallel terms",
+            f"pipeline={lay.pp} cannot be traced: the trace follows one rank's micro-steps, while a pipeline "
+            "schedule runs the step's micro-batches together across its stages (the rehearsal checks a "
+            "pipeline's memory on real ranks instead: dtlaunch rehearse --only memory)",
+            fix="trace the same model with --set parallelism.pipeline=1 for the other terms",
         )
     if lay.offload != "none":
         asked = recipe.parallelism.offload
@@ -108,7 +107,7 @@ def check_plan(recipe, plan) -> None:
             f"fake tensors on a CPU cannot do{how}",
             fix="--set parallelism.offload=none to trace the rest",
         )
-    if not lay.spec.sharded:
+    if not lay.spec.sharded and not lay.model_parallel:  # with tensor/pipeline parallelism ddp runs on FSDP2
         raise TraceError(
             "ddp cannot be traced on fake tensors: moving the model and building DDP's C++ reducer "
             "need real storage (its formulas are checked on a small model's real tensors in the test "
@@ -131,7 +130,7 @@ def trace(recipe, plan, depths: tuple[int, ...] | None = None) -> TracedStep:
     with fake_world(plan.world_size):
         for d in depths:
             snap = trace_step(recipe, plan, d)
-            points.append(Point(d, snap.moments, snap.seconds))
+            points.append(Point(d, snap.moments, snap.seconds, snap.collectives))
     return extrapolate(points, layers)
 
 

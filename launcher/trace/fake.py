@@ -49,6 +49,9 @@ class Snapshot:
     where: str  # the tracker's finer position, e.g. "backward of layers.31"
     seconds: float
     moments: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # moment -> its own peak
+    # "phase|op|ranks" -> calls in the second step: a micro-step before the last (when there are several), the
+    # last micro-step, the optimizer step (with clipping)
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -72,19 +75,44 @@ def fake_world(world_size: int):
 def _mesh_outside_fake_mode():
     """DeviceMesh keeps real tensors of rank ids: build it with fake mode suspended."""
     import torch.distributed.device_mesh as dm
+    import torch.distributed.tensor._utils as dt_utils
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     orig = dm.init_device_mesh
+    mesh_prop = dm.DeviceMesh.mesh
+    orig_init = dm.DeviceMesh.__init__
+    offsets = dt_utils.compute_local_shape_and_global_offset
 
     def init_device_mesh(*args, **kwargs):
         with unset_fake_temporarily():
             return orig(*args, **kwargs)
 
+    def mesh(self):
+        # a sub-mesh's rank ids, computed again when FSDP2 joins the data-parallel and tensor dimensions
+        with unset_fake_temporarily():
+            return mesh_prop.fget(self)
+
+    def init(self, *args, **kwargs):
+        # FSDP2 makes a new mesh of the data-parallel and tensor dimensions together
+        with unset_fake_temporarily():
+            orig_init(self, *args, **kwargs)
+
+    def local_shape_and_offset(*args, **kwargs):
+        # a shard's offset from the rank's coordinates (the vocabulary-parallel loss asks for it)
+        with unset_fake_temporarily():
+            return offsets(*args, **kwargs)
+
     dm.init_device_mesh = init_device_mesh
+    dm.DeviceMesh.mesh = property(mesh)
+    dt_utils.compute_local_shape_and_global_offset = local_shape_and_offset
+    dm.DeviceMesh.__init__ = init
     try:
         yield
     finally:
         dm.init_device_mesh = orig
+        dm.DeviceMesh.mesh = mesh_prop
+        dm.DeviceMesh.__init__ = orig_init
+        dt_utils.compute_local_shape_and_global_offset = offsets
 
 
 def _moment(
@@ -120,6 +148,38 @@ def _moment(
     return "layer backward", f"backward of {unit}"
 
 
+MICRO, LAST_MICRO, OPTIMIZER = "micro-step", "last micro-step", "optimizer step"
+# The dispatcher's namespaces of collectives: c10d's (what FSDP2 and the pipeline's sends call) and the
+# functional ones (what DTensor's redistributions call); waits are not collectives of their own.
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+NOT_SENT = ("wait_tensor", "wait", "barrier", "monitored_barrier")
+
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "broadcast", "send", "recv")
+
+
+def _kind(opname: str) -> str:
+    """One name for a collective whichever API issued it (c10d's `_allgather_base_`, the functional
+    `all_gather_into_tensor`, ...)."""
+    bare = opname.replace("_", "")
+    return next((k for k in KINDS if bare.startswith(k.replace("-", ""))), opname)
+
+
+def _group_size(args) -> int:
+    """The ranks of the collective's process group: a ProcessGroup argument, or a functional op's group name."""
+    from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
+
+    for a in args:
+        if isinstance(a, str):
+            try:
+                return _resolve_process_group(a).size()
+            except (ValueError, RuntimeError, KeyError):
+                continue
+        if isinstance(a, torch.ScriptObject):  # c10d's ops take the group boxed
+            return ProcessGroup.unbox(a).size()
+    return 0
+
+
 class StepTracker(FSDPMemTracker):
     """FSDPMemTracker that also records where in the step the peak is reached, and each moment's own peak.
 
@@ -136,6 +196,8 @@ class StepTracker(FSDPMemTracker):
         self._ops, self._peak_op = 0, 0
         self._undo: list = []
         self.last_micro = True  # set by the caller: is this the step's last micro-step
+        self.phase: str | None = None  # set by the caller: the collectives are counted under this name
+        self.collectives: dict[tuple[str, str, int], int] = {}  # (phase, op, group size) -> calls
 
     def _mark(self, fsdp_mod, inner, stage):
         def wrapped(*args, **kwargs):
@@ -190,6 +252,9 @@ class StepTracker(FSDPMemTracker):
     # recorded in between, during which it was alive.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._ops += 1
+        if self.phase is not None and func.namespace in COLLECTIVE_NAMESPACES and func._opname not in NOT_SENT:
+            key = (self.phase, _kind(func._opname), _group_size(args))
+            self.collectives[key] = self.collectives.get(key, 0) + 1
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _track(self, reftype, t):
@@ -354,10 +419,15 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
                         tracker.reset_mod_stats()
                         tracker.label_partial_grads()
                     tracker.last_micro = i == n_micro - 1
+                    if it == 1:
+                        tracker.phase = LAST_MICRO if tracker.last_micro else MICRO
                     engine.micro_step(x, y, last=tracker.last_micro)
+                if it == 1:
+                    tracker.phase = OPTIMIZER
                 if recipe.training.grad_clip > 0:
                     clip_grad_norm(module.parameters(), recipe.training.grad_clip)
                 engine.step()
+                tracker.phase = None
         peak = tracker.get_tracker_snapshot("peak")
     dev = next(iter(peak.values()), {"Total": 0})
     cats = {str(getattr(k, "value", k)): int(v) for k, v in dev.items() if k != "Total" and v}
@@ -366,4 +436,7 @@ def trace_step(recipe, plan, layers: int | None = None) -> Snapshot:
         m: {str(getattr(k, "value", k)): int(v) for k, v in snap.items() if v and k != "Total"}
         for m, (snap, _) in tracker.moments.items()
     }
-    return Snapshot(shape.layers, plan.world_size, cats, int(dev["Total"]), at, where, time.monotonic() - t0, moments)
+    collectives = {"|".join(map(str, k)): n for k, n in sorted(tracker.collectives.items())}
+    return Snapshot(
+        shape.layers, plan.world_size, cats, int(dev["Total"]), at, where, time.monotonic() - t0, moments, collectives
+    )

@@ -10,7 +10,7 @@ with depth (the layers' activations grow, the loss does not).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Tracker category -> planner term. The tracker's Activation/Temp/Inputs are split between the layers' term
 # (the slope of the fit, x layers) and the constant loss/backward term (its intercept) by extrapolation.
@@ -62,6 +62,7 @@ class Point:
     layers: int
     moments: dict[str, dict[str, int]]
     seconds: float
+    collectives: dict[str, int] = field(default_factory=dict)  # "phase|kind|ranks" -> calls (trace.fake)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class TracedStep:
     seconds: float
     linearity: float | None  # worst relative miss of the third depth's moment totals; None without one
     exact: bool  # traced at the full depth, no extrapolation
+    collectives: dict[str, int] = field(default_factory=dict)  # "phase|kind|ranks" -> calls at `layers`
 
     @property
     def totals(self) -> dict[str, float]:
@@ -100,7 +102,7 @@ def extrapolate(points: list[Point], layers: int) -> TracedStep:
         moments = {m: _split(group(c), 0.0, layers) for m, c in p.moments.items()}
         for t in moments.values():  # no slope without a second depth: report the activations whole
             t["activations"], t["loss & layer in backward"] = t["loss & layer in backward"], 0.0
-        return TracedStep(layers, moments, [p.layers], seconds, None, True)
+        return TracedStep(layers, moments, [p.layers], seconds, None, True, dict(p.collectives))
     a, b = points[0], points[1]
     span = b.layers - a.layers
     moments = {}
@@ -122,7 +124,23 @@ def extrapolate(points: list[Point], layers: int) -> TracedStep:
             measured = sum(c.moments[m].values())
             worst = max(worst, abs(predicted - measured) / max(measured, 1))
         linearity = worst
-    return TracedStep(layers, moments, [p.layers for p in points], seconds, linearity, False)
+    # a collective is per layer or per step, as a tensor is: the count is affine in the depth too
+    calls = {
+        k: round(a.collectives.get(k, 0) + (b.collectives.get(k, 0) - a.collectives.get(k, 0)) * (layers - a.layers) / span)
+        for k in a.collectives.keys() | b.collectives.keys()
+    }
+    return TracedStep(layers, moments, [p.layers for p in points], seconds, linearity, False, calls)
+
+
+def per_step(collectives: dict[str, int], grad_accum: int) -> dict[tuple[str, int], int]:
+    """(kind, ranks) -> calls in one optimizer step of `grad_accum` micro-steps, from a trace's counts by phase
+    (every micro-step before the last alike, then the last, then the optimizer step)."""
+    times = {"micro-step": grad_accum - 1, "last micro-step": 1, "optimizer step": 1}
+    out: dict[tuple[str, int], int] = {}
+    for key, n in collectives.items():
+        phase, kind, ranks = key.split("|")
+        out[(kind, int(ranks))] = out.get((kind, int(ranks)), 0) + n * times[phase]
+    return {k: v for k, v in sorted(out.items()) if v}
 
 
 @dataclass
@@ -207,6 +225,7 @@ class Comparison:
             "projected_total": int(self.projected),
             "fits": self.fits,
             "warnings": list(self.warnings),
+            "collectives": dict(self.traced.collectives),  # "phase|kind|ranks" -> calls, at the recipe's depth
         }
 
 
