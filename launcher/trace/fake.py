@@ -73,46 +73,35 @@ def fake_world(world_size: int):
 
 @contextlib.contextmanager
 def _mesh_outside_fake_mode():
-    """DeviceMesh keeps real tensors of rank ids: build it with fake mode suspended."""
+    """DeviceMesh keeps real tensors of rank ids, and computes from them whenever a mesh is built (FSDP2 builds
+    one of the data-parallel and tensor dimensions together), read, or asked where a shard starts (the
+    vocabulary-parallel loss): all of that runs with fake mode suspended."""
     import torch.distributed.device_mesh as dm
     import torch.distributed.tensor._utils as dt_utils
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    orig = dm.init_device_mesh
-    mesh_prop = dm.DeviceMesh.mesh
-    orig_init = dm.DeviceMesh.__init__
-    offsets = dt_utils.compute_local_shape_and_global_offset
+    def real(f):
+        def call(*args, **kwargs):
+            with unset_fake_temporarily():
+                return f(*args, **kwargs)
 
-    def init_device_mesh(*args, **kwargs):
-        with unset_fake_temporarily():
-            return orig(*args, **kwargs)
+        return call
 
-    def mesh(self):
-        # a sub-mesh's rank ids, computed again when FSDP2 joins the data-parallel and tensor dimensions
-        with unset_fake_temporarily():
-            return mesh_prop.fget(self)
-
-    def init(self, *args, **kwargs):
-        # FSDP2 makes a new mesh of the data-parallel and tensor dimensions together
-        with unset_fake_temporarily():
-            orig_init(self, *args, **kwargs)
-
-    def local_shape_and_offset(*args, **kwargs):
-        # a shard's offset from the rank's coordinates (the vocabulary-parallel loss asks for it)
-        with unset_fake_temporarily():
-            return offsets(*args, **kwargs)
-
-    dm.init_device_mesh = init_device_mesh
-    dm.DeviceMesh.mesh = property(mesh)
-    dt_utils.compute_local_shape_and_global_offset = local_shape_and_offset
-    dm.DeviceMesh.__init__ = init
+    mesh_prop = vars(dm.DeviceMesh)["mesh"]
+    patches = [
+        (dm, "init_device_mesh", real(dm.init_device_mesh)),
+        (dm.DeviceMesh, "__init__", real(dm.DeviceMesh.__init__)),
+        (dm.DeviceMesh, "mesh", property(real(mesh_prop.fget))),
+        (dt_utils, "compute_local_shape_and_global_offset", real(dt_utils.compute_local_shape_and_global_offset)),
+    ]
+    saved = [(obj, name, vars(obj)[name]) for obj, name, _ in patches]
+    for obj, name, new in patches:
+        setattr(obj, name, new)
     try:
         yield
     finally:
-        dm.init_device_mesh = orig
-        dm.DeviceMesh.mesh = mesh_prop
-        dm.DeviceMesh.__init__ = orig_init
-        dt_utils.compute_local_shape_and_global_offset = offsets
+        for obj, name, old in saved:
+            setattr(obj, name, old)
 
 
 def _moment(
@@ -172,7 +161,7 @@ def _group_size(args) -> int:
     for a in args:
         if isinstance(a, str):
             try:
-                return _resolve_process_group(a).size()
+                return _resolve_process_group(a).size()  # type: ignore[arg-type]
             except (ValueError, RuntimeError, KeyError):
                 continue
         if isinstance(a, torch.ScriptObject):  # c10d's ops take the group boxed

@@ -126,7 +126,9 @@ def extrapolate(points: list[Point], layers: int) -> TracedStep:
         linearity = worst
     # a collective is per layer or per step, as a tensor is: the count is affine in the depth too
     calls = {
-        k: round(a.collectives.get(k, 0) + (b.collectives.get(k, 0) - a.collectives.get(k, 0)) * (layers - a.layers) / span)
+        k: round(
+            a.collectives.get(k, 0) + (b.collectives.get(k, 0) - a.collectives.get(k, 0)) * (layers - a.layers) / span
+        )
         for k in a.collectives.keys() | b.collectives.keys()
     }
     return TracedStep(layers, moments, [p.layers for p in points], seconds, linearity, False, calls)

@@ -38,7 +38,7 @@ def check_mesh(layout, world_size: int, gpus_per_node: int, coords=None) -> Mesh
     coords = coords or layout.coords
     with fake_world(world_size):
         grid = build_mesh(layout, torch.device("cpu")).mesh.tolist()
-    out = MeshCheck(dict(zip(MESH_DIMS, _shape(grid))))
+    out = MeshCheck(dict(zip(MESH_DIMS, _shape(grid), strict=True)))
     want = {"pp": layout.pp, "tp": layout.tp}
     for dim, size in want.items():
         if out.shape[dim] != size:

@@ -717,16 +717,21 @@ def test_collectives_per_step_of_the_70b_recipe_at_64_ranks():
     # the tracker counts the second step by phase: a micro-step before the last, the last, the optimizer step
     grow = {k: by_depth[3].get(k, 0) - by_depth[2].get(k, 0) for k in by_depth[2].keys() | by_depth[3].keys()}
     reduces = 1 if lay.grad_reduce == "every_micro_batch" else 0
-    assert {k: v for k, v in grow.items() if v} == {
-        "micro-step|all-gather|64": 2,
-        "micro-step|reduce-scatter|64": 1,
-        "last micro-step|all-gather|64": 2,
-        "last micro-step|reduce-scatter|64": 1,
-    } if reduces else {
-        "micro-step|all-gather|64": 2,
-        "last micro-step|all-gather|64": 2,
-        "last micro-step|reduce-scatter|64": 1,
-    }, by_depth
+    assert (
+        {k: v for k, v in grow.items() if v}
+        == {
+            "micro-step|all-gather|64": 2,
+            "micro-step|reduce-scatter|64": 1,
+            "last micro-step|all-gather|64": 2,
+            "last micro-step|reduce-scatter|64": 1,
+        }
+        if reduces
+        else {
+            "micro-step|all-gather|64": 2,
+            "last micro-step|all-gather|64": 2,
+            "last micro-step|reduce-scatter|64": 1,
+        }
+    ), by_depth
     assert by_depth[2]["optimizer step|all-reduce|64"] == 1  # the clipping's norm, whatever the depth
 
 
