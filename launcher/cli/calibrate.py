@@ -65,27 +65,54 @@ def fit_depth(recipe_path: str, overrides: list[str]) -> tuple[list[str], str | 
     )
 
 
-def find_ledger(out: Path) -> Path:
-    """The newest ledger a run left under `out` (its run directory, or a SLURM job's runs/<run id>/)."""
-    from ..plan.ledger import LEDGER_FILE
+def find_ledger(out: Path, log_lines=None) -> tuple[dict, Path]:
+    """The ledger a run left and the directory its calibration goes to: the newest ledger.json under `out` (its run
+    directory, or a SLURM job's runs/<run id>/); else the last one in its log (`out` a log file, or `log_lines`,
+    the job's log as its target returns it: a SkyPilot run directory stays on the nodes)."""
+    from ..plan.ledger import LEDGER_FILE, LOG_MARKER, from_log
     from ..recipe.calibration import CalibrationError
 
+    if out.is_file():
+        with open(out, errors="replace") as f:
+            doc = from_log(f)
+        if doc is None:
+            raise CalibrationError(
+                f"{out}: no ledger in this log (a line starting {LOG_MARKER.strip()!r}): the run did not reach its end",
+                "calibrate from the log of a run that ended, or from its run directory",
+            )
+        return doc, out.parent
     found = [p for p in (out / LEDGER_FILE, *out.glob(f"runs/*/{LEDGER_FILE}")) if p.is_file()]
-    if not found:
+    if found:
+        newest = max(found, key=lambda p: p.stat().st_mtime)
+        return json.loads(newest.read_text()), newest.parent
+    doc = from_log(log_lines) if log_lines is not None else None
+    if doc is None:
         raise CalibrationError(
-            f"{out}: no {LEDGER_FILE}: the run did not reach its end here",
-            "read the run's log (dtlaunch logs NAME); on SkyPilot, copy the run directory back and use --from",
+            f"{out}: no {LEDGER_FILE}, and none in the job's log: the run did not reach its end",
+            "read the run's log (dtlaunch logs NAME), or calibrate from a saved log or run directory with --from",
         )
-    return max(found, key=lambda p: p.stat().st_mtime)
+    return doc, out
 
 
-def write_calibration(ledger_path: Path) -> Path:
-    from ..plan.ledger import calibration
+def _job_log(name: str):
+    """The job's log lines as its target returns them (what `dtlaunch logs NAME` prints); read only when needed."""
+    from ..targets import backend
+    from ..targets.registry import Registry
+    from .jobs import resolve
+
+    rec = resolve(Registry(), name)
+    yield from backend(rec.target).logs(rec, follow=False)
+
+
+def write_calibration(ledger: dict, where: Path) -> Path:
+    """ledger.json (when it is not there already) and calibration.json in `where`."""
+    from ..plan.ledger import LEDGER_FILE, calibration
     from ..runtime.ckptdir import write_file_durably
 
-    doc = calibration(json.loads(ledger_path.read_text()))
-    out = ledger_path.with_name(CALIBRATION_FILE)
-    write_file_durably(out, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+    if not (where / LEDGER_FILE).is_file():
+        write_file_durably(where / LEDGER_FILE, (json.dumps(ledger, indent=2) + "\n").encode())
+    out = where / CALIBRATION_FILE
+    write_file_durably(out, (json.dumps(calibration(ledger), indent=2, sort_keys=True) + "\n").encode())
     return out
 
 
@@ -177,8 +204,9 @@ def print_accuracy(paths: list[str]) -> None:
     "--from",
     "from_dir",
     default=None,
-    metavar="RUN_DIR",
-    help="Submit nothing: write the calibration from a run that already ended (its ledger.json).",
+    metavar="RUN_DIR|LOG",
+    help="Submit nothing: write the calibration from a run that already ended: its run directory (ledger.json) or "
+    "its log (`dtlaunch logs NAME > LOG`, a SkyPilot job's: the ledger is its last line from dtlaunch).",
 )
 @click.pass_context
 def calibrate_cmd(ctx, recipe_path, target, overrides, steps, nodes, out_dir, from_dir):
@@ -213,9 +241,10 @@ def calibrate_cmd(ctx, recipe_path, target, overrides, steps, nodes, out_dir, fr
                 f"the calibration run ended with exit code {rc}: nothing was calibrated",
                 f"read its log (dtlaunch logs {cal.job_name}) and fix the recipe; `dtlaunch up` fails the same way",
             )
+        ledger, where = find_ledger(out, _job_log(cal.job_name))
     else:
-        out = Path(from_dir)
-    path = write_calibration(find_ledger(out))
+        ledger, where = find_ledger(Path(from_dir))
+    path = write_calibration(ledger, where)
     doc = read_calibration(path)
     click.echo(f"wrote {path}")
     print_terms(doc)

@@ -29,6 +29,31 @@ from ..recipe.calibration import FORMAT, KIND, CalibrationError
 from . import cost
 
 LEDGER_FILE = "ledger.json"
+# The ledger is also one line of the job's log, after this marker: a target whose run directory is on the nodes
+# (SkyPilot's, gone with them) still hands it back through its logs, which the scheduler keeps.
+LOG_MARKER = "dtlaunch-ledger: "
+
+
+def log_line(ledger: dict) -> str:
+    return LOG_MARKER + json.dumps(ledger, separators=(",", ":"), sort_keys=True)
+
+
+def from_log(lines) -> dict | None:
+    """The last ledger a job's log carries (whatever prefix the launcher put before the marker), or None."""
+    found = None
+    for line in lines:
+        _, marker, rest = line.partition(LOG_MARKER)
+        if not marker:
+            continue
+        try:
+            doc = json.loads(rest)
+        except json.JSONDecodeError:  # a line cut by the log's own limits
+            continue
+        if isinstance(doc, dict) and doc.get("format") == FORMAT:
+            found = doc
+    return found
+
+
 TERMS = ("step_seconds", "checkpoint_write_seconds", "peak_bytes", "reserved_bytes")
 
 

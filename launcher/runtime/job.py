@@ -39,7 +39,7 @@ from .. import jobenv
 from ..jobenv import ExitCode
 from ..plan.cost import flops_per_token
 from ..plan.layout import Layout
-from ..plan.ledger import LEDGER_FILE, entry
+from ..plan.ledger import LEDGER_FILE, entry, log_line
 from .agreement import Agreement, NonFiniteWatch, Reporter, StepSync
 from .checkpoint import Checkpointer
 from .checkpoint.compat import identity
@@ -397,6 +397,7 @@ class Job:
             try:
                 ledger = entry(self.recipe, self.plan, jobenv.read_metrics(self.run_dir), str(self.run_dir))
                 write_file_durably(self.run_dir / LEDGER_FILE, (json.dumps(ledger, indent=2) + "\n").encode())
+                print(log_line(ledger), flush=True)
             except (OSError, ValueError) as e:  # a figure not recorded must not fail a run that trained
                 print(f"dtlaunch: WARNING: the ledger was not written ({e})", file=sys.stderr, flush=True)
 

@@ -170,3 +170,21 @@ def test_deepspeed_launcher_on_every_node_trains(tmp_path, sky_nodes, record_pro
     assert rcs == [0, 0], nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
     assert "nnodes=2, num_local_procs=1, node_rank=1" in nodes.log(1)
     assert bucket_ckpts(nodes)[-1] == 10
+
+
+def test_a_sky_runs_log_carries_its_ledger_and_calibrates_a_plan(reference, tmp_path, run_cli):
+    """The run directory of a SkyPilot job stays on its nodes; its log is what comes back (`sky logs`, `dtlaunch
+    logs`). The rendered task's run, on the simulated nodes, ends with the ledger in that log, and `calibrate
+    --from` the log alone writes the calibration a plan then uses."""
+    log = tmp_path / "sky-job.log"
+    log.write_text(reference["log"])
+    code, text, err = run_cli("calibrate", TINY, "--from", log)
+    assert code == 0, err + text
+    cal = json.loads((tmp_path / "calibration.json").read_text())
+    assert cal["world_size"] == 2 and cal["measured"]["step_seconds"] > 0 and cal["calibrated"]["mfu"] > 0
+    assert cal["measured"]["checkpoints"] >= 1
+    code, text, err = run_cli(
+        "plan", TINY, *[f"--set={o}" for o in overrides()], "--calibration", tmp_path / "calibration.json", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(text)["time"]["step_seconds"] == pytest.approx(cal["measured"]["step_seconds"], rel=1e-6)
