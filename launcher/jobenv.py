@@ -98,6 +98,9 @@ NODE_RANK = "DTLAUNCH_NODE_RANK"  # this node's rank as the scheduler numbers it
 TARGET = "DTLAUNCH_TARGET"
 PORT = "DTLAUNCH_PORT"  # the local and SkyPilot job scripts read it: a rendezvous port instead of their own choice
 FAULT = "DTLAUNCH_FAULT"  # test-only fault injection (launcher.runtime.inject)
+# A file each node that fails the pre-start check with PREFLIGHT appends its name to (the SLURM job script's
+# JOB_DIR/bad_nodes): the job is requeued with those nodes excluded.
+BAD_NODES = "DTLAUNCH_BAD_NODES"
 TRACK_MEMORY = "DTLAUNCH_TRACK_MEMORY"  # a step whose tensors each rank counts (`dtlaunch rehearse`'s memory check)
 MEMTRACK_DIR = "memtrack"  # RUN_DIR/memtrack/rank-N.json: what each rank counted
 
@@ -141,6 +144,13 @@ def env_owner(name: str) -> str | None:
 # ephemeral range (32768+), where the kernel hands out ports to outgoing connections.
 PORT_BASE = 10000
 PORT_SPAN = 20000
+
+
+def node_name(env=os.environ) -> str:
+    """This node's name as the scheduler knows it (SLURM's, for ExcNodeList), else its hostname."""
+    import socket
+
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def job_port(job_id: int) -> int:

@@ -138,8 +138,12 @@ def _check(recipe, plan, run_dir: Path) -> int:
 
         summary = check(recipe, plan, run_dir)
     except DtlaunchError as e:  # CONFIG (the plan or the environment) or PREFLIGHT (this node's hardware)
-        print(f"dtlaunch: this node cannot run the plan: {e}", file=sys.stderr, flush=True)
-        return e.exit_code if e.exit_code in (ExitCode.PREFLIGHT, ExitCode.STORAGE) else ExitCode.CONFIG
+        node = jobenv.node_name()
+        print(f"dtlaunch: node {node} cannot run the plan: {e}", file=sys.stderr, flush=True)
+        if e.exit_code == ExitCode.PREFLIGHT:
+            _record_bad_node(node)
+            return ExitCode.PREFLIGHT
+        return e.exit_code if e.exit_code == ExitCode.STORAGE else ExitCode.CONFIG
     except ImportError as e:  # the job scripts add how to point them at another environment
         print(
             f"dtlaunch: this node cannot run the plan: {e} (install dtlaunch[train] in the job's environment)",
@@ -149,6 +153,21 @@ def _check(recipe, plan, run_dir: Path) -> int:
         return ExitCode.FAILED
     print(f"dtlaunch: check ok: {summary}", flush=True)
     return ExitCode.OK
+
+
+def _record_bad_node(node: str) -> None:
+    """Append this node's name to the job's bad-node file (jobenv.BAD_NODES), which the job script excludes."""
+    path = os.environ.get(jobenv.BAD_NODES)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:  # one write of one line: appends from several nodes do not interleave
+            os.write(fd, f"{node}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        print(f"dtlaunch: WARNING: could not record node {node} in {path}: {e}", file=sys.stderr, flush=True)
 
 
 def _exit(code: int) -> None:

@@ -23,6 +23,8 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
                                        the dump is still being written (it lands `delay` seconds later)
     oom:rank=1:step=5                  a CUDA out-of-memory error at the start of the step
     gpu_fault:rank=1:step=5            a CUDA error of failing hardware (an uncorrectable ECC error)
+    bad_node:step=0:node=node1         node1 fails the pre-start check (`launcher.train --check`) with PREFLIGHT;
+                                       without node=, any node; attempt= counts SLURM's requeues here
 
 `rank` defaults to every rank; `attempt` (default 0) restricts the fault to that torchrun restart count,
 so a restarted job does not crash again at the same step. Each fault fires once per process.
@@ -55,6 +57,7 @@ KINDS = (
     "comm_abort",
     "oom",
     "gpu_fault",
+    "bad_node",
 )
 ANY = -1
 

@@ -65,6 +65,23 @@ def check_hf(recipe) -> str:
     return f", transformers {transformers.__version__}"
 
 
+def _injected_bad_node() -> None:
+    """Test-only: the `bad_node` fault (launcher.runtime.inject) fails this node's check as broken GPUs do: on the node
+    it names (any without `node=`), in the allocation its `attempt` gives (SLURM's requeue count)."""
+    from ..jobenv import FAULT, node_name
+    from .failures import PreflightError
+    from .inject import parse
+
+    here, allocation = node_name(), int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if any(
+        f.kind == "bad_node" and f.params.get("node", here) == here and f.attempt == allocation
+        for f in parse(os.environ.get(FAULT, ""))
+    ):
+        raise PreflightError(
+            "CUDA error: uncorrectable ECC error encountered (injected)", fix="exclude this node and resubmit"
+        )
+
+
 def check_node(recipe, plan) -> str:
     """This node against the plan: a GPU plan needs CUDA and a GPU per local rank (PreflightError: the node is
     wrong, exit 44, so it can be excluded). Builds DeepSpeed's CPU Adam when the plan steps the optimizer on the
@@ -72,6 +89,7 @@ def check_node(recipe, plan) -> str:
     from ..plan.deepspeed import uses_cpu_adam
     from .dist import check_gpu_node
 
+    _injected_bad_node()
     found = check_gpu_node(recipe.resources.device().is_gpu, plan.gpus_per_node)
     lay = plan.layout
     if lay.spec.family is Family.DEEPSPEED and uses_cpu_adam(recipe, lay.offload, recipe.resources.device().is_gpu):

@@ -68,6 +68,7 @@ JOB_VARS = (
     jobenv.STATUS,
     jobenv.CHECKPOINT_DIR,
     jobenv.CODE_DIR,
+    jobenv.BAD_NODES,
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
     "PYTHONPATH",
     "MASTER_ADDR",

@@ -92,6 +92,9 @@ class SlurmTarget(Spec, kw_only=True):
     signal_seconds: Int(1, 65535, "send USR2 this long before the time limit") = 120
     max_requeues: Int(0, 10_000) = 5
     max_failures: Int(0, 10_000) = 3
+    max_excluded_nodes: Int(
+        0, 10_000, "nodes that fail the pre-start check are excluded and the job requeued, up to this many (0: never)"
+    ) = 2
     max_restarts: Int(0, 1000, "torchrun restarts inside one allocation") = 2
     submit: Literal["sbatch", "submitit"] = "sbatch"
     array_parallelism: (
