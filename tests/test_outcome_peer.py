@@ -57,3 +57,29 @@ def test_gloos_closed_connection_is_classified_as_a_lost_peer():
     )
     code, message = classify(exc, 2, 15)
     assert code == ExitCode.FAILED and message.startswith(PEER_LOST), message
+
+
+@pytest.mark.parametrize("step, start, progressed", [(5, 2, True), (2, 2, False)])
+def test_the_slurm_scripts_progress_reads_the_runtimes_code_files(tmp_path, monkeypatch, step, start, progressed):
+    """The sbatch script's progress() (did the attempt move the run forward?) on code files as the runtime writes
+    them, four fields since the cause was added: a rank past its start step is progress even before a newer
+    checkpoint is committed. Reading three fields once took the start step with the cause ("2 own") and never saw
+    progress there."""
+    import re
+
+    from launcher.plan import make_plan
+    from launcher.recipe import load
+    from launcher.targets.slurm.sbatch import job_script
+    from testpaths import RECIPES
+
+    recipe = load(RECIPES / "tiny.yaml")
+    script = job_script(recipe, make_plan(recipe))
+    progress = re.search(r"^progress\(\) \{.*?^\}$", script, re.S | re.M)
+    assert progress, "the job script has no progress()"
+    monkeypatch.setenv("DTLAUNCH_STATUS", str(tmp_path / "attempt"))
+    write_status(tmp_path, 0, ExitCode.FAILED, "training failed during step 5: ValueError: boom", step, start)
+    body = "newest_checkpoint() { echo 0; }\nCHECKPOINT_AT_START=0\n" + progress.group(0) + "\nprogress\n"
+    rc = subprocess.run(
+        ["bash", "-c", body], env={"DTLAUNCH_STATUS": str(tmp_path / "attempt"), "PATH": "/usr/bin:/bin"}
+    ).returncode
+    assert (rc == 0) == progressed
