@@ -27,7 +27,8 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
                                        without node=, any node; attempt= counts SLURM's requeues here
 
 `rank` defaults to every rank; `attempt` (default 0) restricts the fault to that torchrun restart count,
-so a restarted job does not crash again at the same step. Each fault fires once per process.
+so a restarted job does not crash again at the same step; `node` (default: every node) to the ranks on that
+node (jobenv.node_name), so a job requeued without it does not meet the fault again. Each fault fires once per process.
 Never set this in production; it exists for tests and drills.
 """
 
@@ -104,7 +105,14 @@ class Faults:
         self.rank = rank
         self.restart_count = restart_count
         raw = os.environ.get(FAULT, "") if text is None else text
-        self.faults = [f for f in parse(raw) if (f.rank is None or f.rank == rank) and f.attempt == restart_count]
+        from ..jobenv import node_name
+
+        here = node_name()
+        self.faults = [
+            f
+            for f in parse(raw)
+            if (f.rank is None or f.rank == rank) and f.attempt == restart_count and f.params.get("node", here) == here
+        ]
 
     def __bool__(self) -> bool:
         return bool(self.faults)

@@ -38,8 +38,8 @@ def write_status(
     code_file: bool = True,
 ) -> None:
     """Two records per rank: a JSON one for people (run_dir/status/rank-N.json, the latest), and a one-line
-    "CODE STEP START_STEP CAUSE" file in this attempt's status directory (CAUSE: "peer" for a FAILED rank
-    that only lost a peer's connection, else "own") for the job scripts, which pick the job's
+    "CODE STEP START_STEP CAUSE NODE" file in this attempt's status directory (CAUSE: "peer" for a FAILED rank
+    that only lost a peer's connection, else "own"; NODE: jobenv.node_name, one word) for the job scripts, which pick the job's
     exit code (and whether a time-limited allocation made progress) from it with nothing but `read`.
     code_file=False writes the first only (torchrun's report of a rank that died without its own record)."""
     try:
@@ -54,6 +54,7 @@ def write_status(
             "start_step": start_step,
             "time": time.time(),
             "attempt": os.environ.get(jobenv.ATTEMPT),
+            "node": jobenv.node_name(),
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         }
         tmp = d / f".rank-{rank:05d}.json.tmp"
@@ -65,7 +66,7 @@ def write_status(
         a.mkdir(parents=True, exist_ok=True)
         tmp = a / f".rank-{rank:05d}.code.tmp"
         cause = "peer" if code == ExitCode.FAILED and message.startswith(PEER_LOST) else "own"
-        tmp.write_text(f"{int(code)} {int(step or 0)} {int(start_step or 0)} {cause}\n")
+        tmp.write_text(f"{int(code)} {int(step or 0)} {int(start_step or 0)} {cause} {rec['node']}\n")
         os.replace(tmp, a / f"rank-{rank:05d}.code")
     except OSError:
         pass  # the exit code still tells the story

@@ -37,7 +37,7 @@ def test_a_node_that_fails_its_check_is_excluded_and_the_job_finishes_elsewhere(
     assert first[2] == bad and second[2] != bad, job.ledger("attempts")
     out = (tmp_path / f"tiny-{job.id}.out").read_text()
     assert f"node {bad} cannot run the plan: CUDA error: uncorrectable ECC error encountered (injected)" in out
-    assert f"node(s) {bad} failed the pre-start check: requeueing job {job.id} without them" in out
+    assert f"node(s) {bad} failed: requeueing job {job.id} without them" in out
     assert [e["step"] for e in job.events("end")] == [6]
 
 
@@ -51,3 +51,27 @@ def test_exclusions_stop_at_the_cap(tmp_path, partition):
     assert "more than targets.slurm.max_excluded_nodes=0" in out and "exclude it and resubmit" in out, out
     rows = sh("sacct", "-n", "-X", "-P", "-j", job.id, "-o", "ExitCode", check=False).stdout.split()
     assert rows and rows[0].startswith(f"{ExitCode.PREFLIGHT}:"), rows
+
+
+def test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_elsewhere(tmp_path, partition):
+    """A rank's GPU fails at step 4 (the test-only `gpu_fault`, an uncorrectable ECC error: exit 44) on node1; the
+    rank's record names its node, the job is requeued without node1 and resumes from the step-3 checkpoint on
+    node2. torchrun's own restarts are off (max_restarts=0): in place they would meet the same GPU."""
+    blocker = sh(
+        "sbatch", "--parsable", "-p", partition, "-w", "node2", "-o", "/dev/null", "--wrap", "sleep 300"
+    ).stdout.strip()
+    try:
+        render_to(tmp_path, "tiny", one_node(partition, ["targets.slurm.max_restarts=0"]))
+        job = Job(tmp_path, fault="gpu_fault:rank=0:step=4:node=node1")
+        wait_for(lambda: job.ledger("excluded"), 180, "node1's exclusion", explain=job.explain)
+        requeued_at = time.time()
+    finally:
+        sh("scancel", blocker, check=False)
+    assert job.ledger("excluded")[0].split()[-1] == "node1"
+    release_after_requeue(job.id, requeued_at)
+    job.done(240)
+    assert job.ledger("state") == ["COMPLETED"], job.explain()
+    assert [a.split()[2] for a in job.ledger("attempts")] == ["node1", "node2"]
+    out = (tmp_path / f"tiny-{job.id}.out").read_text()
+    assert "dtlaunch: node node1 failed under the job (exit 44" in out, out[-3000:]
+    assert [e["step"] for e in job.events("resume")] == [3] and [e["step"] for e in job.events("end")] == [6]

@@ -28,7 +28,7 @@ dtl_outcome() {
   if [ "$rc" = 0 ]; then echo 0; return; fi
   for f in "$DTLAUNCH_STATUS"/rank-*.code; do
     [ -f "$f" ] || continue
-    read -r code _ _ cause < "$f" || continue
+    read -r code _ _ cause _ < "$f" || continue
     case "$code" in
       2|44|45|46) echo "$code"; return ;;
       1) if [ "$cause" = peer ]; then peer=1; else worst=1; fi ;;
