@@ -34,7 +34,7 @@ def _record_unreported(failures: dict) -> None:
     status, run_dir = os.environ.get("DTLAUNCH_STATUS"), os.environ.get("DTLAUNCH_RUN_DIR")
     if not status or not run_dir:
         return
-    from .runtime.status import write_status
+    from .runtime.status import UNREPORTED, write_status
 
     for rank, failure in failures.items():
         code = int(failure.exitcode)
@@ -44,7 +44,7 @@ def _record_unreported(failures: dict) -> None:
             Path(run_dir),
             int(rank),
             code,
-            f"exited with code {code} before writing its own status (torchrun's report)",
+            f"exited with code {code} {UNREPORTED}",
             None,
             code_file=False,
         )

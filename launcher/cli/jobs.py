@@ -204,7 +204,13 @@ def resolve(reg, key: str, rows: list | None = None):
 @click.argument("job")
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends.")
 @click.option("-n", "--tail", "tail", type=click.IntRange(1), default=None, help="Only the last N lines.")
-def logs_cmd(job, follow, tail):
+@click.option(
+    "--diagnose",
+    is_flag=True,
+    help="What happened, in a few lines, from the run's records: how each rank ended, on which node, at which "
+    "step; a hang's likely culprit; the nodes excluded.",
+)
+def logs_cmd(job, follow, tail, diagnose):
     """Print a job's output."""
     from collections import deque
 
@@ -214,6 +220,12 @@ def logs_cmd(job, follow, tail):
     if follow and tail:
         raise click.UsageError("--tail prints what is written so far; --follow streams it all: use one")
     rec = resolve(Registry(), job)
+    if diagnose:
+        from .diagnose import diagnose as explain
+
+        for line in explain(Path(rec.run_dir)):
+            click.echo(line)
+        return
     try:
         lines = backend(rec.target).logs(rec, follow=follow)
         for line in deque(lines, maxlen=tail) if tail else lines:

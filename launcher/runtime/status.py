@@ -55,6 +55,9 @@ def write_status(
             "time": time.time(),
             "attempt": os.environ.get(jobenv.ATTEMPT),
             "node": jobenv.node_name(),
+            # the world it ran in, so that a diagnosis can place a rank that left no record (torchrun's variables)
+            "world_size": int(os.environ.get("WORLD_SIZE", "0") or 0) or None,
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None,
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         }
         tmp = d / f".rank-{rank:05d}.json.tmp"
@@ -87,6 +90,8 @@ NODE_FAULT_MARKERS = (
 ABORTED_MARKERS = ("communicator was aborted", "NCCL communicator was aborted", "Communicator was aborted")
 
 
+# The record torchrun's report gives a rank that exited without writing its own (elastic._record_unreported).
+UNREPORTED = "before writing its own status (torchrun's report)"
 # A rank that failed only because a peer's connection closed under it (the peer crashed, or timed out first and
 # left): not a cause of its own. Its code file says so ("peer"), and the job scripts' dtl_outcome lets another
 # rank's hang (43) stand: with gloo, the ranks that time out first close the connections the others wait on.

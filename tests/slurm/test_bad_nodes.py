@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from launcher.cli.diagnose import diagnose
 from launcher.jobenv import ExitCode
 from slurmkit import Job, overrides, release_after_requeue, render_to, sh, wait_for
 
@@ -75,3 +76,5 @@ def test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_e
     out = (tmp_path / f"tiny-{job.id}.out").read_text()
     assert "dtlaunch: node node1 failed under the job (exit 44" in out, out[-3000:]
     assert [e["step"] for e in job.events("resume")] == [3] and [e["step"] for e in job.events("end")] == [6]
+    said = diagnose(tmp_path)  # what `dtlaunch logs NAME --diagnose` prints for this job's directory
+    assert "finished at step 6" in said and f"job {job.id}: excluded node1 after attempt 0 and requeued" in said, said

@@ -1,0 +1,131 @@
+"""`dtlaunch logs NAME --diagnose`: what happened to a run, in a few lines, from the records it left: each rank's
+status record (status/rank-N.json: how it ended, at which step, on which node), the run's events (metrics.jsonl:
+resumes, checkpoints, the end) and, for a SLURM job, the job script's ledgers (jobs/ID/: attempts, exclusions).
+
+A hang names its likely culprit: the ranks that timed out wrote HANG; a rank that never reached the collective
+(stopped, or stuck in its own work) wrote nothing of its own in that attempt before torchrun stopped it, so the
+ranks of the last attempt without a record of it are the ones the others waited for, on the node their
+neighbours (the same torchrun, LOCAL_WORLD_SIZE ranks to a node) ran on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..jobenv import ExitCode, read_metrics
+from ..runtime.status import UNREPORTED
+
+
+def run_dirs(where: Path) -> list[Path]:
+    """The run directories under a job's directory: itself (local), or runs/<run id>/ (SLURM), newest last."""
+    if (where / "status").is_dir() or (where / "metrics.jsonl").exists():
+        return [where]
+    found = [d for d in (where / "runs").glob("*") if (d / "status").is_dir() or (d / "metrics.jsonl").exists()]
+    return sorted(found, key=lambda d: d.stat().st_mtime)
+
+
+def _records(run: Path) -> list[dict]:
+    out = []
+    for p in sorted((run / "status").glob("rank-*.json")):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def diagnose(where: Path) -> list[str]:
+    """A few lines on the newest run under `where` (a run directory, or a job's directory holding runs/)."""
+    runs = run_dirs(where)
+    if not runs:
+        return [f"{where}: no run records (status/, metrics.jsonl) yet: the job has not started training"]
+    run = runs[-1]
+    lines = [f"run {run.name} ({run})"]
+    events = read_metrics(run) if (run / "metrics.jsonl").exists() else []
+    steps = [r["step"] for r in events if "event" not in r and "loss" in r]
+    ends = [r for r in events if r.get("event") == "end"]
+    resumes = [r.get("step") for r in events if r.get("event") == "resume"]
+    saved = [r.get("step") for r in events if r.get("event") == "checkpoint"]
+    if ends:
+        lines.append(f"finished at step {ends[-1].get('step')}")
+    else:
+        lines.append(f"not finished: last logged step {max(steps) if steps else '-'}")
+    if resumes:
+        lines.append(f"resumed {len(resumes)} time(s), at step(s) {', '.join(map(str, resumes))}")
+    if saved:
+        lines.append(f"newest committed checkpoint: step {saved[-1]}")
+    lines += _last_attempt(_records(run))
+    lines += _ledgers(where)
+    return lines
+
+
+def _last_attempt(records: list[dict]) -> list[str]:
+    if not records:
+        return []
+    attempt = records[-1].get("attempt")
+    newest = max(records, key=lambda r: r.get("time", 0)).get("attempt")
+    attempt = newest if newest is not None else attempt
+    mine = [r for r in records if r.get("attempt") == attempt]
+    out = [f"attempt {attempt}:"]
+    by_code: dict[int, list[dict]] = {}
+    for r in mine:
+        if UNREPORTED in str(r.get("message", "")):
+            out.append(f"  {_ranks([r['rank']])} ({r.get('node', '?')}) {r['message']}")
+        else:
+            by_code.setdefault(int(r["code"]), []).append(r)
+    for code, rs in sorted(by_code.items()):
+        nodes = sorted({str(r.get("node")) for r in rs if r.get("node")})
+        at = sorted({r.get("step") for r in rs if r.get("step") is not None})
+        out.append(
+            f"  {ExitCode.name_of(code)} ({code}) on {_ranks([r['rank'] for r in rs])}"
+            + (f" ({', '.join(nodes)})" if nodes else "")
+            + (f" at step {', '.join(map(str, at))}" if at else "")
+            + f": {rs[0].get('message', '')}"
+        )
+    if ExitCode.HANG in by_code:
+        out += _culprits(mine, records)
+    if ExitCode.PREFLIGHT in by_code:
+        nodes = sorted({str(r.get("node")) for r in by_code[ExitCode.PREFLIGHT] if r.get("node")})
+        if nodes:
+            out.append(f"  the node(s) to exclude: {', '.join(nodes)} (a GPU or the node's environment failed there)")
+    return out
+
+
+def _culprits(mine: list[dict], records: list[dict]) -> list[str]:
+    """The ranks the hung ones waited for: those that left no record of their own in this attempt (none at all,
+    or only torchrun's report of their exit: stopped, or ended by the no-progress watchdog), else the HANG ranks
+    that had got least far (the others timed out waiting in a later step)."""
+    world = max((int(r.get("world_size") or 0) for r in mine), default=0) or 1 + max(r["rank"] for r in records)
+    have = {r["rank"]: r for r in mine if UNREPORTED not in str(r.get("message", ""))}
+    culprits = [k for k in range(world) if k not in have]
+    why = "no record of its own in this attempt: it never reached the collective the others timed out in"
+    if not culprits:
+        hung = [r for r in have.values() if r["code"] == ExitCode.HANG and r.get("step") is not None]
+        least = min((r["step"] for r in hung), default=None)
+        culprits = sorted(r["rank"] for r in hung if r["step"] == least)
+        if least is None or len(culprits) == len(hung):
+            return [
+                "  every rank reported the hang at the same step: on GPUs, the flight-recorder dumps say which "
+                "collective each one reached"
+            ]
+        why = f"it got only to step {least}; the others timed out waiting for it in a later step"
+    per_node = max((int(r.get("local_world_size") or 0) for r in mine), default=0)
+    node_of = {r["rank"] // per_node: r.get("node") for r in mine if per_node and r.get("node")}
+    nodes = sorted({str(node_of[k // per_node]) for k in culprits if per_node and k // per_node in node_of})
+    return [f"  likely culprit: {_ranks(culprits)}" + (f" on {', '.join(nodes)}" if nodes else "") + f": {why}"]
+
+
+def _ledgers(where: Path) -> list[str]:
+    """A SLURM job's exclusions (jobs/ID/excluded: "ATTEMPT TIME NODES")."""
+    out = []
+    for f in sorted(where.glob("jobs/*/excluded")):
+        for line in f.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3:
+                out.append(f"job {f.parent.name}: excluded {parts[-1]} after attempt {parts[0]} and requeued")
+    return out
