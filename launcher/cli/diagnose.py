@@ -67,9 +67,7 @@ def diagnose(where: Path) -> list[str]:
 def _last_attempt(records: list[dict]) -> list[str]:
     if not records:
         return []
-    attempt = records[-1].get("attempt")
-    newest = max(records, key=lambda r: r.get("time", 0)).get("attempt")
-    attempt = newest if newest is not None else attempt
+    attempt = max(records, key=lambda r: r.get("time", 0)).get("attempt")
     mine = [r for r in records if r.get("attempt") == attempt]
     out = [f"attempt {attempt}:"]
     by_code: dict[int, list[dict]] = {}
@@ -96,10 +94,10 @@ def _last_attempt(records: list[dict]) -> list[str]:
     return out
 
 
-def _culprits(mine: list[dict], records: list[dict]) -> list[str]:
-    """The ranks the hung ones waited for: those that left no record of their own in this attempt (none at all,
-    or only torchrun's report of their exit: stopped, or ended by the no-progress watchdog), else the HANG ranks
-    that had got least far (the others timed out waiting in a later step)."""
+def hang_culprits(mine: list[dict], records: list[dict]) -> tuple[list[int], list[str], str] | None:
+    """(ranks, their nodes, why) the hung ranks waited for: those that left no record of their own in this attempt
+    (none at all, or only torchrun's report of their exit: stopped, or ended by the no-progress watchdog), else
+    the HANG ranks that had got least far (the others timed out waiting in a later step). None: no telling."""
     world = max((int(r.get("world_size") or 0) for r in mine), default=0) or 1 + max(r["rank"] for r in records)
     have = {r["rank"]: r for r in mine if UNREPORTED not in str(r.get("message", ""))}
     culprits = [k for k in range(world) if k not in have]
@@ -109,15 +107,39 @@ def _culprits(mine: list[dict], records: list[dict]) -> list[str]:
         least = min((r["step"] for r in hung), default=None)
         culprits = sorted(r["rank"] for r in hung if r["step"] == least)
         if least is None or len(culprits) == len(hung):
-            return [
-                "  every rank reported the hang at the same step: on GPUs, the flight-recorder dumps say which "
-                "collective each one reached"
-            ]
+            return None
         why = f"it got only to step {least}; the others timed out waiting for it in a later step"
+    # a culprit's node: its own record's (torchrun's report carries the node), else its torchrun's neighbours'
     per_node = max((int(r.get("local_world_size") or 0) for r in mine), default=0)
     node_of = {r["rank"] // per_node: r.get("node") for r in mine if per_node and r.get("node")}
-    nodes = sorted({str(node_of[k // per_node]) for k in culprits if per_node and k // per_node in node_of})
-    return [f"  likely culprit: {_ranks(culprits)}" + (f" on {', '.join(nodes)}" if nodes else "") + f": {why}"]
+    named = {r["rank"]: r.get("node") for r in mine if r.get("node")}
+    nodes = {named.get(k) or (node_of.get(k // per_node) if per_node else None) for k in culprits}
+    return culprits, sorted(str(n) for n in nodes if n), why
+
+
+def _culprits(mine: list[dict], records: list[dict]) -> list[str]:
+    found = hang_culprits(mine, records)
+    if found is None:
+        return [
+            "  every rank reported the hang at the same step: on GPUs, the flight-recorder dumps say which "
+            "collective each one reached"
+        ]
+    ranks, nodes, why = found
+    return [f"  likely culprit: {_ranks(ranks)}" + (f" on {', '.join(nodes)}" if nodes else "") + f": {why}"]
+
+
+def culprit_nodes(run: Path) -> list[str]:
+    """The nodes of a hang's likely culprits in the run's newest attempt (none when it did not hang or no rank
+    can be told from the rest): what the SLURM job script excludes before requeueing a hung job."""
+    records = _records(run)
+    if not records:
+        return []
+    attempt = max(records, key=lambda r: r.get("time", 0)).get("attempt")
+    mine = [r for r in records if r.get("attempt") == attempt]
+    if not any(int(r["code"]) == ExitCode.HANG for r in mine):
+        return []
+    found = hang_culprits(mine, records)
+    return found[1] if found else []
 
 
 def _ledgers(where: Path) -> list[str]:
@@ -129,3 +151,10 @@ def _ledgers(where: Path) -> list[str]:
             if len(parts) >= 3:
                 out.append(f"job {f.parent.name}: excluded {parts[-1]} after attempt {parts[0]} and requeued")
     return out
+
+
+if __name__ == "__main__":  # the SLURM job script: `python -m launcher.cli.diagnose RUN_DIR`, one culprit node a line
+    import sys
+
+    for node in culprit_nodes(Path(sys.argv[1])):
+        print(node)
