@@ -50,7 +50,7 @@ fmt: install
 
 # The developer loop, no apt and no SLURM: lint, typecheck, then the fast tier (`pytest -m fast`: every test that
 # is not slow or gpu, outside tests/slurm and tests/gpu, less the few expensive ones tests/conftest.py's
-# FULL_SUITE_ONLY names), two test files at a time: 1.5 min on 2 cores, 2 min in one process (CHECK_WORKERS=0).
+# FULL_SUITE_ONLY names), two test files at a time (CHECK_WORKERS=0: in one process). Under 3 minutes on 2 cores.
 # tests/slurm and tests/gpu are not even collected: nothing in them is in the tier. shellcheck must be on PATH
 # (`make system`).
 CHECK_WORKERS ?= 2
@@ -64,12 +64,12 @@ golden: install
 	git diff --stat tests/golden
 
 # The whole suite. `make test PYTEST_WORKERS=2` runs two test files at a time (each file whole on one worker,
-# the SLURM tests together: tests/conftest.py); on 2 cores that took 23 min against ~29 min in one process,
-# but timing-sensitive SLURM tests then failed now and then, so CI runs one. pytest's exit code 5 (no tests
-# collected) is not a pass: it means nothing ran. The 15 slowest tests are listed at the end, to keep the suite short.
+# the SLURM tests together: tests/conftest.py), but timing-sensitive SLURM tests then failed now and then, so CI
+# runs one. pytest's exit code 5 (no tests collected) is not a pass: it means nothing ran. The 40 slowest tests
+# are listed at the end, to keep the suite short.
 PYTEST_WORKERS ?= 0
 test: install system lint
-	$(PY) -m pytest -q -ra --durations=15 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=40 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The GPU suite (tests/gpu): run it on a machine with CUDA GPUs, and record what ran in docs/gpu.md. Without CUDA
 # every test is skipped with the reason (so is every 8-GPU test on a smaller machine).

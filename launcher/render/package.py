@@ -62,7 +62,7 @@ def _package_files() -> list[tuple[str, bytes]]:
 
 
 def _dist_info() -> list[tuple[str, bytes]]:
-    from importlib import metadata  # 10 ms at import: only `render` and `up` build a wheel, not `validate`
+    from importlib import metadata  # only `render` and `up` build a wheel, not `validate`
 
     try:
         dist = metadata.distribution(DIST)
@@ -90,7 +90,7 @@ def _dist_info() -> list[tuple[str, bytes]]:
 
 def build_wheel() -> bytes:
     """The wheel's bytes (PEP 427: the files, the .dist-info, and a RECORD of their sha256 digests)."""
-    import hashlib  # with zipfile, ~5 ms at import: only a render that ships a wheel builds one
+    import hashlib  # with zipfile: only a render that ships a wheel builds one
     import zipfile
 
     entries = _package_files() + _dist_info()
