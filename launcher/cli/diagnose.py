@@ -78,7 +78,7 @@ def _last_attempt(records: list[dict]) -> list[str]:
             by_code.setdefault(int(r["code"]), []).append(r)
     for code, rs in sorted(by_code.items()):
         nodes = sorted({str(r.get("node")) for r in rs if r.get("node")})
-        at = sorted({r.get("step") for r in rs if r.get("step") is not None})
+        at = sorted({int(r["step"]) for r in rs if r.get("step") is not None})
         out.append(
             f"  {ExitCode.name_of(code)} ({code}) on {_ranks([r['rank'] for r in rs])}"
             + (f" ({', '.join(nodes)})" if nodes else "")
