@@ -16,6 +16,17 @@ from slurmkit import Job, overrides, release_after_requeue, render_to, sh, wait_
 pytestmark = pytest.mark.slow
 
 
+def wait_excluded(job: Job, node: str) -> None:
+    """The job script sets ExcNodeList once the requeue has made the job pending (a second or so): before the job
+    is released, or it could start on the node again."""
+    wait_for(
+        lambda: f"ExcNodeList={node}" in sh("scontrol", "show", "job", "-o", job.id, check=False).stdout,
+        30,
+        f"ExcNodeList={node}",
+        explain=job.explain,
+    )
+
+
 def one_node(partition: str, extra=()) -> list[str]:
     return [*overrides(partition), "resources.nodes=1", "training.steps=6", "checkpoint.every=3", *extra]
 
@@ -28,9 +39,7 @@ def test_a_node_that_fails_its_check_is_excluded_and_the_job_finishes_elsewhere(
     (line,) = job.ledger("excluded")
     bad = line.split()[-1]
     assert bad in ("node1", "node2"), line
-    wait_for(lambda: "PENDING" in sh("squeue", "-h", "-j", job.id, "-o", "%T", check=False).stdout, 30, "pending")
-    shown = sh("scontrol", "show", "job", "-o", job.id).stdout
-    assert f"ExcNodeList={bad}" in shown, shown
+    wait_excluded(job, bad)
     release_after_requeue(job.id, requeued_at)
     job.done(240)
     assert job.ledger("state") == ["COMPLETED"], job.explain()
@@ -69,6 +78,7 @@ def test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_e
     finally:
         sh("scancel", blocker, check=False)
     assert job.ledger("excluded")[0].split()[-1] == "node1"
+    wait_excluded(job, "node1")
     release_after_requeue(job.id, requeued_at)
     job.done(240)
     assert job.ledger("state") == ["COMPLETED"], job.explain()
@@ -102,6 +112,7 @@ def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(tmp_path
     finally:
         sh("scancel", blocker, check=False)
     assert job.ledger("excluded")[0].split()[-1] == "node1"
+    wait_excluded(job, "node1")
     release_after_requeue(job.id, requeued_at)
     job.done(240)
     assert job.ledger("state") == ["COMPLETED"], job.explain()
