@@ -64,11 +64,16 @@ def diagnose(where: Path) -> list[str]:
     return lines
 
 
+def _newest_attempt(records: list[dict]) -> tuple[str | None, list[dict]]:
+    """The newest attempt (the newest record's) and its ranks' records."""
+    attempt = max(records, key=lambda r: r.get("time", 0)).get("attempt")
+    return attempt, [r for r in records if r.get("attempt") == attempt]
+
+
 def _last_attempt(records: list[dict]) -> list[str]:
     if not records:
         return []
-    attempt = max(records, key=lambda r: r.get("time", 0)).get("attempt")
-    mine = [r for r in records if r.get("attempt") == attempt]
+    attempt, mine = _newest_attempt(records)
     out = [f"attempt {attempt}:"]
     by_code: dict[int, list[dict]] = {}
     for r in mine:
@@ -86,7 +91,7 @@ def _last_attempt(records: list[dict]) -> list[str]:
             + f": {rs[0].get('message', '')}"
         )
     if ExitCode.HANG in by_code:
-        out += _culprits(mine, records)
+        out += _culprits(mine)
     if ExitCode.PREFLIGHT in by_code:
         nodes = sorted({str(r.get("node")) for r in by_code[ExitCode.PREFLIGHT] if r.get("node")})
         if nodes:
@@ -94,11 +99,11 @@ def _last_attempt(records: list[dict]) -> list[str]:
     return out
 
 
-def hang_culprits(mine: list[dict], records: list[dict]) -> tuple[list[int], list[str], str] | None:
+def hang_culprits(mine: list[dict]) -> tuple[list[int], list[str], str] | None:
     """(ranks, their nodes, why) the hung ranks waited for: those that left no record of their own in this attempt
     (none at all, or only torchrun's report of their exit: stopped, or ended by the no-progress watchdog), else
     the HANG ranks that had got least far (the others timed out waiting in a later step). None: no telling."""
-    world = max((int(r.get("world_size") or 0) for r in mine), default=0) or 1 + max(r["rank"] for r in records)
+    world = max((int(r.get("world_size") or 0) for r in mine), default=0) or 1 + max(r["rank"] for r in mine)
     have = {r["rank"]: r for r in mine if UNREPORTED not in str(r.get("message", ""))}
     culprits = [k for k in range(world) if k not in have]
     why = "no record of its own in this attempt: it never reached the collective the others timed out in"
@@ -117,8 +122,8 @@ def hang_culprits(mine: list[dict], records: list[dict]) -> tuple[list[int], lis
     return culprits, sorted(str(n) for n in nodes if n), why
 
 
-def _culprits(mine: list[dict], records: list[dict]) -> list[str]:
-    found = hang_culprits(mine, records)
+def _culprits(mine: list[dict]) -> list[str]:
+    found = hang_culprits(mine)
     if found is None:
         return [
             "  every rank reported the hang at the same step: on GPUs, the flight-recorder dumps say which "
@@ -134,11 +139,10 @@ def culprit_nodes(run: Path) -> list[str]:
     records = _records(run)
     if not records:
         return []
-    attempt = max(records, key=lambda r: r.get("time", 0)).get("attempt")
-    mine = [r for r in records if r.get("attempt") == attempt]
+    _, mine = _newest_attempt(records)
     if not any(int(r["code"]) == ExitCode.HANG for r in mine):
         return []
-    found = hang_culprits(mine, records)
+    found = hang_culprits(mine)
     return found[1] if found else []
 
 

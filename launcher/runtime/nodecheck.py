@@ -68,15 +68,11 @@ def check_hf(recipe) -> str:
 def _injected_bad_node() -> None:
     """Test-only: the `bad_node` fault (launcher.runtime.inject) fails this node's check as broken GPUs do: on the node
     it names (any without `node=`), in the allocation its `attempt` gives (SLURM's requeue count)."""
-    from ..jobenv import FAULT, node_name
     from .failures import PreflightError
-    from .inject import parse
+    from .inject import Faults
 
-    here, allocation = node_name(), int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    if any(
-        f.kind == "bad_node" and f.params.get("node", here) == here and f.attempt == allocation
-        for f in parse(os.environ.get(FAULT, ""))
-    ):
+    # the check runs once per node, outside torchrun: the allocation's requeue count stands for the restart count
+    if Faults(rank=0, restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0)).hit("bad_node", 0):
         raise PreflightError(
             "CUDA error: uncorrectable ECC error encountered (injected)", fix="exclude this node and resubmit"
         )

@@ -63,16 +63,16 @@ def test_exclusions_stop_at_the_cap(tmp_path, partition):
     assert rows and rows[0].startswith(f"{ExitCode.PREFLIGHT}:"), rows
 
 
-def test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_elsewhere(tmp_path, partition):
-    """A rank's GPU fails at step 4 (the test-only `gpu_fault`, an uncorrectable ECC error: exit 44) on node1; the
-    rank's record names its node, the job is requeued without node1 and resumes from the step-3 checkpoint on
-    node2. torchrun's own restarts are off (max_restarts=0): in place they would meet the same GPU."""
+def fails_on_node1_then_finishes_on_node2(tmp_path, partition, fault: str, extra: list[str]) -> tuple[Job, str]:
+    """A one-node job whose first allocation is node1 (node2 held by another job until node1 is excluded), given
+    `fault`: node1 excluded, the job released, resumed from its step-3 checkpoint on node2 and finished. The job
+    and its output."""
     blocker = sh(
         "sbatch", "--parsable", "-p", partition, "-w", "node2", "-o", "/dev/null", "--wrap", "sleep 300"
     ).stdout.strip()
     try:
-        render_to(tmp_path, "tiny", one_node(partition, ["targets.slurm.max_restarts=0"]))
-        job = Job(tmp_path, fault="gpu_fault:rank=0:step=4:node=node1")
+        render_to(tmp_path, "tiny", one_node(partition, ["targets.slurm.max_restarts=0", *extra]))
+        job = Job(tmp_path, fault=fault)
         wait_for(lambda: job.ledger("excluded"), 180, "node1's exclusion", explain=job.explain)
         requeued_at = time.time()
     finally:
@@ -83,9 +83,16 @@ def test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_e
     job.done(240)
     assert job.ledger("state") == ["COMPLETED"], job.explain()
     assert [a.split()[2] for a in job.ledger("attempts")] == ["node1", "node2"]
-    out = (tmp_path / f"tiny-{job.id}.out").read_text()
-    assert "dtlaunch: node node1 failed under the job (exit 44" in out, out[-3000:]
     assert [e["step"] for e in job.events("resume")] == [3] and [e["step"] for e in job.events("end")] == [6]
+    return job, (tmp_path / f"tiny-{job.id}.out").read_text()
+
+
+def test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_elsewhere(tmp_path, partition):
+    """A rank's GPU fails at step 4 (the test-only `gpu_fault`, an uncorrectable ECC error: exit 44) on node1; the
+    rank's record names its node, the job is requeued without node1 and resumes from the step-3 checkpoint on
+    node2. torchrun's own restarts are off (max_restarts=0): in place they would meet the same GPU."""
+    job, out = fails_on_node1_then_finishes_on_node2(tmp_path, partition, "gpu_fault:rank=0:step=4:node=node1", [])
+    assert "dtlaunch: node node1 failed under the job (exit 44" in out, out[-3000:]
     said = diagnose(tmp_path)  # what `dtlaunch logs NAME --diagnose` prints for this job's directory
     assert "finished at step 6" in said and f"job {job.id}: excluded node1 after attempt 0 and requeued" in said, said
 
@@ -94,29 +101,10 @@ def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(tmp_path
     """Rank 1 (of 2, on node1) stops at step 4: rank 0 times out in the step's collective (43), rank 1 is ended by
     its no-progress watchdog without a record of its own. The job script names node1 as the culprit's node (what
     `logs --diagnose` says), requeues without it, and the run resumes from step 3 on node2."""
-    blocker = sh(
-        "sbatch", "--parsable", "-p", partition, "-w", "node2", "-o", "/dev/null", "--wrap", "sleep 300"
-    ).stdout.strip()
-    try:
-        render_to(
-            tmp_path,
-            "tiny",
-            one_node(
-                partition,
-                ["resources.accelerator=cpu:2", "targets.slurm.max_restarts=0", "training.timeout_seconds=10"],
-            ),
-        )
-        job = Job(tmp_path, fault="hang:rank=1:step=4:node=node1")
-        wait_for(lambda: job.ledger("excluded"), 180, "node1's exclusion", explain=job.explain)
-        requeued_at = time.time()
-    finally:
-        sh("scancel", blocker, check=False)
-    assert job.ledger("excluded")[0].split()[-1] == "node1"
-    wait_excluded(job, "node1")
-    release_after_requeue(job.id, requeued_at)
-    job.done(240)
-    assert job.ledger("state") == ["COMPLETED"], job.explain()
-    assert [a.split()[2] for a in job.ledger("attempts")] == ["node1", "node2"]
-    out = (tmp_path / f"tiny-{job.id}.out").read_text()
+    _, out = fails_on_node1_then_finishes_on_node2(
+        tmp_path,
+        partition,
+        "hang:rank=1:step=4:node=node1",
+        ["resources.accelerator=cpu:2", "training.timeout_seconds=10"],
+    )
     assert "dtlaunch: the hang's likely culprit ran on node1" in out, out[-3000:]
-    assert [e["step"] for e in job.events("resume")] == [3] and [e["step"] for e in job.events("end")] == [6]
