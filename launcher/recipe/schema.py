@@ -244,6 +244,11 @@ class TrainingSpec(Spec, kw_only=True):
     min_allreduce_fraction: Float(
         ge=0, le=1, description="fail preflight below this fraction of the network's expected bandwidth"
     ) = 0.0
+    on_straggler: Doc(
+        "a rank whose forward stays much slower than the others' for 3 log steps: warn (named in the log and "
+        "metrics.jsonl), or exit (checkpoint; its node exits 44, so the SLURM job requeues without it)",
+        Literal["warn", "exit"],
+    ) = "warn"
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.tokens is not None:

@@ -16,6 +16,7 @@ the mean loss, and the maximum of each memory figure with the rank that holds it
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .failures import Diverged, HangError
+from .stragglers import ComputeClock, StragglerWatch
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ def _all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
 
 
 AGREE, REPORT = 1.0, 2.0
-PAYLOAD = 9  # a report row: loss, three non-finite counts, five memory figures (metrics.MEMORY_FIELDS)
+# a report row: loss, three non-finite counts, five memory figures (metrics.MEMORY_FIELDS), forward seconds per step
+PAYLOAD = 10
 
 
 class StepSync:
@@ -195,6 +198,8 @@ class Reporter:
         tokens_per_step: int,
         flops_per_token: float,
         world_size: int,
+        clock: ComputeClock | None = None,
+        stragglers: StragglerWatch | None = None,
     ):
         import time
 
@@ -203,6 +208,10 @@ class Reporter:
         self.sync, self.watch, self.metrics = sync, watch, metrics
         self.is_gpu, self.tokens_per_step, self.flops_per_token = is_gpu, tokens_per_step, flops_per_token
         self.world_size = world_size
+        self.clock = clock if clock is not None else ComputeClock(is_gpu)
+        self.stragglers = stragglers  # None: a world of one rank has no peers to be slower than
+        self._forward: list[float | None] = []  # every rank's forward seconds per step at the last log step
+        self._warm = False
         self.memory = MemoryWindow(is_gpu)
         self.peak_tflops, self.device_name = device_peak_tflops(is_gpu)
         if is_gpu and self.peak_tflops is None:
@@ -221,6 +230,7 @@ class Reporter:
 
     def tick(self, info: dict) -> None:
         self._steps += 1
+        self.clock.tick()
         self._info = info
         if info.get("skipped") is not None:
             self._skipped = self._skipped + info["skipped"]
@@ -233,11 +243,17 @@ class Reporter:
         t = torch.as_tensor(loss, device=state.device).detach().to(torch.float64).reshape(1)
         value, run, worst, end = host_values(torch.cat((t, state.to(torch.float64))))  # the step's one read
         mem = self.memory.read() if log else dict.fromkeys(MEMORY_FIELDS)
-        rows = self.sync.gather(step, [value, run, worst, end, *(mem[k] for k in MEMORY_FIELDS)])
+        forward = self.clock.take() if log else None  # after the read above: the window's work is done
+        rows = self.sync.gather(step, [value, run, worst, end, *(mem[k] for k in MEMORY_FIELDS), forward])
         finite = self.watch.decide([_counts(r) for r in rows], step)
         losses = [r[0] for r in rows if r[0] is not None]  # None: a rank's loss was not finite
         mean = sum(losses) / len(losses) if len(losses) == len(rows) else math.nan
-        memory = [dict(zip(MEMORY_FIELDS, r[4:], strict=True)) for r in rows]
+        memory = [dict(zip(MEMORY_FIELDS, r[4 : 4 + len(MEMORY_FIELDS)], strict=True)) for r in rows]
+        if log:
+            self._forward = [r[4 + len(MEMORY_FIELDS)] for r in rows]
+            if self.stragglers is not None and self._warm:  # the attempt's first window warms up (lazy init)
+                self.stragglers.update(self._forward)
+            self._warm = True
         return mean, finite, memory
 
     def log(self, step: int, loss: float, lr: float, memory: list[dict], extra: dict | None = None) -> None:
@@ -259,6 +275,19 @@ class Reporter:
         if skipped:
             extra["skipped_steps"] = skipped
         self._skipped = 0
+        known = sorted(v for v in self._forward if v is not None)
+        if known:
+            extra["forward_s"] = {
+                "min": round(known[0], 6),
+                "median": round(statistics.median(known), 6),
+                "max": round(known[-1], 6),
+                "slowest_rank": max(range(len(self._forward)), key=lambda r: self._forward[r] or 0.0),
+            }
+        slow = self.stragglers.last if self.stragglers is not None else []
+        if slow:
+            extra["stragglers"] = [s.record() for s in slow]
+            for s in slow:
+                self.metrics.log(f"WARNING: straggler: {s.describe()}")
         self.metrics.step(
             step,
             loss=loss,

@@ -395,6 +395,20 @@ def init_distributed(
     return world
 
 
+def node_names(world: World) -> list[str]:
+    """Every rank's node name (jobenv.node_name), by rank; collective on the control group (host numbers only)."""
+    from .. import jobenv
+
+    here = jobenv.node_name()
+    if not world.distributed or world.control_group is None:
+        return [here]
+    import torch.distributed as dist
+
+    names: list = [None] * world.world_size
+    dist.all_gather_object(names, here, group=world.control_group)
+    return [str(n) for n in names]
+
+
 def set_collective_timeout(world: World, seconds: float | None) -> None:
     """Shorten the timeout of every training group (the world, each mesh dimension's, FSDP2's and DeepSpeed's
     groups, the per-step agreement's) once the first step is done; only the checkpoint group keeps the long one.

@@ -23,6 +23,8 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
                                        the dump is still being written (it lands `delay` seconds later)
     oom:rank=1:step=5                  a CUDA out-of-memory error at the start of the step
     gpu_fault:rank=1:step=5            a CUDA error of failing hardware (an uncorrectable ECC error)
+    slow:step=3:node=node2:seconds=0.2 from step 3 on, every forward on node2's ranks takes 0.2 s more (a throttled
+                                       GPU or an overloaded host: a straggler)
     bad_node:step=0:node=node1         node1 fails the pre-start check (`launcher.train --check`) with PREFLIGHT;
                                        without node=, any node; attempt= counts SLURM's requeues here
 
@@ -59,6 +61,7 @@ KINDS = (
     "oom",
     "gpu_fault",
     "bad_node",
+    "slow",
 )
 ANY = -1
 
@@ -163,6 +166,12 @@ class Faults:
         if (f := self.hit("signal", step)) is not None:
             name = f.params.get("sig", "USR2").upper()
             os.kill(os.getpid(), getattr(signal, name if name.startswith("SIG") else "SIG" + name))
+
+    def slow_seconds(self, step: int) -> float:
+        """The seconds a forward of `step` takes more (the `slow` fault: every step from its step on)."""
+        return sum(
+            float(f.params.get("seconds", 0.2)) for f in self.faults if f.kind == "slow" and step >= max(f.step, 0)
+        )
 
     def fired(self, kind: str) -> bool:
         return any(f.kind == kind and f.fired for f in self.faults)

@@ -44,14 +44,15 @@ from .agreement import Agreement, NonFiniteWatch, Reporter, StepSync
 from .checkpoint import Checkpointer
 from .checkpoint.compat import identity
 from .ckptdir import expand_dir, write_file_durably
-from .dist import World, init_distributed, set_collective_timeout, shutdown
+from .dist import World, init_distributed, node_names, set_collective_timeout, shutdown
 from .engines import Engine, build_engine
-from .failures import ConfigError, Preempted
+from .failures import ConfigError, Preempted, PreflightError
 from .inject import Faults
 from .metrics import Metrics, check_tracking
 from .optim import apply_schedule
 from .signals import PreemptionFlag
 from .status import record_progress
+from .stragglers import ComputeClock, Straggler, StragglerWatch
 
 if TYPE_CHECKING:
     from .loop import Watchdog
@@ -90,6 +91,7 @@ class Job:
         self._sync = StepSync(
             world, skip=lambda step: faults is not None and faults.hit("skip_collective", step) is not None
         )
+        throttle = (lambda: faults.slow_seconds(self.step + 1)) if faults else None
         self._reporter = Reporter(
             self._sync,
             self.nonfinite,
@@ -98,6 +100,8 @@ class Job:
             tokens_per_step=self.layout.global_batch * plan.seq_len,
             flops_per_token=flops_per_token(plan.params, recipe.model.shape(), plan.seq_len),
             world_size=world.world_size,
+            clock=ComputeClock(world.is_gpu, throttle),
+            stragglers=StragglerWatch(node_names(world)) if self._sync.distributed else None,
         )
         self.checkpoint_dir = Path(
             os.path.expanduser(
@@ -210,6 +214,7 @@ class Job:
         resume compares); `reapply_schedule`: a resume sets this run's learning rate (optim.apply_schedule)."""
         rec = self.recipe
         self.engine, self._reapply_schedule = engine, reapply_schedule
+        engine.clock = self._reporter.clock  # times the forward passes: stragglers
         self.checkpointer = Checkpointer(
             self.checkpoint_dir,
             engine,
@@ -331,6 +336,9 @@ class Job:
                 self._reporter.log(step, mean_loss, lr, memory, extra=extra)
         self._position = position()
         cp.poll()
+        slow = self._reporter.stragglers.persistent() if log and self._reporter.stragglers else []
+        if slow and self.recipe.training.on_straggler == "exit" and not last and not agreed.stop:
+            self._straggler_stop(slow, finite)
         if agreed.stop and not last:  # on the last step the final checkpoint is the same save, and the run is done
             self._preempt(agreed, finite)
         if finite and due:
@@ -351,6 +359,28 @@ class Job:
             )
         self.metrics.event("preempt", step=step, signal=signal, ranks=list(agreed.signalled), saved=finite)
         raise Preempted(f"preempted at step {step}; checkpoint written, resubmit to resume", step=step)
+
+    def _straggler_stop(self, slow: list[Straggler], finite: bool) -> None:
+        """training.on_straggler: exit. Every rank reached the same verdict from the same rows: all save this
+        step; the straggler's ranks exit 44 (PREFLIGHT) naming their node, which the SLURM job script excludes
+        before it requeues; the others exit 42 (PREEMPTED: a checkpoint was written, resume)."""
+        step = self.step
+        names = "; ".join(s.describe() for s in slow)
+        self.metrics.log(
+            f"persistent straggler at step {step} (training.on_straggler: exit): {names}; "
+            + ("saving a checkpoint, then ending this attempt" if finite else "the loss is not finite: no checkpoint")
+        )
+        if finite:
+            self._save(self._position, blocking=True, reason="straggler")
+        self.metrics.event("straggler", step=step, stragglers=[s.record() for s in slow], saved=finite)
+        mine = next((s for s in slow if s.rank == self.rank), None)
+        if mine is not None:
+            raise PreflightError(
+                f"this rank is a persistent straggler: {mine.describe()}",
+                fix="the job script excludes the node and requeues; check the node's GPUs, clocks and neighbours",
+                step=step,
+            )
+        raise Preempted(f"stopped at step {step} for a straggler ({names}); checkpoint written, resume", step=step)
 
     def _save(self, position: dict, *, blocking: bool, reason: str) -> None:
         if self.watchdog is not None:

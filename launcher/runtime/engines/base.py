@@ -4,6 +4,7 @@ loop drives every strategy through it, with no per-strategy branches."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ class Engine:
     optimizer: Any
     scheduler: Any
     step_lr: float | None = None  # the learning rate the last optimizer step used
+    # times each forward (the job's stragglers.ComputeClock, set by Job.attach); accumulate enters it
+    clock: AbstractContextManager = nullcontext()
 
     def accumulate(self, loss_fn: Callable[[nn.Module], torch.Tensor], last: bool) -> torch.Tensor:
         """One micro-batch: `loss_fn(model)` runs the forward and returns the loss; its gradients are added

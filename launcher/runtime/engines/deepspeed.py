@@ -82,7 +82,8 @@ class DeepSpeedEngine(Engine):
 
     def accumulate(self, loss_fn, last):
         self.model.set_gradient_accumulation_boundary(last)
-        loss = loss_fn(self.model)
+        with self.clock:
+            loss = loss_fn(self.model)
         if last:
             self.step_lr = self.lr  # before DeepSpeed's step moves the schedule on: the rate this step uses
         self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself

@@ -350,11 +350,12 @@ class TorchEngine(Engine):
         if self.schedule is not None:
             raise ConfigError("a pipeline runs a step's micro-batches together: use forward_backward, not accumulate")
         with self._sync_context(last):
-            if self.autocast_dtype is not None:
-                with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            with self.clock:
+                if self.autocast_dtype is not None:
+                    with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                        loss = loss_fn(self.model)
+                else:
                     loss = loss_fn(self.model)
-            else:
-                loss = loss_fn(self.model)
             backward(loss, self.layout.grad_accum, self.scaler)
         return loss.detach()
 
