@@ -1,6 +1,6 @@
 """`dtlaunch logs NAME --diagnose`: what happened to a run, in a few lines, from the records it left: each rank's
 status record (status/rank-N.json: how it ended, at which step, on which node), the run's events (metrics.jsonl:
-resumes, checkpoints, the end) and, for a SLURM job, the job script's ledgers (jobs/ID/: attempts, exclusions).
+resumes, checkpoints, stragglers, the end) and, for a SLURM job, the job script's ledgers (jobs/ID/: attempts, exclusions).
 
 A hang names its likely culprit: the ranks that timed out wrote HANG; a rank that never reached the collective
 (stopped, or stuck in its own work) wrote nothing of its own in that attempt before torchrun stopped it, so the
@@ -59,9 +59,23 @@ def diagnose(where: Path) -> list[str]:
         lines.append(f"resumed {len(resumes)} time(s), at step(s) {', '.join(map(str, resumes))}")
     if saved:
         lines.append(f"newest committed checkpoint: step {saved[-1]}")
+    for e in (r for r in events if r.get("event") == "straggler"):  # training.on_straggler: exit ended an attempt
+        lines.append(f"straggler ended the attempt at step {e.get('step')}: {_slow(e.get('stragglers'))}")
+    logged = [r for r in events if "event" not in r and "loss" in r]
+    if logged and logged[-1].get("stragglers") and not ends:
+        lines.append(f"straggling at step {logged[-1]['step']}: {_slow(logged[-1]['stragglers'])}")
     lines += _last_attempt(_records(run))
     lines += _ledgers(where)
     return lines
+
+
+def _slow(stragglers) -> str:
+    """runtime/stragglers.py's records, for one line."""
+    return "; ".join(
+        f"rank {s.get('rank')} on {s.get('node')} ({s.get('slower')}x the median rank's forward time)"
+        for s in stragglers or []
+        if isinstance(s, dict)
+    )
 
 
 def _newest_attempt(records: list[dict]) -> tuple[str | None, list[dict]]:

@@ -63,10 +63,12 @@ def test_exclusions_stop_at_the_cap(tmp_path, partition):
     assert rows and rows[0].startswith(f"{ExitCode.PREFLIGHT}:"), rows
 
 
-def fails_on_node1_then_finishes_on_node2(tmp_path, partition, fault: str, extra: list[str]) -> tuple[Job, str]:
+def fails_on_node1_then_finishes_on_node2(
+    tmp_path, partition, fault: str, extra: list[str], resume_at: int = 3
+) -> tuple[Job, str]:
     """A one-node job whose first allocation is node1 (node2 held by another job until node1 is excluded), given
-    `fault`: node1 excluded, the job released, resumed from its step-3 checkpoint on node2 and finished. The job
-    and its output."""
+    `fault`: node1 excluded, the job released, resumed from its step-`resume_at` checkpoint on node2 and finished.
+    The job and its output."""
     blocker = sh(
         "sbatch", "--parsable", "-p", partition, "-w", "node2", "-o", "/dev/null", "--wrap", "sleep 300"
     ).stdout.strip()
@@ -83,7 +85,7 @@ def fails_on_node1_then_finishes_on_node2(tmp_path, partition, fault: str, extra
     job.done(240)
     assert job.ledger("state") == ["COMPLETED"], job.explain()
     assert [a.split()[2] for a in job.ledger("attempts")] == ["node1", "node2"]
-    assert [e["step"] for e in job.events("resume")] == [3] and [e["step"] for e in job.events("end")] == [6]
+    assert [e["step"] for e in job.events("resume")] == [resume_at] and [e["step"] for e in job.events("end")] == [6]
     return job, (tmp_path / f"tiny-{job.id}.out").read_text()
 
 
@@ -108,3 +110,24 @@ def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(tmp_path
         ["resources.accelerator=cpu:2", "training.timeout_seconds=10"],
     )
     assert "dtlaunch: the hang's likely culprit ran on node1" in out, out[-3000:]
+
+
+def test_a_slow_nodes_straggler_is_named_excluded_and_the_run_resumes_elsewhere(tmp_path, partition):
+    """Rank 1 (of 2, on node1) runs every forward 0.5 s slower from step 2 (the test-only `slow` fault: a throttled
+    GPU). From step 2 (the first step warms up) it is named at each log step; at step 4, the third in a row, with
+    training.on_straggler: exit, the ranks save step 4 and rank 1 exits 44 naming node1; the job script requeues
+    without node1 and the run resumes from step 4 on node2 and finishes."""
+    job, out = fails_on_node1_then_finishes_on_node2(
+        tmp_path,
+        partition,
+        "slow:rank=1:step=2:node=node1:seconds=0.5",
+        ["resources.accelerator=cpu:2", "training.on_straggler=exit"],
+        resume_at=4,
+    )
+    assert "WARNING: straggler: rank 1 on node node1" in out and "persistent straggler at step 4" in out, out[-3000:]
+    assert "dtlaunch: node node1 failed under the job (exit 44" in out, out[-3000:]
+    (event,) = job.events("straggler")
+    assert event["step"] == 4 and event["stragglers"][0]["node"] == "node1" and event["saved"]
+    said = "\n".join(diagnose(tmp_path))
+    assert "straggler ended the attempt at step 4: rank 1 on node1" in said, said
+    assert f"job {job.id}: excluded node1 after attempt 0 and requeued" in said, said
