@@ -25,6 +25,9 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
     gpu_fault:rank=1:step=5            a CUDA error of failing hardware (an uncorrectable ECC error)
     slow:step=3:node=node2:seconds=0.2 from step 3 on, every forward on node2's ranks takes 0.2 s more (a throttled
                                        GPU or an overloaded host: a straggler)
+    slow_link:step=0:node=n2:seconds=0.05
+                                       preflight's pairwise test: each exchange of n2's ranks takes 0.05 s more
+                                       (a slow cable or NIC on n2)
     bad_node:step=0:node=node1         node1 fails the pre-start check (`launcher.train --check`) with PREFLIGHT;
                                        without node=, any node; attempt= counts SLURM's requeues here
 
@@ -62,6 +65,7 @@ KINDS = (
     "gpu_fault",
     "bad_node",
     "slow",
+    "slow_link",
 )
 ANY = -1
 

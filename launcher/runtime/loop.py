@@ -33,7 +33,7 @@ from .checkpoint.compat import identity
 from .data import Batches, EvalData, build_dataloader, build_eval_data, held_out_sequences, rescale_position
 from .dist import World, enable_determinism, init_distributed
 from .engines import Engine, build_engine, build_partitioned, builds_partitioned
-from .failures import ConfigError, PreflightError, StorageError
+from .failures import ConfigError, Preempted, PreflightError, StorageError
 from .inject import Faults
 from .job import Job
 from .loss import cross_entropy
@@ -191,7 +191,7 @@ class Trainer:
             init="partitioned" if builds_partitioned(layout, rec.model) else "meta" if meta else "eager",
         )
         if tr.preflight:
-            self._preflight(w, job)
+            self._preflight(w, job, faults)
         torch.manual_seed(tr.seed)  # the same initial weights on every rank and every attempt
         if builds_partitioned(layout, rec.model):
             module = build_partitioned(rec, plan, layout, w.rank, w.device, w.is_gpu)
@@ -261,7 +261,7 @@ class Trainer:
         self.checkpointer = job.attach(engine, static_meta)
         return _Parts(w, faults, job, engine, batches, eval_data)
 
-    def _preflight(self, w: World, job: Job) -> None:
+    def _preflight(self, w: World, job: Job, faults: Faults) -> None:
         rec = self.recipe
         net = catalog.NETWORKS[rec.resources.network]
         size = checkpoint_bytes(self.plan.params, rec.training.optimizer)
@@ -272,6 +272,7 @@ class Trainer:
             checkpoint_bytes=size,
             keep=rec.checkpoint.keep,
             min_allreduce_fraction=rec.training.min_allreduce_fraction,
+            link_delay=float(f.params.get("seconds", 0.05)) if (f := faults.hit("slow_link", 0)) else 0.0,
         )
         for line in rep.lines:
             job.metrics.log(f"preflight: {line}")
@@ -281,6 +282,16 @@ class Trainer:
                 "preflight failed before any training step:\n  - " + "\n  - ".join(rep.failures),
                 fix="free space in the checkpoint directory (or point checkpoint.dir at larger "
                 "storage), then run again",
+            )
+        if rep.failures and rep.culprits and jobenv.node_name() not in rep.culprits:
+            # the failure is localised to other nodes: this node's ranks end as a stop (42), so that only the
+            # culprits' records say 44 with their node, and the SLURM job script excludes those alone
+            raise Preempted(
+                "preflight failed on node(s) "
+                + ", ".join(rep.culprits)
+                + ", not this one:\n  - "
+                + "\n  - ".join(rep.failures),
+                fix="the job is requeued without them (SLURM), or exclude them and resubmit",
             )
         if rep.failures:
             raise PreflightError(

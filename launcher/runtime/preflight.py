@@ -27,6 +27,8 @@ class Report:
     failures: list[str] = field(default_factory=list)
     storage: bool = False  # a failure is the checkpoint storage's (no room): StorageError, not PREFLIGHT
     figures: dict = field(default_factory=dict)
+    nodes: list[str] = field(default_factory=list)  # each rank's node (jobenv.node_name), by rank
+    culprits: list[str] = field(default_factory=list)  # the nodes a failure is localised to (the rest are fine)
 
 
 def bus_bandwidth_gbps(nbytes: int, seconds: float, world: int) -> float:
@@ -55,7 +57,15 @@ def measure_allreduce(device: torch.device, nbytes: int, iters: int = 5, group=N
 def check_rendezvous(world, rep: Report) -> None:
     """Every rank is here (ranks 0..n-1 exactly), and which hosts they are on."""
     n = world.world_size
-    me = {"rank": world.rank, "host": socket.gethostname(), "local_rank": world.proc.local_rank, "pid": os.getpid()}
+    from ..jobenv import node_name
+
+    me = {
+        "rank": world.rank,
+        "host": socket.gethostname(),
+        "node": node_name(),
+        "local_rank": world.proc.local_rank,
+        "pid": os.getpid(),
+    }
     everyone: list = [me]
     if world.distributed:
         everyone = [None] * n
@@ -67,6 +77,7 @@ def check_rendezvous(world, rep: Report) -> None:
     more = " ..." if len(hosts) > 8 else ""
     rep.lines.append(f"rendezvous: {n} ranks on {len(hosts)} host(s): {', '.join(hosts[:8])}{more}")
     rep.figures["hosts"] = len(hosts)
+    rep.nodes = [str(e.get("node") or e["host"]) for e in sorted(everyone, key=lambda e: e["rank"])]
 
 
 def allreduce_bytes(is_gpu: bool, world_size: int) -> int:
@@ -135,6 +146,136 @@ def check_bandwidth(world, network, min_fraction: float, rep: Report) -> None:
         rep.lines.append(msg)
 
 
+LINK_BYTES_GPU, LINK_BYTES_CPU = 64 << 20, 4 << 20
+LINK_ITERS = 5
+
+
+def ring_rounds(members: int) -> list[list[tuple[int, int]]]:
+    """The links of a ring of `members` (i <-> i+1, the last back to the first) in rounds of disjoint pairs, so
+    that no member tests two links at once: the even links, the odd ones, and with an odd count the closing link
+    on its own. A ring of two has one link."""
+    if members < 2:
+        return []
+    links = [(i, (i + 1) % members) for i in range(members if members > 2 else 1)]
+    even = [ln for k, ln in enumerate(links) if k % 2 == 0 and not (members % 2 and k == members - 1)]
+    odd = [ln for k, ln in enumerate(links) if k % 2 == 1]
+    last = [links[-1]] if members > 2 and members % 2 else []
+    return [r for r in (even, odd, last) if r]
+
+
+def _exchange_seconds(device: torch.device, peer: int, nbytes: int, delay: float) -> float:
+    """Seconds per exchange of `nbytes` each way with the global rank `peer` (both send at once), after a
+    warm-up. `delay`: the test-only slow-link fault's seconds per exchange."""
+    send = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    recv = torch.empty_like(send)
+
+    def once() -> None:
+        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        if delay:
+            time.sleep(delay)
+
+    once()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(LINK_ITERS):
+        once()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / LINK_ITERS
+
+
+def _measure_rings(world, per_node: int, nbytes: int, delay: float) -> list[dict]:
+    """Every rank's measured links, {"inter": [(rank, peer, seconds)], "intra": [...]}, gathered on every rank:
+    the nodes' ring (local rank 0 of each node with the next node's), then each node's ring of local ranks
+    (all nodes at once), in rounds of disjoint pairs with a barrier between them."""
+    n = world.world_size
+    node, local = divmod(world.rank, per_node)
+    mine: dict[str, list] = {"inter": [], "intra": []}
+    for kind, members, me, to_rank in (
+        ("inter", n // per_node, node if local == 0 else None, lambda m: m * per_node),
+        ("intra", per_node, local, lambda m: node * per_node + m),
+    ):
+        for pairs in ring_rounds(members):
+            for a, b in pairs:
+                if me in (a, b):
+                    secs = _exchange_seconds(world.device, to_rank(b if me == a else a), nbytes, delay)
+                    if me == a:
+                        mine[kind].append((world.rank, to_rank(b), secs))
+            dist.barrier()
+    everyone: list = [None] * n
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def check_links(world, network, min_fraction: float, rep: Report, delay: float = 0.0) -> None:
+    """Pairwise bandwidth around two rings, so that a slow link is localised: the nodes' ring, held against the
+    network profile when training.min_allreduce_fraction is set (a node whose links on both sides are slow is
+    the culprit; a single slow link names its two nodes), and inside each node the ring of its local ranks
+    (reported: NVLink/PCIe have no profile here). Each link's figure goes to the preflight record (`links`,
+    `intra_links`)."""
+    n = world.world_size
+    per_node = max(1, world.proc.local_world_size)
+    if not world.distributed or n < 2 or n % per_node:
+        return
+    nbytes = LINK_BYTES_GPU if world.is_gpu else LINK_BYTES_CPU
+    everyone = _measure_rings(world, per_node, nbytes, delay)
+    names = rep.nodes or [str(r // per_node) for r in range(n)]
+
+    def links(kind: str) -> list[dict]:
+        out = [
+            {"ranks": [a, b], "nodes": [names[a], names[b]], "gbps": round(nbytes / s / 1e9, 3) if s > 0 else 0.0}
+            for e in everyone
+            for a, b, s in e[kind]
+        ]
+        return sorted(out, key=lambda ln: ln["ranks"])
+
+    intra = links("intra")
+    if intra:
+        rep.figures["intra_links"] = intra
+        worst = min(intra, key=lambda ln: ln["gbps"])
+        rep.lines.append(
+            f"pairwise inside nodes: {len(intra)} link(s) of {nbytes >> 20} MB each way, the slowest "
+            f"{worst['gbps']:.2f} GB/s (ranks {worst['ranks'][0]} <-> {worst['ranks'][1]} on {worst['nodes'][0]})"
+        )
+    _judge_node_links(links("inter"), network, min_fraction, rep)
+
+
+def _judge_node_links(inter: list[dict], network, min_fraction: float, rep: Report) -> None:
+    if not inter:
+        return
+    rep.figures["links"] = inter
+    expected = network.node_gbps
+    worst = min(inter, key=lambda ln: ln["gbps"])
+    rep.lines.append(
+        f"pairwise between nodes: {len(inter)} link(s), the slowest {worst['gbps']:.2f} GB/s "
+        f"({worst['nodes'][0]} <-> {worst['nodes'][1]})"
+        + (f"; the '{network.name}' profile expects {expected:g} GB/s" if expected else "")
+    )
+    slow = [ln for ln in inter if min_fraction > 0 and expected and ln["gbps"] < min_fraction * expected]
+    if not slow:
+        return
+    count: dict[str, int] = {}
+    for ln in slow:
+        for name in set(ln["nodes"]):
+            count[name] = count.get(name, 0) + 1
+    # a node with both of its ring links slow is the culprit; a lone slow link can be either end's
+    both = sorted(k for k, c in count.items() if c >= 2)
+    rep.culprits = both or sorted(count)
+    for ln in slow:
+        rep.failures.append(
+            f"link {ln['nodes'][0]} <-> {ln['nodes'][1]} (ranks {ln['ranks'][0]} <-> {ln['ranks'][1]}): "
+            f"{ln['gbps']:.2f} GB/s, below {min_fraction:.0%} of the '{network.name}' profile's {expected:g} GB/s "
+            "(training.min_allreduce_fraction)"
+        )
+    rep.failures.append(
+        f"the slow link(s) point at node(s) {', '.join(rep.culprits)}"
+        + (" (both of its ring links are slow)" if both else " (one link: either end)")
+    )
+
+
 def check_checkpoint_space(world, checkpoint_dir: Path, checkpoint_bytes: float, keep: int, rep: Report) -> None:
     """Room for the checkpoints (rank 0 looks; on shared storage that is everyone's view). Uncommitted
     directories of dead attempts count as room: start-up removes them (once rank 0 holds the run's lock), and a
@@ -180,23 +321,34 @@ def check_shm(world, rep: Report) -> None:
 
 
 def share_failures(world, rep: Report) -> None:
-    """Every rank's local failures, merged, so that all ranks exit with PREFLIGHT together."""
+    """Every rank's local failures, merged, so that all ranks exit with PREFLIGHT together (and know the nodes a
+    failure was localised to)."""
     if not world.distributed:
         return
     allf: list = [None] * world.world_size
-    dist.all_gather_object(allf, (rep.failures, rep.storage))
-    merged = [f if r == 0 else f"rank {r}: {f}" for r, (fs, _) in enumerate(allf) for f in fs or []]
+    dist.all_gather_object(allf, (rep.failures, rep.storage, rep.culprits))
+    merged = [f if r == 0 else f"rank {r}: {f}" for r, (fs, _, _) in enumerate(allf) for f in fs or []]
     rep.failures = list(dict.fromkeys(merged))
-    rep.storage = any(st for _, st in allf)
+    rep.storage = any(st for _, st, _ in allf)
+    rep.culprits = sorted({c for _, _, cs in allf for c in cs or []})
 
 
 def run(
-    *, world, network, checkpoint_dir: Path, checkpoint_bytes: float, keep: int, min_allreduce_fraction: float
+    *,
+    world,
+    network,
+    checkpoint_dir: Path,
+    checkpoint_bytes: float,
+    keep: int,
+    min_allreduce_fraction: float,
+    link_delay: float = 0.0,
 ) -> Report:
-    """Collective. Returns rank 0's report (other ranks get the shared failures)."""
+    """Collective. Returns rank 0's report (other ranks get the shared failures). `link_delay`: the test-only
+    slow-link fault's seconds per exchange on this rank."""
     rep = Report()
     check_rendezvous(world, rep)
     check_bandwidth(world, network, min_allreduce_fraction, rep)
+    check_links(world, network, min_allreduce_fraction, rep, link_delay)
     check_checkpoint_space(world, checkpoint_dir, checkpoint_bytes, keep, rep)
     check_shm(world, rep)
     share_failures(world, rep)

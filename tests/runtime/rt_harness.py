@@ -192,12 +192,13 @@ def run_torchrun(
     elastic: bool = False,
     prefix: list[str] | None = None,
     worker: list[str] | None = None,
+    node_env: list[dict] | None = None,
 ) -> RunResult:
     """Run `python -m launcher.train` under a real torchrun; never hangs the suite (timeout kills it). `nnodes` > 1:
     that many torchrun agents on this machine, one per simulated node (each starts `nproc` ranks, its LOCAL_* as
     on a node of its own); their outputs are joined, the first agent's exit code is returned. `elastic`: through
     launcher.elastic, as the job scripts start it; `prefix`: a command that runs it (unshare); `worker`: a command
-    that runs each rank (a wrapper that straces one of them)."""
+    that runs each rank (a wrapper that straces one of them); `node_env`: each agent's own variables (a node's name)."""
     port = free_port()
     t0 = time.monotonic()
     cmd = [*(prefix or []), *torchrun_cmd(plan, run_dir, nproc, port, max_restarts, nnodes, elastic, worker)]
@@ -207,10 +208,10 @@ def run_torchrun(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=torchrun_env(env),
+            env=torchrun_env({**(env or {}), **(node_env[i] if node_env else {})}),
             start_new_session=True,
         )
-        for _ in range(nnodes)
+        for i in range(nnodes)
     ]
     outs, errs = [], []
     for proc in procs:

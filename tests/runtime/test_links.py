@@ -1,0 +1,64 @@
+"""Preflight's pairwise test: every link of the nodes' ring and of each node's local ring is measured on its own
+and lands in the preflight record; a slow node (the test-only `slow_link` fault delays its ranks' exchanges: a bad
+cable or NIC) is localised by its two slow ring links, named, and only its ranks exit 44, so the SLURM job script
+excludes it alone. Three simulated nodes: three torchrun agents here, each with its node name."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.jobenv import ExitCode
+from launcher.runtime.preflight import ring_rounds
+from rt_harness import recipe_dict, run_torchrun, write_plan
+
+
+def test_the_rings_rounds_cover_every_link_once_and_no_member_twice_in_a_round():
+    for members in range(2, 10):
+        rounds = ring_rounds(members)
+        links = [ln for r in rounds for ln in r]
+        want = {(0, 1)} if members == 2 else {(i, (i + 1) % members) for i in range(members)}
+        assert set(links) == want and len(links) == len(want), (members, rounds)
+        for r in rounds:
+            ends = [m for ln in r for m in ln]
+            assert len(ends) == len(set(ends)), (members, r)
+    assert ring_rounds(1) == [] and len(ring_rounds(4)) == 2 and len(ring_rounds(5)) == 3
+
+
+NODES = [{"SLURMD_NODENAME": f"n{i}"} for i in (1, 2, 3)]
+
+
+def _links_run(run_dir, fault: str | None, fraction: float):
+    rec = recipe_dict(
+        resources={"network": "loopback", "accelerator": "cpu:1", "nodes": 3},
+        training={"min_allreduce_fraction": fraction, "steps": 2},
+    )
+    env = {"DTLAUNCH_FAULT": fault} if fault else {}
+    return run_torchrun(write_plan(run_dir, rec), run_dir, nproc=1, nnodes=3, env=env, node_env=NODES, timeout=240)
+
+
+@pytest.mark.slow
+def test_every_link_is_measured_and_recorded(run_dir):
+    res = _links_run(run_dir, None, 0.0)
+    assert res.rc == 0, res.output[-3000:]
+    (pre,) = res.events("preflight")
+    assert [ln["nodes"] for ln in pre["links"]] == [["n1", "n2"], ["n2", "n3"], ["n3", "n1"]]
+    assert all(ln["gbps"] > 0 for ln in pre["links"]) and "intra_links" not in pre  # one rank a node
+    assert "pairwise between nodes: 3 link(s), the slowest" in res.stdout
+
+
+@pytest.mark.slow
+def test_a_slow_nodes_two_links_name_it_and_only_its_ranks_exit_44(run_dir):
+    res = _links_run(run_dir, "slow_link:step=0:node=n2:seconds=0.2", 0.5)
+    status = res.statuses()
+    assert {r: s["code"] for r, s in status.items()} == {
+        0: ExitCode.PREEMPTED,
+        1: ExitCode.PREFLIGHT,
+        2: ExitCode.PREEMPTED,
+    }, res.output[-4000:]
+    assert status[1]["node"] == "n2"
+    (pre,) = res.events("preflight")
+    speed = {tuple(ln["nodes"]): ln["gbps"] for ln in pre["links"]}
+    assert speed[("n1", "n2")] < 0.1 and speed[("n2", "n3")] < 0.1 and speed[("n3", "n1")] > 0.1, speed
+    assert "the slow link(s) point at node(s) n2 (both of its ring links are slow)" in res.output
+    assert "link n1 <-> n2 (ranks 0 <-> 1)" in res.output and "below 50% of the 'loopback' profile" in res.output
+    assert not res.losses()
