@@ -273,6 +273,7 @@ class Trainer:
             keep=rec.checkpoint.keep,
             min_allreduce_fraction=rec.training.min_allreduce_fraction,
             link_delay=float(f.params.get("seconds", 0.05)) if (f := faults.hit("slow_link", 0)) else 0.0,
+            gemm_delay=faults.slow_seconds(0),
         )
         for line in rep.lines:
             job.metrics.log(f"preflight: {line}")

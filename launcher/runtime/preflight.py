@@ -1,6 +1,7 @@
 """Checks before the first training step, so a broken node fails in seconds with a clear message
-instead of hours later: everyone reached rendezvous, the fabric delivers the bandwidth it should,
-the checkpoint directory has room, and (on GPU nodes) /dev/shm is big enough for NCCL.
+instead of hours later: everyone reached rendezvous, every device computes at its rate (a GEMM burn-in),
+the fabric delivers the bandwidth it should (the world's all-reduce, and link by link around the nodes' ring
+and each node's), the checkpoint directory has room, and (on GPU nodes) /dev/shm is big enough for NCCL.
 
 All ranks take part; rank 0 decides and reports, and the verdict is shared so that every rank
 exits with PREFLIGHT together.
@@ -276,6 +277,66 @@ def _judge_node_links(inter: list[dict], network, min_fraction: float, rep: Repo
     )
 
 
+GEMM_MIN_FRACTION = 0.25  # of the table's dense peak: a GPU this far below it is broken or throttled, not just busy
+GEMM_ITERS = 10
+
+
+def _gemm_seconds(device: torch.device, is_gpu: bool, delay: float) -> tuple[float, float]:
+    """(seconds per matmul, its FLOPs): bf16 8192^3 on a GPU (large enough to reach the tensor cores' rate),
+    a small fp32 one on a CPU; after a warm-up. `delay`: the test-only slow fault's seconds per matmul."""
+    n, dtype = (8192, torch.bfloat16) if is_gpu else (256, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    if is_gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(GEMM_ITERS):
+        a @ b
+        if delay:
+            time.sleep(delay)
+    if is_gpu:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / GEMM_ITERS, 2.0 * n**3
+
+
+def check_gemm(world, rep: Report, delay: float = 0.0) -> None:
+    """A short GEMM burn-in on every rank's device: its rate against the device's dense peak
+    (catalog.DEVICE_PEAK_TFLOPS; below GEMM_MIN_FRACTION fails, naming the node) and against the other ranks'
+    (a robust outlier is named: a throttled GPU before it becomes a straggler). Every rank's TFLOPS go to the
+    preflight record (`gemm_tflops`, by rank)."""
+    from .metrics import device_peak_tflops
+    from .stragglers import outliers
+
+    secs, flops = _gemm_seconds(world.device, world.is_gpu, delay)
+    mine = (secs, flops / secs / 1e12 if secs > 0 else 0.0)
+    everyone: list = [mine]
+    if world.distributed:
+        everyone = [None] * world.world_size
+        dist.all_gather_object(everyone, mine)
+    rates = [round(r, 4) for _, r in everyone]
+    rep.figures["gemm_tflops"] = rates
+    peak, name = device_peak_tflops(world.is_gpu)
+    names = rep.nodes or ["?"] * len(rates)
+    what = "bf16 8192^3" if world.is_gpu else "fp32 256^3 (CPU)"
+    line = f"GEMM burn-in ({what}): {min(rates):.3g}-{max(rates):.3g} TFLOPS over {len(rates)} rank(s)"
+    rep.lines.append(
+        line + (f", {min(rates) / peak:.0%}-{max(rates) / peak:.0%} of the {name}'s {peak:g}" if peak else "")
+    )
+    for r in outliers([s for s, _ in everyone]):
+        rep.lines.append(
+            f"WARNING: GEMM burn-in: rank {r} on {names[r]} runs {rates[r]:.3g} TFLOPS, against the median rank's "
+            f"{sorted(rates)[len(rates) // 2]:.3g}: a throttled or faulty device (watch it for stragglers)"
+        )
+    if peak and world.is_gpu and rates[world.rank] < GEMM_MIN_FRACTION * peak:
+        rep.failures.append(
+            f"GEMM burn-in on {names[world.rank]} (local rank {world.proc.local_rank}): {rates[world.rank]:.0f} "
+            f"TFLOPS bf16, {rates[world.rank] / peak:.0%} of the {name}'s dense peak {peak:g}, below "
+            f"{GEMM_MIN_FRACTION:.0%}: the GPU is throttled or failing"
+        )
+        rep.culprits = sorted({*rep.culprits, names[world.rank]})
+
+
 def check_checkpoint_space(world, checkpoint_dir: Path, checkpoint_bytes: float, keep: int, rep: Report) -> None:
     """Room for the checkpoints (rank 0 looks; on shared storage that is everyone's view). Uncommitted
     directories of dead attempts count as room: start-up removes them (once rank 0 holds the run's lock), and a
@@ -342,11 +403,13 @@ def run(
     keep: int,
     min_allreduce_fraction: float,
     link_delay: float = 0.0,
+    gemm_delay: float = 0.0,
 ) -> Report:
-    """Collective. Returns rank 0's report (other ranks get the shared failures). `link_delay`: the test-only
-    slow-link fault's seconds per exchange on this rank."""
+    """Collective. Returns rank 0's report (other ranks get the shared failures). `link_delay`, `gemm_delay`: the
+    test-only slow-link and slow faults' seconds per exchange and per matmul on this rank."""
     rep = Report()
     check_rendezvous(world, rep)
+    check_gemm(world, rep, gemm_delay)
     check_bandwidth(world, network, min_allreduce_fraction, rep)
     check_links(world, network, min_allreduce_fraction, rep, link_delay)
     check_checkpoint_space(world, checkpoint_dir, checkpoint_bytes, keep, rep)

@@ -1,5 +1,6 @@
-"""Preflight's pairwise test: every link of the nodes' ring and of each node's local ring is measured on its own
-and lands in the preflight record; a slow node (the test-only `slow_link` fault delays its ranks' exchanges: a bad
+"""Preflight per node and per link. The GEMM burn-in: every rank's rate recorded, a slow one named. The pairwise
+test: every link of the nodes' ring and of each node's local ring is measured on its own and lands in the
+preflight record; a slow node (the test-only `slow_link` fault delays its ranks' exchanges: a bad
 cable or NIC) is localised by its two slow ring links, named, and only its ranks exit 44, so the SLURM job script
 excludes it alone. Three simulated nodes: three torchrun agents here, each with its node name."""
 
@@ -62,3 +63,18 @@ def test_a_slow_nodes_two_links_name_it_and_only_its_ranks_exit_44(run_dir):
     assert "the slow link(s) point at node(s) n2 (both of its ring links are slow)" in res.output
     assert "link n1 <-> n2 (ranks 0 <-> 1)" in res.output and "below 50% of the 'loopback' profile" in res.output
     assert not res.losses()
+
+
+@pytest.mark.slow
+def test_the_gemm_burn_in_records_every_rank_and_names_a_slow_one(run_dir):
+    """Rank 1 slow from step 0 (the `slow` fault: a throttled device): its burn-in rate is a robust outlier against
+    rank 0's, named with its node; both ranks' TFLOPS are in the preflight record. On a CPU there is no peak to
+    hold them against, so nothing fails."""
+    rec = recipe_dict(training={"steps": 2})
+    res = run_torchrun(write_plan(run_dir, rec), run_dir, env={"DTLAUNCH_FAULT": "slow:rank=1:step=0:seconds=0.05"})
+    assert res.rc == 0, res.output[-3000:]
+    (pre,) = res.events("preflight")
+    fast, slow = pre["gemm_tflops"]
+    assert 0 < slow < fast / 2, pre["gemm_tflops"]
+    assert "GEMM burn-in (fp32 256^3 (CPU)):" in res.stdout
+    assert "WARNING: GEMM burn-in: rank 1 on" in res.stdout and "rank 0 on" not in res.stdout
