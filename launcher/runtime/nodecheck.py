@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -78,6 +79,85 @@ def _injected_bad_node() -> None:
         )
 
 
+# nvidia-smi's health fields (one query; `[N/A]`/`[Not Supported]` where a GPU lacks one): errors that need the
+# GPU reset or replaced fail the node, a hardware clock slowdown is named only (it can be a passing power brake).
+HEALTH_FIELDS = (
+    "index",
+    "name",
+    "ecc.errors.uncorrected.volatile.total",
+    "retired_pages.pending",
+    "remapped_rows.pending",
+    "remapped_rows.failure",
+    "clocks_throttle_reasons.hw_slowdown",
+)
+# Xid codes (the driver's error reports, in the kernel log) after which a GPU needs a reset or replacing: double-bit
+# ECC (48), internal micro-controller faults (61, 62), row remapping (63, 64), NVLink (74), fallen off the bus
+# (79), uncontained ECC (95), and the like (NVIDIA's Xid catalogue).
+CRITICAL_XIDS = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95})
+XID = re.compile(r"NVRM: Xid \(([^)]*)\): (\d+)")
+
+
+def gpu_health(smi_csv: str, kernel_log: str = "") -> tuple[list[str], list[str]]:
+    """(failures, notes) from `nvidia-smi --query-gpu=HEALTH_FIELDS --format=csv,noheader,nounits` and the kernel
+    log's Xid lines. Pure: the node check runs the tools."""
+    failures, notes = [], []
+    for line in smi_csv.strip().splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(HEALTH_FIELDS):
+            continue
+        f = dict(zip(HEALTH_FIELDS, cells, strict=True))
+        gpu = f"GPU {f['index']} ({f['name']})"
+        ecc = f["ecc.errors.uncorrected.volatile.total"]
+        if ecc.isdigit() and int(ecc) > 0:
+            failures.append(f"{gpu}: {ecc} uncorrected ECC error(s) since the driver loaded")
+        for key, what in (
+            ("retired_pages.pending", "a page retirement pending (the GPU needs a reset)"),
+            ("remapped_rows.pending", "a row remap pending (the GPU needs a reset)"),
+            ("remapped_rows.failure", "a failed row remap (the GPU needs replacing)"),
+        ):
+            if f[key].lower() == "yes":
+                failures.append(f"{gpu}: {what}")
+        if f["clocks_throttle_reasons.hw_slowdown"].lower() == "active":
+            notes.append(f"{gpu}: its clocks are slowed by the hardware (thermal or power brake)")
+    xids = sorted({(pci, int(code)) for pci, code in XID.findall(kernel_log) if int(code) in CRITICAL_XIDS})
+    for pci, code in xids:
+        failures.append(f"Xid {code} on {pci} in the kernel log (the GPU needs a reset or replacing)")
+    return failures, notes
+
+
+def check_gpu_health() -> str:
+    """This node's GPUs as nvidia-smi and the kernel log report them, where the tools exist (a site's prolog
+    runs the same checks): PreflightError (44) on an error that needs a GPU reset or replacing."""
+    import shutil
+    import subprocess
+
+    from .failures import PreflightError
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ""
+    try:
+        p = subprocess.run(
+            [smi, f"--query-gpu={','.join(HEALTH_FIELDS)}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise PreflightError(f"nvidia-smi did not answer ({e})", fix="check the node's driver; exclude it") from None
+    if p.returncode != 0:
+        return f", nvidia-smi health not read ({(p.stderr or p.stdout).strip()[:200]})"
+    try:  # the kernel log needs privileges on many sites: without it, the Xid check is skipped
+        kernel = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        kernel = ""
+    failures, notes = gpu_health(p.stdout, kernel)
+    if failures:
+        raise PreflightError("; ".join(failures), fix="exclude this node (the job script does) and report it")
+    gpus = len(p.stdout.strip().splitlines())
+    return f", nvidia-smi: {gpus} GPU(s) healthy" + "".join(f" (note: {n})" for n in notes)
+
+
 def check_node(recipe, plan) -> str:
     """This node against the plan: a GPU plan needs CUDA and a GPU per local rank (PreflightError: the node is
     wrong, exit 44, so it can be excluded). Builds DeepSpeed's CPU Adam when the plan steps the optimizer on the
@@ -86,7 +166,9 @@ def check_node(recipe, plan) -> str:
     from .dist import check_gpu_node
 
     _injected_bad_node()
-    found = check_gpu_node(recipe.resources.device().is_gpu, plan.gpus_per_node)
+    is_gpu = recipe.resources.device().is_gpu
+    health = check_gpu_health() if is_gpu else ""
+    found = check_gpu_node(is_gpu, plan.gpus_per_node) + health
     lay = plan.layout
     if lay.spec.family is Family.DEEPSPEED and uses_cpu_adam(recipe, lay.offload, recipe.resources.device().is_gpu):
         import time

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -300,6 +301,55 @@ def test_7_the_node_check_before_torchrun_says_preflight_for_a_gpu_plan_here(tmp
     )
     assert p.returncode == jobenv.ExitCode.PREFLIGHT, p.stdout + p.stderr
     assert "CPU-only build" in p.stderr
+
+
+SMI_OK = "0, NVIDIA H100 80GB HBM3, 0, No, No, No, Not Active\n1, NVIDIA H100 80GB HBM3, 0, No, No, No, Active\n"
+SMI_BAD = "0, NVIDIA H100 80GB HBM3, 0, No, No, No, Not Active\n1, NVIDIA H100 80GB HBM3, 2, No, Yes, No, Not Active\n"
+
+
+def test_7_gpu_health_reads_ecc_remaps_and_xids_as_a_sites_prolog_would():
+    from launcher.runtime.nodecheck import gpu_health
+
+    assert gpu_health(SMI_OK) == (
+        [],
+        ["GPU 1 (NVIDIA H100 80GB HBM3): its clocks are slowed by the hardware (thermal or power brake)"],
+    )
+    failures, _ = gpu_health(SMI_BAD)
+    assert failures == [
+        "GPU 1 (NVIDIA H100 80GB HBM3): 2 uncorrected ECC error(s) since the driver loaded",
+        "GPU 1 (NVIDIA H100 80GB HBM3): a row remap pending (the GPU needs a reset)",
+    ]
+    log = (
+        "[  12.3] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, Graphics Exception\n[99.1] NVRM: Xid (PCI:0000:5d:00): 79, ..."
+    )
+    assert gpu_health(SMI_OK.replace("Active\n", "Not Active\n"), log)[0] == [
+        "Xid 79 on PCI:0000:5d:00 in the kernel log (the GPU needs a reset or replacing)"
+    ]  # 13 (a program's own graphics exception) is not the node's fault
+    assert gpu_health("0, NVIDIA A10G, [N/A], [N/A], [N/A], [N/A], [Not Supported]\n") == ([], [])
+
+
+def test_7_the_node_check_fails_a_node_whose_gpu_reports_errors(tmp_path):
+    """A mock nvidia-smi and dmesg (no GPU here), first on PATH: the node check runs the real query and fails the
+    node with 44, naming the GPU and the error, before it looks for CUDA."""
+    from rt_harness import write_plan
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "nvidia-smi").write_text(f"#!/bin/sh\ncase \"$*\" in *--query-gpu=*) printf '{SMI_BAD}' ;; esac\n")
+    (bin_ / "dmesg").write_text("#!/bin/sh\necho 'NVRM: Xid (PCI:0000:3b:00): 48, pid=7, DBE'\n")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    plan = write_plan(tmp_path, recipe_dict(resources={"accelerator": "H100:8"}))
+    p = subprocess.run(
+        [sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURMD_NODENAME": "gpu07"},
+    )
+    assert p.returncode == jobenv.ExitCode.PREFLIGHT, p.stdout + p.stderr
+    assert "node gpu07 cannot run the plan: GPU 1 (NVIDIA H100 80GB HBM3): 2 uncorrected ECC error(s)" in p.stderr
+    assert "Xid 48 on PCI:0000:3b:00" in p.stderr and "CPU-only build" not in p.stderr
 
 
 # ----------------------------------------------------------------------------- 8: DeepSpeed offload optimizers
