@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from enum import IntEnum
 from pathlib import Path
 
@@ -144,6 +145,16 @@ def env_owner(name: str) -> str | None:
 # ephemeral range (32768+), where the kernel hands out ports to outgoing connections.
 PORT_BASE = 10000
 PORT_SPAN = 20000
+
+
+# Every line a SLURM job's ranks write starts with this (torchrun's --tee with TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
+# set by the step script), so that `dtlaunch logs NAME --node N --rank R` can pick one node's or one rank's lines
+# out of the job's interleaved log. LOG_LINE reads what log_line_prefix writes.
+def log_line_prefix(node: str, rank: str | int) -> str:
+    return f"[{node} rank {rank}] "
+
+
+LOG_LINE = re.compile(r"^\[(?P<node>[^\s\]]+) rank (?P<rank>\d+)\] ")
 
 
 def node_name(env=os.environ) -> str:

@@ -203,6 +203,17 @@ def resolve(reg, key: str, rows: list | None = None):
     )
 
 
+def of_ranks(lines, node: str | None, rank: int | None):
+    """The lines a node's or a rank's processes wrote, by the label every line of a SLURM job's ranks carries
+    (jobenv.LOG_LINE); unlabelled lines (the job script's, torchrun's own) are left out."""
+    from ..jobenv import LOG_LINE
+
+    for line in lines:
+        m = LOG_LINE.match(line)
+        if m and (node is None or m["node"] == node) and (rank is None or int(m["rank"]) == rank):
+            yield line
+
+
 @click.command("logs")
 @click.argument("job")
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends.")
@@ -213,7 +224,9 @@ def resolve(reg, key: str, rows: list | None = None):
     help="What happened, in a few lines, from the run's records: how each rank ended, on which node, at which "
     "step; a hang's likely culprit; the nodes excluded.",
 )
-def logs_cmd(job, follow, tail, diagnose):
+@click.option("--node", default=None, help="Only the lines of this node's ranks (SLURM jobs label every line).")
+@click.option("--rank", type=click.IntRange(0), default=None, help="Only the lines of this rank.")
+def logs_cmd(job, follow, tail, diagnose, node, rank):
     """Print a job's output."""
     from collections import deque
 
@@ -231,6 +244,8 @@ def logs_cmd(job, follow, tail, diagnose):
         return
     try:
         lines = backend(rec.target).logs(rec, follow=follow)
+        if node is not None or rank is not None:
+            lines = of_ranks(lines, node, rank)
         for line in deque(lines, maxlen=tail) if tail else lines:
             click.echo(line, nl=False)
     except KeyboardInterrupt:

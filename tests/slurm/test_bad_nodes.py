@@ -10,6 +10,7 @@ import time
 import pytest
 
 from launcher.cli.diagnose import diagnose
+from launcher.cli.jobs import of_ranks
 from launcher.jobenv import ExitCode
 from slurmkit import Job, overrides, release_after_requeue, render_to, sh, wait_for
 
@@ -130,4 +131,13 @@ def test_a_slow_nodes_straggler_is_named_excluded_and_the_run_resumes_elsewhere(
     assert event["step"] == 4 and event["stragglers"][0]["node"] == "node1" and event["saved"]
     said = "\n".join(diagnose(tmp_path))
     assert "straggler ended the attempt at step 4: rank 1 on node1" in said, said
+    # every line of the ranks names its node and rank (what `dtlaunch logs NAME --node node1 --rank 1` prints)
+    mine = list(of_ranks(out.splitlines(keepends=True), "node1", 1))
+    assert any("this rank is a persistent straggler" in line for line in mine), out[-3000:]
+    assert not any("step 6/6" in line for line in mine)  # the run's end was node2's
+    assert any("step 6/6" in line for line in of_ranks(out.splitlines(), "node2", 0))
+    (run,) = (tmp_path / "runs").iterdir()
+    first = sorted((run / "logs").glob("attempt-*"))[0]  # attempt-JOB.0: the job's first allocation
+    ranks = sorted(p.parent.name for p in (first / "node1").rglob("stderr.log"))
+    assert ranks == ["0", "1"], ranks  # torchrun's file per local rank, beside the run's records
     assert f"job {job.id}: excluded node1 after attempt 0 and requeued" in said, said

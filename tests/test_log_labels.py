@@ -1,0 +1,46 @@
+"""Every line of a SLURM job's ranks carries its node and rank: the step script exports torchrun's line-prefix
+template (rendered from jobenv.log_line_prefix), torchrun fills in each rank, and `dtlaunch logs --node/--rank`
+reads it back with jobenv.LOG_LINE. The rendered export is run by bash and the result handed to torch's own
+substitution, so the three are tested against each other."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from string import Template
+
+from launcher.cli.jobs import of_ranks
+from launcher.jobenv import LOG_LINE, log_line_prefix
+from testpaths import RECIPES
+
+
+def test_what_torchrun_writes_from_the_rendered_export_is_what_logs_reads(tmp_path, run_cli):
+    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "-o", tmp_path / "r")
+    assert code == 0, out + err
+    step = (tmp_path / "r" / "step.sh").read_text()
+    (export,) = re.findall(r"^export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=.*$", step, re.M)
+    template = subprocess.run(
+        ["bash", "-c", f'NODE_NAME=gpu-a07; {export}; printf %s "$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    # torch.distributed.elastic's LocalElasticAgent substitutes the template this way for each worker
+    line = Template(template).safe_substitute(role_name="default", rank=13, local_rank=5) + "step 3/10 | loss 2.1"
+    assert line.startswith(log_line_prefix("gpu-a07", 13))
+    m = LOG_LINE.match(line)
+    assert m and (m["node"], int(m["rank"])) == ("gpu-a07", 13)
+
+
+def test_logs_keeps_the_lines_of_one_node_or_one_rank():
+    lines = [
+        "dtlaunch: training exited with 0\n",
+        log_line_prefix("node1", 0) + "step 1\n",
+        log_line_prefix("node1", 1) + "warning\n",
+        log_line_prefix("node2", 2) + "step 1\n",
+        log_line_prefix("node10", 3) + "step 1\n",
+    ]
+    assert list(of_ranks(lines, "node1", None)) == lines[1:3]
+    assert list(of_ranks(lines, None, 2)) == [lines[3]]
+    assert list(of_ranks(lines, "node1", 2)) == []
+    assert list(of_ranks(lines, "node10", None)) == [lines[4]]
