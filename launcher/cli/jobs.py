@@ -149,11 +149,26 @@ def _console():
 @click.option("--json", "as_json", is_flag=True, help="The rows as JSON (a stable contract).")
 @click.option("--watch", is_flag=True, help="Refresh the table until Ctrl-C.")
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(0.2), help="Seconds per refresh.")
-def status_cmd(job, as_json, watch, interval):
+@click.option(
+    "--goodput",
+    is_flag=True,
+    help="Where JOB's time went, by cause (queue, preflight, start-up, useful training, lost work, checkpoint "
+    "stalls, recovery), with the cost of each at the plan's prices, and its goodput.",
+)
+def status_cmd(job, as_json, watch, interval, goodput):
     """The recorded jobs as a table (or one job): state, progress, loss, throughput, ETA, age and where."""
     from ..targets.registry import Registry
 
     reg = Registry()
+    if goodput:
+        if not job:
+            raise click.UsageError("--goodput needs a job: dtlaunch status NAME --goodput")
+        from .goodput import report
+
+        rec = resolve(reg, job)
+        for line in report(Path(rec.run_dir), created=rec.created):
+            click.echo(line)
+        return
 
     def rows():
         return status_rows([resolve(reg, job)] if job else reg.all())

@@ -1,0 +1,133 @@
+"""`dtlaunch status NAME --goodput`: where a run's time went, by cause, with what each cause cost at the plan's
+prices. Goodput = useful training time / the time from the first attempt's start to the last one's end.
+
+Read from the run's own records (metrics.jsonl): each attempt begins with its `start` event; `preflight` ends the
+checks; the first logged step (less its own steps' time) begins training; a synchronous `checkpoint` stalls it;
+the attempt ends with its last record. Steps an attempt trained past the checkpoint the next attempt resumed
+from were trained twice: lost work. Between two attempts lies the recovery (requeue, queue, restart). The queue
+before the first start is shown, but is not allocated time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..jobenv import read_metrics, span
+
+CAUSES = (
+    ("queue", "queued before the first start (not allocated)"),
+    ("preflight", "pre-training checks"),
+    ("startup", "start-up: model build, restore"),
+    ("useful", "training (useful)"),
+    ("lost", "lost work: steps trained again after a failure"),
+    ("checkpoint", "checkpoint stalls"),
+    ("ending", "after the last step: hang detection, final save, exit"),
+    ("recovery", "between attempts: requeue, queue, restart"),
+)
+
+
+@dataclass
+class Attempt:
+    start: float
+    end: float
+    from_step: int = 0
+    last_step: int | None = None
+    preflight_end: float | None = None
+    first_step_start: float | None = None
+    last_step_time: float | None = None
+    stall: float = 0.0
+    records: list[dict] = field(default_factory=list)
+
+
+def attempts(records: list[dict]) -> list[Attempt]:
+    """The run's attempts, each from its `start` event to its last record."""
+    out: list[Attempt] = []
+    for r in records:
+        t = r.get("time")
+        if not isinstance(t, (int, float)):
+            continue
+        if r.get("event") == "start" or not out:
+            out.append(Attempt(start=t, end=t))
+        a = out[-1]
+        a.end = max(a.end, t)
+        a.records.append(r)
+        ev = r.get("event")
+        if ev == "preflight":
+            a.preflight_end = t
+        elif ev == "resume" and isinstance(r.get("step"), int):
+            a.from_step = r["step"]
+        elif ev == "checkpoint" and not r.get("asynchronous") and isinstance(r.get("seconds"), (int, float)):
+            a.stall += r["seconds"]
+        elif ev is None and isinstance(r.get("step"), int) and "loss" in r:
+            if a.first_step_start is None:
+                window = float(r.get("step_time_s") or 0.0) * max(1, r["step"] - a.from_step)
+                a.first_step_start = max(t - window, a.preflight_end or a.start)
+            a.last_step, a.last_step_time = r["step"], t
+    return out
+
+
+def ledger(records: list[dict], created: float | None = None) -> dict[str, float]:
+    """Seconds by cause (CAUSES), plus `allocated` (first start to last end) and `goodput` (useful / allocated)."""
+    runs = attempts(records)
+    secs = dict.fromkeys((k for k, _ in CAUSES), 0.0)
+    if not runs:
+        return {**secs, "allocated": 0.0, "goodput": 0.0}
+    if created is not None:
+        secs["queue"] = max(0.0, runs[0].start - created)
+    for i, a in enumerate(runs):
+        pre_end = a.preflight_end if a.preflight_end is not None else a.start
+        secs["preflight"] += pre_end - a.start
+        if a.first_step_start is None or a.last_step_time is None or a.last_step is None:
+            secs["startup"] += a.end - pre_end  # never trained a step
+        else:
+            secs["startup"] += a.first_step_start - pre_end
+            stall = min(a.stall, a.last_step_time - a.first_step_start)
+            training = a.last_step_time - a.first_step_start - stall
+            trained = max(1, a.last_step - a.from_step)
+            next_from = runs[i + 1].from_step if i + 1 < len(runs) else a.last_step
+            kept = max(0, min(a.last_step, next_from) - a.from_step)
+            secs["useful"] += training * kept / trained
+            secs["lost"] += training * (trained - kept) / trained
+            secs["checkpoint"] += stall
+            secs["ending"] += a.end - a.last_step_time
+        if i + 1 < len(runs):
+            secs["recovery"] += max(0.0, runs[i + 1].start - a.end)
+    allocated = runs[-1].end - runs[0].start
+    return {**secs, "allocated": allocated, "goodput": secs["useful"] / allocated if allocated > 0 else 0.0}
+
+
+def usd_per_second(run_dir: Path) -> float | None:
+    """The plan's price of the job's GPUs per second (plan.json: its cost over its planned time); None on a CPU."""
+    try:
+        plan = json.loads((run_dir / "plan.json").read_text()).get("plan", {})
+        usd, steps, step_s = plan.get("usd"), plan.get("steps"), plan.get("step_seconds")
+        return float(usd) / (float(steps) * float(step_s)) if usd and steps and step_s else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else span(seconds)
+
+
+def report(run_dir: Path, created: float | None = None) -> list[str]:
+    """The ledger as lines: each cause's time, share of the allocated time and cost; then goodput."""
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    led = ledger(records, created)
+    n = len(attempts(records))
+    if not n:
+        return [f"{run_dir}: no records yet (metrics.jsonl): the job has not started"]
+    rate = usd_per_second(run_dir)
+    alloc = led["allocated"] or 1.0
+    lines = [f"goodput of {run_dir} ({n} attempt(s)):"]
+    for key, what in CAUSES:
+        s = led[key]
+        share = "" if key == "queue" else f" {s / alloc:6.1%}"
+        cost = f"  ${s * rate:,.2f}" if rate is not None and key != "queue" else ""
+        lines.append(f"  {what:<52} {_span(s):>8}{share}{cost}")
+    cost = f"  ${alloc * rate:,.2f}" if rate is not None else ""
+    lines.append(f"  {'allocated (first start to last end)':<52} {_span(led['allocated']):>8}{cost}")
+    lines.append(f"  goodput = useful / allocated = {led['goodput']:.1%}")
+    return lines

@@ -1,0 +1,92 @@
+"""The goodput ledger: a run's time by cause from its own records. The arithmetic on a hand-built two-attempt
+history (every figure below worked out by hand), the CLI on a registered job with the plan's prices, and a real
+two-rank run killed after its step-4 checkpoint and resumed: the steps it trained past that checkpoint are
+lost work, and the causes add up to the allocated time."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from launcher.cli.goodput import ledger, report
+from launcher.targets.local.request import LocalHandle
+from launcher.targets.registry import JobRecord, Registry
+from rt_harness import det_recipe, run_torchrun, write_plan
+
+
+def _step(step: int, t: float) -> dict:
+    return {"step": step, "loss": 1.0, "step_time_s": 1.0, "time": t}
+
+
+# attempt 1: starts at 100, checks until 102, trains steps 1-10 (1 s each, from 104 to 114) with a 0.5 s
+# synchronous save at step 8 (async saves do not stall); killed. Attempt 2 starts at 130, checks until 131, resumes
+# step 8 at 133, trains 9-12 (134 to 138), ends at 139.
+HISTORY = [
+    {"event": "start", "time": 100.0},
+    {"event": "preflight", "time": 102.0},
+    *[_step(s, 104.0 + s) for s in range(1, 8)],
+    {"event": "checkpoint", "step": 8, "seconds": 0.5, "asynchronous": False, "time": 112.5},
+    {"event": "checkpoint", "step": 4, "seconds": 3.0, "asynchronous": True, "time": 109.0},
+    _step(8, 112.5),
+    _step(9, 113.5),
+    _step(10, 114.0),
+    {"event": "start", "time": 130.0},
+    {"event": "preflight", "time": 131.0},
+    {"event": "resume", "step": 8, "time": 133.0},
+    *[_step(s, 125.0 + s) for s in range(9, 13)],
+    {"event": "end", "step": 12, "time": 139.0},
+]
+
+
+def test_the_ledger_of_a_killed_and_resumed_run():
+    led = ledger(HISTORY, created=90.0)
+    assert led["queue"] == 10.0
+    assert led["preflight"] == 2.0 + 1.0
+    assert led["startup"] == (104.0 - 102.0) + (133.0 - 131.0)  # to the first step's start (its record less 1 s)
+    # attempt 1 trained 10 steps in 114 - 104 - 0.5 = 9.5 s; the next resumed from step 8: 2 of them were lost
+    assert led["useful"] == pytest.approx(9.5 * 8 / 10 + (137.0 - 133.0))
+    assert led["lost"] == pytest.approx(9.5 * 2 / 10)
+    assert led["checkpoint"] == 0.5
+    assert led["ending"] == 0.0 + (139.0 - 137.0)
+    assert led["recovery"] == 130.0 - 114.0
+    assert led["allocated"] == 39.0
+    assert led["goodput"] == pytest.approx((7.6 + 4.0) / 39.0)
+    parts = sum(led[k] for k in ("preflight", "startup", "useful", "lost", "checkpoint", "ending", "recovery"))
+    assert parts == pytest.approx(led["allocated"])
+
+
+def test_status_goodput_prints_each_cause_with_its_cost(run_cli, tmp_path):
+    d = tmp_path / "runs" / "big"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in HISTORY))
+    # the plan's price: $3,600 for 100 steps of 1 s = $36 per second of the job
+    (d / "plan.json").write_text(json.dumps({"plan": {"usd": 3600.0, "steps": 100, "step_seconds": 1.0}}))
+    handle = LocalHandle(1, time.time(), "x", str(d / "up.log"), str(d / "exit"))
+    Registry().add(JobRecord("big", "local", "7", str(d), handle, 90.0))
+    code, out, err = run_cli("status", "big", "--goodput")
+    assert code == 0, out + err
+    assert "lost work: steps trained again after a failure" in out and "1.9s" in out and "$68.40" in out
+    assert "between attempts: requeue, queue, restart" in out and "16.0s" in out and "$576.00" in out
+    assert "goodput = useful / allocated = 29.7%" in out
+    code, out, err = run_cli("status", "--goodput")
+    assert code != 0 and "--goodput needs a job" in out + err
+
+
+@pytest.mark.slow
+def test_a_real_run_killed_after_a_checkpoint_has_lost_work_and_adds_up(run_dir):
+    plan = write_plan(run_dir, det_recipe("ddp"))  # 12 steps, a checkpoint every 4
+    first = run_torchrun(plan, run_dir, env={"DTLAUNCH_FAULT": "sigkill:rank=1:step=7"})
+    assert first.rc != 0
+    again = run_torchrun(plan, run_dir)
+    assert again.rc == 0, again.output[-3000:]
+    records = again.metrics()
+    led = ledger(records)
+    assert [e["step"] for e in again.events("resume")] == [4]
+    assert led["lost"] > 0 and led["useful"] > 0 and led["recovery"] > 0
+    parts = sum(led[k] for k in ("preflight", "startup", "useful", "lost", "checkpoint", "ending", "recovery"))
+    assert parts == pytest.approx(led["allocated"], rel=1e-6)
+    assert 0 < led["goodput"] < 1
+    lines = report(run_dir)
+    assert lines[0].startswith(f"goodput of {run_dir} (2 attempt(s))") and "$" not in "".join(lines)  # a CPU run
