@@ -11,7 +11,7 @@ comes before `gpu2` and `10.0.0.12` before `10.0.0.9`, so global rank 0 could la
 store and pipeline stages would ignore the scheduler's topology-aware order (see `_ranks_follow_scheduler`).
 
 A worker that ends with a final code (jobenv.OUTCOMES: a bad recipe, a diverged loss, no usable checkpoint,
-failing storage) is not restarted: torchrun restarts on any failure while max_restarts lasts, and a restart
+failing storage), or with a node's fault (PREFLIGHT: jobenv.restarts_in_place), is not restarted: torchrun restarts on any failure while max_restarts lasts, and a restart
 of a CONFIG run whose only checkpoint was unusable trained from step 0 (see `_final_codes_stop_restarts`).
 
 When a worker fails, torchrun knows its exit code even if the worker died before writing its status (an
@@ -56,18 +56,22 @@ def _final_codes_stop_restarts() -> None:
     instead of restarting theirs."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from .jobenv import outcome
+    from .jobenv import ExitCode, restarts_in_place
 
     monitor = LocalElasticAgent._monitor_workers
 
     def monitor_workers(self, worker_group):
         result = monitor(self, worker_group)
         codes = sorted({int(f.exitcode) for f in (result.failures or {}).values()})
-        final = [c for c in codes if c > 0 and outcome(c) == "final"]
+        final = [c for c in codes if c > 0 and not restarts_in_place(c)]
         if final and self._remaining_restarts > 0:
+            why = (
+                "a node's fault, which a restart on the same node meets again"
+                if final[0] == ExitCode.PREFLIGHT
+                else "which is never retried"
+            )
             print(
-                f"dtlaunch: a worker ended with exit code {final[0]}, which is never retried: "
-                "not restarting the workers",
+                f"dtlaunch: a worker ended with exit code {final[0]}, {why}: not restarting the workers",
                 file=sys.stderr,
                 flush=True,
             )

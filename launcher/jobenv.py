@@ -68,6 +68,14 @@ def outcome(code: int) -> str:
         return "retry"
 
 
+def restarts_in_place(code: int) -> bool:
+    """Whether torchrun may restart the workers on the same nodes after a worker's exit `code` (its max_restarts
+    lasting): not after a final code, nor after PREFLIGHT, a node's fault (a GPU failing under the job, a
+    straggler), which a restart on the same node meets again: the job ends, and the SLURM job script requeues it
+    without that node."""
+    return outcome(code) != "final" and code != ExitCode.PREFLIGHT
+
+
 FINAL_CODES = tuple(int(c) for c, o in OUTCOMES.items() if o == "final")
 RESUME_CODES = tuple(int(c) for c, o in OUTCOMES.items() if o == "resume")
 # slurmctld sends the time-limit signal on its 30 s tick, up to 30 s early: a USR2 that comes within

@@ -177,10 +177,18 @@ def test_gpu_errors_end_with_the_code_that_says_what_to_do(run_dir, fault, code,
     """A CUDA out-of-memory error is deterministic (the same step needs the same memory): CONFIG, never retried,
     with the plan's figure beside it. A GPU's hardware failing (an ECC error, an unspecified launch failure):
     PREFLIGHT, so the node can be excluded. Both used to exit FAILED and be retried as they were. No GPU here: the
-    fault raises the error torch raises."""
+    fault raises the error torch raises. Neither is restarted in place by the job's agent (max_restarts 2 here):
+    the same plan, or the same node, would meet it again (a restart would not: the fault is the first attempt's)."""
     rec = recipe_dict(training={"steps": 10, "timeout_seconds": TIMEOUT_S}, checkpoint={"every": 100})
-    res = run_torchrun(write_plan(run_dir, rec), run_dir, env={"DTLAUNCH_FAULT": f"{fault}:rank=1:step=3"})
+    res = run_torchrun(
+        write_plan(run_dir, rec),
+        run_dir,
+        env={"DTLAUNCH_FAULT": f"{fault}:rank=1:step=3"},
+        elastic=True,
+        max_restarts=2,
+    )
     assert code in res.worker_codes, res.output[-3000:]
+    assert len(res.events("start")) == 1 and "not restarting the workers" in res.stderr, res.stderr[-3000:]
     status = res.statuses()[1]
     assert status["code"] == code and says in status["message"] and status["step"] == 3
 
