@@ -282,9 +282,11 @@ GEMM_ITERS = 10
 
 
 def _gemm_seconds(device: torch.device, is_gpu: bool, delay: float) -> tuple[float, float]:
-    """(seconds per matmul, its FLOPs): bf16 8192^3 on a GPU (large enough to reach the tensor cores' rate),
+    """(seconds per matmul, its FLOPs): bf16 (or fp16) 8192^3 on a GPU (large enough to reach the tensor cores' rate),
     a small fp32 one on a CPU; after a warm-up. `delay`: the test-only slow fault's seconds per matmul."""
-    n, dtype = (8192, torch.bfloat16) if is_gpu else (256, torch.float32)
+    # the peak table's figure is bf16's, or fp16's on GPUs without bf16 (V100, T4), where bf16 is emulated
+    half = torch.bfloat16 if is_gpu and torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    n, dtype = (8192, half) if is_gpu else (256, torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b
@@ -318,7 +320,7 @@ def check_gemm(world, rep: Report, delay: float = 0.0) -> None:
     rep.figures["gemm_tflops"] = rates
     peak, name = device_peak_tflops(world.is_gpu)
     names = rep.nodes or ["?"] * len(rates)
-    what = "bf16 8192^3" if world.is_gpu else "fp32 256^3 (CPU)"
+    what = "8192^3 on the tensor cores" if world.is_gpu else "fp32 256^3 (CPU)"
     line = f"GEMM burn-in ({what}): {min(rates):.3g}-{max(rates):.3g} TFLOPS over {len(rates)} rank(s)"
     rep.lines.append(
         line + (f", {min(rates) / peak:.0%}-{max(rates) / peak:.0%} of the {name}'s {peak:g}" if peak else "")
@@ -331,7 +333,7 @@ def check_gemm(world, rep: Report, delay: float = 0.0) -> None:
     if peak and world.is_gpu and rates[world.rank] < GEMM_MIN_FRACTION * peak:
         rep.failures.append(
             f"GEMM burn-in on {names[world.rank]} (local rank {world.proc.local_rank}): {rates[world.rank]:.0f} "
-            f"TFLOPS bf16, {rates[world.rank] / peak:.0%} of the {name}'s dense peak {peak:g}, below "
+            f"TFLOPS, {rates[world.rank] / peak:.0%} of the {name}'s dense peak {peak:g}, below "
             f"{GEMM_MIN_FRACTION:.0%}: the GPU is throttled or failing"
         )
         rep.culprits = sorted({*rep.culprits, names[world.rank]})
