@@ -98,6 +98,37 @@ def ledger(records: list[dict], created: float | None = None) -> dict[str, float
     return {**secs, "allocated": allocated, "goodput": secs["useful"] / allocated if allocated > 0 else 0.0}
 
 
+def measured_interval(records: list[dict]) -> dict | None:
+    """The checkpoint interval re-derived from what happened (Young/Daly, plan/cost.py's formula): the time between
+    interruptions measured over the run (allocated time / attempts that ended without the run's end) and the mean
+    measured checkpoint write; in steps at the measured step time. None until the run has been interrupted, has
+    saved and has trained a step."""
+    from ..plan.cost import young_daly_interval
+
+    runs = attempts(records)
+    interrupted = sum(1 for a in runs if not any(r.get("event") == "end" for r in a.records))
+    writes = [r["seconds"] for r in records if r.get("event") == "checkpoint" and isinstance(r.get("seconds"), float)]
+    led = ledger(records)
+    useful_steps = sum(
+        max(0, min(a.last_step, runs[i + 1].from_step if i + 1 < len(runs) else a.last_step) - a.from_step)
+        for i, a in enumerate(runs)
+        if a.last_step is not None
+    )
+    if not interrupted or not writes or not useful_steps or led["useful"] <= 0:
+        return None
+    between = led["allocated"] / interrupted
+    write = sum(writes) / len(writes)
+    step = led["useful"] / useful_steps
+    seconds = young_daly_interval(write, between)
+    return {
+        "between_interruptions_s": between,
+        "write_s": write,
+        "step_s": step,
+        "interval_s": seconds,
+        "every": max(1, round(seconds / step)),
+    }
+
+
 def usd_per_second(run_dir: Path) -> float | None:
     """The plan's price of the job's GPUs per second (plan.json: its cost over its planned time); None on a CPU."""
     try:
@@ -130,4 +161,21 @@ def report(run_dir: Path, created: float | None = None) -> list[str]:
     cost = f"  ${alloc * rate:,.2f}" if rate is not None else ""
     lines.append(f"  {'allocated (first start to last end)':<52} {_span(led['allocated']):>8}{cost}")
     lines.append(f"  goodput = useful / allocated = {led['goodput']:.1%}")
+    advice = measured_interval(records)
+    if advice is not None:
+        planned = _planned_every(run_dir)
+        lines.append(
+            f"  checkpoint interval from this run (Young/Daly): every {advice['every']} steps "
+            f"(an interruption every {_span(advice['between_interruptions_s'])}, a save takes "
+            f"{advice['write_s']:.2f}s, a step {advice['step_s']:.3g}s)"
+            + (f"; the plan's: every {planned} steps (set checkpoint.every to change it)" if planned else "")
+        )
     return lines
+
+
+def _planned_every(run_dir: Path) -> int | None:
+    try:
+        every = json.loads((run_dir / "plan.json").read_text()).get("plan", {}).get("checkpoint_every")
+        return int(every) if isinstance(every, int) else None
+    except (OSError, ValueError, AttributeError):
+        return None

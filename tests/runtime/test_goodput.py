@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launcher.cli.goodput import ledger, report
+from launcher.cli.goodput import ledger, measured_interval, report
 from launcher.targets.local.request import LocalHandle
 from launcher.targets.registry import JobRecord, Registry
 from rt_harness import det_recipe, run_torchrun, write_plan
@@ -57,6 +57,17 @@ def test_the_ledger_of_a_killed_and_resumed_run():
     assert parts == pytest.approx(led["allocated"])
 
 
+def test_the_checkpoint_interval_from_what_happened():
+    """One interruption in 39 s allocated, saves of 0.5 s and 3.0 s, 12 useful steps in 11.6 s: Young/Daly's
+    sqrt(2 x 1.75 x 39) = 11.68 s = 12 steps of 0.967 s. A run never interrupted gives no figure."""
+    got = measured_interval(HISTORY)
+    assert got is not None
+    assert got["between_interruptions_s"] == 39.0 and got["write_s"] == 1.75
+    assert got["step_s"] == pytest.approx(11.6 / 12)
+    assert got["interval_s"] == pytest.approx(136.5**0.5) and got["every"] == 12
+    assert measured_interval(HISTORY[-5:]) is None  # one attempt, ended with the run's end: no interruption
+
+
 def test_status_goodput_prints_each_cause_with_its_cost(run_cli, tmp_path):
     d = tmp_path / "runs" / "big"
     d.mkdir(parents=True)
@@ -70,6 +81,7 @@ def test_status_goodput_prints_each_cause_with_its_cost(run_cli, tmp_path):
     assert "lost work: steps trained again after a failure" in out and "1.9s" in out and "$68.40" in out
     assert "between attempts: requeue, queue, restart" in out and "16.0s" in out and "$576.00" in out
     assert "goodput = useful / allocated = 29.7%" in out
+    assert "checkpoint interval from this run (Young/Daly): every 12 steps (an interruption every 39.0s" in out
     code, out, err = run_cli("status", "--goodput")
     assert code != 0 and "--goodput needs a job" in out + err
 
