@@ -227,6 +227,12 @@ CASES = [
     # SLURM
     (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"], "deepspeed-launcher-target", "slurm"),
     (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"], "deepspeed-launcher-target", "local"),
+    (["training.on_straggler=exit"], "straggler-exit-target", "local"),
+    (
+        ["training.on_straggler=exit", "targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "checkpoint.dir=null"],
+        "straggler-exit-target",
+        "sky",
+    ),
     (['targets.slurm.extra_sbatch=["--nodes=4"]'], "slurm-extra-sbatch-plan", "slurm"),
     (["targets.slurm.exclusive=false"], "slurm-cpus", "slurm"),
     (["targets.slurm.submit=submitit", "targets.slurm.ssh={host: login.example}"], "slurm-submitit-ssh", "slurm"),

@@ -12,6 +12,8 @@ from .core import rule
 # parallelism.launcher: deepspeed starts through SkyPilot's task only (targets/sky/render.py); everywhere else
 # torchrun starts the DeepSpeed engines.
 NOT_SKY = tuple(t for t in TARGET_NAMES if t != "sky")
+# Only the SLURM job script requeues a job without the node a 44 names (its ExcNodeList).
+NOT_SLURM = tuple(t for t in TARGET_NAMES if t != "slurm")
 
 
 def inputs(r: Recipe) -> list[tuple[str, str]]:
@@ -46,4 +48,21 @@ def _ds_launcher_target(r: Recipe, p: Plan):
             "launcher: deepspeed is used on SkyPilot only; here torchrun starts the DeepSpeed engines on every node "
             "(the same engines, without pdsh or ssh between nodes)",
             "remove parallelism.launcher (torchrun)",
+        )
+
+
+@rule(
+    "straggler-exit-target",
+    "warning",
+    "training.on_straggler",
+    "a straggler's exit where nothing excludes its node",
+    NOT_SLURM,
+)
+def _straggler_exit(r: Recipe, p: Plan):
+    if r.training.on_straggler == "exit":
+        return (
+            "on_straggler: exit ends the attempt with 44 naming the slow node, but only the SLURM job script then "
+            "requeues without it: here the job ends (local), or a managed job recovers onto the same nodes "
+            "(SkyPilot relaunches on its cluster while that is up)",
+            "keep the default warn here (the straggler is still named in the log, metrics.jsonl and status)",
         )
