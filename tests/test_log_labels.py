@@ -44,3 +44,31 @@ def test_logs_keeps_the_lines_of_one_node_or_one_rank():
     assert list(of_ranks(lines, None, 2)) == [lines[3]]
     assert list(of_ranks(lines, "node1", 2)) == []
     assert list(of_ranks(lines, "node10", None)) == [lines[4]]
+
+
+def test_logs_node_and_rank_through_the_cli(run_cli, tmp_path):
+    import time
+
+    from launcher.targets.local.request import LocalHandle
+    from launcher.targets.registry import JobRecord, Registry
+
+    d = tmp_path / "runs" / "x"
+    d.mkdir(parents=True)
+    log = d / "up.log"
+    log.write_text(
+        "dtlaunch: starting\n"
+        + log_line_prefix("node1", 0)
+        + "step 1\n"
+        + log_line_prefix("node2", 1)
+        + "WARNING: slow\n"
+        + log_line_prefix("node2", 1)
+        + "step 1\n"
+    )
+    (d / "exit").write_text("0")
+    Registry().add(JobRecord("x", "local", "9", str(d), LocalHandle(1, time.time(), "x", str(log), str(d / "exit"))))
+    code, out, err = run_cli("logs", "x", "--node", "node2", "--tail", "1")
+    assert code == 0 and out == log_line_prefix("node2", 1) + "step 1\n", out + err
+    code, out, err = run_cli("logs", "x", "--rank", "0")
+    assert code == 0 and out == log_line_prefix("node1", 0) + "step 1\n", out + err
+    code, out, err = run_cli("logs", "x", "--node", "node3")
+    assert code == 0 and out == "" and "no line of node node3 in the job's log" in err, out + err

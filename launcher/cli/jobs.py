@@ -261,8 +261,17 @@ def logs_cmd(job, follow, tail, diagnose, node, rank):
         lines = backend(rec.target).logs(rec, follow=follow)
         if node is not None or rank is not None:
             lines = of_ranks(lines, node, rank)
+        shown = 0
         for line in deque(lines, maxlen=tail) if tail else lines:
             click.echo(line, nl=False)
+            shown += 1
+        if not shown and (node is not None or rank is not None):
+            who = " ".join(f for f in (f"node {node}" if node else "", f"rank {rank}" if rank is not None else "") if f)
+            click.echo(
+                f"no line of {who} in the job's log: lines carry [NODE rank R] on SLURM jobs (`logs --diagnose` "
+                "names the nodes and ranks)",
+                err=True,
+            )
     except KeyboardInterrupt:
         pass
 
