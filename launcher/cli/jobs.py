@@ -354,8 +354,9 @@ def running_one(hits: list, key: str):
 
 @click.command("plot")
 @click.argument("run")
-@click.option("-o", "--out", "out_png", default=None, help="PNG path (default: RUN/loss.png).")
-def plot_cmd(run, out_png):
+@click.option("-o", "--out", "out_png", default=None, help="PNG path (default: RUN/loss.png, RUN/goodput.png).")
+@click.option("--goodput", is_flag=True, help="Draw where the run's time went, by cause (status --goodput).")
+def plot_cmd(run, out_png, goodput):
     """Draw the loss curve of a run directory (or its metrics.jsonl) as a PNG."""
     run_path = Path(run)
     if not run_path.exists():
@@ -363,12 +364,13 @@ def plot_cmd(run, out_png):
 
         run_path = Path(resolve(Registry(), run).run_dir)
     try:
-        from .plot import plot_metrics
+        from .plot import plot_goodput, plot_metrics
     except ImportError as e:
         raise DtlaunchError(f"plotting needs matplotlib ({e})", fix="pip install 'dtlaunch[train]'") from None
-    out = out_png or str((run_path if run_path.is_dir() else run_path.parent) / "loss.png")
+    name = "goodput.png" if goodput else "loss.png"
+    out = out_png or str((run_path if run_path.is_dir() else run_path.parent) / name)
     try:
-        plot_metrics(str(run_path), out)
+        (plot_goodput if goodput else plot_metrics)(str(run_path), out)
     except OSError as e:
         raise DtlaunchError(f"cannot write {out}: {e.strerror}", fix="pass -o with a writable path") from None
     click.echo(f"wrote {out}")

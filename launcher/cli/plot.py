@@ -189,3 +189,58 @@ def plot_metrics(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=DPI)
     return out
+
+
+# the goodput ledger's causes (cli/goodput.py), left to right: useful first; the queue is not allocated time
+GOODPUT_COLOURS = {
+    "useful": "tab:green",
+    "preflight": "tab:gray",
+    "startup": "tab:blue",
+    "checkpoint": "tab:cyan",
+    "lost": "tab:red",
+    "ending": "tab:purple",
+    "recovery": "tab:orange",
+}
+GOODPUT_GID = "goodput-cause"  # the gid of each cause's bar, so that callers (and tests) can find them
+
+
+def goodput_figure(run_dir: str | Path) -> Figure:
+    """One bar of the run's allocated time, split by cause (`status --goodput`'s ledger), goodput in the title."""
+    from .goodput import CAUSES, ledger
+
+    src = metrics_path(run_dir)
+    if not src.is_file():
+        raise PlotError(f"no metrics at {src} (expected RUN_DIR/{METRICS_FILE}); is this a run directory?")
+    led = ledger(read_metrics(src))
+    if led["allocated"] <= 0:
+        raise PlotError(f"{src} has no attempt with any time in it yet")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 2.4), dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    names = dict(CAUSES)
+    left = 0.0
+    for key, colour in GOODPUT_COLOURS.items():
+        width = led[key]
+        if width <= 0:
+            continue
+        (bar,) = ax.barh([0], [width], left=left, color=colour, label=names[key])
+        bar.set_gid(GOODPUT_GID)
+        left += width
+    ax.set_yticks([])
+    ax.set_xlabel("seconds from the first start to the last end")
+    ax.set_title(f"goodput {led['goodput']:.1%}: useful training / allocated time")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3, fontsize="small", frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_goodput(run_dir: str | Path, out_png: str | Path | None = None) -> Path:
+    """Write the goodput figure to `out_png` (default: RUN/goodput.png)."""
+    fig = goodput_figure(run_dir)
+    out = Path(out_png) if out_png else metrics_path(run_dir).with_name("goodput.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI)
+    return out

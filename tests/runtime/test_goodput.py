@@ -102,3 +102,23 @@ def test_a_real_run_killed_after_a_checkpoint_has_lost_work_and_adds_up(run_dir)
     assert 0 < led["goodput"] < 1
     lines = report(run_dir)
     assert lines[0].startswith(f"goodput of {run_dir} (2 attempt(s))") and "$" not in "".join(lines)  # a CPU run
+
+
+def test_plot_goodput_draws_each_cause_as_its_share_of_the_bar(run_cli, tmp_path):
+    from launcher.cli.plot import GOODPUT_GID, goodput_figure
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in HISTORY))
+    fig = goodput_figure(d)
+    bars = [p for p in fig.axes[0].patches if p.get_gid() == GOODPUT_GID]
+    led = ledger(HISTORY)
+    widths = {c.get_label(): c.patches[0].get_width() for c in fig.axes[0].containers}  # a cause's bar and label
+    assert len(bars) == len(widths)
+    assert widths["training (useful)"] == pytest.approx(led["useful"])
+    assert widths["lost work: steps trained again after a failure"] == pytest.approx(led["lost"])
+    assert sum(widths.values()) == pytest.approx(led["allocated"])  # one bar: the allocated time, all of it
+    assert bars[0].get_x() == 0 and "goodput 29.7%" in fig.axes[0].get_title()
+    code, out, err = run_cli("plot", d, "--goodput")
+    assert code == 0 and f"wrote {d / 'goodput.png'}" in out, out + err
+    assert (d / "goodput.png").read_bytes().startswith(b"\x89PNG")
