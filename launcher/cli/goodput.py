@@ -68,6 +68,15 @@ def attempts(records: list[dict]) -> list[Attempt]:
     return out
 
 
+def kept_steps(runs: list[Attempt], i: int) -> int:
+    """The steps attempt `i` trained that count: up to the step the next attempt resumed from."""
+    a = runs[i]
+    if a.last_step is None:
+        return 0
+    next_from = runs[i + 1].from_step if i + 1 < len(runs) else a.last_step
+    return max(0, min(a.last_step, next_from) - a.from_step)
+
+
 def ledger(records: list[dict], created: float | None = None) -> dict[str, float]:
     """Seconds by cause (CAUSES), plus `allocated` (first start to last end) and `goodput` (useful / allocated)."""
     runs = attempts(records)
@@ -86,8 +95,7 @@ def ledger(records: list[dict], created: float | None = None) -> dict[str, float
             stall = min(a.stall, a.last_step_time - a.first_step_start)
             training = a.last_step_time - a.first_step_start - stall
             trained = max(1, a.last_step - a.from_step)
-            next_from = runs[i + 1].from_step if i + 1 < len(runs) else a.last_step
-            kept = max(0, min(a.last_step, next_from) - a.from_step)
+            kept = kept_steps(runs, i)
             secs["useful"] += training * kept / trained
             secs["lost"] += training * (trained - kept) / trained
             secs["checkpoint"] += stall
@@ -109,11 +117,7 @@ def measured_interval(records: list[dict]) -> dict | None:
     interrupted = sum(1 for a in runs if not any(r.get("event") == "end" for r in a.records))
     writes = [r["seconds"] for r in records if r.get("event") == "checkpoint" and isinstance(r.get("seconds"), float)]
     led = ledger(records)
-    useful_steps = sum(
-        max(0, min(a.last_step, runs[i + 1].from_step if i + 1 < len(runs) else a.last_step) - a.from_step)
-        for i, a in enumerate(runs)
-        if a.last_step is not None
-    )
+    useful_steps = sum(kept_steps(runs, i) for i in range(len(runs)))
     if not interrupted or not writes or not useful_steps or led["useful"] <= 0:
         return None
     between = led["allocated"] / interrupted
@@ -129,13 +133,21 @@ def measured_interval(records: list[dict]) -> dict | None:
     }
 
 
-def usd_per_second(run_dir: Path) -> float | None:
-    """The plan's price of the job's GPUs per second (plan.json: its cost over its planned time); None on a CPU."""
+def _plan(run_dir: Path) -> dict:
+    """The run's resolved plan (run_dir/plan.json), {} when there is none."""
     try:
         plan = json.loads((run_dir / "plan.json").read_text()).get("plan", {})
-        usd, steps, step_s = plan.get("usd"), plan.get("steps"), plan.get("step_seconds")
+        return plan if isinstance(plan, dict) else {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def usd_per_second(plan: dict) -> float | None:
+    """The plan's price of the job's GPUs per second (its cost over its planned time); None on a CPU."""
+    usd, steps, step_s = plan.get("usd"), plan.get("steps"), plan.get("step_seconds")
+    try:
         return float(usd) / (float(steps) * float(step_s)) if usd and steps and step_s else None
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (TypeError, ValueError):
         return None
 
 
@@ -150,7 +162,8 @@ def report(run_dir: Path, created: float | None = None) -> list[str]:
     n = len(attempts(records))
     if not n:
         return [f"{run_dir}: no records yet (metrics.jsonl): the job has not started"]
-    rate = usd_per_second(run_dir)
+    plan = _plan(run_dir)
+    rate = usd_per_second(plan)
     alloc = led["allocated"] or 1.0
     lines = [f"goodput of {run_dir} ({n} attempt(s)):"]
     for key, what in CAUSES:
@@ -163,7 +176,7 @@ def report(run_dir: Path, created: float | None = None) -> list[str]:
     lines.append(f"  goodput = useful / allocated = {led['goodput']:.1%}")
     advice = measured_interval(records)
     if advice is not None:
-        planned = _planned_every(run_dir)
+        planned = plan.get("checkpoint_every") if isinstance(plan.get("checkpoint_every"), int) else None
         lines.append(
             f"  checkpoint interval from this run (Young/Daly): every {advice['every']} steps "
             f"(an interruption every {_span(advice['between_interruptions_s'])}, a save takes "
@@ -171,11 +184,3 @@ def report(run_dir: Path, created: float | None = None) -> list[str]:
             + (f"; the plan's: every {planned} steps (set checkpoint.every to change it)" if planned else "")
         )
     return lines
-
-
-def _planned_every(run_dir: Path) -> int | None:
-    try:
-        every = json.loads((run_dir / "plan.json").read_text()).get("plan", {}).get("checkpoint_every")
-        return int(every) if isinstance(every, int) else None
-    except (OSError, ValueError, AttributeError):
-        return None

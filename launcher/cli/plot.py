@@ -182,13 +182,17 @@ def _label_events(fig: Figure, ax: Axes, events: list[tuple[int, str]]) -> None:
         t.set_position(((x0 - box.x0) / box.width, (y_top - box.y0) / box.height))
 
 
-def plot_metrics(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None) -> Path:
-    """Write the metrics figure to `out_png` (default: next to metrics.jsonl, loss.png)."""
-    fig = metrics_figure(run_dir_or_jsonl)
-    out = Path(out_png) if out_png else metrics_path(run_dir_or_jsonl).with_name("loss.png")
+def _write(fig: Figure, run_dir_or_jsonl: str | Path, out_png: str | Path | None, name: str) -> Path:
+    """Save `fig` to `out_png` (default: `name` next to the run's metrics.jsonl)."""
+    out = Path(out_png) if out_png else metrics_path(run_dir_or_jsonl).with_name(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=DPI)
     return out
+
+
+def plot_metrics(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None) -> Path:
+    """Write the metrics figure to `out_png` (default: next to metrics.jsonl, loss.png)."""
+    return _write(metrics_figure(run_dir_or_jsonl), run_dir_or_jsonl, out_png, "loss.png")
 
 
 # the goodput ledger's causes (cli/goodput.py), left to right: useful first; the queue is not allocated time
@@ -239,8 +243,4 @@ def goodput_figure(run_dir: str | Path) -> Figure:
 
 def plot_goodput(run_dir: str | Path, out_png: str | Path | None = None) -> Path:
     """Write the goodput figure to `out_png` (default: RUN/goodput.png)."""
-    fig = goodput_figure(run_dir)
-    out = Path(out_png) if out_png else metrics_path(run_dir).with_name("goodput.png")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=DPI)
-    return out
+    return _write(goodput_figure(run_dir), run_dir, out_png, "goodput.png")

@@ -38,6 +38,7 @@ class ComputeClock:
     def __init__(self, is_gpu: bool, throttle: Callable[[], float] | None = None):
         self.is_gpu, self.throttle = is_gpu, throttle
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: torch.cuda.Event | None = None
         self._seconds = 0.0
         self._t0 = 0.0
         self._steps = 0
@@ -45,9 +46,8 @@ class ComputeClock:
 
     def __enter__(self) -> ComputeClock:
         if self.is_gpu:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._events.append((start, start))
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
         else:
             self._t0 = time.perf_counter()
         return self
@@ -56,9 +56,10 @@ class ComputeClock:
         if self.throttle is not None and (s := self.throttle()) > 0:
             time.sleep(s)
         if self.is_gpu:
+            assert self._start is not None, "the clock is entered before it is left"
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._events[-1] = (self._events[-1][0], end)
+            self._events.append((self._start, end))
         else:
             self._seconds += time.perf_counter() - self._t0
         self.timed = True
@@ -104,13 +105,18 @@ class Straggler:
         }
 
 
+def reference(known: list[float]) -> float:
+    """The time a straggler is compared with: the median rank's; with fewer than three ranks the fastest one's
+    (a median of two is their midpoint, from which neither is far)."""
+    return statistics.median(known) if len(known) >= 3 else min(known, default=0.0)
+
+
 def outliers(seconds: list[float | None]) -> list[int]:
-    """The ranks whose time is a robust outlier on the slow side. With fewer than three ranks the median is
-    the fastest rank's time (a median of two is their midpoint, from which neither is far)."""
+    """The ranks whose time is a robust outlier on the slow side (against `reference`)."""
     known = [s for s in seconds if s is not None]
     if len(known) < 2:
         return []
-    ref = statistics.median(known) if len(known) >= 3 else min(known)
+    ref = reference(known)
     if ref <= 0:
         return []
     mad = statistics.median(abs(s - ref) for s in known) if len(known) >= 3 else 0.0
@@ -133,8 +139,7 @@ class StragglerWatch:
     def update(self, seconds: list[float | None]) -> list[Straggler]:
         """This log step's slow ranks, each with its streak; `persistent()` of them are past the window."""
         slow = set(outliers(seconds))
-        known = [s for s in seconds if s is not None]
-        median = statistics.median(known) if len(known) >= 3 else min(known, default=0.0)
+        median = reference([s for s in seconds if s is not None])
         out = []
         for r in range(len(self.streak)):
             self.streak[r] = self.streak[r] + 1 if r in slow else 0
@@ -149,4 +154,4 @@ class StragglerWatch:
         return [s for s in self.last if s.windows >= self.windows]
 
 
-__all__ = ["ComputeClock", "Straggler", "StragglerWatch", "outliers"]
+__all__ = ["ComputeClock", "Straggler", "StragglerWatch", "outliers", "reference"]

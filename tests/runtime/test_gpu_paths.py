@@ -288,17 +288,23 @@ def test_7_a_gpu_recipe_on_a_machine_without_cuda_is_a_preflight_error(monkeypat
     assert not dist.is_initialized()
 
 
-def test_7_the_node_check_before_torchrun_says_preflight_for_a_gpu_plan_here(tmp_path):
-    """`launcher.train --check` (each node, before torchrun) exits 44, so the node can be excluded."""
+def _node_check_of_a_gpu_plan(tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`launcher.train --check` of an 8-GPU plan, as each node runs it before torchrun."""
     from rt_harness import write_plan
 
     plan = write_plan(tmp_path, recipe_dict(resources={"accelerator": "H100:8"}))
-    p = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"],
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
+
+
+def test_7_the_node_check_before_torchrun_says_preflight_for_a_gpu_plan_here(tmp_path):
+    """`launcher.train --check` (each node, before torchrun) exits 44, so the node can be excluded."""
+    p = _node_check_of_a_gpu_plan(tmp_path)
     assert p.returncode == jobenv.ExitCode.PREFLIGHT, p.stdout + p.stderr
     assert "CPU-only build" in p.stderr
 
@@ -331,21 +337,14 @@ def test_7_gpu_health_reads_ecc_remaps_and_xids_as_a_sites_prolog_would():
 def test_7_the_node_check_fails_a_node_whose_gpu_reports_errors(tmp_path):
     """A mock nvidia-smi and dmesg (no GPU here), first on PATH: the node check runs the real query and fails the
     node with 44, naming the GPU and the error, before it looks for CUDA."""
-    from rt_harness import write_plan
-
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "nvidia-smi").write_text(f"#!/bin/sh\ncase \"$*\" in *--query-gpu=*) printf '{SMI_BAD}' ;; esac\n")
     (bin_ / "dmesg").write_text("#!/bin/sh\necho 'NVRM: Xid (PCI:0000:3b:00): 48, pid=7, DBE'\n")
     for f in bin_.iterdir():
         f.chmod(0o755)
-    plan = write_plan(tmp_path, recipe_dict(resources={"accelerator": "H100:8"}))
-    p = subprocess.run(
-        [sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURMD_NODENAME": "gpu07"},
+    p = _node_check_of_a_gpu_plan(
+        tmp_path, {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURMD_NODENAME": "gpu07"}
     )
     assert p.returncode == jobenv.ExitCode.PREFLIGHT, p.stdout + p.stderr
     assert "node gpu07 cannot run the plan: GPU 1 (NVIDIA H100 80GB HBM3): 2 uncorrected ECC error(s)" in p.stderr
