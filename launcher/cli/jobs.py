@@ -163,7 +163,7 @@ def status_cmd(job, as_json, watch, interval, goodput):
     if goodput:
         if not job:
             raise click.UsageError("--goodput needs a job: dtlaunch status NAME --goodput")
-        from .goodput import report
+        from ..runtime.goodput import report
 
         rec = resolve(reg, job)
         for line in report(Path(rec.run_dir), created=rec.created):

@@ -210,7 +210,7 @@ GOODPUT_GID = "goodput-cause"  # the gid of each cause's bar, so that callers (a
 
 def goodput_figure(run_dir: str | Path) -> Figure:
     """One bar of the run's allocated time, split by cause (`status --goodput`'s ledger), goodput in the title."""
-    from .goodput import CAUSES, ledger
+    from ..runtime.goodput import CAUSES, ledger
 
     src = metrics_path(run_dir)
     if not src.is_file():

@@ -52,3 +52,15 @@ def checkpoint_write_seconds(n_params: int, optimizer: str, nodes: int, storage_
 def young_daly_interval(write_seconds: float, mtbf_seconds: float) -> float:
     """Optimal checkpoint interval, first order: sqrt(2 * delta * M) (Young 1974; Daly 2006)."""
     return math.sqrt(2 * write_seconds * mtbf_seconds)
+
+
+def availability_interval(write_seconds: float, mtbf_seconds: float, recovery_seconds: float) -> float:
+    """The interval of work between checkpoints that maximises availability (useful time / allocated time) when
+    each failure also costs a recovery R (detection, requeue, restart, restore), as Saxena et al. 2024
+    (arXiv 2410.18124) frame it. One cycle is tau of work and a write delta; failures arrive at rate 1/M, each
+    losing half a cycle on average plus R, so availability is
+        A(tau) = tau / ((tau + delta)(1 + R/M) + (tau + delta)^2 / (2M)),
+    maximal at tau = sqrt(2 delta (M + R) + delta^2). It tends to Young/Daly's sqrt(2 delta M) when delta and R
+    are small beside M, and grows with R: a costly recovery makes each failure dearer than the saves."""
+    d = write_seconds
+    return math.sqrt(2 * d * (mtbf_seconds + recovery_seconds) + d * d)

@@ -262,6 +262,11 @@ class TrainingSpec(Spec, kw_only=True):
 class CheckpointSpec(Spec, kw_only=True):
     dir: Doc("shared directory for checkpoints; {run_id} expands to the job's run id", Str | None) = None
     every: AutoInt(10**12) = "auto"
+    adapt: Doc(
+        "at each restart, save at the interval this run's own interruptions, saves and recoveries call for "
+        "(availability-optimal, as `status --goodput` prints it) instead of checkpoint.every",
+        bool,
+    ) = False
     keep: Int(1, 10_000) = 3
     async_: bool = msgspec.field(default=False, name="async")
     export: Literal["none", "safetensors", "torch"] = "safetensors"

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .. import jobenv
-from ..jobenv import ExitCode
+from ..jobenv import ExitCode, read_metrics
 from ..plan.cost import flops_per_token
 from ..plan.layout import Layout
 from ..plan.ledger import LEDGER_FILE, entry, log_line
@@ -79,6 +79,7 @@ class Job:
             self.metrics.log(n)
         self.total_steps: int | None = plan.steps
         self.every: int = plan.checkpoint_every
+        self._began = time.time()  # this attempt's start: the records before it are the run's history
         self.step = 0  # the last completed (or resumed) optimizer step
         self.start_step = 0
         self.engine: Engine | None = None
@@ -245,6 +246,8 @@ class Job:
         the position for the resume event, a warning or None)."""
         engine, cp = self._attached("restore")
         cp.prepare()
+        if self.recipe.checkpoint.adapt:
+            self._adapt_interval()
         t0 = time.time()
         saved = cp.restore_latest()
         if saved is None:
@@ -277,6 +280,32 @@ class Job:
         )
         self._reporter.restart_window()  # the first log window's clock: set-up and restore are not training
         return saved
+
+    def _adapt_interval(self) -> None:
+        """checkpoint.adapt: from this restart on, save at the interval the run's history calls for (the goodput
+        ledger's measured interval); rank 0 reads the records and every rank takes its figure (collective)."""
+        from .goodput import measured_interval
+
+        advice = None
+        if self.world.is_main and self.metrics.path.exists():
+            history = [r for r in read_metrics(self.run_dir) if (r.get("time") or 0) < self._began]
+            advice = measured_interval([*history, {"event": "start", "time": self._began}])
+        if self._sync.distributed:
+            import torch.distributed as dist
+
+            box = [advice]
+            dist.broadcast_object_list(box, src=0, group=self.world.control_group)
+            advice = box[0]
+        if advice is None:
+            self.metrics.log(f"checkpoint.adapt: no interruption measured yet: saving every {self.every} steps")
+            return
+        planned, self.every = self.every, int(advice["every"])
+        self.metrics.log(
+            f"checkpoint.adapt: saving every {self.every} steps (was {planned}): an interruption every "
+            f"{advice['between_interruptions_s']:.1f}s, a save {advice['write_s']:.2f}s, a recovery "
+            f"{advice['recovery_s']:.1f}s, a step {advice['step_s']:.3g}s"
+        )
+        self.metrics.event("interval", **{**advice, "every": self.every, "planned": planned})
 
     def _need_checkpointer(self, what: str) -> Checkpointer:
         return self._attached(what)[1]

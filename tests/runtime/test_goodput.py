@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launcher.cli.goodput import ledger, measured_interval, report
+from launcher.runtime.goodput import ledger, measured_interval, report
 from launcher.targets.local.request import LocalHandle
 from launcher.targets.registry import JobRecord, Registry
 from rt_harness import det_recipe, run_torchrun, write_plan
@@ -58,14 +58,37 @@ def test_the_ledger_of_a_killed_and_resumed_run():
 
 
 def test_the_checkpoint_interval_from_what_happened():
-    """One interruption in 39 s allocated, saves of 0.5 s and 3.0 s, 12 useful steps in 11.6 s: Young/Daly's
-    sqrt(2 x 1.75 x 39) = 11.68 s = 12 steps of 0.967 s. A run never interrupted gives no figure."""
+    """One interruption in 39 s allocated, saves of 0.5 s and 3.0 s, steps of 1 s, and a recovery from the last
+    step at 114 to the next attempt's first at 133 (19 s): the availability-optimal interval is
+    sqrt(2 x 1.75 x (39 + 19) + 1.75^2) = 14.35 s = 14 steps; Young/Daly's sqrt(2 x 1.75 x 39) = 11.68 s. A run
+    never interrupted gives no figure."""
     got = measured_interval(HISTORY)
     assert got is not None
-    assert got["between_interruptions_s"] == 39.0 and got["write_s"] == 1.75
-    assert got["step_s"] == pytest.approx(11.6 / 12)
-    assert got["interval_s"] == pytest.approx(136.5**0.5) and got["every"] == 12
+    assert got["between_interruptions_s"] == 39.0 and got["write_s"] == 1.75 and got["recovery_s"] == 19.0
+    assert got["step_s"] == 1.0
+    assert got["young_daly_s"] == pytest.approx(136.5**0.5)
+    assert got["interval_s"] == pytest.approx(206.0625**0.5) and got["every"] == 14
     assert measured_interval(HISTORY[-5:]) is None  # one attempt, ended with the run's end: no interruption
+    running = [r for r in HISTORY if r.get("event") != "end"]  # the second attempt still running: one interruption
+    assert measured_interval(running)["between_interruptions_s"] == 37.0  # type: ignore[index]
+
+
+def test_the_availability_optimal_interval_maximises_availability():
+    """The closed form against the model it comes from, maximised by brute force: tau of work and a write delta
+    per cycle, failures at rate 1/M each losing half a cycle and a recovery R. It tends to Young/Daly when delta
+    and R are small beside M, and exceeds it when recovery is costly."""
+    from launcher.plan.cost import availability_interval, young_daly_interval
+
+    def availability(tau, d, m, r):
+        cycle = tau + d
+        return tau / (cycle + cycle / m * (cycle / 2 + r))
+
+    for d, m, r in [(60.0, 3600.0, 600.0), (5.0, 28_800.0, 1800.0), (300.0, 7200.0, 60.0), (1.0, 50.0, 20.0)]:
+        grid = [x / 100 for x in range(1, 2_000_000, 7)]
+        best = max(grid, key=lambda t: availability(t, d, m, r))
+        assert availability_interval(d, m, r) == pytest.approx(best, abs=0.1)
+    assert availability_interval(1.0, 1e7, 0.0) == pytest.approx(young_daly_interval(1.0, 1e7), rel=1e-4)
+    assert availability_interval(60.0, 3600.0, 1800.0) > 1.2 * young_daly_interval(60.0, 3600.0)
 
 
 def test_status_goodput_prints_each_cause_with_its_cost(run_cli, tmp_path):
@@ -81,7 +104,8 @@ def test_status_goodput_prints_each_cause_with_its_cost(run_cli, tmp_path):
     assert "lost work: steps trained again after a failure" in out and "1.9s" in out and "$68.40" in out
     assert "between attempts: requeue, queue, restart" in out and "16.0s" in out and "$576.00" in out
     assert "goodput = useful / allocated = 29.7%" in out
-    assert "checkpoint interval from this run (Young/Daly): every 12 steps (an interruption every 39.0s" in out
+    assert "checkpoint interval from this run: every 14 steps (14.4s, availability-optimal; Young/Daly 11.7s)" in out
+    assert "an interruption every 39.0s, a save 1.75s, a recovery 19.0s, a step 1s" in out
     code, out, err = run_cli("status", "--goodput")
     assert code != 0 and "--goodput needs a job" in out + err
 
@@ -122,3 +146,28 @@ def test_plot_goodput_draws_each_cause_as_its_share_of_the_bar(run_cli, tmp_path
     code, out, err = run_cli("plot", d, "--goodput")
     assert code == 0 and f"wrote {d / 'goodput.png'}" in out, out + err
     assert (d / "goodput.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_checkpoint_adapt_saves_at_the_interval_the_run_history_calls_for(run_dir):
+    """A run with checkpoint.adapt whose history holds one interrupted attempt (steps of 2 s, a 0.5 s save, its
+    last step 43 s before the restart, which began 60 s after it): the restart saves every 5 or 6 steps instead
+    of the planned 100 (sqrt(2 x 0.5 x (M + R) + 0.25) / 2 s with M = 60 + t and R = 43 + t, t the few seconds
+    the restart takes to begin), on both ranks alike (a rank saving alone would hang the other)."""
+    plan = write_plan(run_dir, det_recipe("ddp", checkpoint={"every": 100, "adapt": True}))
+    t0 = time.time() - 60
+    history = [
+        {"event": "start", "time": t0},
+        {"event": "preflight", "time": t0 + 1},
+        *({"step": s, "loss": 1.0, "step_time_s": 2.0, "time": t0 + 1 + 2 * s} for s in range(1, 9)),
+        {"event": "checkpoint", "step": 4, "seconds": 0.5, "asynchronous": False, "time": t0 + 9.5},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    res = run_torchrun(plan, run_dir)
+    assert res.rc == 0, res.output[-3000:]
+    [chosen] = res.events("interval")
+    assert chosen["planned"] == 100 and chosen["every"] in (5, 6), chosen
+    assert chosen["recovery_s"] == pytest.approx(chosen["between_interruptions_s"] - 17, abs=0.01)
+    saved = [e["step"] for e in res.events("checkpoint") if e["time"] > t0 + 30 and e["step"] != 12]  # 12: final
+    assert saved and all(s % chosen["every"] == 0 for s in saved), saved
+    assert f"checkpoint.adapt: saving every {chosen['every']} steps (was 100)" in res.output

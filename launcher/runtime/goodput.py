@@ -1,5 +1,7 @@
-"""`dtlaunch status NAME --goodput`: where a run's time went, by cause, with what each cause cost at the plan's
-prices. Goodput = useful training time / the time from the first attempt's start to the last one's end.
+"""The goodput ledger: where a run's time went, by cause, with what each cause cost at the plan's prices
+(`dtlaunch status NAME --goodput`, `plot --goodput`), and the checkpoint interval the run's own failures call
+for (printed there; applied at a restart with `checkpoint.adapt`). Pure functions of the records.
+Goodput = useful training time / the time from the first attempt's start to the last one's end.
 
 Read from the run's own records (metrics.jsonl): each attempt begins with its `start` event; `preflight` ends the
 checks; the first logged step (less its own steps' time) begins training; a synchronous `checkpoint` stalls it;
@@ -106,28 +108,44 @@ def ledger(records: list[dict], created: float | None = None) -> dict[str, float
     return {**secs, "allocated": allocated, "goodput": secs["useful"] / allocated if allocated > 0 else 0.0}
 
 
+def interruptions(runs: list[Attempt]) -> list[int]:
+    """The attempts that were interrupted: each one a later attempt followed without the run having ended (the
+    last attempt is running, ended the run, or has not been requeued yet: none of them counts)."""
+    return [i for i, a in enumerate(runs[:-1]) if not any(r.get("event") == "end" for r in a.records)]
+
+
 def measured_interval(records: list[dict]) -> dict | None:
-    """The checkpoint interval re-derived from what happened (Young/Daly, plan/cost.py's formula): the time between
-    interruptions measured over the run (allocated time / attempts that ended without the run's end) and the mean
-    measured checkpoint write; in steps at the measured step time. None until the run has been interrupted, has
-    saved and has trained a step."""
-    from ..plan.cost import young_daly_interval
+    """The checkpoint interval re-derived from what happened: the time between interruptions (allocated time /
+    interruptions), the mean measured checkpoint write and the mean recovery (from an attempt's last step to the
+    next one's first: hang detection, requeue, restart, restore) give Young/Daly's interval and the
+    availability-optimal one (plan/cost.py); in steps at the mean logged step time, from the availability-optimal
+    one. None until the run has been interrupted, has saved and has trained a step."""
+    from ..plan.cost import availability_interval, young_daly_interval
 
     runs = attempts(records)
-    interrupted = sum(1 for a in runs if not any(r.get("event") == "end" for r in a.records))
-    writes = [r["seconds"] for r in records if r.get("event") == "checkpoint" and isinstance(r.get("seconds"), float)]
+    hit = interruptions(runs)
+    writes = [
+        r["seconds"] for r in records if r.get("event") == "checkpoint" and isinstance(r.get("seconds"), (int, float))
+    ]
     led = ledger(records)
-    useful_steps = sum(kept_steps(runs, i) for i in range(len(runs)))
-    if not interrupted or not writes or not useful_steps or led["useful"] <= 0:
+    times = [r["step_time_s"] for r in records if isinstance(r.get("step_time_s"), (int, float)) and "loss" in r]
+    if not hit or not writes or not times:
         return None
-    between = led["allocated"] / interrupted
+    recovery = 0.0
+    for i in hit:
+        a, b = runs[i], runs[i + 1]
+        resumed = b.first_step_start if b.first_step_start is not None else (b.preflight_end or b.start)
+        recovery += resumed - (a.last_step_time if a.last_step_time is not None else a.end)
+    between = led["allocated"] / len(hit)
     write = sum(writes) / len(writes)
-    step = led["useful"] / useful_steps
-    seconds = young_daly_interval(write, between)
+    step = sum(times) / len(times)
+    seconds = availability_interval(write, between, recovery / len(hit))
     return {
         "between_interruptions_s": between,
         "write_s": write,
+        "recovery_s": recovery / len(hit),
         "step_s": step,
+        "young_daly_s": young_daly_interval(write, between),
         "interval_s": seconds,
         "every": max(1, round(seconds / step)),
     }
@@ -178,9 +196,14 @@ def report(run_dir: Path, created: float | None = None) -> list[str]:
     if advice is not None:
         planned = plan.get("checkpoint_every") if isinstance(plan.get("checkpoint_every"), int) else None
         lines.append(
-            f"  checkpoint interval from this run (Young/Daly): every {advice['every']} steps "
-            f"(an interruption every {_span(advice['between_interruptions_s'])}, a save takes "
-            f"{advice['write_s']:.2f}s, a step {advice['step_s']:.3g}s)"
-            + (f"; the plan's: every {planned} steps (set checkpoint.every to change it)" if planned else "")
+            f"  checkpoint interval from this run: every {advice['every']} steps "
+            f"({_span(advice['interval_s'])}, availability-optimal; Young/Daly {_span(advice['young_daly_s'])}): "
+            f"an interruption every {_span(advice['between_interruptions_s'])}, a save {advice['write_s']:.2f}s, "
+            f"a recovery {_span(advice['recovery_s'])}, a step {advice['step_s']:.3g}s"
         )
+        if planned:
+            lines.append(
+                f"  the plan's: every {planned} steps (checkpoint.every sets it; checkpoint.adapt: true applies "
+                "this run's interval at each restart)"
+            )
     return lines
