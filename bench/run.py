@@ -29,6 +29,7 @@ BENCHMARKS = [
     "cli_latency",
     "planner_scale",
     "goodput",
+    "chaos",
 ]
 
 
