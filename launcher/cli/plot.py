@@ -195,7 +195,7 @@ def plot_metrics(run_dir_or_jsonl: str | Path, out_png: str | Path | None = None
     return _write(metrics_figure(run_dir_or_jsonl), run_dir_or_jsonl, out_png, "loss.png")
 
 
-# the goodput ledger's causes (cli/goodput.py), left to right: useful first; the queue is not allocated time
+# the goodput ledger's causes (runtime/goodput.py), left to right: useful first; the queue is not allocated time
 GOODPUT_COLOURS = {
     "useful": "tab:green",
     "preflight": "tab:gray",
