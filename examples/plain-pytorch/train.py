@@ -79,7 +79,11 @@ def main() -> None:
     while step < total:
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
         rest = list(sampler)[batch * job.micro_batch:]
-        batches = iter(DataLoader(Subset(data, rest), batch_size=job.micro_batch, drop_last=True))
+        # its own generator: iter() over a DataLoader without one draws from torch's global generator, and the
+        # extra iter() of a resume mid-epoch would shift dropout's numbers away from the uninterrupted run's
+        loader = DataLoader(Subset(data, rest), batch_size=job.micro_batch, drop_last=True,
+                            generator=torch.Generator().manual_seed(seed))
+        batches = iter(loader)
         while step < total and batch < per_epoch * job.grad_accum:
             for i in range(job.grad_accum):
                 x, y = (t.to(job.device) for t in next(batches))

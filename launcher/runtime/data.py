@@ -302,6 +302,10 @@ def build_dataloader(
         drop_last=True,
         persistent_workers=workers > 0,
         multiprocessing_context="forkserver" if workers else None,
+        # each iter() draws its workers' base seed from this generator; without one it draws from torch's
+        # global generator, and the extra iter() of a resume mid-epoch would shift every random op after it
+        # (dropout) away from the uninterrupted run's
+        generator=torch.Generator().manual_seed(seed),
     )
     return Batches(dataset, sampler, loader, grad_accum, device)
 

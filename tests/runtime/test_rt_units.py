@@ -343,6 +343,32 @@ def test_epochs_differ_and_repeat_with_the_seed():
     assert _global_batches(2, 4, 16, 2, epoch=1) == _global_batches(2, 4, 16, 2, epoch=1)
 
 
+def test_the_data_loader_leaves_the_global_generator_alone():
+    """Starting an epoch and seeking (a resume mid-epoch) draw nothing from torch's global generator: an extra
+    draw at a resume would shift every later random op (dropout) away from the uninterrupted run's."""
+    from launcher.recipe.schema import DataSpec
+    from launcher.runtime.data import build_dataloader
+
+    batches = build_dataloader(
+        DataSpec(source="synthetic", num_tokens=20_000),
+        vocab=512,
+        seq_len=32,
+        micro_batch=2,
+        grad_accum=2,
+        rank=0,
+        world_size=1,
+        seed=1,
+        device=torch.device("cpu"),
+        is_gpu=False,
+    )
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    batches.next_step()
+    batches.seek(DataPosition(1, 3, 4))
+    batches.next_step()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_position_rescaling():
     pos, warn = rescale_position(DataPosition(2, 6, 16).to_dict(), 16)
     assert (pos.epoch, pos.step_in_epoch, warn) == (2, 6, None)
