@@ -71,7 +71,21 @@ class Job:
         self.recipe, self.plan, self.run_dir, self.world, self.flag = recipe, plan, Path(run_dir), world, flag
         self.faults = faults  # test-only fault injection (the trainer's drills); None for the user's loop
         self.watchdog: Watchdog | None = None  # the trainer's: paused while a checkpoint is written
-        self.metrics = Metrics(run_dir, enabled=world.is_main, total_steps=plan.steps or 0, is_gpu=world.is_gpu)
+        self.checkpoint_dir = Path(
+            os.path.expanduser(
+                os.environ.get(jobenv.CHECKPOINT_DIR)
+                or str(expand_dir(recipe.checkpoint.dir, run_dir, os.environ.get(jobenv.RUN_ID)))
+            )
+        )
+        # checkpoints kept apart from the run directory (a bucket beside a node's disk) keep its records too
+        apart = not self.checkpoint_dir.resolve().is_relative_to(self.run_dir.resolve())
+        self.metrics = Metrics(
+            run_dir,
+            enabled=world.is_main,
+            total_steps=plan.steps or 0,
+            is_gpu=world.is_gpu,
+            keep_with=self.checkpoint_dir if apart else None,
+        )
         self._open_sinks()
         self.layout: Layout
         self.layout, notes = plan.layout.for_world(world.world_size, plan.global_batch)
@@ -103,12 +117,6 @@ class Job:
             world_size=world.world_size,
             clock=ComputeClock(world.is_gpu, throttle),
             stragglers=StragglerWatch(node_names(world)) if self._sync.distributed else None,
-        )
-        self.checkpoint_dir = Path(
-            os.path.expanduser(
-                os.environ.get(jobenv.CHECKPOINT_DIR)
-                or str(expand_dir(recipe.checkpoint.dir, run_dir, os.environ.get(jobenv.RUN_ID)))
-            )
         )
 
     def _open_sinks(self) -> None:

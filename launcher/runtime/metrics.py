@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..jobenv import METRICS_FILE, read_metrics, span
+from .ckptdir import write_file_durably
 from .failures import ConfigError
 
 MB = 2**20
@@ -134,10 +135,14 @@ def _fmt_rate(x: float) -> str:
 class Metrics:
     """Rank 0 writes; other ranks' calls are no-ops, so callers need no rank checks."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, is_gpu: bool):
+    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, is_gpu: bool, keep_with: Path | None = None):
+        """`keep_with`: storage that outlives the node (the checkpoints' bucket, when the run directory is on a
+        node's disk): the records are copied there at each checkpoint and at the end, and a run directory that
+        holds fewer records than that copy (a fresh node after a recovery) starts from it."""
         self.enabled, self.total_steps, self.is_gpu = enabled, total_steps, is_gpu
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
+        self.keep_with = keep_with
         self._file = None
         self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter, made at the first figure (open_sinks)
         self._tb_dir: Path | None = None
@@ -150,6 +155,7 @@ class Metrics:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._take_kept()
         self._file = open(self.path, "a", buffering=1)
         if sys.stdout.isatty():
             try:
@@ -234,6 +240,28 @@ class Metrics:
             self._write({"event": name, "time": round(time.time(), 3), **fields})
             if name == "resume":
                 self._resumed_at = int(fields.get("step") or 0)
+            if name == "checkpoint":
+                self._keep()
+
+    def _take_kept(self) -> None:
+        """Start from the kept copy when it holds more than this run directory (a node that never ran the job,
+        or one that ran an earlier attempt only)."""
+        kept = self.keep_with / METRICS_FILE if self.keep_with is not None else None
+        try:
+            if kept is not None and kept.stat().st_size > (self.path.stat().st_size if self.path.exists() else 0):
+                write_file_durably(self.path, kept.read_bytes())
+        except OSError as e:  # the history is for reports; training goes on without it
+            self.log(f"WARNING: cannot restore the run's records from {kept}: {e}")
+
+    def _keep(self) -> None:
+        if self.keep_with is None or self._file is None:
+            return
+        try:
+            self._file.flush()
+            self.keep_with.mkdir(parents=True, exist_ok=True)
+            write_file_durably(self.keep_with / METRICS_FILE, self.path.read_bytes())
+        except OSError as e:
+            self.log(f"WARNING: cannot copy the run's records to {self.keep_with}: {e}")
 
     def validation(self, step: int, val_loss: float, *, sequences: int, seconds: float) -> None:
         """The held-out loss at `step`: a record of its own in metrics.jsonl (step, val_loss) and the sinks."""
@@ -327,6 +355,7 @@ class Metrics:
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())
+            self._keep()
             self._file.close()
             self._file = None
 

@@ -171,3 +171,31 @@ def test_checkpoint_adapt_saves_at_the_interval_the_run_history_calls_for(run_di
     saved = [e["step"] for e in res.events("checkpoint") if e["time"] > t0 + 30 and e["step"] != 12]  # 12: final
     assert saved and all(s % chosen["every"] == 0 for s in saved), saved
     assert f"checkpoint.adapt: saving every {chosen['every']} steps (was 100)" in res.output
+
+
+@pytest.mark.slow
+def test_the_records_survive_a_recovery_onto_a_fresh_node(tmp_path):
+    """Checkpoints on storage apart from the run directory (SkyPilot's bucket beside a node's disk): the records
+    are kept with them, so a recovery onto a node that never ran the job starts from the run's history, and
+    the ledger counts both attempts."""
+    storage = tmp_path / "bucket" / "run-1"
+    first_node, fresh_node = tmp_path / "node-a" / "run", tmp_path / "node-b" / "run"
+    recipe = det_recipe("ddp")
+    env = {"DTLAUNCH_CHECKPOINT_DIR": str(storage)}
+    first = run_torchrun(
+        write_plan(first_node, recipe), first_node, env={**env, "DTLAUNCH_FAULT": "sigkill:rank=1:step=7"}
+    )
+    assert first.rc != 0
+    kept = (storage / "metrics.jsonl").read_text()
+    assert '"event": "checkpoint"' in kept and '"step": 4' in kept
+    again = run_torchrun(write_plan(fresh_node, recipe), fresh_node, env=env)
+    assert again.rc == 0, again.output[-3000:]
+    records = again.metrics()
+    assert [r["event"] for r in records if r.get("event") in ("start", "resume", "end")] == [
+        "start",
+        "start",
+        "resume",
+        "end",
+    ]
+    assert ledger(records)["recovery"] > 0 and report(fresh_node)[0].endswith("(2 attempt(s)):")
+    assert (storage / "metrics.jsonl").read_text() == (fresh_node / "metrics.jsonl").read_text()  # the end kept too
