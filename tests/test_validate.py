@@ -229,10 +229,16 @@ CASES = [
     (["parallelism.strategy=zero2", "parallelism.launcher=deepspeed"], "deepspeed-launcher-target", "local"),
     (["training.on_straggler=exit"], "straggler-exit-target", "local"),
     (
-        ["training.on_straggler=exit", "targets.sky.checkpoint_storage={bucket: 's3://b/c'}", "checkpoint.dir=null"],
-        "straggler-exit-target",
+        [
+            "training.on_straggler=exit",
+            "targets.sky.managed=true",
+            "targets.sky.checkpoint_storage={bucket: 's3://b/c'}",
+            "checkpoint.dir=null",
+        ],
+        "sky-straggler-same-nodes",
         "sky",
     ),
+    (["training.on_straggler=exit"], "sky-straggler-same-nodes", "sky"),  # unmanaged: nothing recovers it
     (['targets.slurm.extra_sbatch=["--nodes=4"]'], "slurm-extra-sbatch-plan", "slurm"),
     (["targets.slurm.exclusive=false"], "slurm-cpus", "slurm"),
     (["targets.slurm.submit=submitit", "targets.slurm.ssh={host: login.example}"], "slurm-submitit-ssh", "slurm"),

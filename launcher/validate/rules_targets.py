@@ -12,8 +12,9 @@ from .core import rule
 # parallelism.launcher: deepspeed starts through SkyPilot's task only (targets/sky/render.py); everywhere else
 # torchrun starts the DeepSpeed engines.
 NOT_SKY = tuple(t for t in TARGET_NAMES if t != "sky")
-# Only the SLURM job script requeues a job without the node a 44 names (its ExcNodeList).
-NOT_SLURM = tuple(t for t in TARGET_NAMES if t != "slurm")
+# Only the SLURM job script requeues a job without the node a 44 names (its ExcNodeList); SkyPilot's own rule
+# (targets/sky/rules.py) says when its recovery leaves the node behind.
+NOT_SLURM_OR_SKY = tuple(t for t in TARGET_NAMES if t not in ("slurm", "sky"))
 
 
 def inputs(r: Recipe) -> list[tuple[str, str]]:
@@ -56,13 +57,13 @@ def _ds_launcher_target(r: Recipe, p: Plan):
     "warning",
     "training.on_straggler",
     "a straggler's exit where nothing excludes its node",
-    NOT_SLURM,
+    NOT_SLURM_OR_SKY,
 )
 def _straggler_exit(r: Recipe, p: Plan):
     if r.training.on_straggler == "exit":
         return (
-            "on_straggler: exit ends the attempt with 44 naming the slow node, but only the SLURM job script then "
-            "requeues without it: here the job ends (local), or a managed job recovers onto the same nodes "
-            "(SkyPilot relaunches on its cluster while that is up)",
+            "on_straggler: exit ends the attempt with 44 naming the slow node, but nothing here runs the job again "
+            "without it: the job ends (the SLURM job script requeues without the node; a managed SkyPilot job with "
+            "targets.sky.recovery: fresh_nodes recovers onto new ones)",
             "keep the default warn here (the straggler is still named in the log, metrics.jsonl and status)",
         )

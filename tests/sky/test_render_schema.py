@@ -86,7 +86,7 @@ def test_rendered_yaml_is_accepted_by_skypilot(sky_lib, tmp_path, recipe_path, v
         rec_cfg = res["job_recovery"]
         # Only PREEMPTED recovers uncounted: a reproducible hang must use up max_restarts_on_errors.
         assert rec_cfg["recover_on_exit_codes"] == [ExitCode.PREEMPTED]
-        assert rec_cfg["strategy"] == ("EAGER_NEXT_REGION" if rec.targets.sky.spot else "FAILOVER")
+        assert rec_cfg["strategy"] == ("EAGER_NEXT_REGION" if rec.targets.sky.spot else "FAILOVER")  # recovery: auto
         assert r.job_recovery["max_restarts_on_errors"] == rec.targets.sky.max_restarts_on_errors
         assert "autostop" not in res
     else:
@@ -330,3 +330,17 @@ def test_with_an_image_the_wheel_leaves_the_images_torch_alone(tmp_path):
     p = pip(sys.executable, deps_line[2:], tmp_path / "r2.json")
     assert p.returncode == 0, p.stderr
     assert json.loads((tmp_path / "r2.json").read_text())["install"] == []
+
+
+def test_fresh_nodes_recovery_terminates_the_cluster_first(sky_lib, tmp_path):
+    """targets.sky.recovery: fresh_nodes on an on-demand managed job: SkyPilot's EAGER_NEXT_REGION, whose recovery
+    terminates the cluster before it provisions (FAILOVER relaunches on the cluster while it is up, keeping the
+    node a 44 named); the installed SkyPilot takes it, and validate's straggler warning is gone."""
+    over = [*VARIANTS["managed"], "targets.sky.recovery=fresh_nodes", "training.on_straggler=exit"]
+    rec, art, out = render_to(tmp_path, RECIPES[0], over)
+    (r,) = from_yaml(sky_lib, out).resources
+    assert r.job_recovery["strategy"] == "EAGER_NEXT_REGION"
+    found = {f.rule for f in validate(rec, make_plan(rec), "sky", RULES)}
+    assert "sky-straggler-same-nodes" not in found
+    rec, _, _ = render_to(tmp_path / "default", RECIPES[0], [*VARIANTS["managed"], "training.on_straggler=exit"])
+    assert "sky-straggler-same-nodes" in {f.rule for f in validate(rec, make_plan(rec), "sky", RULES)}

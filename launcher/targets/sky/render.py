@@ -64,8 +64,7 @@ def on_kubernetes(recipe: Recipe) -> bool:
 
 
 def is_managed(recipe: Recipe) -> bool:
-    """Spot capacity only makes sense with recovery, so spot implies a managed job."""
-    return recipe.targets.sky.managed or recipe.targets.sky.spot
+    return recipe.targets.sky.is_managed()
 
 
 def infra(recipe: Recipe) -> str | None:
@@ -137,8 +136,7 @@ def _lifecycle(recipe: Recipe) -> dict:
     if is_managed(recipe):
         return {
             "job_recovery": {
-                # Spot capacity vanishes region-wide; on-demand failures are usually one bad node.
-                "strategy": "EAGER_NEXT_REGION" if sk.spot else "FAILOVER",
+                "strategy": sk.recovery_strategy(),
                 "max_restarts_on_errors": sk.max_restarts_on_errors,
                 # Only the policy's "resume" codes (PREEMPTED) recover without limit: SkyPilot does not count these
                 # recoveries, and a reproducible hang (43) must count against max_restarts_on_errors like any

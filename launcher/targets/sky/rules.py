@@ -15,10 +15,6 @@ from ...validate.rules_targets import unmounted
 SKY = ("sky",)
 
 
-def _sky_managed(r: Recipe) -> bool:
-    return r.targets.sky.managed or r.targets.sky.spot
-
-
 @rule(
     "sky-checkpoint-storage",
     "error",
@@ -27,11 +23,11 @@ def _sky_managed(r: Recipe) -> bool:
     SKY,
 )
 def _sky_storage(r: Recipe, p: Plan):
-    if r.targets.sky.checkpoint_storage is None and (p.nodes > 1 or _sky_managed(r)):
+    if r.targets.sky.checkpoint_storage is None and (p.nodes > 1 or r.targets.sky.is_managed()):
         why = []
         if p.nodes > 1:
             why.append(f"{p.nodes} nodes each write their shards to their own disk, so no node sees a whole checkpoint")
-        if _sky_managed(r):
+        if r.targets.sky.is_managed():
             why.append("a managed-job recovery starts on fresh VMs and would resume from step 0")
         return (
             "checkpoints would go to node-local disk: " + "; ".join(why),
@@ -229,7 +225,7 @@ def _sky_cpus(r: Recipe, p: Plan):
 
 @rule("sky-k8s-unsupported", "error", "targets.sky", "a SkyPilot feature Kubernetes does not have", SKY)
 def _sky_k8s(r: Recipe, p: Plan):
-    from .render import is_managed, on_kubernetes
+    from .render import on_kubernetes
 
     sk = r.targets.sky
     if not on_kubernetes(r):
@@ -239,7 +235,7 @@ def _sky_k8s(r: Recipe, p: Plan):
             "Kubernetes has no disk tiers (SkyPilot refuses disk_tier there at launch)",
             "remove targets.sky.disk_tier",
         )
-    if not is_managed(r) and sk.autostop_minutes is not None and not sk.autodown:
+    if not r.targets.sky.is_managed() and sk.autostop_minutes is not None and not sk.autodown:
         return (
             "Kubernetes clusters cannot be stopped, only torn down: autostop with autodown: false fails at launch",
             "set targets.sky.autodown: true (or autostop_minutes: null)",
@@ -289,3 +285,29 @@ def _sky_disk(r: Recipe, p: Plan):
 
 
 IMAGE_AND_SYSTEM_GB = 50  # an NGC-size image (~20 GB unpacked) with the system and logs
+
+
+@rule(
+    "sky-straggler-same-nodes",
+    "warning",
+    "training.on_straggler",
+    "a straggler's exit that SkyPilot recovers onto the same nodes",
+    SKY,
+)
+def _sky_straggler(r: Recipe, p: Plan):
+    if r.training.on_straggler != "exit":
+        return None
+    if not r.targets.sky.is_managed():
+        return (
+            "on_straggler: exit ends the attempt with 44 naming the slow node, and nothing recovers an unmanaged "
+            "cluster's job: it ends there",
+            "set targets.sky.managed: true and targets.sky.recovery: fresh_nodes, or keep on_straggler: warn",
+        )
+    if r.targets.sky.recovery_strategy() == "FAILOVER":
+        return (
+            "on_straggler: exit ends the attempt with 44 naming the slow node, but this managed job recovers with "
+            "FAILOVER, which relaunches on the same cluster while it is up: the slow node comes back",
+            "set targets.sky.recovery: fresh_nodes (the cluster is terminated and provisioned anew), or keep "
+            "on_straggler: warn",
+        )
+    return None

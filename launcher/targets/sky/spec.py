@@ -76,6 +76,13 @@ class SkyTarget(Spec, kw_only=True):
         | None
     ) = None
     max_restarts_on_errors: Int(0, 1000) = 3
+    recovery: Doc(
+        "how a managed job recovers: same_nodes (SkyPilot's FAILOVER: relaunched on its cluster while that is "
+        "up) or fresh_nodes (EAGER_NEXT_REGION: the cluster terminated and provisioned anew, another region "
+        "first), which leaves a node that failed its check or straggled behind; auto: fresh_nodes for spot, "
+        "same_nodes otherwise",
+        Literal["auto", "same_nodes", "fresh_nodes"],
+    ) = "auto"
     max_restarts: Int(0, 1000, "torchrun restarts inside one launch") = 2
     setup: Annotated[list[Str], Meta(max_length=1000)] = []
     workdir: Str | None = None
@@ -144,6 +151,17 @@ class SkyTarget(Spec, kw_only=True):
         self.cpus = checked("cpus", _amount, self.cpus)
         self.memory = checked("memory", _amount, self.memory)
         self.ports = checked("ports", _ports, self.ports)
+
+    def is_managed(self) -> bool:
+        """A managed job (sky jobs launch): spot capacity only makes sense with recovery, so spot implies it."""
+        return self.managed or self.spot
+
+    def recovery_strategy(self) -> str:
+        """SkyPilot's job_recovery strategy for `recovery`. Spot capacity vanishes region-wide; an on-demand
+        failure is usually one bad node, which FAILOVER keeps (it relaunches on the cluster while that is up)
+        and EAGER_NEXT_REGION leaves (it terminates the cluster first)."""
+        fresh = self.recovery == "fresh_nodes" or (self.recovery == "auto" and self.spot)
+        return "EAGER_NEXT_REGION" if fresh else "FAILOVER"
 
 
 def _amount(v):
