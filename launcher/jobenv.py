@@ -155,9 +155,9 @@ PORT_BASE = 10000
 PORT_SPAN = 20000
 
 
-# Every line a SLURM job's ranks write starts with this (torchrun's --tee with TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
-# set by the step script), so that `dtlaunch logs NAME --node N --rank R` can pick one node's or one rank's lines
-# out of the job's interleaved log. LOG_LINE reads what log_line_prefix writes.
+# Every line a job's ranks write starts with this (torchrun's --tee with TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, set
+# by every launch script: render/templates/_labels.sh.j2), so that `dtlaunch logs NAME --node N --rank R` can pick
+# one node's or one rank's lines out of the job's interleaved log. LOG_LINE reads what log_line_prefix writes.
 def log_line_prefix(node: str, rank: str | int) -> str:
     return f"[{node} rank {rank}] "
 

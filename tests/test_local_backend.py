@@ -92,6 +92,13 @@ def test_up_status_logs_plot_and_history_per_attempt(run_cli, tmp_path):
     ]
     code, out, _ = run_cli("logs", status_rows(run_cli)[0]["job_id"])
     assert code == 0 and "done: 6 steps" in out and "done: 8 steps" not in out
+    # every rank's lines carry its node and rank, here as on a cluster: one rank's are picked out
+    failed = status_rows(run_cli)[2]["job_id"]
+    code, out, _ = run_cli("logs", failed, "--rank", "1")
+    assert code == 0 and "FAULT INJECTION rank 1: exit at step 9" in out and "resumed from" not in out, out
+    code, out, _ = run_cli("logs", failed, "--rank", "0")
+    assert code == 0 and "resumed from step 8" in out and "FAULT INJECTION" not in out, out
+    assert list(run_dir.glob("logs/attempt-*/*/**/1/stderr.log")), "each rank's own log file"
     code, out, err = run_cli("plot", run_dir)
     assert code == 0, err
     assert (run_dir / "loss.png").stat().st_size > 10_000

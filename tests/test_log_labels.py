@@ -1,4 +1,4 @@
-"""Every line of a SLURM job's ranks carries its node and rank: the step script exports torchrun's line-prefix
+"""Every line of a job's ranks carries its node and rank, on every target: the launch script exports torchrun's line-prefix
 template (rendered from jobenv.log_line_prefix), torchrun fills in each rank, and `dtlaunch logs --node/--rank`
 reads it back with jobenv.LOG_LINE. The rendered export is run by bash and the result handed to torch's own
 substitution, so the three are tested against each other."""
@@ -9,15 +9,21 @@ import re
 import subprocess
 from string import Template
 
+import pytest
+import yaml
+
 from launcher.cli.jobs import of_ranks
 from launcher.jobenv import LOG_LINE, log_line_prefix
 from testpaths import RECIPES
 
 
-def test_what_torchrun_writes_from_the_rendered_export_is_what_logs_reads(tmp_path, run_cli):
-    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", "slurm", "-o", tmp_path / "r")
+@pytest.mark.parametrize("target, script", [("slurm", "step.sh"), ("local", "launch.sh"), ("sky", "task.yaml")])
+def test_what_torchrun_writes_from_the_rendered_export_is_what_logs_reads(tmp_path, run_cli, target, script):
+    code, out, err = run_cli("render", RECIPES / "tiny.yaml", "-t", target, "-o", tmp_path / "r")
     assert code == 0, out + err
-    step = (tmp_path / "r" / "step.sh").read_text()
+    step = (tmp_path / "r" / script).read_text()
+    if target == "sky":  # the task's run: section
+        step = yaml.safe_load(step)["run"]
     (export,) = re.findall(r"^export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=.*$", step, re.M)
     template = subprocess.run(
         ["bash", "-c", f'NODE_NAME=gpu-a07; {export}; printf %s "$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"'],

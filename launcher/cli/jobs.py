@@ -219,7 +219,7 @@ def resolve(reg, key: str, rows: list | None = None):
 
 
 def of_ranks(lines, node: str | None, rank: int | None):
-    """The lines a node's or a rank's processes wrote, by the label every line of a SLURM job's ranks carries
+    """The lines a node's or a rank's processes wrote, by the label every line of a job's ranks carries
     (jobenv.LOG_LINE); unlabelled lines (the job script's, torchrun's own) are left out."""
     from ..jobenv import LOG_LINE
 

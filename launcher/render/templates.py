@@ -6,8 +6,9 @@ them all, so a template's name is unique among them (a test checks) and an inclu
 Jinja2 renders them, imported on the first render only: `plan`, `validate` and `--help` never pay for it. As
 this is shell, not HTML, nothing is autoescaped: a value enters a script only through a quoting filter
 (template_filters.py; a test checks every `{{ }}`), and under StrictUndefined a value the renderer did not
-pass is an error, not an empty word. Every template also sees `code` (the exit codes) and `jobenv` (the
-names launcher/jobenv.py gives the job's environment, e.g. `{{ jobenv.RUN_ID }}`).
+pass is an error, not an empty word. Every template also sees `code` (the exit codes), `jobenv` (the
+names launcher/jobenv.py gives the job's environment, e.g. `{{ jobenv.RUN_ID }}`) and `line_prefix` (the
+label torchrun puts on each rank's lines: jobenv.log_line_prefix).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 
 from .. import jobenv
 from ..targets import TARGETS
+from .shell import ShellExpr
 from .template_filters import FILTERS
 
 
@@ -35,7 +37,9 @@ def environment():
         lstrip_blocks=True,
     )
     env.filters.update(FILTERS)
-    env.globals.update(code=jobenv.ExitCode, jobenv=jobenv)
+    # _labels.sh.j2's, inside a double-quoted shell word: the node's name expanded there, ${rank} left for torchrun
+    line_prefix = ShellExpr(jobenv.log_line_prefix("$NODE_NAME", "\\${rank}"))
+    env.globals.update(code=jobenv.ExitCode, jobenv=jobenv, line_prefix=line_prefix)
     return env
 
 

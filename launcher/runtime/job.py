@@ -186,6 +186,15 @@ class Job:
                 fix="set parallelism.tensor: 1 and pipeline: 1, or train dtlaunch's Llama or a Hugging "
                 "Face model (model.hf) without an entrypoint: python -m launcher.train splits them",
             )
+        # the attempt's start in the records (dtlaunch's trainer writes its own, with the model's build): the
+        # goodput ledger counts attempts by it
+        self.metrics.event(
+            "start",
+            world_size=self.world_size,
+            strategy=self.layout.strategy,
+            attempt=self.world.proc.restart_count,
+            entrypoint=True,
+        )
         steps = self.total_steps or FALLBACK_STEPS
         engine = build_engine(
             model,

@@ -83,7 +83,9 @@ def test_user_script_recovers_on_fresh_vms_with_nothing_lost(tmp_path, sky_nodes
     assert rcs == [0, 0], fresh.log(0)[-3000:] + fresh.log(1)[-3000:]
     assert f"resumed from step {resume_from}" in fresh.log(0) + fresh.log(1)
     got = losses(fresh)
-    assert sorted(got) == list(range(resume_from + 1, STEPS + 1))  # the new VMs' disks: this launch's steps only
+    # the new VMs' disks start from the records kept in the bucket with the checkpoints: the whole run's steps
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert (bucket / "metrics.jsonl").read_text().count('"event": "start"') == 2  # both launches, on the bucket
     for step, loss in got.items():
         assert loss == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
     assert ckptdir.complete_steps(bucket)[-1] == STEPS

@@ -6,7 +6,7 @@ dtlaunch's wheel for a container, and the notes. sbatch.py and submitit.py each 
 
 from __future__ import annotations
 
-from ...jobenv import PORT_BASE, PORT_SPAN, RUN_ID, log_line_prefix
+from ...jobenv import PORT_BASE, PORT_SPAN, RUN_ID
 from ...plan import Plan
 from ...recipe import Recipe
 from ...render.code import CODE_DIR
@@ -86,8 +86,6 @@ def step_script(recipe: Recipe, plan: Plan) -> str:
         check_arg=CHECK_ARG,
         image_hint=IMAGE_HINT,
         job_env_var=JOB_ENV,
-        # inside a double-quoted shell word: the node's name expanded there, ${rank} left for torchrun
-        line_prefix=ShellExpr(log_line_prefix("$NODE_NAME", "\\${rank}")),
     )
 
 

@@ -9,8 +9,7 @@ trap ':' USR2 TERM
 IS_HOST=0
 if [ "${SLURM_NODEID:-}" = 0 ]; then IS_HOST=1; fi  # node 0 hosts the rendezvous store, whatever its hostname says
 export DTLAUNCH_NODE_RANK="${SLURM_NODEID:-}"  # node ranks in SLURM's (topology-aware) order, not by hostname
-# Every line of this node's ranks names its node and rank (torchrun's --tee, with a line prefix: jobenv.LOG_LINE),
-# and each rank's output is also kept in a file of its own: RUN_DIR/logs/attempt-N/NODE/.../LOCAL_RANK/std*.log.
+# Each rank's lines start with [NODE rank R]; its output is also kept in RUN_DIR/logs/attempt-N/NODE/.
 NODE_NAME="${SLURMD_NODENAME:-$(hostname)}"
 export PET_TEE=3 PET_LOG_DIR="$DTLAUNCH_RUN_DIR/logs/attempt-$DTLAUNCH_ATTEMPT/$NODE_NAME"
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[$NODE_NAME rank \${rank}] "

@@ -69,6 +69,10 @@ fi
 
 # A free port, not 29500: another job on this machine may hold it.
 PORT="${DTLAUNCH_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+# Each rank's lines start with [NODE rank R]; its output is also kept in RUN_DIR/logs/attempt-N/NODE/.
+NODE_NAME="${SLURMD_NODENAME:-$(hostname)}"
+export PET_TEE=3 PET_LOG_DIR="$DTLAUNCH_RUN_DIR/logs/attempt-$DTLAUNCH_ATTEMPT/$NODE_NAME"
+export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[$NODE_NAME rank \${rank}] "
 # torchrun in a session of its own: a signal to this script reaches it once, through the trap below.
 setsid "$PYTHON" -m launcher.elastic --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d "--rdzv-endpoint=127.0.0.1:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" --rdzv-conf=join_timeout=120,is_host=1 --local-addr=127.0.0.1 --max-restarts=3 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=31 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
 TORCHRUN=$!

@@ -75,6 +75,10 @@ trap ':' TERM USR2
 IS_HOST=0
 if [ "$SKYPILOT_NODE_RANK" = 0 ]; then IS_HOST=1; fi  # the head hosts the rendezvous store, whatever its hostname says
 export DTLAUNCH_NODE_RANK="$SKYPILOT_NODE_RANK"  # node ranks in SkyPilot's order, not by address
+# Each rank's lines start with [NODE rank R]; its output is also kept in RUN_DIR/logs/attempt-N/NODE/.
+NODE_NAME="${SLURMD_NODENAME:-$(hostname)}"
+export PET_TEE=3 PET_LOG_DIR="$DTLAUNCH_RUN_DIR/logs/attempt-$DTLAUNCH_ATTEMPT/$NODE_NAME"
+export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[$NODE_NAME rank \${rank}] "
 "$PYTHON" -m launcher.elastic "--nnodes=$SKYPILOT_NUM_NODES" --nproc-per-node=2 --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" "--rdzv-conf=join_timeout=120,is_host=$IS_HOST" "--local-addr=$NODE_ADDR" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=31 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
 LAUNCHER=$!
 rc=0
