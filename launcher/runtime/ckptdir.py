@@ -116,11 +116,15 @@ def write_file_durably(path: Path, data: bytes) -> None:
     """Write `path` via a temporary sibling and a rename, fsyncing both: never a torn file.
     (A single small file's rename is fine everywhere; it is whole directories that must not be renamed.)"""
     tmp = path.with_name(path.name + f".{os.getpid()}.partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep the half-written copy (its space, its name)
+        raise
     fsync_path(path.parent)
 
 

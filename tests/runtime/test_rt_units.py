@@ -369,6 +369,19 @@ def test_the_data_loader_leaves_the_global_generator_alone():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_a_failed_durable_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A full disk while a small file (a manifest, the run's kept records) is written: the error reaches the
+    caller, and neither the file nor its half-written temporary is left."""
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckptdir.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        ckptdir.write_file_durably(tmp_path / "records.jsonl", b"x" * 100)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_position_rescaling():
     pos, warn = rescale_position(DataPosition(2, 6, 16).to_dict(), 16)
     assert (pos.epoch, pos.step_in_epoch, warn) == (2, 6, None)
