@@ -79,6 +79,11 @@ def kept_steps(runs: list[Attempt], i: int) -> int:
     return max(0, min(a.last_step, next_from) - a.from_step)
 
 
+def allocated(runs: list[Attempt]) -> float:
+    """The run's allocated time: the first attempt's start to the last one's end."""
+    return runs[-1].end - runs[0].start if runs else 0.0
+
+
 def ledger(records: list[dict], created: float | None = None) -> dict[str, float]:
     """Seconds by cause (CAUSES), plus `allocated` (first start to last end) and `goodput` (useful / allocated)."""
     runs = attempts(records)
@@ -104,13 +109,13 @@ def ledger(records: list[dict], created: float | None = None) -> dict[str, float
             secs["ending"] += a.end - a.last_step_time
         if i + 1 < len(runs):
             secs["recovery"] += max(0.0, runs[i + 1].start - a.end)
-    allocated = runs[-1].end - runs[0].start
-    return {**secs, "allocated": allocated, "goodput": secs["useful"] / allocated if allocated > 0 else 0.0}
+    total = allocated(runs)
+    return {**secs, "allocated": total, "goodput": secs["useful"] / total if total > 0 else 0.0}
 
 
 def interruptions(runs: list[Attempt]) -> list[int]:
-    """The attempts that were interrupted: each one a later attempt followed without the run having ended (the
-    last attempt is running, ended the run, or has not been requeued yet: none of them counts)."""
+    """The attempts that were interrupted: those another attempt followed without their having ended the run
+    (the last attempt is running, ended the run, or has not been requeued yet: it never counts)."""
     return [i for i, a in enumerate(runs[:-1]) if not any(r.get("event") == "end" for r in a.records)]
 
 
@@ -127,7 +132,6 @@ def measured_interval(records: list[dict]) -> dict | None:
     writes = [
         r["seconds"] for r in records if r.get("event") == "checkpoint" and isinstance(r.get("seconds"), (int, float))
     ]
-    led = ledger(records)
     times = [r["step_time_s"] for r in records if isinstance(r.get("step_time_s"), (int, float)) and "loss" in r]
     if not hit or not writes or not times:
         return None
@@ -136,7 +140,7 @@ def measured_interval(records: list[dict]) -> dict | None:
         a, b = runs[i], runs[i + 1]
         resumed = b.first_step_start if b.first_step_start is not None else (b.preflight_end or b.start)
         recovery += resumed - (a.last_step_time if a.last_step_time is not None else a.end)
-    between = led["allocated"] / len(hit)
+    between = allocated(runs) / len(hit)
     write = sum(writes) / len(writes)
     step = sum(times) / len(times)
     seconds = availability_interval(write, between, recovery / len(hit))
