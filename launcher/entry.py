@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     write_status(Path(os.environ.get(jobenv.RUN_DIR) or "."), rank, code, message, step, start)
+    if code == jobenv.ExitCode.HANG:
+        from .runtime.hangs import on_hang
+
+        on_hang(rank)
     return code
 
 

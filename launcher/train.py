@@ -80,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         label = ExitCode.name_of(code)
         print(f"dtlaunch: rank {rank}: exit {code} ({label}): {message}", file=sys.stderr, flush=True)
         write_status(run_dir, rank, code, message, step, trainer.start_step)
-        if code == ExitCode.HANG and trainer.writes_flight_recorder():
-            wait_for_flight_recorder(rank)
+        if code == ExitCode.HANG:
+            from .runtime.hangs import on_hang
+
+            on_hang(rank, nccl=trainer.writes_flight_recorder())
         sys.stdout.flush()
         sys.stderr.flush()
         # No destroy_process_group on failure: peers may be gone (it would hang), and C++ teardown of a
@@ -111,25 +113,6 @@ def memory_note(plan) -> str:
         )
     except Exception:  # noqa: BLE001 - a broken device must not hide the error itself
         return note
-
-
-def wait_for_flight_recorder(rank: int, limit_s: float = jobenv.FLIGHT_RECORDER_DUMP_WAIT_S) -> None:
-    """A rank ending with HANG: give NCCL's watchdog the time to finish writing this rank's flight-recorder dump
-    (an immediate exit kills the thread writing it). Returns as soon as the file exists and stops growing."""
-    import time
-
-    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-    if not prefix or os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") != "1":
-        return
-    path = Path(f"{prefix}{rank}")
-    deadline = time.monotonic() + limit_s
-    size = -1
-    while time.monotonic() < deadline:
-        now = path.stat().st_size if path.exists() else -1
-        if now >= 0 and now == size:
-            return
-        size = now
-        time.sleep(0.5)
 
 
 def _check(recipe, plan, run_dir: Path) -> int:

@@ -5,11 +5,15 @@ exit), and the diagnosis names it as the likely culprit, on its node."""
 
 from __future__ import annotations
 
+import pickle
+import re
 import socket
+from pathlib import Path
 
 import pytest
 
 from launcher.cli.diagnose import diagnose
+from launcher.runtime import hangs
 from testpaths import RECIPES
 
 
@@ -30,10 +34,75 @@ def test_a_hang_names_the_rank_that_never_reached_the_collective(run_cli, tmp_pa
     host = socket.gethostname()
     assert "not finished: last logged step 1" in text, text
     assert f"HANG (43) on rank 0 ({host}) at step 2: " in text, text
-    assert f"likely culprit: rank 1 on {host}: no record of its own in this attempt" in text, text
+    # rank 0 timed out in a collective its flight recorder holds and rank 1's (written by its no-progress
+    # watchdog, or missing) does not; py-spy took both ranks' stacks, rank 1's stuck in the injected fault
+    culprit = re.search(
+        rf"likely culprit: rank 1 on {host}: never entered gloo:(\w+) #(\d+) in default_pg, where rank 0 waited", text
+    )
+    assert culprit, text
+    assert re.search(r"\n    rank 1: in Faults.at_step_start \(launcher/runtime/inject.py:\d+\)", text), text
+    assert "\n    rank 0: in" not in text, text
 
 
 def test_a_directory_without_records_says_so(tmp_path):
     assert diagnose(tmp_path) == [
         f"{tmp_path}: no run records (status/, metrics.jsonl) yet: the job has not started training"
     ]
+
+
+def _dump(*collectives: tuple[str, int, str]) -> bytes:
+    """A flight-recorder dump as torch writes one (a pickled dict of plain values), one entry per
+    (process group, collective sequence number, name)."""
+    entries = [
+        {
+            "record_id": i,
+            "process_group": ("0" if pg == "default_pg" else "1", pg),
+            "collective_seq_id": seq,
+            "p2p_seq_id": 0,
+            "profiling_name": name,
+            "is_p2p": False,
+            "state": "scheduled",
+        }
+        for i, (pg, seq, name) in enumerate(collectives)
+    ]
+    return pickle.dumps({"version": "2.10", "pg_config": {}, "entries": entries})
+
+
+def test_the_flight_recorder_names_the_rank_behind_and_the_collective_it_missed(tmp_path):
+    ahead = _dump(
+        ("default_pg", 6, "gloo:all_reduce"), ("default_pg", 7, "gloo:broadcast"), ("control", 3, "gloo:all_gather")
+    )
+    behind = _dump(("default_pg", 6, "gloo:all_reduce"), ("control", 3, "gloo:all_gather"))
+    for rank, data in ((0, ahead), (1, behind), (2, ahead)):
+        (tmp_path / f"nccl_trace_rank_{rank}").write_bytes(data)
+    dumps = hangs.read_dumps(tmp_path)
+    assert sorted(dumps) == [0, 1, 2]
+    assert hangs.verdict(dumps, world=3) == (
+        [1],
+        "never entered gloo:broadcast #7 in default_pg, where ranks 0, 2 waited; its flight recorder ends before it (rank 1 at #6)",
+    )
+    # a rank that left no dump is behind too; the other groups are read when the default one agrees
+    assert hangs.verdict({0: dumps[0], 2: dumps[2]}, world=3) == (
+        [1],
+        "never entered gloo:broadcast #7 in default_pg, where ranks 0, 2 waited; rank 1 left no dump",
+    )
+    sub = hangs.read_dumps(tmp_path)
+    sub[1] = hangs.read(tmp_path / "nccl_trace_rank_0")
+    sub[2]["entries"].append(
+        {"process_group": ("1", "control"), "collective_seq_id": 4, "profiling_name": "gloo:barrier"}
+    )
+    assert hangs.verdict(sub, world=3) == (
+        [0, 1],
+        "never entered gloo:barrier #4 in control, where rank 2 waited; its flight recorder ends before it (rank 0 at #3, rank 1 at #3)",
+    )
+    # every rank at the same collective: the dumps cannot tell
+    assert hangs.verdict({0: dumps[0], 1: dumps[2]}, world=2) is None
+
+
+def test_a_dump_that_names_a_class_is_not_loaded(tmp_path):
+    """A dump is a file on shared storage: reading one runs no code it names (pickle's classes refused)."""
+    evil = tmp_path / "nccl_trace_rank_0"
+    evil.write_bytes(pickle.dumps({"entries": [], "x": Path("/etc/passwd")}))
+    (tmp_path / "nccl_trace_rank_1").write_bytes(b"flight recorder dump (injected)")
+    assert hangs.read(evil) is None
+    assert hangs.read_dumps(tmp_path) == {}

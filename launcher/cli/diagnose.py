@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from ..jobenv import ExitCode, read_metrics
+from ..runtime import hangs
 from ..runtime.status import UNREPORTED
 
 
@@ -64,7 +65,7 @@ def diagnose(where: Path) -> list[str]:
     logged = [r for r in events if "event" not in r and "loss" in r]
     if logged and logged[-1].get("stragglers") and not ends:
         lines.append(f"straggling at step {logged[-1]['step']}: {_slow(logged[-1]['stragglers'])}")
-    lines += _last_attempt(_records(run))
+    lines += _last_attempt(run, _records(run))
     lines += _ledgers(where)
     return lines
 
@@ -84,7 +85,12 @@ def _newest_attempt(records: list[dict]) -> tuple[str | None, list[dict]]:
     return attempt, [r for r in records if r.get("attempt") == attempt]
 
 
-def _last_attempt(records: list[dict]) -> list[str]:
+def _dumps(run: Path, attempt: str | None) -> dict[int, dict]:
+    """The flight-recorder dumps of one attempt (the job scripts point them at status/ATTEMPT/)."""
+    return hangs.read_dumps(run / "status" / attempt) if attempt else {}
+
+
+def _last_attempt(run: Path, records: list[dict]) -> list[str]:
     if not records:
         return []
     attempt, mine = _newest_attempt(records)
@@ -105,7 +111,8 @@ def _last_attempt(records: list[dict]) -> list[str]:
             + f": {rs[0].get('message', '')}"
         )
     if ExitCode.HANG in by_code:
-        out += _culprits(mine)
+        out += _culprits(mine, _dumps(run, attempt))
+        out += _stacks(run, attempt)
     if ExitCode.PREFLIGHT in by_code:
         nodes = sorted({str(r.get("node")) for r in by_code[ExitCode.PREFLIGHT] if r.get("node")})
         if nodes:
@@ -113,14 +120,20 @@ def _last_attempt(records: list[dict]) -> list[str]:
     return out
 
 
-def hang_culprits(mine: list[dict]) -> tuple[list[int], list[str], str] | None:
-    """(ranks, their nodes, why) the hung ranks waited for: those that left no record of their own in this attempt
-    (none at all, or only torchrun's report of their exit: stopped, or ended by the no-progress watchdog), else
-    the HANG ranks that had got least far (the others timed out waiting in a later step). None: no telling."""
+def hang_culprits(mine: list[dict], dumps: dict[int, dict] | None = None) -> tuple[list[int], list[str], str] | None:
+    """(ranks, their nodes, why) the hung ranks waited for: from the flight-recorder dumps when they tell (the
+    ranks that never entered the collective the others waited in), else those that left no record of their own
+    in this attempt (none at all, or only torchrun's report of their exit: stopped, or ended by the no-progress
+    watchdog), else the HANG ranks that had got least far (the others timed out waiting in a later step).
+    None: no telling."""
     world = max((int(r.get("world_size") or 0) for r in mine), default=0) or 1 + max(r["rank"] for r in mine)
     have = {r["rank"]: r for r in mine if UNREPORTED not in str(r.get("message", ""))}
-    culprits = [k for k in range(world) if k not in have]
-    why = "no record of its own in this attempt: it never reached the collective the others timed out in"
+    fr = hangs.verdict(dumps or {}, world)
+    if fr is not None:
+        culprits, why = fr
+    else:
+        culprits = [k for k in range(world) if k not in have]
+        why = "no record of its own in this attempt: it never reached the collective the others timed out in"
     if not culprits:
         hung = [r for r in have.values() if r["code"] == ExitCode.HANG and r.get("step") is not None]
         least = min((r["step"] for r in hung), default=None)
@@ -136,8 +149,8 @@ def hang_culprits(mine: list[dict]) -> tuple[list[int], list[str], str] | None:
     return culprits, sorted(str(n) for n in nodes if n), why
 
 
-def _culprits(mine: list[dict]) -> list[str]:
-    found = hang_culprits(mine)
+def _culprits(mine: list[dict], dumps: dict[int, dict]) -> list[str]:
+    found = hang_culprits(mine, dumps)
     if found is None:
         return [
             "  every rank reported the hang at the same step: on GPUs, the flight-recorder dumps say which "
@@ -147,16 +160,34 @@ def _culprits(mine: list[dict]) -> list[str]:
     return [f"  likely culprit: {_ranks(ranks)}" + (f" on {', '.join(nodes)}" if nodes else "") + f": {why}"]
 
 
+def _stacks(run: Path, attempt: str | None) -> list[str]:
+    """Where each rank's main thread was when its node's first hung rank took the stacks (py-spy's dump: a
+    "=== rank R" header of ours, then py-spy's "Thread ... "MainThread"" and its innermost frame first)."""
+    out = []
+    for f in sorted((run / "status" / attempt).glob(f"{hangs.STACKS_PREFIX}*.txt")) if attempt else []:
+        out.append(f"  stacks: {f}")
+        rank, main = None, False
+        for line in f.read_text(errors="replace").splitlines():
+            if line.startswith("=== rank "):
+                rank, main = line[4:].split(" (")[0], False
+            elif line.startswith("Thread ") and '"MainThread"' in line:
+                main = True
+            elif main and line.startswith("    ") and rank:
+                out.append(f"    {rank}: in {line.strip()}")
+                rank, main = None, False
+    return out
+
+
 def culprit_nodes(run: Path) -> list[str]:
     """The nodes of a hang's likely culprits in the run's newest attempt (none when it did not hang or no rank
     can be told from the rest): what the SLURM job script excludes before requeueing a hung job."""
     records = _records(run)
     if not records:
         return []
-    _, mine = _newest_attempt(records)
+    attempt, mine = _newest_attempt(records)
     if not any(int(r["code"]) == ExitCode.HANG for r in mine):
         return []
-    found = hang_culprits(mine)
+    found = hang_culprits(mine, _dumps(run, attempt))
     return found[1] if found else []
 
 

@@ -74,6 +74,9 @@ class Watchdog:
             file=sys.stderr,
             flush=True,
         )
+        from .hangs import on_hang
+
+        on_hang(self.rank, watchdog=True)  # where this rank was stuck, for the diagnosis
         os._exit(ExitCode.HANG)
 
     def _run(self) -> None:
