@@ -5,13 +5,17 @@ nothing instead. The failing check is the test-only `bad_node` fault: broken GPU
 
 from __future__ import annotations
 
+import os
+import re
 import time
 
 import pytest
+from test_containers import IMAGE, calls, stubs  # noqa: F401 - stubs: the pyxis case's fixture
 
 from launcher.cli.diagnose import diagnose
 from launcher.cli.jobs import of_ranks
 from launcher.jobenv import ExitCode
+from launcher.runtime import hangs
 from slurmkit import Job, overrides, release_after_requeue, render_to, sh, wait_for
 
 pytestmark = pytest.mark.slow
@@ -100,17 +104,32 @@ def test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_e
     assert "finished at step 6" in said and f"job {job.id}: excluded node1 after attempt 0 and requeued" in said, said
 
 
-def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(tmp_path, partition):
+@pytest.mark.parametrize("where", ["host", "pyxis"])
+def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(tmp_path, partition, where, request):
     """Rank 1 (of 2, on node1) stops at step 4: rank 0 times out in the step's collective (43), rank 1 is ended by
-    its no-progress watchdog without a record of its own. The job script names node1 as the culprit's node (what
-    `logs --diagnose` says), requeues without it, and the run resumes from step 3 on node2."""
-    _, out = fails_on_node1_then_finishes_on_node2(
-        tmp_path,
-        partition,
-        "hang:rank=1:step=4:node=node1",
-        ["resources.accelerator=cpu:2", "training.timeout_seconds=10"],
-    )
+    its no-progress watchdog. The job script names node1 as the culprit's node (what `logs --diagnose` says, from
+    the ranks' flight-recorder dumps), requeues without it, and the run resumes from step 3 on node2. In a pyxis
+    container job the diagnosis runs in the image (the host's Python need not have dtlaunch): one srun task
+    through the stub pyxis of tests/slurm/test_containers.py, whose image environment would break an import of
+    dtlaunch unless the job's own environment is restored in the container."""
+    extra = ["resources.accelerator=cpu:2", "training.timeout_seconds=10"]
+    if where == "pyxis":
+        log = request.getfixturevalue("stubs")
+        extra += [f"resources.image={IMAGE}", "targets.slurm.container={runtime: pyxis}"]
+    job, out = fails_on_node1_then_finishes_on_node2(tmp_path, partition, "hang:rank=1:step=4:node=node1", extra)
     assert "dtlaunch: the hang's likely culprit ran on node1" in out, out[-3000:]
+    # what the job script read: the hung attempt's flight-recorder dumps, rank 1's behind rank 0's; and py-spy's
+    # stacks of both ranks, rank 1's in the injected stop
+    hung = job.run / "status" / f"{job.id}.0"
+    found = hangs.verdict(hangs.read_dumps(hung), world=2)
+    assert found and found[0] == [1] and "where rank 0 waited" in found[1], (found, sorted(os.listdir(hung)))
+    stacks = (hung / "stacks-node1.txt").read_text()
+    assert "=== rank 1 " in stacks and re.search(r"Faults.at_step_start \(\S*inject.py:\d+\)", stacks), stacks
+    if where == "pyxis":
+        asked = [c for c in calls(log) if c["cmd"].endswith("--diagnose")]
+        assert (
+            len(asked) == 1 and asked[0]["image"] == "nvcr.io#nvidia/pytorch:24.05-py3"
+        )  # enroot's spelling, calls(log)
 
 
 def test_a_slow_nodes_straggler_is_named_excluded_and_the_run_resumes_elsewhere(tmp_path, partition):

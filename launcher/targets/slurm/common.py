@@ -18,12 +18,14 @@ from ...render.torchrun import entry_args, torchrun_command
 from ...strategies import Family
 from .container import (
     CHECK_ARG,
+    DIAGNOSE_ARG,
     EVERY_NODE,
     JOB_ENV,
     MOUNTS_VAR,
     check_command,
     cleanup_command,
     container,
+    diagnose_command,
     exec_prefix,
     srun_flags,
 )
@@ -50,6 +52,8 @@ CHECK_WORDS: tuple[Word, ...] = (
     ShellExpr("$DTLAUNCH_PLAN"),
     "--check",
 )
+# A hang's culprit nodes, one a line (launcher.cli.diagnose over the run's records and flight-recorder dumps).
+DIAGNOSE_WORDS: tuple[Word, ...] = (ShellExpr("$PYTHON"), "-m", "launcher.cli.diagnose", ShellExpr("$DTLAUNCH_RUN_DIR"))
 
 
 def _step_command(recipe: Recipe, plan: Plan) -> list[Word]:
@@ -74,8 +78,9 @@ def step_script(recipe: Recipe, plan: Plan) -> str:
     c = container(recipe)
     torchrun = _step_command(recipe, plan)
     check: list[Word] = list(CHECK_WORDS)
+    diagnose: list[Word] = list(DIAGNOSE_WORDS)
     if c is not None and not c.pyxis:
-        torchrun, check = exec_prefix(c) + torchrun, exec_prefix(c) + check
+        torchrun, check, diagnose = exec_prefix(c) + torchrun, exec_prefix(c) + check, exec_prefix(c) + diagnose
     return render_template(
         "slurm_step.sh.j2",
         job_script=JOB_SCRIPT,
@@ -84,6 +89,8 @@ def step_script(recipe: Recipe, plan: Plan) -> str:
         container=c,
         check=check,
         check_arg=CHECK_ARG,
+        diagnose=diagnose,
+        diagnose_arg=DIAGNOSE_ARG,
         image_hint=IMAGE_HINT,
         job_env_var=JOB_ENV,
     )
@@ -145,6 +152,8 @@ def batch_context(recipe: Recipe, array: bool) -> dict:
         job_vars=c.job_vars(env) if c else [],
         container_cleanup=cleanup_command(c),
         node_check=[*EVERY_NODE, *CHECK_WORDS],
+        # in the image when there is one (the host may have no dtlaunch), else the batch shell's own Python
+        hang_culprits=diagnose_command(c, ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)) if c else list(DIAGNOSE_WORDS),
     )
 
 

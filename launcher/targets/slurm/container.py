@@ -51,6 +51,7 @@ from .spec import MOUNT_PATH
 # The mount list the batch shell builds and exports (the submit directory is known only at run time).
 MOUNTS_VAR = "CONTAINER_MOUNTS"
 CHECK_ARG = "--check"  # step.sh's argument for the interpreter check only
+DIAGNOSE_ARG = "--diagnose"  # step.sh's argument for a hang's culprit nodes, read in the image
 JOB_ENV = "DTLAUNCH_JOB_ENV"  # the file of the job's environment, read inside the container
 # Writable caches inside a container (read-only root filesystem, no HOME), relative to the submit directory.
 CACHE_DIRS = {
@@ -196,6 +197,14 @@ EVERY_NODE: list[Word] = [
     ShellExpr("--ntasks=$SLURM_NNODES"),
     "--ntasks-per-node=1",
 ]
+
+
+def diagnose_command(c: Container, step_script: ShellExpr) -> list[Word]:
+    """What the batch shell runs to name a hang's culprit nodes when the host may have no Python with dtlaunch:
+    the diagnosis (launcher.cli.diagnose, which reads the run's records) in the image, one task on one node."""
+    step = ["bash", step_script, DIAGNOSE_ARG]
+    one = ["srun", "--nodes=1", "--ntasks=1"]
+    return [*one, *srun_flags(c), *step] if c.pyxis else [*one, *step]
 
 
 def check_command(c: Container, step_script: ShellExpr) -> list[Word]:
