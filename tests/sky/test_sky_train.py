@@ -109,24 +109,38 @@ def test_two_isolated_nodes_install_offline_rendezvous_and_checkpoint_to_the_buc
     assert "check ok" in reference["log"]
 
 
-def test_managed_recovery_on_fresh_nodes_resumes_from_the_bucket(tmp_path, sky_nodes, reference, record_property):
-    """Two nodes train; the whole node set is destroyed (processes killed, node disks deleted); two fresh nodes
-    run setup and the run again with the same SKYPILOT_TASK_ID: the run resumes from the bucket, finishes,
-    and ends with exactly the weights of the uninterrupted run."""
-    _, _, out = render_to(tmp_path, TINY, overrides())
+def test_a_bad_nodes_44_recovers_onto_fresh_nodes_from_the_bucket(
+    tmp_path, sky_nodes, sky_lib, reference, record_property
+):
+    """A GPU fails under the job on node 1 at step 7 (the test-only `gpu_fault`: exit 44, after the bucket's step-5
+    checkpoint). SkyPilot's own recovery code, given the rendered task and the nodes' real exit codes, restarts the
+    job with the strategy `targets.sky.recovery: fresh_nodes` renders, EAGER_NEXT_REGION, which terminates the
+    cluster before it provisions: here the node set is destroyed (node disks deleted) and two fresh nodes run
+    setup and the run again with the same SKYPILOT_TASK_ID. The run resumes from the bucket, finishes, and ends
+    with exactly the weights of the uninterrupted run. (The controller's launch is what cannot run here: no cloud
+    account.)"""
+    import asyncio
+
+    from sky import backends
+    from sky.jobs.recovery_strategy import EagerFailoverStrategyExecutor, StrategyExecutor
+
+    _, _, out = render_to(tmp_path, TINY, [*overrides(), "targets.sky.recovery=fresh_nodes"])
     first = sky_nodes(out, nodes=2, task_id=TASK_ID)
     first.provision()
     setup_ok(first)
-    procs = first.start()
-    deadline = time.time() + 180
-    while not bucket_ckpts(first) and time.time() < deadline and all(p.poll() is None for p in procs):
-        time.sleep(0.2)
-    saved = bucket_ckpts(first)
-    assert saved and saved[-1] < STEPS, first.log(0)[-3000:]
+    rcs = first.wait(first.start({"DTLAUNCH_FAULT": "gpu_fault:rank=1:step=7"}), timeout=240)
+    assert rcs[1] == ExitCode.PREFLIGHT, first.log(1)[-3000:]
+    assert "the GPU failed during step 7" in first.log(1), first.log(1)[-3000:]
+    task = sky_lib.Task.from_yaml(str(out / "task.yaml"))
+    executor = StrategyExecutor.make(
+        "dtlaunch-sim", backends.CloudVmRayBackend(), task, 1, 0, None, set(), asyncio.Lock(), asyncio.Condition()
+    )
+    assert isinstance(executor, EagerFailoverStrategyExecutor) and executor.should_restart_on_failure(exit_codes=rcs)
+    resume_from = bucket_ckpts(first)[-1]
+    assert resume_from == 5, bucket_ckpts(first)
     disks = [first.node_path(r, "/") for r in range(2)]
     first.destroy()
     assert not any(d.exists() for d in disks), "destroy() must delete the nodes' disks"
-    resume_from = bucket_ckpts(first)[-1]
 
     fresh = sky_nodes(out, nodes=2, task_id=TASK_ID)  # same root: the same bucket, new VMs
     fresh.provision()
