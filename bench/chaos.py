@@ -16,6 +16,9 @@ comes round before any repeats:
     kill_in_checkpoint  SIGKILL after a save's files are written, before its commit: the partial is cleaned
     slow_checkpoint     a save that takes seconds longer, then a rank killed
     launcher_kill       SIGKILL to the torchrun agent itself: its workers must not outlive it
+    full_disk           the checkpoint disk (a tmpfs of its own: run as root) filled at a step, so the next save
+                        fails with ENOSPC and the ranks exit STORAGE (46), which no job script retries: the
+                        supervisor frees the disk and resubmits, as a person would
 
 At the end: the exported weights are bit-identical to the undisturbed run's and so is every step's loss;
 no process of any attempt is alive (each carries a marker in its environment, looked for in /proc), the
@@ -50,10 +53,12 @@ KINDS = (
     "kill_in_checkpoint",
     "slow_checkpoint",
     "launcher_kill",
+    "full_disk",
 )
 EVERY = 10
 TARGET = 0.8
 HANG_TIMEOUT_S = 10  # training.timeout_seconds: how long a hang holds the world before the attempt ends
+DISK_MB = 128  # the checkpoint disk (a tmpfs): room for `keep` checkpoints and one being written, with margin
 
 
 def _recipe(steps: int) -> dict:
@@ -109,6 +114,37 @@ def _marked(mark: str) -> list[int]:
     return out
 
 
+def _codes(run_dir: Path, since: float) -> dict[int, int]:
+    """rank -> the exit code its own record gave, for the ranks that wrote one since `since`."""
+    out = {}
+    for p in (run_dir / "status").glob("rank-*.json"):
+        r = json.loads(p.read_text())
+        if r.get("time", 0) >= since:
+            out[int(r["rank"])] = int(r["code"])
+    return out
+
+
+def _fill(path: Path) -> None:
+    """Take all but 1 MiB of the disk holding `path` (smaller than any checkpoint's largest file)."""
+    st = os.statvfs(path.parent)
+    size = st.f_bavail * st.f_frsize - (1 << 20)
+    with open(path, "wb") as f:
+        if size > 0:
+            os.posix_fallocate(f.fileno(), 0, size)
+
+
+def _checkpoint_disk(root: Path) -> None:
+    """A disk of its own for the checkpoints, small enough to fill: a tmpfs (mounting needs root, which CI has)."""
+    root.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(root)], capture_output=True, text=True
+    )
+    if p.returncode != 0:
+        raise RuntimeError(
+            f"chaos: cannot mount a {DISK_MB} MiB tmpfs for the full-disk fault at {root} (run as root): {p.stderr.strip()}"
+        )
+
+
 def _corrupt_newest(root: Path) -> int | None:
     """Flip bytes in the newest complete checkpoint's largest file; its step, None when no older one is left."""
     from launcher.runtime import ckptdir
@@ -150,11 +186,14 @@ def _attempt(kind: str, plan: Path, run_dir: Path, rng: random.Random, mark: str
     proc = subprocess.Popen(
         T.torchrun_cmd(entry), cwd=T.ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
-    if kind in ("time_limit", "launcher_kill"):
+    ballast = run_dir / "checkpoints" / ".ballast"
+    if kind in ("time_limit", "launcher_kill", "full_disk"):
         deadline = time.monotonic() + limit
         while proc.poll() is None and _last_step(run_dir) < min(at, steps - 1) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if proc.poll() is None:
+        if proc.poll() is None and kind == "full_disk":
+            _fill(ballast)  # the next save meets a full disk (ENOSPC): the ranks exit STORAGE (46)
+        elif proc.poll() is None:
             proc.send_signal(signal.SIGTERM if kind == "time_limit" else signal.SIGKILL)
     try:
         rc = proc.wait(timeout=limit)
@@ -170,10 +209,13 @@ def _attempt(kind: str, plan: Path, run_dir: Path, rng: random.Random, mark: str
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
     corrupted = _corrupt_newest(run_dir / "checkpoints") if kind == "corrupt_checkpoint" else None
+    # STORAGE is never retried by a job script: a person frees the disk and resubmits, as this supervisor does
+    ballast.unlink(missing_ok=True)
     log.close()
     return {
         "kind": kind,
         "fault": fault,
+        "codes": _codes(run_dir, t0),
         "at_step": "first save" if kind == "kill_in_checkpoint" else at if kind != "none" else "-",
         "rc": rc,
         "seconds": round(time.time() - t0, 2),
@@ -200,17 +242,26 @@ def _costs(run_dir: Path, happened: list[dict]) -> None:
 
 
 def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
-    from safetensors.torch import load_file
-
-    from launcher.runtime import ckptdir
-    from launcher.runtime.checkpoint.lock import RunLock
-    from launcher.runtime.goodput import ledger
-
     rec = _recipe(steps)
     limit = max(600.0, 2.0 * steps)  # seconds for a whole undisturbed run (a step takes ~0.3 s here)
     ref = T.ours(rec, out / "reference", hwm=False, timeout=limit).check()
     run_dir = out / "chaos"
     plan = T.write_plan(run_dir, rec)
+    _checkpoint_disk(run_dir / "checkpoints")
+    try:
+        return _run(rec, ref, plan, run_dir, steps, faults, seed, limit)
+    finally:
+        subprocess.run(["umount", "--lazy", str(run_dir / "checkpoints")], capture_output=True)
+
+
+def _run(rec: dict, ref, plan: Path, run_dir: Path, steps: int, faults: int, seed: int, limit: float) -> dict:
+    from safetensors.torch import load_file
+
+    from launcher.jobenv import ExitCode
+    from launcher.runtime import ckptdir
+    from launcher.runtime.checkpoint.lock import RunLock
+    from launcher.runtime.goodput import ledger
+
     rng = random.Random(seed)
     mark = f"chaos-{uuid.uuid4().hex}"
     happened: list[dict] = []
@@ -253,6 +304,11 @@ def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
         *([f"partial checkpoints left: {partials}"] if partials else []),
         *([] if lock_free else ["the checkpoint lock is still held"]),
         *([f"temporary files left: {temps}"] if temps else []),
+        *(
+            [f"a full disk at step {h['at_step']} did not end the attempt with STORAGE: {h['codes']}"]
+            for h in happened
+            if h["kind"] == "full_disk" and ExitCode.STORAGE not in h["codes"].values()
+        ),
     ]
     print(
         f"chaos: {len([h for h in happened if h['kind'] != 'none'])} faults of {len(kinds)} kinds over {steps} steps, "
