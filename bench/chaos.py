@@ -161,10 +161,12 @@ def _corrupt_newest(root: Path) -> int | None:
     return steps[-1]
 
 
-def _attempt(kind: str, plan: Path, run_dir: Path, rng: random.Random, mark: str, steps: int, limit: float) -> dict:
-    """One torchrun attempt meeting `kind`; what happened."""
+def _attempt(
+    kind: str, plan: Path, run_dir: Path, rng: random.Random, mark: str, steps: int, limit: float, gap: int
+) -> dict:
+    """One torchrun attempt meeting `kind` about `gap` steps after the run's newest step; what happened."""
     last = _last_step(run_dir)
-    at = last + rng.randint(3, 2 * EVERY)
+    at = last + rng.randint(max(1, gap // 2), max(2, gap * 3 // 2))
     if kind == "corrupt_checkpoint":  # two checkpoints by then: resume falls back to the older (with none, the
         at = max(at, 2 * EVERY + 2)  # runtime refuses to start over by itself: nothing is ever lost silently)
     rank = rng.randint(0, 1)
@@ -241,10 +243,25 @@ def _costs(run_dir: Path, happened: list[dict]) -> None:
             h["recovery_s"] = round(b.first_step_start - a.last_step_time, 2)
 
 
+def _reference(rec: dict, where: Path, limit: float):
+    """The undisturbed run of the same steps: DTLAUNCH_CHAOS_REFERENCE names one already made (a finished run
+    directory whose plan is this recipe's, byte for byte: the run is deterministic), else it is made here."""
+    given = os.environ.get("DTLAUNCH_CHAOS_REFERENCE")
+    if not given:
+        return T.ours(rec, where, hwm=False, timeout=limit).check()
+    ref = Path(given)
+    wanted = T.write_plan(where, rec).read_text()
+    if not (ref / "plan.json").is_file() or (ref / "plan.json").read_text() != wanted:
+        raise RuntimeError(f"DTLAUNCH_CHAOS_REFERENCE={ref}: not a run of this benchmark's recipe (plan.json differs)")
+    if not any(r.get("event") == "end" for r in _records(ref)) or not (ref / "model.safetensors").is_file():
+        raise RuntimeError(f"DTLAUNCH_CHAOS_REFERENCE={ref}: the run did not finish")
+    return T.Run(0, "", "", 0.0, 0.0, ref)
+
+
 def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
     rec = _recipe(steps)
     limit = max(600.0, 2.0 * steps)  # seconds for a whole undisturbed run (a step takes ~0.3 s here)
-    ref = T.ours(rec, out / "reference", hwm=False, timeout=limit).check()
+    ref = _reference(rec, out / "reference", limit)
     run_dir = out / "chaos"
     plan = T.write_plan(run_dir, rec)
     _checkpoint_disk(run_dir / "checkpoints")
@@ -263,17 +280,18 @@ def _run(rec: dict, ref, plan: Path, run_dir: Path, steps: int, faults: int, see
     from launcher.runtime.goodput import ledger
 
     rng = random.Random(seed)
+    gap = steps // (faults + 1)  # the faults spread over the whole run, one about every `gap` steps
     mark = f"chaos-{uuid.uuid4().hex}"
     happened: list[dict] = []
     for kind in schedule(faults, seed):
         if any(r.get("event") == "end" for r in _records(run_dir)):
             break
-        happened.append(_attempt(kind, plan, run_dir, rng, mark, steps, limit))
+        happened.append(_attempt(kind, plan, run_dir, rng, mark, steps, limit, gap))
         print(f"chaos: {happened[-1]}", flush=True)
     for _ in range(3):  # the run's end: undisturbed attempts until it finishes
         if any(r.get("event") == "end" for r in _records(run_dir)):
             break
-        happened.append(_attempt("none", plan, run_dir, rng, mark, steps, limit))
+        happened.append(_attempt("none", plan, run_dir, rng, mark, steps, limit, gap))
     records = _records(run_dir)
     if not any(r.get("event") == "end" for r in records):
         raise RuntimeError(f"the chaos run did not finish: see {run_dir}/attempts.log")
