@@ -15,10 +15,12 @@ from launcher.render.templates import render_template
 from launcher.runtime.status import PEER_LOST, classify, write_status
 
 
-def outcome(tmp_path: Path, records: list[tuple[int, str]], rc: int = 1) -> int:
+def outcome(tmp_path: Path, records: list[tuple[int, str]], rc: int = 1, dumps: tuple[int, ...] = ()) -> int:
     status = tmp_path / "attempt"
     for rank, (code, message) in enumerate(records):
         write_status(tmp_path, rank, code, message, step=2, start_step=0)
+    for rank in dumps:  # a flight-recorder dump, as NCCL's watchdog or a hung gloo rank leaves it
+        (status / f"nccl_trace_rank_{rank}").write_bytes(b"dump")
     script = render_template("_outcome.sh.j2") + '\ndtl_outcome "$1"\n'
     out = subprocess.run(
         ["bash", "-c", script, "outcome", str(rc)],
@@ -83,3 +85,18 @@ def test_the_slurm_scripts_progress_reads_the_runtimes_code_files(tmp_path, monk
         ["bash", "-c", body], env={"DTLAUNCH_STATUS": str(tmp_path / "attempt"), "PATH": "/usr/bin:/bin"}
     ).returncode
     assert (rc == 0) == progressed
+
+
+@pytest.mark.parametrize(
+    "records, dumps, expect",
+    [
+        ([PEER], (1,), ExitCode.HANG),  # rank 1 was killed by NCCL's watchdog (a dump, no record): a hang
+        ([HANG, CRASH], (0,), ExitCode.FAILED),  # the hung rank's dump does not hide rank 1's own error
+        ([PREEMPTED, PREEMPTED], (0,), ExitCode.HANG),
+    ],
+)
+def test_a_flight_recorder_dump_is_a_hang_unless_a_rank_failed_on_its_own(
+    tmp_path, monkeypatch, records, dumps, expect
+):
+    monkeypatch.setenv("DTLAUNCH_STATUS", str(tmp_path / "attempt"))
+    assert outcome(tmp_path, records, dumps=dumps) == expect

@@ -92,17 +92,18 @@ done
 # (CAUSE "peer": the rank failed only because a peer's connection closed under it).
 # A rank killed after a collective timed out (NCCL's watchdog aborts it) writes no code, but leaves the
 # flight recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)
-# even where other ranks then failed on the broken connection. A bad plan (2), a broken node (44), a
+# even where other ranks then failed on the broken connection; but not over a rank's own error, which the
+# others timed out waiting for (a hung gloo rank writes its dump too). A bad plan (2), a broken node (44), a
 # diverged loss (45) and failing checkpoint storage (46) come first: restarting would not help.
 dtl_outcome() {
-  local rc=$1 f code cause worst="" peer=""
+  local rc=$1 f code cause worst="" peer="" own=""
   if [ "$rc" = 0 ]; then echo 0; return; fi
   for f in "$DTLAUNCH_STATUS"/rank-*.code; do
     [ -f "$f" ] || continue
     read -r code _ _ cause _ < "$f" || continue
     case "$code" in
       2|44|45|46) echo "$code"; return ;;
-      1) if [ "$cause" = peer ]; then peer=1; else worst=1; fi ;;
+      1) if [ "$cause" = peer ]; then peer=1; else worst=1 own=1; fi ;;
       43) [ "$worst" = 1 ] || worst=43 ;;
       42) [ -n "$worst" ] || worst=42 ;;
     esac
@@ -110,7 +111,7 @@ dtl_outcome() {
   # A rank that only lost a peer fails the job unless another rank's hang explains it.
   if [ -n "$peer" ] && [ "$worst" != 43 ]; then worst=1; fi
   for f in "$DTLAUNCH_STATUS"/nccl_trace_rank_*; do
-    if [ -e "$f" ]; then echo 43; return; fi
+    if [ -e "$f" ] && [ -z "$own" ]; then echo 43; return; fi
   done
   echo "${worst:-$rc}"
 }
