@@ -2,10 +2,11 @@
 status record (status/rank-N.json: how it ended, at which step, on which node), the run's events (metrics.jsonl:
 resumes, checkpoints, stragglers, the end) and, for a SLURM job, the job script's ledgers (jobs/ID/: attempts, exclusions).
 
-A hang names its likely culprit: the ranks that timed out wrote HANG; a rank that never reached the collective
-(stopped, or stuck in its own work) wrote nothing of its own in that attempt before torchrun stopped it, so the
-ranks of the last attempt without a record of it are the ones the others waited for, on the node their
-neighbours (the same torchrun, LOCAL_WORLD_SIZE ranks to a node) ran on.
+A hang names its likely culprit: from the ranks' flight-recorder dumps when they show which rank never entered
+the collective the others waited in (runtime/hangs.py); else from the records: the ranks that timed out wrote
+HANG; a rank that never reached the collective (stopped, or stuck in its own work) wrote nothing of its own in
+that attempt before torchrun stopped it, so the ranks of the last attempt without a record of it are the ones
+the others waited for, on the node their neighbours (the same torchrun, LOCAL_WORLD_SIZE ranks to a node) ran on.
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ def _culprits(mine: list[dict], dumps: dict[int, dict]) -> list[str]:
     found = hang_culprits(mine, dumps)
     if found is None:
         return [
-            "  every rank reported the hang at the same step: on GPUs, the flight-recorder dumps say which "
-            "collective each one reached"
+            "  no culprit can be told: every rank reported the hang at the same step, and no flight-recorder "
+            f"dump (status/ATTEMPT/{hangs.DUMP_PREFIX}R) shows one rank behind the others"
         ]
     ranks, nodes, why = found
     return [f"  likely culprit: {_ranks(ranks)}" + (f" on {', '.join(nodes)}" if nodes else "") + f": {why}"]
