@@ -281,7 +281,7 @@ def test_with_an_image_the_wheel_leaves_the_images_torch_alone(tmp_path):
     env = tmp_path / "image-env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     (site,) = env.glob("lib/python*/site-packages")
-    # what the image has: its own torch, and (so that only torch decides) the pure-Python dependencies too
+    # what the image has: its own torch, and (so that only torch decides) the other dependencies too
     for name, version in (
         ("torch", "2.4.0"),
         ("click", "8.1.7"),
@@ -293,6 +293,7 @@ def test_with_an_image_the_wheel_leaves_the_images_torch_alone(tmp_path):
         ("safetensors", "0.4.5"),
         ("matplotlib", "3.9.2"),
         ("psutil", "6.1.0"),
+        ("py-spy", "0.4.3"),
     ):
         info = site / f"{name}-{version}.dist-info"
         info.mkdir()
