@@ -30,6 +30,7 @@ goodput >= 0.8 is the target of the full run.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -125,12 +126,20 @@ def _codes(run_dir: Path, since: float) -> dict[int, int]:
 
 
 def _fill(path: Path) -> None:
-    """Take all but 1 MiB of the disk holding `path` (smaller than any checkpoint's largest file)."""
-    st = os.statvfs(path.parent)
-    size = st.f_bavail * st.f_frsize - (1 << 20)
-    with open(path, "wb") as f:
-        if size > 0:
-            os.posix_fallocate(f.fileno(), 0, size)
+    """Take all but 1-2 MiB of the disk holding `path` (less than any checkpoint's largest file). A save may be
+    writing meanwhile, so what is free is taken again until less than 2 MiB is left."""
+    with open(path, "ab") as f:
+        for _ in range(100):
+            st = os.statvfs(path.parent)
+            free = st.f_bavail * st.f_frsize
+            if free < 2 << 20:
+                return
+            try:
+                os.posix_fallocate(f.fileno(), os.fstat(f.fileno()).st_size, free - (1 << 20))
+            except OSError as e:
+                if e.errno != errno.ENOSPC:  # taken by the save in the meantime: look again
+                    raise
+        raise RuntimeError(f"chaos: could not fill the disk holding {path}")
 
 
 def _checkpoint_disk(root: Path) -> None:
@@ -189,14 +198,23 @@ def _attempt(
         T.torchrun_cmd(entry), cwd=T.ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
     ballast = run_dir / "checkpoints" / ".ballast"
-    if kind in ("time_limit", "launcher_kill", "full_disk"):
-        deadline = time.monotonic() + limit
-        while proc.poll() is None and _last_step(run_dir) < min(at, steps - 1) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if proc.poll() is None and kind == "full_disk":
-            _fill(ballast)  # the next save meets a full disk (ENOSPC): the ranks exit STORAGE (46)
-        elif proc.poll() is None:
-            proc.send_signal(signal.SIGTERM if kind == "time_limit" else signal.SIGKILL)
+    try:
+        if kind in ("time_limit", "launcher_kill", "full_disk"):
+            deadline = time.monotonic() + limit
+            while proc.poll() is None and _last_step(run_dir) < min(at, steps - 1) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if kind == "full_disk":
+                # kept full until the attempt ends (another tenant's data): the next save meets ENOSPC and the
+                # ranks exit STORAGE (46), even where the save in flight at the fill, or its rotation, frees some
+                while proc.poll() is None and time.monotonic() < deadline:
+                    _fill(ballast)
+                    time.sleep(0.1)
+            elif proc.poll() is None:
+                proc.send_signal(signal.SIGTERM if kind == "time_limit" else signal.SIGKILL)
+    except BaseException:  # the bench itself failed: the attempt must not train on without it
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     try:
         rc = proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
@@ -323,7 +341,7 @@ def _run(rec: dict, ref, plan: Path, run_dir: Path, steps: int, faults: int, see
         *([] if lock_free else ["the checkpoint lock is still held"]),
         *([f"temporary files left: {temps}"] if temps else []),
         *(
-            [f"a full disk at step {h['at_step']} did not end the attempt with STORAGE: {h['codes']}"]
+            f"a full disk at step {h['at_step']} did not end the attempt with STORAGE: {h['codes']}"
             for h in happened
             if h["kind"] == "full_disk" and ExitCode.STORAGE not in h["codes"].values()
         ),
