@@ -182,6 +182,8 @@ MIN_TORCH = (2, 12)
 
 
 FLIGHT_RECORDER_DUMP_WAIT_S = 60
+# Each rank's flight-recorder dump in its attempt's status directory: this prefix and the rank (job scripts, runtime).
+FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"
 
 # Failures must be loud and diagnosable: an NCCL timeout that says nothing costs hours.
 LOUD_FAILURES = {

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .. import jobenv
 
-DUMP_PREFIX = "nccl_trace_rank_"  # the file name the job scripts give TORCH_NCCL_DEBUG_INFO_TEMP_FILE
+DUMP_PREFIX = jobenv.FLIGHT_RECORDER_PREFIX
 STACKS_PREFIX = "stacks-"
 STACKS_TIMEOUT_S = 20
 
