@@ -295,7 +295,8 @@ def test_with_an_image_the_wheel_leaves_the_images_torch_alone(tmp_path):
         ("psutil", "6.1.0"),
         ("py-spy", "0.4.3"),
     ):
-        info = site / f"{name}-{version}.dist-info"
+        # the wheel spec's folder name: the name with `-` as `_` (importlib.metadata finds a dist by its folder)
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         (info / "RECORD").write_text("")
