@@ -154,7 +154,11 @@ def test_the_preamble_is_job_sbatchs_batch_part_from_one_template(tmp_path):
         assert line in pre
     assert pre.index("source /opt/venv/bin/activate") < pre.index("--check") < pre.index("import submitit")
     assert 'SUBMIT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"' in pre
-    assert pre.rstrip().endswith("export SUBMIT_DIR JOB_DIR")
+    assert pre.rstrip().endswith("export SUBMIT_DIR JOB_DIR ATTEMPT\nexport -f fail exclude_bad_nodes bad_nodes_after")
+    # the bad-node policy: job.sbatch runs it in its batch shell, submitit's python in a child bash (exported)
+    a = job.index("# ---- bad nodes:")
+    policy = job[a : job.index("\n}\n", job.index("bad_nodes_after() {")) + 3]
+    assert policy in pre and "scontrol requeue" in policy and "launcher.cli.diagnose" in policy
 
 
 def test_hostile_values_stay_data_or_are_refused(tmp_path, monkeypatch):
@@ -352,6 +356,49 @@ def test_usr2_checkpoints_requeues_through_submitit_and_resumes(tmp_path, partit
         f"\nUSR2 -> checkpoint at step {saved} -> submitit requeue -> resume -> done: {took:.1f}s "
         "(incl. >= 3 s before the requeue hold is released)"
     )
+
+
+@slow
+def test_a_hangs_culprit_node_is_left_out_through_submitit_too(tmp_path, partition, login_shell, monkeypatch):
+    """tests/slurm/test_bad_nodes.py's hang, submitted through submitit: rank 1 (of 2, on node1) stops at step 4,
+    rank 0's collective times out (43). submitit's python runs job.sbatch's bad-node policy (exported by
+    submitit_setup.sh): node1 named from the flight-recorder dumps, the job requeued with ExcNodeList=node1, and
+    the run resumes from its step-3 checkpoint on node2 and finishes. node2 is held by another job until node1
+    is excluded, so that the first allocation is node1."""
+    blocker = sh(
+        "sbatch", "--parsable", "-p", partition, "-w", "node2", "-o", "/dev/null", "--wrap", "sleep 300"
+    ).stdout.strip()
+    monkeypatch.setenv("DTLAUNCH_FAULT", "hang:rank=1:step=4:node=node1")  # the job inherits it (--export=ALL)
+    sets = cluster_overrides(
+        partition,
+        tmp_path,
+        "resources.nodes=1",
+        "resources.accelerator=cpu:2",
+        "training.steps=6",
+        "checkpoint.every=3",
+        "training.timeout_seconds=10",
+        "targets.slurm.max_restarts=0",
+    )
+    try:
+        job = launcher.submit(TINY, target_dir=tmp_path / "out", overrides=sets)
+        r = Run(job, tmp_path / "out")
+        wait_for(lambda: r.ledger("excluded"), 180, "node1's exclusion", explain=r.state)
+        requeued_at = time.time()
+    finally:
+        sh("scancel", blocker, check=False)
+    assert r.ledger("excluded")[0].split()[-1] == "node1" and r.ledger("exit_codes") == ["0 43 none"]
+    wait_for(
+        lambda: "ExcNodeList=node1" in sh("scontrol", "show", "job", "-o", r.id, check=False).stdout,
+        30,
+        "ExcNodeList=node1",
+        explain=r.state,
+    )
+    release_after_requeue(r.id, requeued_at)
+    summary = job.result()
+    assert summary["step"] == 6 and [a.split()[2] for a in r.ledger("attempts")] == ["node1", "node2"], summary
+    assert [e["step"] for e in r.events("resume")] == [3]
+    assert r.ledger("failures") == []  # left out, not counted as a failure (as job.sbatch)
+    assert "dtlaunch: the hang's likely culprit ran on node1" in r.log()
 
 
 @slow

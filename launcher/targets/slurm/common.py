@@ -153,6 +153,7 @@ def batch_context(recipe: Recipe, array: bool) -> dict:
         container_cleanup=cleanup_command(c),
         node_check=[*EVERY_NODE, *CHECK_WORDS],
         # in the image when there is one (the host may have no dtlaunch), else the batch shell's own Python
+        max_excluded=recipe.targets.slurm.max_excluded_nodes,
         hang_culprits=diagnose_command(c, ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)) if c else list(DIAGNOSE_WORDS),
     )
 

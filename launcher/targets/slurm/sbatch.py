@@ -52,7 +52,6 @@ def job_script(recipe: Recipe, plan: Plan, *, array: str | None = None) -> str:
         srun=srun_words(recipe),
         max_requeues=t.max_requeues,
         max_failures=t.max_failures,
-        max_excluded=t.max_excluded_nodes,
         final_codes=FINAL_CODES,
         resume_codes=RESUME_CODES,
         ckpt_prefix=ckptdir.STEP_PREFIX,

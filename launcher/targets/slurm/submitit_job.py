@@ -19,6 +19,10 @@ in the same order and with the same ledgers under jobs/$SLURM_JOB_ID, so the exi
 * TERM is SLURM ending the job (scancel, its own requeue, a preemption): the steps get it from SLURM and
   checkpoint; this process records it and leaves without a result, so a cancel ends the job for good and
   a requeue by SLURM reruns the same pickle.
+* a hang (43) or a node's failure (44), no signal: job.sbatch's bad-node policy, from the same template
+  (exported by submitit_setup.sh, run in a child bash): the nodes named (a 44's rank records, a hang's
+  culprits from the flight-recorder dumps) are excluded and the job requeued without them, up to
+  targets.slurm.max_excluded_nodes; past that, a failure like any other.
 * any other exit: a failure, requeued (`scontrol requeue`) until max_failures attempts have failed, never
   for CONFIG (2).
   A failure ends in `TrainingFailed` (job.result() raises it with the code and the ranks' messages), and
@@ -230,6 +234,9 @@ class StepJob(Checkpointable):
 
     def _act(self, files: JobFiles, outcome: Outcome, *, in_handler: bool) -> Any:
         s = self.settings
+        files.append("exit_codes", f"{files.restart} {outcome.rc} {outcome.signal or 'none'}")
+        if outcome.signal is None and outcome.rc in (ExitCode.HANG, ExitCode.PREFLIGHT):
+            _leave_out_bad_nodes(outcome.rc)
         d = decide(
             outcome,
             requeues=files.count("requeues"),
@@ -237,7 +244,6 @@ class StepJob(Checkpointable):
             max_requeues=s["max_requeues"],
             max_failures=s["max_failures"],
         )
-        files.append("exit_codes", f"{files.restart} {outcome.rc} {outcome.signal or 'none'}")
         if d.ledger:  # job.sbatch's lines: "ATTEMPT TIME", and the exit code for a failure
             rc = f" {outcome.rc}" if d.ledger == "failures" else ""
             files.append(d.ledger, f"{files.restart} {int(time.time())}{rc}")
@@ -265,6 +271,16 @@ class StepJob(Checkpointable):
             f"the job's log: {os.environ.get('SUBMITIT_FOLDER', 'the submitit folder')}/"
             + LOG_NAME.format(job_id=files.job_id),
         )
+
+
+def _leave_out_bad_nodes(rc: int) -> None:
+    """job.sbatch's policy after a hang (43) or a node's failure (44), from the same template: the functions
+    submitit_setup.sh exported name the nodes (a 44's rank records, a hang's culprits) and requeue the job
+    without them, up to targets.slurm.max_excluded_nodes. They exit 44 once the job is requeued (this attempt
+    then ends with 44, as job.sbatch's); they return 0 when no node is to be left out."""
+    p = subprocess.run(["bash", "-c", 'bad_nodes_after "$1"', "bad_nodes_after", str(rc)], timeout=300)
+    if p.returncode != 0:
+        raise SystemExit(p.returncode)
 
 
 def _requeue(job_id: str) -> None:
