@@ -88,7 +88,7 @@ demo:
 bench: install
 	$(PY) bench/run.py
 
-# Every benchmark end to end in quick mode: it checks that each produces its figures, not how fast.
+# The benchmarks end to end in quick mode (bench/run.py SMOKE): it checks that each produces its figures, not how fast.
 bench-smoke: install
 	$(PY) -m pytest -q -ra bench/test_smoke.py
 

@@ -30,10 +30,12 @@ goodput >= 0.8 is the target of the full run.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -261,14 +263,20 @@ def _costs(run_dir: Path, happened: list[dict]) -> None:
             h["recovery_s"] = round(b.first_step_start - a.last_step_time, 2)
 
 
+_MADE: dict[str, T.Run] = {}  # plan text -> the undisturbed run made of it in this process
+
+
 def _reference(rec: dict, where: Path, limit: float):
     """The undisturbed run of the same steps: DTLAUNCH_CHAOS_REFERENCE names one already made (a finished run
     directory whose plan is this recipe's, byte for byte: the run is deterministic), else it is made here."""
     given = os.environ.get("DTLAUNCH_CHAOS_REFERENCE")
-    if not given:
-        return T.ours(rec, where, hwm=False, timeout=limit).check()
-    ref = Path(given)
     wanted = T.write_plan(where, rec).read_text()
+    if not given:
+        if wanted not in _MADE:  # one per recipe and process: the SLURM chaos run compares with the same run
+            _MADE[wanted] = T.ours(rec, Path(tempfile.mkdtemp(prefix="dtlaunch-chaos-ref-")), hwm=False, timeout=limit)
+            atexit.register(shutil.rmtree, _MADE[wanted].run_dir, True)
+        return _MADE[wanted].check()
+    ref = Path(given)
     if not (ref / "plan.json").is_file() or (ref / "plan.json").read_text() != wanted:
         raise RuntimeError(f"DTLAUNCH_CHAOS_REFERENCE={ref}: not a run of this benchmark's recipe (plan.json differs)")
     if not any(r.get("event") == "end" for r in _records(ref)) or not (ref / "model.safetensors").is_file():
