@@ -104,7 +104,9 @@ def test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_e
     assert "finished at step 6" in said and f"job {job.id}: excluded node1 after attempt 0 and requeued" in said, said
 
 
-@pytest.mark.parametrize("where", ["host", "pyxis"])
+# On the host (no container) the same bad-node functions run through submitit in
+# tests/slurm/test_submitit.py::test_a_hangs_culprit_node_is_left_out_through_submitit_too (one template include).
+@pytest.mark.parametrize("where", ["pyxis"])
 def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(tmp_path, partition, where, request):
     """Rank 1 (of 2, on node1) stops at step 4: rank 0 times out in the step's collective (43), rank 1 is ended by
     its no-progress watchdog. The job script names node1 as the culprit's node (what `logs --diagnose` says, from
