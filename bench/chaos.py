@@ -41,6 +41,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import _torchrun as T
@@ -104,17 +105,20 @@ def _records(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
 
 
-def _marked(mark: str) -> list[int]:
-    """Pids of live processes whose environment carries the marker (zombies have no environment)."""
-    out = []
+def marked(mark: str) -> Iterator[tuple[int, bytes]]:
+    """(pid, raw environment) of the live processes whose environment carries the marker (zombies have none)."""
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                if mark.encode() in (p / "environ").read_bytes():
-                    out.append(int(p.name))
+                raw = (p / "environ").read_bytes()
             except OSError:
                 continue
-    return out
+            if mark.encode() in raw:
+                yield int(p.name), raw
+
+
+def _marked(mark: str) -> list[int]:
+    return [pid for pid, _ in marked(mark)]
 
 
 def _codes(run_dir: Path, since: float) -> dict[int, int]:

@@ -57,8 +57,8 @@ import chaos as C
 
 import _torchrun as T
 from common import result
+from launcher.jobenv import tail_records
 
-KINDS = C.KINDS
 NODES = 3  # the job takes 2: one node can be excluded after a hang and the job still runs
 SLOW_SECONDS = 3.0
 TIME_LIMIT_MIN = 120  # the job's own time limit
@@ -125,18 +125,13 @@ class Proc:
 
 def procs(mark: str) -> list[Proc]:
     out = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
+    for pid, raw in C.marked(mark):
         try:
-            raw = (p / "environ").read_bytes()
-            if mark.encode() not in raw:
-                continue
-            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
         env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-        out.append(Proc(int(p.name), env, cmd))
+        out.append(Proc(pid, env, cmd))
     return out
 
 
@@ -191,8 +186,8 @@ class Run:
     def alive(self) -> bool:
         return bool(_state(self.job))
 
-    def finished(self) -> bool:
-        return any(r.get("event") == "end" for r in C._records(self.dir))
+    def finished(self) -> bool:  # polled every few ms while a save is awaited: the file's end only
+        return any(r.get("event") == "end" for r in tail_records(self.dir))
 
     def step(self) -> int:
         return C._last_step(self.dir)
@@ -315,7 +310,7 @@ def _recovered(run: Run, since: float, kind: str, timeout: float) -> float:
         if not restored and "PENDING" in _state(run.job):
             run.time_limit(TIME_LIMIT_MIN)
             restored = True
-        recs = C._records(run.dir)
+        recs = tail_records(run.dir)  # polled: what came after the fault is at the file's end
         starts = [r["time"] for r in recs if r.get("event") == "start" and r["time"] > since]
         if starts and restored:
             steps = [r["time"] for r in recs if "loss" in r and r.get("time", 0) > starts[0] and "event" not in r]
@@ -355,7 +350,7 @@ def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
 def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict:
     from launcher.runtime import ckptdir
     from launcher.runtime.checkpoint.lock import RunLock
-    from launcher.runtime.goodput import ledger
+    from launcher.runtime.goodput import attempts, ledger
 
     rng = random.Random(seed)
     gap = steps // (faults + 1)
@@ -407,10 +402,10 @@ def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict
         *([f"temporary files left: {temps}"] if temps else []),
         *(f"{h['kind']}: {h['missed']}" for h in happened if "missed" in h),
     ]
-    attempts = len(_attempt_starts(records))
+    tried = len(attempts(records))  # the ledger's attempts: each from its start event
     print(
         f"chaos_slurm: {len(happened)} faults of {len(kinds)} kinds over {steps} steps, jobs {run.jobs}, "
-        f"{attempts} attempts, allocated {led['allocated']:.0f}s, goodput {led['goodput']:.3f}; "
+        f"{tried} attempts, allocated {led['allocated']:.0f}s, goodput {led['goodput']:.3f}; "
         f"weights bit-identical: {identical}; losses identical: {same_losses}; "
         f"{'clean' if not problems else 'PROBLEMS: ' + '; '.join(problems)}"
     )
@@ -419,7 +414,7 @@ def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict
     return {
         "faults": len(happened),
         "kinds": kinds,
-        "attempts": attempts,
+        "attempts": tried,
         "jobs": len(run.jobs),
         "steps": steps,
         "ledger": {k: round(v, 2) for k, v in led.items()},
@@ -443,10 +438,6 @@ def _costs(records: list[dict], happened: list[dict]) -> None:
         h["lost_steps"] = (a.last_step or a.from_step) - a.from_step - kept_steps(runs, i)
         if a.last_step_time is not None and b.first_step_start is not None:
             h["recovery_s"] = round(b.first_step_start - a.last_step_time, 2)
-
-
-def _attempt_starts(records: list[dict]) -> list[dict]:
-    return [r for r in records if r.get("event") == "start"]
 
 
 def run(quick: bool = False) -> dict:
