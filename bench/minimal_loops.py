@@ -178,6 +178,9 @@ def _deepspeed(model, opt, sched, a, ga: int):
     """DeepSpeed's engine with the minimal ZeRO config (or --ds-config's)."""
     import deepspeed
 
+    from launcher.runtime.engines.deepspeed import without_shm_comm
+
+    without_shm_comm(deepspeed)  # as the runtime: no minute of C++ build in one loop's start-up only
     cfg = {
         "train_micro_batch_size_per_gpu": a.micro_batch,
         "gradient_accumulation_steps": ga,

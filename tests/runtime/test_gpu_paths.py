@@ -363,13 +363,15 @@ def _ds_world(monkeypatch):
 
 
 DS_OFFLOAD = """
-import sys, torch, torch.distributed as dist, yaml, deepspeed
+import sys, torch, torch.distributed as dist, yaml
 from launcher import catalog
+from launcher.runtime.engines.deepspeed import import_deepspeed
 from launcher.plan.deepspeed import deepspeed_config
 from launcher.plan import make_plan
 from launcher.recipe import load_text
 from launcher.runtime.models.llama import build_model
 from launcher.runtime.optim import build_optimizer
+deepspeed = import_deepspeed(is_gpu=False)
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 for name, optimizer, client in (("sgd", "sgd", False), ("client", "adamw", True)):
     recipe = yaml.safe_load(sys.argv[1])
@@ -384,11 +386,13 @@ for name, optimizer, client in (("sgd", "sgd", False), ("client", "adamw", True)
 """
 
 
-def test_8_zero_offload_accepts_a_torch_optimizer_on_a_gpu_config():
+def test_8_zero_offload_accepts_a_torch_optimizer_on_a_gpu_config(tmp_path):
     """The GPU config (is_gpu=True) with optimizer offload and an optimizer other than DeepSpeed's CPU Adam (SGD,
     or a user's own through job.wrap): DeepSpeed's own config class and engine accept it (the engine raised
     "ZeRO-Offload with a client optimizer" at start-up on every GPU node). DeepSpeed keeps its communication
-    state per process: a process of its own."""
+    state per process: a process of its own. Its comm on the CPU accelerator compiles nothing: left to itself it
+    JIT-builds its shared-memory all-reduce into TORCH_EXTENSIONS_DIR (minutes on a busy host, where this test
+    once timed out)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from launcher.plan.deepspeed import deepspeed_config
@@ -405,10 +409,13 @@ def test_8_zero_offload_accepts_a_torch_optimizer_on_a_gpu_config():
     env = torchrun_env(
         {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     )
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "extensions")
     p = subprocess.run(
         [sys.executable, "-c", DS_OFFLOAD, yaml.safe_dump(recipe)], capture_output=True, text=True, env=env, timeout=300
     )
     assert p.returncode == 0 and "accepted sgd" in p.stdout and "accepted client" in p.stdout, p.stdout + p.stderr
+    built = [str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*")]
+    assert not built, built
 
 
 # ----------------------------------------------------------------------------- 9: RNG of this device only

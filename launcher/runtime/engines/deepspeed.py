@@ -24,16 +24,37 @@ def name_the_accelerator(is_gpu: bool) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if is_gpu else "cpu")
 
 
-def _import_deepspeed(layout: Layout, is_gpu: bool):
+def without_shm_comm(deepspeed) -> None:
+    """Keep DeepSpeed's comm from compiling its CPU shared-memory all-reduce. On a CPU accelerator its comm
+    backend JIT-builds that extension (a C++ toolchain on every node, about a minute per build, rebuilt whenever
+    the torch it builds against moves) before the first collective, though only its inference all-reduce uses
+    it: training's collectives go through torch.distributed. An op DeepSpeed marks incompatible it skips; its
+    table is cached in the module, so the mark holds for the process. Other accelerators build no such op, and
+    reading the table would probe every op's toolchain there: they are left alone."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def import_deepspeed(is_gpu: bool):
+    """DeepSpeed, told the job's device and kept from building what training never calls (`without_shm_comm`).
+    Raises ImportError as `import deepspeed` does."""
     name_the_accelerator(is_gpu)
+    import deepspeed
+
+    without_shm_comm(deepspeed)
+    return deepspeed
+
+
+def _import_deepspeed(layout: Layout, is_gpu: bool):
     try:
-        import deepspeed
+        return import_deepspeed(is_gpu)
     except ImportError:
         raise ConfigError(
             f"strategy {layout.strategy} needs DeepSpeed, which is not installed",
             fix="pip install --no-build-isolation deepspeed (it builds against the installed torch)",
         ) from None
-    return deepspeed
 
 
 class DeepSpeedEngine(Engine):
