@@ -14,6 +14,9 @@ A worker that ends with a final code (jobenv.OUTCOMES: a bad recipe, a diverged 
 failing storage), or with a node's fault (PREFLIGHT: jobenv.restarts_in_place), is not restarted: torchrun restarts on any failure while max_restarts lasts, and a restart
 of a CONFIG run whose only checkpoint was unusable trained from step 0 (see `_final_codes_stop_restarts`).
 
+When a worker fails and torchrun restarts the group, the survivors get jobenv.RESTART_GRACE_S to exit on
+SIGTERM, not torchrun's 30 s, which a hung rank always uses up in full (see `_restarts_do_not_wait_for_the_hung`).
+
 When a worker fails, torchrun knows its exit code even if the worker died before writing its status (an
 `os._exit`, a crash in native code): that code is kept in the run's record for people, so the failure a
 scheduler or submitit reports names it (see `_record_unreported`).
@@ -81,6 +84,34 @@ def _final_codes_stop_restarts() -> None:
     LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]  # the patch, on purpose
 
 
+def _restarts_do_not_wait_for_the_hung() -> None:
+    """Give the survivors of a failure jobenv.RESTART_GRACE_S between SIGTERM and SIGKILL, where torchrun
+    waits 30 s: when its poll finds a worker failed it closes the rest (`PContext.close()`, no timeout given),
+    and a restart, for this node's failure or another node's, stops the group (`_stop_workers`). The signal
+    path (a preemption, a cancel) passes its own timeout, --shutdown-timeout (the time to checkpoint), and keeps
+    it. A torch whose methods take no timeout keeps its own waits."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    from .jobenv import RESTART_GRACE_S
+
+    close = PContext.close
+    if "timeout" in inspect.signature(close).parameters:
+
+        def close_survivors(self, death_sig=None, timeout=None):
+            close(self, death_sig, RESTART_GRACE_S if timeout is None else timeout)
+
+        PContext.close = close_survivors  # type: ignore[method-assign]  # the patch, on purpose
+    if "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters:
+
+        def stop_workers(self, worker_group, *args, **kwargs):
+            self._shutdown(timeout=RESTART_GRACE_S)
+
+        LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]  # the patch, on purpose
+
+
 def _ranks_follow_scheduler(node_rank: int) -> None:
     """Make the c10d rendezvous assign node ranks in the scheduler's order. A node's descriptor is (address,
     pid, local id), and the rendezvous ranks participants by sorting descriptors. The local id only keeps two
@@ -112,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from .jobenv import NODE_RANK
 
     _final_codes_stop_restarts()
+    _restarts_do_not_wait_for_the_hung()
     rank = os.environ.get(NODE_RANK, "")
     if rank.isdigit():
         _ranks_follow_scheduler(int(rank))

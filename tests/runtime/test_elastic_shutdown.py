@@ -85,3 +85,49 @@ def test_the_rendered_grace_covers_a_step_a_save_and_the_exit(name):
     assert g >= max(MIN_GRACE_SECONDS, math.ceil(STEP_TIME_MARGIN * p.step_seconds + p.checkpoint_write_seconds + 30))
     assert g >= p.step_seconds + p.checkpoint_write_seconds + 30
     assert r.targets.slurm.signal_seconds >= g, (r.targets.slurm.signal_seconds, g)  # USR2 early enough to stop
+
+
+# Two workers: on the first attempt rank 1 fails and rank 0 cannot act on SIGTERM (as a rank hung in a
+# collective or a kernel); on the restart both record when they started.
+RESTARTED = """import os, signal, sys, time
+out, rank = sys.argv[1], int(os.environ["RANK"])
+if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+    open(f"{out}.restarted-{rank}", "w").write(repr(time.time()))
+    sys.exit(0)
+if rank == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(out + ".hung", "w").close()
+    time.sleep(600)
+while not os.path.exists(out + ".hung"):
+    time.sleep(0.05)
+open(out + ".failed", "w").write(repr(time.time()))
+sys.exit(1)
+"""
+
+
+def test_a_restart_kills_a_rank_that_ignores_sigterm_after_the_restart_grace(tmp_path):
+    """A worker failed and torchrun restarts the group: the survivor that cannot act on SIGTERM is SIGKILLed
+    after jobenv.RESTART_GRACE_S, not after torchrun's 30 s; the preemption path keeps --shutdown-timeout."""
+    from launcher.jobenv import RESTART_GRACE_S
+
+    script, out = tmp_path / "worker.py", tmp_path / "w"
+    script.write_text(RESTARTED)
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.elastic",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--max-restarts=1",
+        "--monitor-interval=0.2",
+        "--shutdown-timeout=120",
+        str(script),
+        str(out),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    failed = float((tmp_path / "w.failed").read_text())
+    restarted = min(float((tmp_path / f"w.restarted-{r}").read_text()) for r in (0, 1))
+    assert RESTART_GRACE_S <= restarted - failed < 30 - 5, restarted - failed
