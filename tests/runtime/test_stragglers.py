@@ -60,7 +60,9 @@ def test_a_slow_rank_is_named_checkpointed_and_the_resumed_run_matches_an_undist
     assert all(m["forward_s"]["slowest_rank"] == 1 for m in named.values())
     (event,) = res.events("straggler")
     assert event["step"] == stop and event["saved"] and event["stragglers"][0]["rank"] == 1
-    assert f"persistent straggler at step {stop}" in res.stdout and "WARNING: straggler: rank 1 on node" in res.stdout
+    assert f"persistent straggler at step {stop}" in res.stdout
+    # the log names it once it is persistent, not at each slow window before (the record above has them all)
+    assert res.stdout.count("WARNING: straggler: rank 1 on node") == 1, res.stdout[-4000:]
     status = res.statuses()
     assert status[1]["code"] == ExitCode.PREFLIGHT and "persistent straggler" in status[1]["message"]
     assert status[1]["node"] == event["stragglers"][0]["node"]  # what the SLURM job script excludes
