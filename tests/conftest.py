@@ -18,6 +18,10 @@ FULL_SUITE_ONLY = {
     # A real torch elastic agent given a signal, waiting out its shutdown timeout (the rendered grace's
     # arithmetic stays: test_the_rendered_grace_covers_a_step_a_save_and_the_exit).
     "tests/runtime/test_elastic_shutdown.py::test_a_worker_within_the_grace_commits_and_one_beyond_it_is_killed": "12 s",
+    # ... and one restarting its workers after a failure, waiting out the restart grace (jobenv.RESTART_GRACE_S).
+    "tests/runtime/test_elastic_shutdown.py::test_a_restart_kills_a_rank_that_ignores_sigterm_after_the_restart_grace": (
+        "13 s"
+    ),
     # DeepSpeed's engine started in a process of its own (the config half is quick, the engine is not).
     "tests/runtime/test_gpu_paths.py::test_8_zero_offload_accepts_a_torch_optimizer_on_a_gpu_config": "11 s",
     # The 70B step traced at 64 fake ranks, twice.
