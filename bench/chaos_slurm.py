@@ -32,7 +32,7 @@ a requeued job to 6 s instead of 121 s; nothing else is done for the job between
 is bench/chaos.py's reference (the same model, data, batch and steps on 2 ranks with gloo: the sums are the
 same, so the weights are bit for bit the same); DTLAUNCH_CHAOS_REFERENCE names one already made.
 
-Run as root (the tmpfs, the cluster's daemons): `python bench/run.py --only chaos_slurm --update` (~60 min for
+Run as root (the tmpfs, the cluster's daemons): `python bench/run.py --only chaos_slurm --update` (25-60 min for
 the full run, with the reference given; CI's smoke run has the packages, from scripts/install-system.sh).
 """
 
@@ -353,7 +353,9 @@ def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict
     from launcher.runtime.goodput import attempts, ledger
 
     rng = random.Random(seed)
-    gap = steps // (faults + 1)
+    # One fault about every `gap` steps, the spacing drawn from [gap/2, 3gap/2]: with faults + 2 gaps in the run
+    # the last one still falls before the final checkpoint interval, where none is injected.
+    gap = steps // (faults + 2)
     happened: list[dict] = []
     run.submit()
     for kind in C.schedule(faults, seed):
@@ -441,7 +443,7 @@ def _costs(records: list[dict], happened: list[dict]) -> None:
 
 
 def run(quick: bool = False) -> dict:
-    # quick (CI's smoke run, ~6 minutes): the schedule's first faults on a short run; full: 20 faults, ~60 minutes
+    # quick (CI's smoke run, ~6 minutes): the schedule's first faults on a short run; full: 20 faults, ~25 minutes here (~60 on a busy machine)
     steps, faults = (120, 4) if quick else (4_500, 20)
     keep = os.environ.get("DTLAUNCH_CHAOS_OUT")  # a directory to keep the job, its run and chaos.log in
     with tempfile.TemporaryDirectory(prefix="dtlaunch-chaos-slurm-") as tmp:

@@ -67,6 +67,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.update and (args.quick or not args.only):
         ap.error("--update re-measures the benchmarks named by --only, in full (not --quick)")
+    if (args.quick or (args.only and not args.update)) and out.resolve() == HERE.resolve():
+        # bench/results.* hold the full run's figures (the README's table): a partial run must not replace them
+        ap.error("a --quick run, or --only without --update, writes only its own figures: give it --out DIR")
     if args.update:
         results = json.loads((out / "results.json").read_text())
     else:
