@@ -283,11 +283,11 @@ class Reporter:
                 "max": round(known[-1], 6),
                 "slowest_rank": max(range(len(self._forward)), key=lambda r: self._forward[r] or 0.0),
             }
-        slow = self.stragglers.last if self.stragglers is not None else []
-        if slow:  # every slow rank goes in the record, with its streak; the log names the persistent ones only:
-            # one slow window is noise on a shared host and would fill the log
-            extra["stragglers"] = [s.record() for s in slow]
-            for s in self.stragglers.persistent() if self.stragglers is not None else []:
+        watch = self.stragglers
+        if watch is not None and watch.last:  # every slow rank goes in the record, with its streak; the log
+            # names the persistent ones only: one slow window is noise on a shared host and would fill the log
+            extra["stragglers"] = [s.record() for s in watch.last]
+            for s in watch.persistent():
                 self.metrics.log(f"WARNING: straggler: {s.describe()}")
         self.metrics.step(
             step,
