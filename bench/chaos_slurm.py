@@ -353,16 +353,19 @@ def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict
     from launcher.runtime.goodput import attempts, ledger
 
     rng = random.Random(seed)
-    # One fault about every `gap` steps, the spacing drawn from [gap/2, 3gap/2]: with faults + 2 gaps in the run
-    # the last one still falls before the final checkpoint interval, where none is injected.
-    gap = steps // (faults + 2)
+    # The faults' steps are fixed up front: one in each of `faults` equal slices of the run before its last two
+    # checkpoint intervals, at a seeded place within the slice's middle half. (Drawn one after another from where
+    # each recovery left the run, the last ones fell past the end and were never injected.) A fault whose step
+    # the run has already passed (a lowered time limit lets it train on for a minute) strikes at once.
+    width = (steps - 2 * C.EVERY) / faults
+    ats = [round(width * (i + rng.uniform(0.25, 0.75))) for i in range(faults)]
     happened: list[dict] = []
     run.submit()
-    for kind in C.schedule(faults, seed):
-        at = run.step() + rng.randint(max(1, gap // 2), max(2, gap * 3 // 2))
+    for kind, planned in zip(C.schedule(faults, seed), ats, strict=True):
+        at = max(planned, run.step() + 1)
         if kind == "corrupt_checkpoint":
             at = max(at, 2 * C.EVERY + 2)
-        if at >= steps - C.EVERY:
+        if at >= steps - C.EVERY:  # the run is ending: a fault now might find it gone
             break
         _wait(lambda at=at: run.step() >= at or not run.alive(), 1800, f"step {at}", 0.1)
         if not run.alive():
@@ -407,7 +410,8 @@ def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict
     tried = len(attempts(records))  # the ledger's attempts: each from its start event
     print(
         f"chaos_slurm: {len(happened)} faults of {len(kinds)} kinds over {steps} steps, jobs {run.jobs}, "
-        f"{tried} attempts, allocated {led['allocated']:.0f}s, goodput {led['goodput']:.3f}; "
+        f"{tried} attempts, allocated {led['allocated']:.0f}s, goodput {led['goodput']:.3f} (useful / elapsed, "
+        f"the queue between allocations included: {led['goodput_elapsed']:.3f} of {led['elapsed']:.0f}s); "
         f"weights bit-identical: {identical}; losses identical: {same_losses}; "
         f"{'clean' if not problems else 'PROBLEMS: ' + '; '.join(problems)}"
     )

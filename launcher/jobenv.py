@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from enum import IntEnum
 from pathlib import Path
 
@@ -112,6 +113,11 @@ FAULT = "DTLAUNCH_FAULT"  # test-only fault injection (launcher.runtime.inject)
 BAD_NODES = "DTLAUNCH_BAD_NODES"
 TRACK_MEMORY = "DTLAUNCH_TRACK_MEMORY"  # a step whose tensors each rank counts (`dtlaunch rehearse`'s memory check)
 MEMTRACK_DIR = "memtrack"  # RUN_DIR/memtrack/rank-N.json: what each rank counted
+# When this allocation began (epoch seconds): every job script sets it as it starts (a SLURM batch start, each
+# SkyPilot run, a local launch), torchrun's restarts in place keep it. The runtime copies it into each attempt's
+# `start` record, so the goodput ledger can tell a restart within one allocation (allocated time) from a requeue's
+# wait for the next one (queued, not allocated).
+ALLOCATION_START = "DTLAUNCH_ALLOCATION_START"
 
 # Names a recipe's env must not give: the job scripts export the recipe's variables first, so one of
 # these would win over what dtlaunch sets for the job (env.DTLAUNCH_ATTEMPT made a finished run read LOST) or
@@ -265,6 +271,24 @@ METRICS_FILE = "metrics.jsonl"
 def metrics_path(run_dir_or_file: str | os.PathLike) -> Path:
     p = Path(run_dir_or_file)
     return p / METRICS_FILE if p.is_dir() else p
+
+
+# The record a job script appends once the training step has exited (its exit code; the job's last seconds are
+# its decision and requeue): the goodput ledger ends the attempt's allocated time there, not at the worker's last
+# record. The SLURM job script writes it in bash; the submitit job calls exited_record.
+EXITED_EVENT = "exited"
+
+
+def exited_record(code: int, at: float) -> str:
+    return json.dumps({"event": EXITED_EVENT, "code": int(code), "time": at}) + "\n"
+
+
+def allocation_start(env: Mapping[str, str] = os.environ) -> float | None:
+    """This allocation's start (ALLOCATION_START) when a job script set it, else None."""
+    try:
+        return float(env[ALLOCATION_START])
+    except (KeyError, ValueError):
+        return None
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

@@ -5,9 +5,14 @@ Goodput = useful training time / the time from the first attempt's start to the 
 
 Read from the run's own records (metrics.jsonl): each attempt begins with its `start` event; `preflight` ends the
 checks; the first logged step (less its own steps' time) begins training; a synchronous `checkpoint` stalls it;
-the attempt ends with its last record. Steps an attempt trained past the checkpoint the next attempt resumed
-from were trained twice: lost work. Between two attempts lies the recovery (requeue, queue, restart). The queue
-before the first start is shown, but is not allocated time.
+the attempt ends with its last record (the job script's `exited` record, where it writes one). Steps an attempt
+trained past the checkpoint the next attempt resumed from were trained twice: lost work. Between two attempts lies
+the recovery (restart, requeue). Allocated time is the time the job held its nodes: each `start` record carries
+its allocation's start (jobenv.ALLOCATION_START, set by the job script), so an attempt in a new allocation (a
+requeue, a recovery onto fresh nodes, a resubmission) splits the time since the last one ended: until its
+allocation began the job was queued, holding nothing (not allocated); from then on, recovery. The queue before
+the first start is not allocated time either. Without allocation starts (torchrun run by hand) every second from
+the first start to the last end counts as allocated.
 """
 
 from __future__ import annotations
@@ -19,14 +24,14 @@ from pathlib import Path
 from ..jobenv import read_metrics, span
 
 CAUSES = (
-    ("queue", "queued before the first start (not allocated)"),
+    ("queue", "queued, holding no nodes (not allocated)"),
     ("preflight", "pre-training checks"),
     ("startup", "start-up: model build, restore"),
     ("useful", "training (useful)"),
     ("lost", "lost work: steps trained again after a failure"),
     ("checkpoint", "checkpoint stalls"),
     ("ending", "after the last step: hang detection, final save, exit"),
-    ("recovery", "between attempts: requeue, queue, restart"),
+    ("recovery", "between attempts, allocated: restart, requeue"),
 )
 
 
@@ -34,6 +39,7 @@ CAUSES = (
 class Attempt:
     start: float
     end: float
+    allocation: float | None = None  # its allocation's start (the start record's allocation_start)
     from_step: int = 0
     last_step: int | None = None
     preflight_end: float | None = None
@@ -51,7 +57,8 @@ def attempts(records: list[dict]) -> list[Attempt]:
         if not isinstance(t, (int, float)):
             continue
         if r.get("event") == "start" or not out:
-            out.append(Attempt(start=t, end=t))
+            began = r.get("allocation_start")
+            out.append(Attempt(start=t, end=t, allocation=began if isinstance(began, (int, float)) else None))
         a = out[-1]
         a.end = max(a.end, t)
         a.records.append(r)
@@ -79,19 +86,38 @@ def kept_steps(runs: list[Attempt], i: int) -> int:
     return max(0, min(a.last_step, next_from) - a.from_step)
 
 
+def began(runs: list[Attempt]) -> float:
+    """When the run's first allocation began (its first attempt's start when the records do not say)."""
+    a = runs[0]
+    return min(a.allocation, a.start) if a.allocation is not None else a.start
+
+
+def queued_between(a: Attempt, b: Attempt) -> float:
+    """The time between attempts a and b that the job held no nodes: from a's end to b's allocation's start,
+    when b began a new allocation; 0 for a restart within a's allocation."""
+    if b.allocation is None or b.allocation == a.allocation:
+        return 0.0
+    return min(max(0.0, b.allocation - a.end), max(0.0, b.start - a.end))
+
+
 def allocated(runs: list[Attempt]) -> float:
-    """The run's allocated time: the first attempt's start to the last one's end."""
-    return runs[-1].end - runs[0].start if runs else 0.0
+    """The run's allocated time: from its first allocation's start to the last attempt's end, less the time it
+    was queued between allocations."""
+    if not runs:
+        return 0.0
+    return runs[-1].end - began(runs) - sum(queued_between(a, b) for a, b in zip(runs, runs[1:], strict=False))
 
 
 def ledger(records: list[dict], created: float | None = None) -> dict[str, float]:
-    """Seconds by cause (CAUSES), plus `allocated` (first start to last end) and `goodput` (useful / allocated)."""
+    """Seconds by cause (CAUSES), plus `allocated`, `goodput` (useful / allocated), `elapsed` (the first allocation's
+    start to the last end, the queue between allocations included) and `goodput_elapsed` (useful / elapsed)."""
     runs = attempts(records)
     secs = dict.fromkeys((k for k, _ in CAUSES), 0.0)
     if not runs:
-        return {**secs, "allocated": 0.0, "goodput": 0.0}
+        return {**secs, "allocated": 0.0, "goodput": 0.0, "elapsed": 0.0, "goodput_elapsed": 0.0}
     if created is not None:
-        secs["queue"] = max(0.0, runs[0].start - created)
+        secs["queue"] = max(0.0, began(runs) - created)
+    secs["startup"] += runs[0].start - began(runs)  # the job script's work before the first attempt's start
     for i, a in enumerate(runs):
         pre_end = a.preflight_end if a.preflight_end is not None else a.start
         secs["preflight"] += pre_end - a.start
@@ -108,9 +134,18 @@ def ledger(records: list[dict], created: float | None = None) -> dict[str, float
             secs["checkpoint"] += stall
             secs["ending"] += a.end - a.last_step_time
         if i + 1 < len(runs):
-            secs["recovery"] += max(0.0, runs[i + 1].start - a.end)
+            queued = queued_between(a, runs[i + 1])
+            secs["queue"] += queued
+            secs["recovery"] += max(0.0, runs[i + 1].start - a.end) - queued
     total = allocated(runs)
-    return {**secs, "allocated": total, "goodput": secs["useful"] / total if total > 0 else 0.0}
+    elapsed = runs[-1].end - began(runs)
+    return {
+        **secs,
+        "allocated": total,
+        "goodput": secs["useful"] / total if total > 0 else 0.0,
+        "elapsed": elapsed,
+        "goodput_elapsed": secs["useful"] / elapsed if elapsed > 0 else 0.0,
+    }
 
 
 def interruptions(runs: list[Attempt]) -> list[int]:
@@ -196,6 +231,11 @@ def report(run_dir: Path, created: float | None = None) -> list[str]:
     cost = f"  ${alloc * rate:,.2f}" if rate is not None else ""
     lines.append(f"  {'allocated (first start to last end)':<52} {_span(led['allocated']):>8}{cost}")
     lines.append(f"  goodput = useful / allocated = {led['goodput']:.1%}")
+    if led["elapsed"] > led["allocated"]:
+        lines.append(
+            f"  (useful / elapsed, the queue between allocations included: {led['goodput_elapsed']:.1%} of "
+            f"{_span(led['elapsed'])})"
+        )
     advice = measured_interval(records)
     if advice is not None:
         planned = plan.get("checkpoint_every") if isinstance(plan.get("checkpoint_every"), int) else None

@@ -194,6 +194,7 @@ class Job:
             strategy=self.layout.strategy,
             attempt=self.world.proc.restart_count,
             entrypoint=True,
+            allocation_start=jobenv.allocation_start(),
         )
         steps = self.total_steps or FALLBACK_STEPS
         engine = build_engine(

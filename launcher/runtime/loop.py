@@ -192,6 +192,7 @@ class Trainer:
             global_batch=layout.global_batch,
             attempt=w.proc.restart_count,
             init="partitioned" if builds_partitioned(layout, rec.model) else "meta" if meta else "eager",
+            allocation_start=jobenv.allocation_start(),
         )
         if tr.preflight:
             self._preflight(w, job, faults)

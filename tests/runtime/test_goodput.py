@@ -57,6 +57,46 @@ def test_the_ledger_of_a_killed_and_resumed_run():
     assert parts == pytest.approx(led["allocated"])
 
 
+# Attempts 1 and 2 share an allocation (the job script began at 95; torchrun restarted the workers in place at
+# 110); the job script saw the training exit at 117 and requeued the job, which waited in the queue until its next
+# allocation began at 140; attempt 3 started at 150.
+ALLOCATIONS = [
+    {"event": "start", "time": 100.0, "allocation_start": 95.0},
+    *[_step(s, 100.0 + s) for s in range(1, 6)],
+    {"event": "start", "time": 110.0, "allocation_start": 95.0},
+    {"event": "resume", "step": 4, "time": 111.0},
+    *[_step(s, 107.0 + s) for s in range(5, 9)],
+    {"event": "exited", "code": 42, "time": 117.0},
+    {"event": "start", "time": 150.0, "allocation_start": 140.0},
+    {"event": "resume", "step": 8, "time": 151.0},
+    *[_step(s, 143.0 + s) for s in range(9, 11)],
+    {"event": "end", "step": 10, "time": 154.0},
+]
+
+
+def test_the_queue_between_allocations_is_not_allocated_time(tmp_path):
+    led = ledger(ALLOCATIONS, created=90.0)
+    assert led["elapsed"] == 154.0 - 95.0
+    assert led["queue"] == (95.0 - 90.0) + (140.0 - 117.0)  # before the first allocation, and after the requeue
+    assert led["allocated"] == 59.0 - 23.0
+    assert led["startup"] == (100.0 - 95.0) + 0.0 + 1.0 + 1.0  # the job script's front, then each attempt's
+    assert led["useful"] == pytest.approx(4.0 + 4.0 + 2.0)  # attempt 1's 5th step was redone by attempt 2
+    assert led["lost"] == pytest.approx(1.0)
+    assert led["ending"] == 0.0 + (117.0 - 115.0) + (154.0 - 153.0)  # to the job script's `exited` record
+    assert led["recovery"] == (110.0 - 105.0) + (150.0 - 140.0)  # the restart in place; the new allocation's front
+    parts = sum(led[k] for k in ("preflight", "startup", "useful", "lost", "checkpoint", "ending", "recovery"))
+    assert parts == pytest.approx(led["allocated"])
+    assert led["goodput"] == pytest.approx(10.0 / 36.0)
+    assert led["goodput_elapsed"] == pytest.approx(10.0 / 59.0)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ALLOCATIONS))
+    lines = report(tmp_path, created=90.0)
+    assert "  goodput = useful / allocated = 27.8%" in lines
+    assert "  (useful / elapsed, the queue between allocations included: 16.9% of 59.0s)" in lines
+    # the same records without the allocation starts: every second from the first start counts
+    bare = [{k: v for k, v in r.items() if k != "allocation_start"} for r in ALLOCATIONS]
+    assert ledger(bare)["allocated"] == ledger(bare)["elapsed"] == 154.0 - 100.0
+
+
 def test_the_checkpoint_interval_from_what_happened():
     """One interruption in 39 s allocated, saves of 0.5 s and 3.0 s, steps of 1 s, and a recovery from the last
     step at 114 to the next attempt's first at 133 (19 s): the availability-optimal interval is
@@ -102,7 +142,7 @@ def test_status_goodput_prints_each_cause_with_its_cost(run_cli, tmp_path):
     code, out, err = run_cli("status", "big", "--goodput")
     assert code == 0, out + err
     assert "lost work: steps trained again after a failure" in out and "1.9s" in out and "$68.40" in out
-    assert "between attempts: requeue, queue, restart" in out and "16.0s" in out and "$576.00" in out
+    assert "between attempts, allocated: restart, requeue" in out and "16.0s" in out and "$576.00" in out
     assert "goodput = useful / allocated = 29.7%" in out
     assert "checkpoint interval from this run: every 14 steps (14.4s, availability-optimal; Young/Daly 11.7s)" in out
     assert "an interruption every 39.0s, a save 1.75s, a recovery 19.0s, a step 1s" in out

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from launcher.runtime.ckptdir import complete_steps
+from launcher.runtime.goodput import ledger
 from slurmkit import (
     EVERY,
     STEPS,
@@ -121,6 +122,11 @@ def test_scontrol_requeue_resumes_from_checkpoint(tmp_path, partition, ref_losse
     assert_same_losses(after, ref_losses)
     assert [a.split()[0] for a in job.ledger("attempts")] == ["0", "1"]
     assert_completed(job, attempts=2)
+    # Two allocations: the time between them the job was queued, holding no nodes (goodput's allocated time)
+    first, second = (e["allocation_start"] for e in job.events("start"))
+    assert t_requeue - 120 < first < t_requeue < second < resumed["time"], (first, t_requeue, second)
+    led = ledger(job.metrics())
+    assert led["queue"] > 0 and led["allocated"] == pytest.approx(led["elapsed"] - led["queue"])
 
 
 def test_crashing_rank_is_restarted_by_torchrun_without_requeue(tmp_path, partition, ref_losses):
@@ -138,6 +144,12 @@ def test_crashing_rank_is_restarted_by_torchrun_without_requeue(tmp_path, partit
     assert [a.split()[0] for a in job.ledger("attempts")] == ["0"]
     assert job.ledger("exit_codes") == ["0 0 none"]
     assert_completed(job, attempts=1)
+    # One allocation (its start the same in both start records), and the job script's record of the exit last
+    starts = [e["allocation_start"] for e in job.events("start")]
+    assert starts[0] == starts[1] and starts[0] <= job.events("start")[0]["time"], starts
+    (exited,) = job.events("exited")
+    assert exited["code"] == 0 and exited == job.metrics()[-1], job.metrics()[-3:]
+    assert ledger(job.metrics())["queue"] == 0
 
 
 def _tree(root: Path) -> dict[str, str]:

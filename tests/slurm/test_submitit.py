@@ -349,6 +349,10 @@ def test_usr2_checkpoints_requeues_through_submitit_and_resumes(tmp_path, partit
     assert r.steps() == list(range(1, STEPS + 1))  # nothing lost, nothing redone
     assert r.ledger("exit_codes") == ["0 42 USR2", "1 0 none"]
     assert [a.split()[0] for a in r.ledger("attempts")] == ["0", "1"]
+    # the job script's record of each exit, as job.sbatch writes it; two allocations, the queue between them
+    assert [(e["code"], e["time"] < resumed["time"]) for e in r.events("exited")] == [(42, True), (0, False)]
+    first, second = (e["allocation_start"] for e in r.events("start"))
+    assert first < requeued_at < second, (first, requeued_at, second)
     log = r.log()
     assert "Calling checkpoint method" in log and f"Requeued job {r.id}" in log  # submitit's own requeue
     assert log.count("asking the training processes to checkpoint") == 1  # USR2 forwarded once

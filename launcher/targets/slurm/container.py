@@ -70,6 +70,7 @@ JOB_VARS = (
     jobenv.CHECKPOINT_DIR,
     jobenv.CODE_DIR,
     jobenv.BAD_NODES,
+    jobenv.ALLOCATION_START,
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
     "PYTHONPATH",
     "MASTER_ADDR",

@@ -49,7 +49,7 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 from submitit.slurm.slurm import SlurmExecutor
 
 from ...errors import BackendError, DtlaunchError
-from ...jobenv import ExitCode
+from ...jobenv import METRICS_FILE, RUN_DIR, ExitCode, exited_record
 from .. import require_secrets
 from ..slurm_decisions import JobFiles, Outcome, decide, seconds_left
 from .request import SLURM_SECRETS
@@ -235,6 +235,7 @@ class StepJob(Checkpointable):
     def _act(self, files: JobFiles, outcome: Outcome, *, in_handler: bool) -> Any:
         s = self.settings
         files.append("exit_codes", f"{files.restart} {outcome.rc} {outcome.signal or 'none'}")
+        _record_exit(outcome.rc)
         if outcome.signal is None and outcome.rc in (ExitCode.HANG, ExitCode.PREFLIGHT):
             _leave_out_bad_nodes(outcome.rc)
         d = decide(
@@ -271,6 +272,18 @@ class StepJob(Checkpointable):
             f"the job's log: {os.environ.get('SUBMITIT_FOLDER', 'the submitit folder')}/"
             + LOG_NAME.format(job_id=files.job_id),
         )
+
+
+def _record_exit(rc: int) -> None:
+    """job.sbatch's `exited` record in the run's metrics, when the run wrote any: the end of the attempt's
+    allocated time for the goodput ledger."""
+    metrics = Path(os.environ.get(RUN_DIR, "")) / METRICS_FILE
+    if os.environ.get(RUN_DIR) and metrics.is_file():
+        try:
+            with open(metrics, "a") as f:
+                f.write(exited_record(rc, time.time()))
+        except OSError:
+            pass
 
 
 def _leave_out_bad_nodes(rc: int) -> None:

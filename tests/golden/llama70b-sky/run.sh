@@ -20,6 +20,9 @@ JOB_DIR="$PWD"
 # own checkpoints; export DTLAUNCH_RUN_ID (or set run_id in the recipe) to resume an earlier run.
 DEFAULT_RUN_ID="$SKYPILOT_TASK_ID"
 export DTLAUNCH_RUN_ID="${DTLAUNCH_RUN_ID:-$DEFAULT_RUN_ID}"
+# This allocation's start, for the goodput ledger (launcher/jobenv.py: ALLOCATION_START)
+DTLAUNCH_ALLOCATION_START="$(date +%s.%N)"
+export DTLAUNCH_ALLOCATION_START
 export DTLAUNCH_RUN_DIR="${DTLAUNCH_RUN_DIR:-$JOB_DIR/runs/$DTLAUNCH_RUN_ID}"
 export DTLAUNCH_PLAN="$JOB_DIR/plan.json"
 DTLAUNCH_ATTEMPT="sky-$(date +%s)-$$"

@@ -36,6 +36,9 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 export OMP_NUM_THREADS=1
 DEFAULT_RUN_ID=tiny
 export DTLAUNCH_RUN_ID="${DTLAUNCH_RUN_ID:-$DEFAULT_RUN_ID}"
+# This allocation's start, for the goodput ledger (launcher/jobenv.py: ALLOCATION_START)
+DTLAUNCH_ALLOCATION_START="$(date +%s.%N)"
+export DTLAUNCH_ALLOCATION_START
 export DTLAUNCH_RUN_DIR="${DTLAUNCH_RUN_DIR:-$HERE}"
 export DTLAUNCH_PLAN="$HERE/plan.json"
 DTLAUNCH_ATTEMPT="${DTLAUNCH_ATTEMPT:-manual-$(date +%s)-$$}"
