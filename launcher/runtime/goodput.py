@@ -4,7 +4,8 @@ for (printed there; applied at a restart with `checkpoint.adapt`). Pure function
 Goodput = useful training time / the time from the first attempt's start to the last one's end.
 
 Read from the run's own records (metrics.jsonl): each attempt begins with its `start` event; `preflight` ends the
-checks; the first logged step (less its own steps' time) begins training; a synchronous `checkpoint` stalls it;
+checks; the first logged step (less its own steps' time) begins training; a `checkpoint` stalls it (all of a
+synchronous save, an async one's staging);
 the attempt ends with its last record (the job script's `exited` record, where it writes one). Steps an attempt
 trained past the checkpoint the next attempt resumed from were trained twice: lost work. Between two attempts lies
 the recovery (restart, requeue). Allocated time is the time the job held its nodes: each `start` record carries
@@ -49,6 +50,15 @@ class Attempt:
     records: list[dict] = field(default_factory=list)
 
 
+def checkpoint_stall(r: dict) -> float:
+    """How long a checkpoint record's save held training: its `stalled` (an async save: the previous save's wait
+    and the staging), else all of a synchronous save's `seconds` (records written before `stalled` was)."""
+    for key in ("stalled", "seconds"):
+        if isinstance(r.get(key), (int, float)) and (key == "stalled" or not r.get("asynchronous")):
+            return float(r[key])
+    return 0.0
+
+
 def attempts(records: list[dict]) -> list[Attempt]:
     """The run's attempts, each from its `start` event to its last record."""
     out: list[Attempt] = []
@@ -67,8 +77,8 @@ def attempts(records: list[dict]) -> list[Attempt]:
             a.preflight_end = t
         elif ev == "resume" and isinstance(r.get("step"), int):
             a.from_step = r["step"]
-        elif ev == "checkpoint" and not r.get("asynchronous") and isinstance(r.get("seconds"), (int, float)):
-            a.stall += r["seconds"]
+        elif ev == "checkpoint":
+            a.stall += checkpoint_stall(r)
         elif ev is None and isinstance(r.get("step"), int) and "loss" in r:
             if a.first_step_start is None:
                 window = float(r.get("step_time_s") or 0.0) * max(1, r["step"] - a.from_step)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launcher.runtime.goodput import ledger, measured_interval, report
+from launcher.runtime.goodput import checkpoint_stall, ledger, measured_interval, report
 from launcher.targets.local.request import LocalHandle
 from launcher.targets.registry import JobRecord, Registry
 from rt_harness import det_recipe, run_torchrun, write_plan
@@ -95,6 +95,21 @@ def test_the_queue_between_allocations_is_not_allocated_time(tmp_path):
     # the same records without the allocation starts: every second from the first start counts
     bare = [{k: v for k, v in r.items() if k != "allocation_start"} for r in ALLOCATIONS]
     assert ledger(bare)["allocated"] == ledger(bare)["elapsed"] == 154.0 - 100.0
+
+
+def test_an_async_saves_stall_is_what_training_waited_for_it(reference):
+    """A synchronous save holds training for all of its time; an async one (FSDP's here) for the wait for the
+    previous save and its staging only: each commit records that as `stalled`, which the ledger counts."""
+    sync = [e for e in reference("ddp").events("checkpoint")]
+    assert sync and all(not e["asynchronous"] and e["stalled"] == e["seconds"] for e in sync), sync
+    background = [e for e in reference("fsdp").events("checkpoint") if e["asynchronous"]]
+    assert background and all(0 < e["stalled"] < e["seconds"] for e in background), background
+    led = ledger(reference("fsdp").metrics())
+    assert led["checkpoint"] == pytest.approx(sum(e["stalled"] for e in reference("fsdp").events("checkpoint")))
+    # records from before `stalled` was written: an async save counts nothing, a synchronous one its seconds
+    assert checkpoint_stall({"seconds": 3.0, "asynchronous": True}) == 0.0
+    assert checkpoint_stall({"seconds": 3.0, "asynchronous": False}) == 3.0
+    assert checkpoint_stall({"seconds": 3.0, "asynchronous": True, "stalled": 0.25}) == 0.25
 
 
 def test_the_checkpoint_interval_from_what_happened():

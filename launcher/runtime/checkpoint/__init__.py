@@ -241,9 +241,12 @@ class Checkpointer:
     def save(self, step: int, data_position: dict, *, blocking: bool = False, reason: str = "interval") -> None:
         """Write checkpoint `step`. Async (DCP) unless `blocking`; returns once the state is staged.
         StorageError when the storage is full or read-only."""
+        entered = time.time()
         self.wait()  # at most one save in flight: commit the previous one first
         try:
             self._save(step, data_position, blocking=blocking, reason=reason)
+            if self._pending is not None:  # an async save: training waited for the wait and the staging only
+                self._pending.stalled = time.time() - entered
         except (Exception, dcpio.CheckpointException) as e:
             if isinstance(e, RuntimeFailure):
                 raise
@@ -333,7 +336,7 @@ class Checkpointer:
             self._commit(step, meta, t0, asynchronous=False)
         self._barrier()
 
-    def _commit(self, step: int, meta: dict, t0: float, asynchronous: bool) -> None:
+    def _commit(self, step: int, meta: dict, t0: float, asynchronous: bool, stalled: float | None = None) -> None:
         """Rank 0: mark the checkpoint complete, then prune old ones in the background."""
         if self.faults is not None:
             self.faults.in_checkpoint(step)
@@ -347,6 +350,8 @@ class Checkpointer:
             path=str(path),
             seconds=round(secs, 3),
             asynchronous=asynchronous,
+            # what training waited (the goodput ledger's checkpoint stall): all of a synchronous save
+            stalled=round(secs if stalled is None else stalled, 3),
             reason=meta.get("reason"),
         )
         # Deleting old checkpoints is not part of the commit (the new one is already durable and marked;
@@ -374,7 +379,7 @@ class Checkpointer:
         path = ckptdir.step_path(self.root, p.step)
         if all((path / ckptdir.manifest_name(r)).is_file() for r in range(self.world_size)):
             p.committed = True
-            self._commit(p.step, p.meta, p.t0, asynchronous=True)
+            self._commit(p.step, p.meta, p.t0, asynchronous=True, stalled=p.stalled)
 
     def wait(self) -> None:
         """Collective: the save in flight is written everywhere and committed (or reported failed)."""
@@ -393,7 +398,7 @@ class Checkpointer:
         if self.rank == 0 and not p.committed:
             if all(ok):
                 p.committed = True
-                self._commit(p.step, p.meta, p.t0, asynchronous=True)
+                self._commit(p.step, p.meta, p.t0, asynchronous=True, stalled=p.stalled)
             else:
                 bad = [r for r, good in enumerate(ok) if not good]
                 self.log(

@@ -23,6 +23,7 @@ class Pending:
     manifest: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     committed: bool = False
+    stalled: float = 0.0  # how long save() held training: the previous save's wait, then the staging
 
 
 class Pruner:
