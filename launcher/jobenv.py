@@ -118,6 +118,9 @@ MEMTRACK_DIR = "memtrack"  # RUN_DIR/memtrack/rank-N.json: what each rank counte
 # `start` record, so the goodput ledger can tell a restart within one allocation (allocated time) from a requeue's
 # wait for the next one (queued, not allocated).
 ALLOCATION_START = "DTLAUNCH_ALLOCATION_START"
+# On SkyPilot the VMs are the task's (and billed) from before `setup`: setup writes its start to this file in the
+# cloud user's home, and each `run` on those VMs takes its allocation start from it.
+ALLOCATION_START_FILE = ".dtlaunch-allocation-start"
 
 # Names a recipe's env must not give: the job scripts export the recipe's variables first, so one of
 # these would win over what dtlaunch sets for the job (env.DTLAUNCH_ATTEMPT made a finished run read LOST) or

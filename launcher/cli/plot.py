@@ -234,7 +234,7 @@ def goodput_figure(run_dir: str | Path) -> Figure:
         bar.set_gid(GOODPUT_GID)
         left += width
     ax.set_yticks([])
-    ax.set_xlabel("seconds from the first start to the last end")
+    ax.set_xlabel("allocated seconds (the queue between allocations left out)")
     ax.set_title(f"goodput {led['goodput']:.1%}: useful training / allocated time")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3, fontsize="small", frameon=False)
     fig.tight_layout()

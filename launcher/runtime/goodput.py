@@ -1,19 +1,20 @@
 """The goodput ledger: where a run's time went, by cause, with what each cause cost at the plan's prices
 (`dtlaunch status NAME --goodput`, `plot --goodput`), and the checkpoint interval the run's own failures call
 for (printed there; applied at a restart with `checkpoint.adapt`). Pure functions of the records.
-Goodput = useful training time / the time from the first attempt's start to the last one's end.
+Goodput = useful training time / allocated time.
 
 Read from the run's own records (metrics.jsonl): each attempt begins with its `start` event; `preflight` ends the
 checks; the first logged step (less its own steps' time) begins training; a `checkpoint` stalls it (all of a
-synchronous save, an async one's staging);
-the attempt ends with its last record (the job script's `exited` record, where it writes one). Steps an attempt
-trained past the checkpoint the next attempt resumed from were trained twice: lost work. Between two attempts lies
-the recovery (restart, requeue). Allocated time is the time the job held its nodes: each `start` record carries
-its allocation's start (jobenv.ALLOCATION_START, set by the job script), so an attempt in a new allocation (a
-requeue, a recovery onto fresh nodes, a resubmission) splits the time since the last one ended: until its
-allocation began the job was queued, holding nothing (not allocated); from then on, recovery. The queue before
-the first start is not allocated time either. Without allocation starts (torchrun run by hand) every second from
-the first start to the last end counts as allocated.
+synchronous save, an async one's wait and staging); the attempt ends with its last record (the job script's
+`exited` record, where it writes one). Steps an attempt trained past the checkpoint the next attempt resumed from
+were trained twice: lost work. Between two attempts lies the recovery (restart, requeue).
+
+Allocated time is the time the job held its nodes. Each `start` record carries its allocation's start
+(jobenv.ALLOCATION_START, set by the job script), so an attempt in a new allocation (a requeue, a recovery onto
+fresh nodes, a resubmission) splits the time since the one before ended, where the job script recorded that end:
+until the new allocation began the job was queued, holding nothing (not allocated); from then on, recovery. An
+end that went unrecorded counts as allocated throughout, and so does everything without allocation starts
+(torchrun run by hand). The queue before the first allocation is not allocated time either.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..jobenv import read_metrics, span
+from ..jobenv import EXITED_EVENT, read_metrics, span
 
 CAUSES = (
     ("queue", "queued, holding no nodes (not allocated)"),
@@ -41,6 +42,7 @@ class Attempt:
     start: float
     end: float
     allocation: float | None = None  # its allocation's start (the start record's allocation_start)
+    exited: bool = False  # the job script recorded the training's exit (jobenv.EXITED_EVENT): its end is known
     from_step: int = 0
     last_step: int | None = None
     preflight_end: float | None = None
@@ -75,6 +77,8 @@ def attempts(records: list[dict]) -> list[Attempt]:
         ev = r.get("event")
         if ev == "preflight":
             a.preflight_end = t
+        elif ev == EXITED_EVENT:
+            a.exited = True
         elif ev == "resume" and isinstance(r.get("step"), int):
             a.from_step = r["step"]
         elif ev == "checkpoint":
@@ -104,8 +108,10 @@ def began(runs: list[Attempt]) -> float:
 
 def queued_between(a: Attempt, b: Attempt) -> float:
     """The time between attempts a and b that the job held no nodes: from a's end to b's allocation's start,
-    when b began a new allocation; 0 for a restart within a's allocation."""
-    if b.allocation is None or b.allocation == a.allocation:
+    when b began a new allocation and the job script recorded a's end; 0 for a restart within a's allocation,
+    and 0 when a's end went unrecorded (a lost VM's records end at its last checkpoint, well before it was gone:
+    the time is counted as allocated, recovery)."""
+    if b.allocation is None or b.allocation == a.allocation or not a.exited:
         return 0.0
     return min(max(0.0, b.allocation - a.end), max(0.0, b.start - a.end))
 
@@ -239,7 +245,7 @@ def report(run_dir: Path, created: float | None = None) -> list[str]:
         cost = f"  ${s * rate:,.2f}" if rate is not None and key != "queue" else ""
         lines.append(f"  {what:<52} {_span(s):>8}{share}{cost}")
     cost = f"  ${alloc * rate:,.2f}" if rate is not None else ""
-    lines.append(f"  {'allocated (first start to last end)':<52} {_span(led['allocated']):>8}{cost}")
+    lines.append(f"  {'allocated (the job holding its nodes)':<52} {_span(led['allocated']):>8}{cost}")
     lines.append(f"  goodput = useful / allocated = {led['goodput']:.1%}")
     if led["elapsed"] > led["allocated"]:
         lines.append(

@@ -92,6 +92,10 @@ def test_the_queue_between_allocations_is_not_allocated_time(tmp_path):
     lines = report(tmp_path, created=90.0)
     assert "  goodput = useful / allocated = 27.8%" in lines
     assert "  (useful / elapsed, the queue between allocations included: 16.9% of 59.0s)" in lines
+    # without the job script's record of the exit, the first allocation's end is unknown: allocated throughout
+    unrecorded = ledger([r for r in ALLOCATIONS if r.get("event") != "exited"], created=90.0)
+    assert unrecorded["queue"] == 95.0 - 90.0 and unrecorded["allocated"] == 154.0 - 95.0
+    assert unrecorded["recovery"] == (110.0 - 105.0) + (150.0 - 115.0)
     # the same records without the allocation starts: every second from the first start counts
     bare = [{k: v for k, v in r.items() if k != "allocation_start"} for r in ALLOCATIONS]
     assert ledger(bare)["allocated"] == ledger(bare)["elapsed"] == 154.0 - 100.0

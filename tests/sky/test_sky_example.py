@@ -11,7 +11,9 @@ import time
 
 import pytest
 
+from launcher.jobenv import read_metrics
 from launcher.runtime import ckptdir
+from launcher.runtime.goodput import ledger
 from sky_helpers import ROOT, render_to
 from sky_nodes import WORKDIR
 
@@ -74,6 +76,7 @@ def test_user_script_recovers_on_fresh_vms_with_nothing_lost(tmp_path, sky_nodes
     saved = ckptdir.complete_steps(bucket)
     assert saved and saved[-1] < STEPS, first.log(0)[-3000:]
     first.destroy()  # the VMs are gone: processes and disks; the bucket stays
+    destroyed = time.time()
     resume_from = ckptdir.complete_steps(bucket)[-1]
 
     fresh = sky_nodes(out, nodes=2, task_id=TASK_ID)
@@ -86,6 +89,15 @@ def test_user_script_recovers_on_fresh_vms_with_nothing_lost(tmp_path, sky_nodes
     # the new VMs' disks start from the records kept in the bucket with the checkpoints: the whole run's steps
     assert sorted(got) == list(range(1, STEPS + 1))
     assert (bucket / "metrics.jsonl").read_text().count('"event": "start"') == 2  # both launches, on the bucket
+    # each launch's allocation began with its VMs' setup (SkyPilot bills them from then), the second after the
+    # first set was gone; the lost VMs' end went unrecorded, so the time between counts as allocated (recovery)
+    starts = [r for r in read_metrics(bucket) if r.get("event") == "start"]
+    assert starts[0]["allocation_start"] < starts[0]["time"] < destroyed < starts[1]["allocation_start"]
+    assert starts[1]["allocation_start"] < starts[1]["time"]
+    led = ledger(read_metrics(bucket))
+    assert led["queue"] == 0 and led["allocated"] == led["elapsed"] == read_metrics(bucket)[-1]["time"] - starts[0][
+        "allocation_start"
+    ]
     for step, loss in got.items():
         assert loss == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
     assert ckptdir.complete_steps(bucket)[-1] == STEPS

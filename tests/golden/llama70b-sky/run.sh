@@ -32,6 +32,10 @@ CHECKPOINT_TEMPLATE='/checkpoints/{run_id}'
 export DTLAUNCH_CHECKPOINT_DIR="${CHECKPOINT_TEMPLATE//\{run_id\}/$DTLAUNCH_RUN_ID}"
 # A collective timeout dumps the flight recorder here (per attempt), not into a node's /tmp.
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
+# The VMs were this task's from their setup on, not from this run's start (a restart, a second run)
+if [ -s "$HOME"/.dtlaunch-allocation-start ]; then
+  read -r DTLAUNCH_ALLOCATION_START < "$HOME"/.dtlaunch-allocation-start || true
+fi
 FINAL_MARKER="$DTLAUNCH_CHECKPOINT_DIR"/.dtlaunch-final
 if [ -f "$FINAL_MARKER" ]; then
   read -r FINAL_CODE FINAL_TASK < "$FINAL_MARKER" || true
