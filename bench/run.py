@@ -31,6 +31,7 @@ BENCHMARKS = [
     "goodput",
     "chaos",
     "chaos_slurm",
+    "chaos_sky",
 ]
 # The quick smoke run (CI) drives the chaos faults once, through the SLURM job script and torchrun's restarts
 # (chaos_slurm); chaos, the same faults under a supervisor that relaunches local torchrun, runs in full only.
