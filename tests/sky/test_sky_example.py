@@ -95,9 +95,10 @@ def test_user_script_recovers_on_fresh_vms_with_nothing_lost(tmp_path, sky_nodes
     assert starts[0]["allocation_start"] < starts[0]["time"] < destroyed < starts[1]["allocation_start"]
     assert starts[1]["allocation_start"] < starts[1]["time"]
     led = ledger(read_metrics(bucket))
-    assert led["queue"] == 0 and led["allocated"] == led["elapsed"] == read_metrics(bucket)[-1]["time"] - starts[0][
-        "allocation_start"
-    ]
+    assert (
+        led["queue"] == 0
+        and led["allocated"] == led["elapsed"] == read_metrics(bucket)[-1]["time"] - starts[0]["allocation_start"]
+    )
     for step, loss in got.items():
         assert loss == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
     assert ckptdir.complete_steps(bucket)[-1] == STEPS
