@@ -285,9 +285,10 @@ class Reporter:
             }
         watch = self.stragglers
         if watch is not None and watch.last:  # every slow rank goes in the record, with its streak; the log
-            # names the persistent ones only: one slow window is noise on a shared host and would fill the log
+            # names a rank once, as its streak becomes persistent: one slow window is noise on a shared host, and
+            # a line at every log step of a long streak would fill the log
             extra["stragglers"] = [s.record() for s in watch.last]
-            for s in watch.persistent():
+            for s in watch.newly_persistent():
                 self.metrics.log(f"WARNING: straggler: {s.describe()}")
         self.metrics.step(
             step,

@@ -153,5 +153,9 @@ class StragglerWatch:
     def persistent(self) -> list[Straggler]:
         return [s for s in self.last if s.windows >= self.windows]
 
+    def newly_persistent(self) -> list[Straggler]:
+        """The stragglers whose streak reached the window at this log step: named once per streak."""
+        return [s for s in self.last if s.windows == self.windows]
+
 
 __all__ = ["ComputeClock", "Straggler", "StragglerWatch", "outliers", "reference"]

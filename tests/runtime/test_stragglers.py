@@ -39,6 +39,14 @@ def test_a_straggler_is_persistent_only_after_the_window_in_a_row():
     (p,) = watch.persistent()
     assert (p.rank, p.node, p.windows) == (3, "b", WINDOWS) and p.slower == pytest.approx(3.0)
     assert "rank 3 on node b" in p.describe() and "3.0x" in p.describe()
+    assert watch.newly_persistent() == [p]  # the log names it now, and not again while the streak lasts
+    for i in range(3):
+        watch.update(slow)
+        assert [s.windows for s in watch.persistent()] == [WINDOWS + 1 + i] and watch.newly_persistent() == []
+    watch.update([0.1, 0.1, 0.1, 0.1])
+    for _ in range(WINDOWS):
+        watch.update(slow)
+    assert [s.rank for s in watch.newly_persistent()] == [3]  # a new streak is named again
 
 
 @pytest.mark.slow
