@@ -324,7 +324,7 @@ def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    # quick (CI's smoke run): two faults on a short run; full: every kind twice
+    # quick (a try of the bench, not in the smoke run): two faults on a short run; full: every kind twice
     steps, faults = (100, 2) if quick else (800, 2 * len(KINDS))
     keep = os.environ.get("DTLAUNCH_CHAOS_SKY_OUT")  # a directory to keep the nodes' logs and the bucket in
     with tempfile.TemporaryDirectory(prefix="dtlaunch-chaos-sky-") as tmp:

@@ -1,5 +1,5 @@
 """CI smoke test of the benchmarks: `bench/run.py --quick` runs each benchmark of run.SMOKE end to end (all but the
-local chaos run, whose faults chaos_slurm drives through the SLURM job script).
+local chaos run, whose faults chaos_slurm drives through the SLURM job script, and chaos_sky).
 
 It checks that each one produced a ratio, a target and a verdict - never how fast anything was
 (the machine is shared and noisy; `meets` may be either value here).
