@@ -78,15 +78,43 @@ def _recipe(steps: int) -> dict:
     )
 
 
-def schedule(n: int, seed: int) -> list[str]:
+def schedule(n: int, seed: int, kinds: tuple[str, ...] = KINDS) -> list[str]:
     """n fault kinds: every kind once, in a seeded order, before any repeats."""
     rng = random.Random(seed)
     out: list[str] = []
     while len(out) < n:
-        round_ = list(KINDS)
+        round_ = list(kinds)
         rng.shuffle(round_)
         out += round_
     return out[:n]
+
+
+def fault_steps(steps: int, faults: int, rng: random.Random) -> list[int]:
+    """The steps the faults of a run from outside strike, fixed up front: one in each of `faults` equal slices of
+    the run before its last two checkpoint intervals, at a seeded place within the slice's middle half. (Drawn one
+    after another from where each recovery left the run, the last ones fell past the end and were never injected.)
+    A fault whose step the run has already passed strikes at once."""
+    width = (steps - 2 * EVERY) / faults
+    return [round(width * (i + rng.uniform(0.25, 0.75))) for i in range(faults)]
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
+    """pred()'s first true value, polled every `interval` s; RuntimeError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(interval)
+    raise RuntimeError(f"chaos: timed out after {timeout:.0f}s waiting for {what}")
+
+
+def outcome(name: str, got: dict) -> dict:
+    """A chaos benchmark's record from what its run returned: the goodput is the ratio, the events by kind."""
+    goodput = got.pop("goodput")
+    events = got.pop("events")
+    print(f"{name} ledger: {got['ledger']}")
+    return result(goodput, TARGET, goodput >= TARGET, **got, faults_by_kind=[e["kind"] for e in events])
 
 
 def _last_step(run_dir: Path) -> int:
@@ -389,10 +417,7 @@ def run(quick: bool = False) -> dict:
     steps, faults = (200, len(KINDS)) if quick else (4_500, 20)
     with tempfile.TemporaryDirectory(prefix="dtlaunch-chaos-") as tmp:
         got = chaos(steps, faults, seed=0, out=Path(tmp))
-    goodput = got.pop("goodput")
-    events = got.pop("events")
-    print(f"chaos ledger: {got['ledger']}")
-    return result(goodput, TARGET, goodput >= TARGET, **got, faults_by_kind=[e["kind"] for e in events])
+    return outcome("chaos", got)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ from pathlib import Path
 import chaos as C
 
 import _torchrun as T
-from common import result
 
 sys.path.insert(0, str(T.ROOT / "tests" / "sky"))
 
@@ -50,7 +49,6 @@ TASK_ID = "sky-managed-2026-11-29-00-00-00-000000_bench_1-0"
 BUCKET = "s3://dtlaunch-chaos/ckpt"
 KINDS = ("rank_kill", "vm_loss", "hang", "corrupt_checkpoint", "kill_in_checkpoint")
 RECOVERS_ON_FRESH_VMS = ("vm_loss", "hang", "corrupt_checkpoint")
-TARGET = C.TARGET  # the SLURM run's goodput target, though each recovery here also pays a fresh VM's setup
 
 
 def _render(out: Path, steps: int) -> None:
@@ -196,16 +194,6 @@ class Controller:
             self.nodes.destroy()
 
 
-def _wait(pred, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(interval)
-    raise RuntimeError(f"chaos_sky: timed out after {timeout:.0f}s waiting for {what}")
-
-
 def _inject(kind: str, ctl: Controller, rng: random.Random) -> dict:
     """The fault, from outside; what was done. Returns once the run trains again."""
     from launcher.runtime import ckptdir
@@ -235,16 +223,6 @@ def _inject(kind: str, ctl: Controller, rng: random.Random) -> dict:
     return {**got, **ctl.recovered(t0, vm_lost, 600)}
 
 
-def _schedule(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    out: list[str] = []
-    while len(out) < n:
-        round_ = list(KINDS)
-        rng.shuffle(round_)
-        out += round_
-    return out[:n]
-
-
 def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -259,16 +237,17 @@ def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
     mark = f"chaos-sky-{uuid.uuid4().hex}"
     ctl = Controller(job, out / "nodes", build_image(out / "image"), mark)
     rng = random.Random(seed)
-    width = (steps - 2 * C.EVERY) / faults
-    ats = [round(width * (i + rng.uniform(0.25, 0.75))) for i in range(faults)]
+    ats = C.fault_steps(steps, faults, rng)
     happened: list[dict] = []
     try:
         ctl.launch()
-        for kind, planned in zip(_schedule(faults, seed), ats, strict=True):
+        for kind, planned in zip(C.schedule(faults, seed, KINDS), ats, strict=True):
             at = max(planned, ctl.step() + 1, 2 * C.EVERY + 2 if kind == "corrupt_checkpoint" else 0)
             if at >= steps - C.EVERY:
                 break
-            _wait(lambda at=at: ctl.step() >= at or any(c is not None for c in ctl.codes()), 900, f"step {at}")
+            C.wait_for(
+                lambda at=at: ctl.step() >= at or any(c is not None for c in ctl.codes()), 900, f"step {at}", 0.1
+            )
             if any(c is not None for c in ctl.codes()):
                 raise RuntimeError(f"chaos_sky: the launch ended with {ctl.codes()} before step {at}")
             t0, step = time.time(), ctl.step()
@@ -329,10 +308,7 @@ def run(quick: bool = False) -> dict:
     keep = os.environ.get("DTLAUNCH_CHAOS_SKY_OUT")  # a directory to keep the nodes' logs and the bucket in
     with tempfile.TemporaryDirectory(prefix="dtlaunch-chaos-sky-") as tmp:
         got = chaos(steps, faults, seed=0, out=Path(keep or tmp))
-    goodput = got.pop("goodput")
-    events = got.pop("events")
-    print(f"chaos_sky ledger: {got['ledger']}")
-    return result(goodput, TARGET, goodput >= TARGET, **got, faults_by_kind=[e["kind"] for e in events])
+    return C.outcome("chaos_sky", got)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,6 @@ from pathlib import Path
 import chaos as C
 
 import _torchrun as T
-from common import result
 from launcher.jobenv import tail_records
 
 NODES = 3  # the job takes 2: one node can be excluded after a hang and the job still runs
@@ -154,16 +153,6 @@ def _state(job: str) -> str:
     return sh("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip()
 
 
-def _wait(pred, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(interval)
-    raise RuntimeError(f"chaos: timed out after {timeout:.0f}s waiting for {what}")
-
-
 class Run:
     """The job (its id changes only when the run is submitted again) and the run directory it trains in."""
 
@@ -257,7 +246,7 @@ def _during_save(kind: str, run: Run, rng: random.Random, at: int) -> dict:
     time.sleep(SLOW_SECONDS)
     _kill(now, signal.SIGCONT)
     target = run.step() + rng.randint(3, 3 * C.EVERY)
-    _wait(lambda: run.step() >= target or run.finished(), 300, f"step {target}")
+    C.wait_for(lambda: run.step() >= target or run.finished(), 300, f"step {target}")
     return {"stalled_s": SLOW_SECONDS, **_inject("rank_kill", run, rng, at)}
 
 
@@ -275,7 +264,7 @@ def _inject(kind: str, run: Run, rng: random.Random, at: int) -> dict:
         victims = [p for p in step if p.node == node] if kind == "node_loss" else step
         got = {"killed": _kill(victims), "node": node if kind == "node_loss" else "all"}
         if kind == "corrupt_checkpoint":
-            _wait(lambda: not _workers(run.mark), 30, "the killed ranks to be gone")
+            C.wait_for(lambda: not _workers(run.mark), 30, "the killed ranks to be gone")
             got["corrupted_step"] = C._corrupt_newest(run.dir / "checkpoints")
         return got
     if kind == "preemption":
@@ -342,7 +331,7 @@ def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
             finally:
                 for j in run.jobs:
                     sh("scancel", j, check=False)
-                _wait(lambda: not procs(mark), 60, "the job's processes to end", 0.5)
+                C.wait_for(lambda: not procs(mark), 60, "the job's processes to end", 0.5)
     finally:
         subprocess.run(["umount", "--lazy", str(run.dir / "checkpoints")], capture_output=True)
 
@@ -353,12 +342,7 @@ def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict
     from launcher.runtime.goodput import attempts, ledger
 
     rng = random.Random(seed)
-    # The faults' steps are fixed up front: one in each of `faults` equal slices of the run before its last two
-    # checkpoint intervals, at a seeded place within the slice's middle half. (Drawn one after another from where
-    # each recovery left the run, the last ones fell past the end and were never injected.) A fault whose step
-    # the run has already passed (a lowered time limit lets it train on for a minute) strikes at once.
-    width = (steps - 2 * C.EVERY) / faults
-    ats = [round(width * (i + rng.uniform(0.25, 0.75))) for i in range(faults)]
+    ats = C.fault_steps(steps, faults, rng)  # a lowered time limit lets the run train past the next one's step
     happened: list[dict] = []
     run.submit()
     for kind, planned in zip(C.schedule(faults, seed), ats, strict=True):
@@ -367,7 +351,7 @@ def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict
             at = max(at, 2 * C.EVERY + 2)
         if at >= steps - C.EVERY:  # the run is ending: a fault now might find it gone
             break
-        _wait(lambda at=at: run.step() >= at or not run.alive(), 1800, f"step {at}", 0.1)
+        C.wait_for(lambda at=at: run.step() >= at or not run.alive(), 1800, f"step {at}", 0.1)
         if not run.alive():
             raise RuntimeError(f"chaos: job {run.job} ended before step {at}")
         t0 = time.time()
@@ -376,7 +360,7 @@ def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict
         back = _recovered(run, time.time(), kind, 600)
         happened.append({"kind": kind, "at_step": at, "t0": t0, "job": run.job, "back_s": round(back - t0, 2), **done})
         print(f"chaos_slurm: {happened[-1]}", flush=True)
-    _wait(lambda: not run.alive(), 3600, "the job to end", 1.0)
+    C.wait_for(lambda: not run.alive(), 3600, "the job to end", 1.0)
     records = C._records(run.dir)
     if not run.finished():
         raise RuntimeError(f"chaos: the run did not finish: see {run.out}")
@@ -452,10 +436,7 @@ def run(quick: bool = False) -> dict:
     keep = os.environ.get("DTLAUNCH_CHAOS_OUT")  # a directory to keep the job, its run and chaos.log in
     with tempfile.TemporaryDirectory(prefix="dtlaunch-chaos-slurm-") as tmp:
         got = chaos(steps, faults, seed=0, out=Path(keep or tmp))
-    goodput = got.pop("goodput")
-    events = got.pop("events")
-    print(f"chaos_slurm ledger: {got['ledger']}")
-    return result(goodput, C.TARGET, goodput >= C.TARGET, **got, faults_by_kind=[e["kind"] for e in events])
+    return C.outcome("chaos_slurm", got)
 
 
 if __name__ == "__main__":

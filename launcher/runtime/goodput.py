@@ -55,9 +55,10 @@ class Attempt:
 def checkpoint_stall(r: dict) -> float:
     """How long a checkpoint record's save held training: its `stalled` (an async save: the previous save's wait
     and the staging), else all of a synchronous save's `seconds` (records written before `stalled` was)."""
-    for key in ("stalled", "seconds"):
-        if isinstance(r.get(key), (int, float)) and (key == "stalled" or not r.get("asynchronous")):
-            return float(r[key])
+    if isinstance(r.get("stalled"), (int, float)):
+        return float(r["stalled"])
+    if not r.get("asynchronous") and isinstance(r.get("seconds"), (int, float)):
+        return float(r["seconds"])
     return 0.0
 
 

@@ -277,8 +277,9 @@ class StepJob(Checkpointable):
 def _record_exit(rc: int) -> None:
     """job.sbatch's `exited` record in the run's metrics, when the run wrote any: the end of the attempt's
     allocated time for the goodput ledger."""
-    metrics = Path(os.environ.get(RUN_DIR, "")) / METRICS_FILE
-    if os.environ.get(RUN_DIR) and metrics.is_file():
+    run_dir = os.environ.get(RUN_DIR)
+    metrics = Path(run_dir) / METRICS_FILE if run_dir else None
+    if metrics is not None and metrics.is_file():
         try:
             with open(metrics, "a") as f:
                 f.write(exited_record(rc, time.time()))
