@@ -10,6 +10,9 @@ SKYPILOT_NODE_RANK): torch's c10d rendezvous numbers nodes in the sort order of 
 comes before `gpu2` and `10.0.0.12` before `10.0.0.9`, so global rank 0 could land off the node that hosts the
 store and pipeline stages would ignore the scheduler's topology-aware order (see `_ranks_follow_scheduler`).
 
+With `--check-plan=PLAN` first, the agent checks its node against the plan before the rendezvous
+(see `_check_first`): the SLURM job scripts' pre-start check, without a process of its own.
+
 A worker that ends with a final code (jobenv.OUTCOMES: a bad recipe, a diverged loss, no usable checkpoint,
 failing storage), or with a node's fault (PREFLIGHT: jobenv.restarts_in_place), is not restarted: torchrun restarts on any failure while max_restarts lasts, and a restart
 of a CONFIG run whose only checkpoint was unusable trained from step 0 (see `_final_codes_stop_restarts`).
@@ -28,6 +31,8 @@ import builtins
 import os
 import sys
 from pathlib import Path
+
+from .jobenv import node_name
 
 
 def _record_unreported(failures: dict) -> None:
@@ -132,10 +137,70 @@ def _ranks_follow_scheduler(node_rank: int) -> None:
     dr.sorted = by_node_rank  # type: ignore[attr-defined]
 
 
+CHECK_PLAN = "--check-plan"  # our one flag, first: `--check-plan=PLAN` checks this node before the rendezvous
+
+
+def _check_first(argv: list[str]) -> tuple[int, list[str]]:
+    """Run the pre-start check (launcher.train.check) here, in the agent, when argv begins with
+    `--check-plan=PLAN`: (its exit code, torchrun's own arguments). The agent imports torch anyway, so a node
+    checks itself without a Python process (and a job step) of its own, once per agent, before it joins the
+    rendezvous; torchrun's in-place restarts keep the agent and do not check again. A node that fails ends its
+    agent with the check's code before it joins: the job scripts' srun (--kill-on-bad-exit) then ends the
+    other nodes' agents, and the step's exit code is that node's (srun exits with the highest task status)."""
+    if not argv or not argv[0].startswith(CHECK_PLAN + "="):
+        return 0, argv
+    from .jobenv import ExitCode
+    from .train import check
+
+    try:
+        import torch  # noqa: F401 - imported before the fork: the check and torchrun share the one import
+    except ImportError as e:
+        print(f"dtlaunch: node {node_name()}: cannot import torch: {e}", file=sys.stderr, flush=True)
+        return ExitCode.CONFIG, argv
+
+    # The check runs in a forked child: it may initialise CUDA (a GPU's name, its health), and a context the
+    # agent kept would hold memory on every GPU for the whole job.
+    pid = os.fork()
+    if pid == 0:
+        code: int = ExitCode.FAILED
+        try:
+            code = check(argv[0].split("=", 1)[1])
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    code = int(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    if code not in (0, ExitCode.CONFIG, ExitCode.PREFLIGHT, ExitCode.STORAGE):
+        # an environment that cannot import what training needs, a crash: no retry mends these
+        print(f"dtlaunch: the pre-start check failed (exit {code}, see above)", file=sys.stderr, flush=True)
+        code = ExitCode.CONFIG
+    return code, argv[1:]
+
+
+CHECK_ENVIRONMENT = "--check-environment"  # the batch shell's question: can this interpreter run the agent at all?
+
+
+def _check_environment() -> int:
+    """0 when this interpreter has torch (found, not imported: that is the agent's seconds, on every node) and
+    dtlaunch (this module ran); else 1 with what is missing, for the job script's advice on the environment."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        print(f"dtlaunch: {sys.executable} has no torch", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == [CHECK_ENVIRONMENT]:
+        return _check_environment()
     from .runtime.signals import die_with_parent
 
     die_with_parent()  # if the job script that started us is killed, stop the workers (gracefully) too
+    code, argv = _check_first(argv)
+    if code:
+        return code
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun

@@ -188,8 +188,9 @@ def job_port(job_id: int) -> int:
 # When torchrun's agent restarts its workers after one failed (or after another node's did), it sends the rest
 # SIGTERM and SIGKILLs them after this many seconds (torchrun's own wait is 30 s). No survivor can do anything
 # useful by then: a checkpoint is collective and a peer is gone; only a rank that cannot act on TERM (hung in
-# a collective or a kernel, stopped) uses the wait, and every second of it is the whole job's.
-RESTART_GRACE_S = 10
+# a collective or a kernel, stopped) uses the wait, and every second of it is the whole job's. A hang's
+# flight-recorder dumps do not need it: they are written when the collective times out, before the restart.
+RESTART_GRACE_S = 5
 
 # The oldest torch whose torchrun has what the job scripts use: --signals-to-handle (forward USR2 to the
 # workers and shut down without restarting them) and --shutdown-timeout (time to checkpoint after TERM).

@@ -43,15 +43,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.check:
+        return check(args.plan, args.run_dir)
     rank = rank_from_env()
     from .runtime.signals import PreemptionFlag, die_with_parent
 
     # First things first, before the seconds of importing torch: a preemption signal that arrives during
     # start-up must set the flag (checkpoint at the first step boundary), not kill the process; and if
     # torchrun dies, this worker must not train on alone.
-    flag = None if args.check else PreemptionFlag().install()
-    if not args.check:
-        die_with_parent()
+    flag = PreemptionFlag().install()
+    die_with_parent()
     from . import planfile
 
     try:
@@ -59,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     except DtlaunchError as e:
         print(f"dtlaunch: rank {rank}: cannot read the plan:\n{e}", file=sys.stderr, flush=True)
         return ExitCode.CONFIG
-    run_dir = Path(args.run_dir or os.environ.get(jobenv.RUN_DIR) or Path(args.plan).resolve().parent)
-    if args.check:
-        return _check(recipe, plan, run_dir)
+    run_dir = _run_dir(args.plan, args.run_dir)
     for k, v in recipe.env.items():  # the recipe's plain environment, unless the launcher already set it
         os.environ.setdefault(k, v)
     from .runtime.loop import Trainer
@@ -115,11 +114,26 @@ def memory_note(plan) -> str:
         return note
 
 
-def _check(recipe, plan, run_dir: Path) -> int:
-    try:
-        from .runtime.nodecheck import check
+def _run_dir(plan_path: str, run_dir: str | None) -> Path:
+    return Path(run_dir or os.environ.get(jobenv.RUN_DIR) or Path(plan_path).resolve().parent)
 
-        summary = check(recipe, plan, run_dir)
+
+def check(plan_path: str, run_dir: str | None = None) -> int:
+    """This node against the plan (`launcher.train --check`, and torchrun's agent before its rendezvous:
+    launcher.elastic --check-plan): print one line, return 0, or the exit code that says what is wrong:
+    CONFIG (the plan or the environment), PREFLIGHT (this node's hardware: recorded in jobenv.BAD_NODES),
+    STORAGE, or FAILED when the environment cannot import what the check needs."""
+    from . import planfile
+
+    try:
+        recipe, plan, _ = planfile.read(plan_path)
+    except DtlaunchError as e:
+        print(f"dtlaunch: node {jobenv.node_name()}: cannot read the plan:\n{e}", file=sys.stderr, flush=True)
+        return ExitCode.CONFIG
+    try:
+        from .runtime.nodecheck import check as check_node
+
+        summary = check_node(recipe, plan, _run_dir(plan_path, run_dir))
     except DtlaunchError as e:  # CONFIG (the plan or the environment) or PREFLIGHT (this node's hardware)
         node = jobenv.node_name()
         print(f"dtlaunch: node {node} cannot run the plan: {e}", file=sys.stderr, flush=True)

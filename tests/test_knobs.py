@@ -300,7 +300,10 @@ def test_image_spellings_per_runtime():
 def test_no_container_renders_nothing_of_it():
     _, art = rendered("tiny", "slurm")
     text = art.files["job.sbatch"] + art.files["step.sh"]
-    assert "container" not in text.lower() and "apptainer" not in text and "--check" in art.files["job.sbatch"]
+    assert "container" not in text.lower() and "apptainer" not in text
+    # no image to start on every node first: each node's torchrun agent checks its node before the rendezvous
+    assert "launcher.train" not in art.files["job.sbatch"] and "--check-environment" in art.files["job.sbatch"]
+    assert '"$PYTHON" -m launcher.elastic "--check-plan=$DTLAUNCH_PLAN" "--nnodes=' in art.files["step.sh"]
 
 
 def test_pyxis_flags_on_srun_and_the_check_inside_the_image(tmp_path):

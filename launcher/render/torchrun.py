@@ -62,16 +62,19 @@ def torchrun_command(
     is_host: Word,
     local_addr: Word,
     entry: list[Word],
+    check_plan: Word | None = None,
 ) -> list[Word]:
     """c10d rendezvous with an explicit endpoint (never a silent localhost fallback), an explicit store host
     (`is_host`) and an explicit address for this node (`--local-addr`): torch's own guesses use the hostname,
     which on cloud images resolves to 127.0.1.1 and on some sites differs from the scheduler's node name, so
     no node would host the store, or the workers' store would be announced at an address others cannot
-    reach. No --node-rank: with c10d the ranks are assigned at rendezvous."""
+    reach. No --node-rank: with c10d the ranks are assigned at rendezvous. `check_plan`: the agent checks its
+    node against that plan before it joins (launcher.elastic --check-plan)."""
     return [
         python,
         "-m",
         "launcher.elastic",
+        *([flag("--check-plan", check_plan)] if check_plan is not None else []),
         flag("--nnodes", nnodes),
         flag("--nproc-per-node", nproc_per_node),
         "--rdzv-backend=c10d",

@@ -52,7 +52,8 @@ def test_every_recipe_renders_valid_bash(name, tmp_path):
 
 
 def test_the_interpreter_is_resolved_on_the_node_after_setup(tmp_path):
-    """Never the rendering machine's interpreter: after the setup lines, then checked against the plan."""
+    """Never the rendering machine's interpreter: after the setup lines, then checked for dtlaunch (the plan is
+    checked on each node by its torchrun agent)."""
     import sys
 
     _, art = render_to(tmp_path, "tiny", ['targets.slurm.setup=["source /opt/venv/bin/activate"]'])
@@ -60,7 +61,7 @@ def test_the_interpreter_is_resolved_on_the_node_after_setup(tmp_path):
     assert sys.executable not in script
     setup_at = script.index("source /opt/venv/bin/activate")
     resolve_at = script.index('PYTHON="${DTLAUNCH_PYTHON:-$(command -v python3')
-    check_at = script.index('"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check')
+    check_at = script.index('"$PYTHON" -m launcher.elastic --check-environment')
     assert setup_at < resolve_at < check_at < script.index("srun --kill-on-bad-exit")
 
 

@@ -148,11 +148,11 @@ def test_the_preamble_is_job_sbatchs_batch_part_from_one_template(tmp_path):
         "source /opt/venv/bin/activate",
         '[ -n "${HF_TOKEN+x}" ]',
         "export FOO=bar",
-        '"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check',
+        '"$PYTHON" -m launcher.elastic --check-environment',
         "MASTER_PORT=$(( 10000 + ",
     ):
         assert line in pre
-    assert pre.index("source /opt/venv/bin/activate") < pre.index("--check") < pre.index("import submitit")
+    assert pre.index("source /opt/venv/bin/activate") < pre.index("--check-environment") < pre.index("import submitit")
     assert 'SUBMIT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"' in pre
     assert pre.rstrip().endswith("export SUBMIT_DIR JOB_DIR ATTEMPT\nexport -f fail exclude_bad_nodes bad_nodes_after")
     # the bad-node policy: job.sbatch runs it in its batch shell, submitit's python in a child bash (exported)

@@ -19,7 +19,6 @@ from ...strategies import Family
 from .container import (
     CHECK_ARG,
     DIAGNOSE_ARG,
-    EVERY_NODE,
     JOB_ENV,
     MOUNTS_VAR,
     check_command,
@@ -57,6 +56,9 @@ DIAGNOSE_WORDS: tuple[Word, ...] = (ShellExpr("$PYTHON"), "-m", "launcher.cli.di
 
 
 def _step_command(recipe: Recipe, plan: Plan) -> list[Word]:
+    # Without a container each node's torchrun agent checks its node before the rendezvous (no job step of its
+    # own for the check). With one, the batch shell's check step stays: it also starts (pyxis: imports) the
+    # image on every node, which can take minutes, before any node's rendezvous clock runs.
     return torchrun_command(
         recipe,
         plan,
@@ -69,6 +71,7 @@ def _step_command(recipe: Recipe, plan: Plan) -> list[Word]:
         is_host=ShellExpr("$IS_HOST"),
         local_addr=ShellExpr("$SLURMD_NODENAME"),
         entry=entry_args(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR")),
+        check_plan=None if container(recipe) else ShellExpr("$DTLAUNCH_PLAN"),
     )
 
 
@@ -151,7 +154,6 @@ def batch_context(recipe: Recipe, array: bool) -> dict:
         job_env_var=JOB_ENV,
         job_vars=c.job_vars(env) if c else [],
         container_cleanup=cleanup_command(c),
-        node_check=[*EVERY_NODE, *CHECK_WORDS],
         # in the image when there is one (the host may have no dtlaunch), else the batch shell's own Python
         max_excluded=recipe.targets.slurm.max_excluded_nodes,
         hang_culprits=diagnose_command(c, ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)) if c else list(DIAGNOSE_WORDS),

@@ -1,0 +1,78 @@
+"""The pre-start check inside torchrun's agent (`python -m launcher.elastic --check-plan=PLAN ...`, as the SLURM
+step script starts it): a node that passes starts its workers; one that fails ends the agent with the check's
+code before it joins the rendezvous, without starting a worker, and a broken node is named in the job's
+bad-node file for the job script to exclude. Real torchrun (one node, one worker), real plan files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher import jobenv
+from launcher.jobenv import ExitCode
+from launcher.plan import make_plan
+from launcher.recipe import load
+from launcher.render import render
+from rt_harness import free_port
+from testpaths import RECIPES
+
+pytestmark = pytest.mark.slow
+
+WORKER = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('trained')"
+
+
+def _agent(tmp_path: Path, plan: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    worker, trained = tmp_path / "worker.py", tmp_path / "trained"
+    worker.write_text(WORKER)
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher.elastic",
+        f"--check-plan={plan}",
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--max-restarts=0",
+        str(worker),
+        str(trained),
+    ]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DTLAUNCH_")}
+    p = subprocess.run(argv, env={**base, **env}, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    return p, trained
+
+
+def _plan(tmp_path: Path) -> Path:
+    rec = load(RECIPES / "tiny.yaml", [f"checkpoint.dir={tmp_path / 'ck'}"])
+    render(rec, make_plan(rec), "slurm").write(tmp_path / "job")
+    return tmp_path / "job" / "plan.json"
+
+
+def test_a_node_that_passes_its_check_starts_its_workers(tmp_path):
+    p, trained = _agent(tmp_path, _plan(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "dtlaunch: check ok:" in p.stdout and trained.read_text() == "trained"
+
+
+def test_a_broken_node_ends_its_agent_with_44_named_and_no_worker_started(tmp_path):
+    bad = tmp_path / "bad_nodes"
+    p, trained = _agent(
+        tmp_path,
+        _plan(tmp_path),
+        **{jobenv.FAULT: "bad_node:step=0", jobenv.BAD_NODES: str(bad), "SLURMD_NODENAME": "gpu17"},
+    )
+    assert p.returncode == ExitCode.PREFLIGHT, p.stdout + p.stderr
+    assert "node gpu17 cannot run the plan" in p.stderr and "uncorrectable ECC error" in p.stderr
+    assert bad.read_text() == "gpu17\n" and not trained.exists()
+
+
+def test_a_plan_the_node_cannot_read_ends_its_agent_with_config(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{not json")
+    p, trained = _agent(tmp_path, plan)
+    assert p.returncode == ExitCode.CONFIG, p.stdout + p.stderr
+    assert "cannot read the plan" in p.stderr and not trained.exists()
