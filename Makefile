@@ -66,10 +66,12 @@ golden: install
 # The whole suite. `make test PYTEST_WORKERS=2` runs two test files at a time (each file whole on one worker,
 # the SLURM tests together: tests/conftest.py), but timing-sensitive SLURM tests then failed now and then, so CI
 # runs one. pytest's exit code 5 (no tests collected) is not a pass: it means nothing ran. The 40 slowest tests
-# are listed at the end, to keep the suite short.
+# are listed at the end, to keep the suite short. Then every benchmark end to end in quick mode (bench-smoke: the
+# SLURM chaos run's 5-minute version among them).
 PYTEST_WORKERS ?= 0
 test: install system lint
 	$(PY) -m pytest -q -ra --durations=40 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra bench/test_smoke.py
 
 # The GPU suite (tests/gpu): run it on a machine with CUDA GPUs, and record what ran in docs/gpu.md. Without CUDA
 # every test is skipped with the reason (so is every 8-GPU test on a smaller machine).
