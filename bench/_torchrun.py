@@ -1,9 +1,9 @@
-"""Shared helper of the training benchmarks: launch `launcher.train` (ours) and bench/minimal_loops.py
+"""Shared helper of the training benchmarks: launch `launcher.runtime.train` (ours) and bench/minimal_loops.py
 (the hand-written baseline) under the same real torchrun, with the same environment.
 
-Also usable as a torchrun entry script: `_torchrun.py --hwm DIR -- launcher.train ARGS...` runs
-`launcher.train`'s main() unchanged, then records this rank's peak RSS (VmHWM) in DIR/hwm-RANK.json.
-(`launcher.train` leaves through os._exit, so an atexit hook would never run.)
+Also usable as a torchrun entry script: `_torchrun.py --hwm DIR -- launcher.runtime.train ARGS...` runs
+`launcher.runtime.train`'s main() unchanged, then records this rank's peak RSS (VmHWM) in DIR/hwm-RANK.json.
+(`launcher.runtime.train` leaves through os._exit, so an atexit hook would never run.)
 """
 
 from __future__ import annotations
@@ -179,10 +179,14 @@ def torchrun(
 
 
 def ours(rec: dict, run_dir: Path, *, hwm: bool = True, **kw) -> Run:
-    """`launcher.train` on the plan of `rec` (optionally through the VmHWM wrapper)."""
+    """`launcher.runtime.train` on the plan of `rec` (optionally through the VmHWM wrapper)."""
     plan = write_plan(run_dir, rec)
     args = ["--plan", str(plan), "--run-dir", str(run_dir)]
-    entry = [__file__, "--hwm", str(run_dir), "--", "launcher.train", *args] if hwm else ["-m", "launcher.train", *args]
+    entry = (
+        [__file__, "--hwm", str(run_dir), "--", "launcher.runtime.train", *args]
+        if hwm
+        else ["-m", "launcher.runtime.train", *args]
+    )
     return torchrun(entry, run_dir, **kw)
 
 
@@ -192,12 +196,12 @@ def minimal(args: list[str], run_dir: Path, **kw) -> Run:
 
 
 def _wrap(argv: list[str]) -> int:
-    """Entry-script mode: run launcher.train's main() and record this rank's VmHWM afterwards."""
+    """Entry-script mode: run launcher.runtime.train's main() and record this rank's VmHWM afterwards."""
     out = Path(argv[argv.index("--hwm") + 1])
     rest = argv[argv.index("--") + 1 :]
-    assert rest[0] == "launcher.train", rest
+    assert rest[0] == "launcher.runtime.train", rest
     sys.path.insert(0, str(ROOT))
-    from launcher import train
+    from launcher.runtime import train
 
     code = train.main(rest[1:])
     rank = int(os.environ.get("RANK", "0"))

@@ -222,7 +222,7 @@ def _attempt(
         "kill_in_checkpoint": "kill_in_checkpoint:rank=0:step=any",
         "slow_checkpoint": f"slow_checkpoint:step=any:seconds=3;sigkill:rank={rank}:step={at}",
     }.get(kind, "")
-    entry = ["-m", "launcher.train", "--plan", str(plan), "--run-dir", str(run_dir)]
+    entry = ["-m", "launcher.runtime.train", "--plan", str(plan), "--run-dir", str(run_dir)]
     env = T.env({"DTLAUNCH_FAULT": fault, "DTLAUNCH_CHAOS_MARK": mark} if fault else {"DTLAUNCH_CHAOS_MARK": mark})
     t0 = time.time()
     log = open(run_dir / "attempts.log", "a")  # noqa: SIM115 (the child writes to it)

@@ -85,7 +85,7 @@ def _workers(mark: str) -> dict[int, int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if "LOCAL_RANK" in env and b"launcher.train" in cmd and env.get("RANK", "").isdigit():
+        if "LOCAL_RANK" in env and b"launcher.runtime.train" in cmd and env.get("RANK", "").isdigit():
             out[int(env["RANK"])] = pid
     return out
 

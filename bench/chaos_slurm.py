@@ -116,11 +116,11 @@ class Proc:
 
     @property
     def worker(self) -> bool:
-        return "LOCAL_RANK" in self.env and "launcher.train" in self.cmd
+        return "LOCAL_RANK" in self.env and "launcher.runtime.train" in self.cmd
 
     @property
     def agent(self) -> bool:
-        return "launcher.elastic" in self.cmd
+        return "launcher.runtime.elastic" in self.cmd
 
 
 def procs(mark: str) -> list[Proc]:

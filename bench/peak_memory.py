@@ -1,7 +1,7 @@
 """Peak memory: peak RSS (VmHWM, read from /proc/self/status at the end of each rank) of
-`launcher.train` vs the minimal loop, on the workload of bench/trainer_overhead.py, each run its own torchrun
+`launcher.runtime.train` vs the minimal loop, on the workload of bench/trainer_overhead.py, each run its own torchrun
 (a process's peak is its whole life's, so these cannot share the overhead benchmark's long-lived world). Ours is
-read by the bench/_torchrun.py wrapper after `launcher.train`'s main() returns (so it includes the final
+read by the bench/_torchrun.py wrapper after `launcher.runtime.train`'s main() returns (so it includes the final
 checkpoint our run always writes); the minimal loop reads its own. Ratio = max over ranks and strategies of
 median(ours)/median(minimal); target <= 1.05.
 """

@@ -1,4 +1,4 @@
-"""Trainer overhead: steady-state tokens/s of our runtime (`launcher.runtime.Trainer`, which `launcher.train`
+"""Trainer overhead: steady-state tokens/s of our runtime (`launcher.runtime.Trainer`, which `launcher.runtime.train`
 runs) vs the hand-written minimal loop (bench/minimal_loops.py) on the same tiny Llama, data, batch and
 optimizer; 2 ranks, gloo, fp32.
 

@@ -211,7 +211,7 @@ LOUD_FAILURES = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # flight recorder dump on timeout (path set per attempt by the job script)
     # How long the watchdog waits for that dump before it aborts the communicators and the error reaches Python
     # (torch's default, 15 s, can cut a large dump short on slow storage); the rank then waits for its own dump
-    # file before exiting (launcher.train), so the dump is not lost to the exit.
+    # file before exiting (launcher.runtime.train), so the dump is not lost to the exit.
     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(FLIGHT_RECORDER_DUMP_WAIT_S * 1000),
     "TORCH_FR_BUFFER_SIZE": "2000",
     "NCCL_DEBUG": "WARN",

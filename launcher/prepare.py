@@ -65,7 +65,7 @@ def prepare(source, overrides: Sequence[str] = (), target: str | None = None, sw
         return Prepared(recipe, shipped, art, [("", recipe, shipped)], name, choices)
     if target != "slurm":
         raise DtlaunchError("--sweep renders a SLURM array job", fix="use --target slurm (or run one `up` per setting)")
-    from .sweep import expand
+    from .cli.sweep import expand
     from .targets.slurm.sbatch import render_slurm_array
 
     combos = expand(sweeps)

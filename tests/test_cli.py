@@ -164,7 +164,7 @@ def test_rendered_launch_script_quotes_hostile_values(run_cli, tmp_path):
     assert r.returncode == 0, r.stderr
     assert not marker.exists()
     argv = (out / "argv").read_text().splitlines()
-    assert argv[:2] == ["-m", "launcher.elastic"]  # torchrun, with one line instead of a traceback on a signal
+    assert argv[:2] == ["-m", "launcher.runtime.elastic"]  # torchrun, with one line instead of a traceback on a signal
     assert "--nproc-per-node=2" in argv and "--rdzv-backend=c10d" in argv
     assert argv[argv.index("--plan") + 1] == str(out / "plan.json")
     endpoint = next(a for a in argv if a.startswith("--rdzv-endpoint="))

@@ -159,7 +159,9 @@ def test_every_target_ships_and_starts_the_code(tmp_path, target):
     art = render(r, make_plan(r), target)
     assert "code/train.py" in art.files
     scripts = "\n".join(t for t in art.files.values() if isinstance(t, str))
-    assert "launcher.entry" in scripts and "launcher.train" not in scripts.replace("-m launcher.train --plan", "")
+    assert "launcher.runtime.entry" in scripts and "launcher.runtime.train" not in scripts.replace(
+        "-m launcher.runtime.train --plan", ""
+    )
     assert 'cd "$DTLAUNCH_CODE_DIR"' in scripts
     assert "'it'\"'\"'s $(touch pwned); `x`'" in scripts  # one literal word, never run
 
@@ -176,7 +178,7 @@ def test_deepspeed_launcher_runs_the_module_with_its_arguments(tmp_path):
     )
     r = load(p)
     run = yaml.safe_load(render(r, make_plan(r), "sky").files["task.yaml"].split("\n", 2)[2])["run"]
-    assert "--module launcher.entry --module pkg.train --epochs 3" in run
+    assert "--module launcher.runtime.entry --module pkg.train --epochs 3" in run
 
 
 # ----------------------------------------------------------------------------- real runs of the rendered script
@@ -278,8 +280,8 @@ def test_local_module_entrypoint_and_a_missing_module_fails_once_with_config(tmp
 
 
 def test_entry_runner_maps_endings_like_the_interpreter(tmp_path, monkeypatch):
-    """launcher.entry in-process: the exit statuses `python script.py` would give."""
-    from launcher import entry
+    """launcher.runtime.entry in-process: the exit statuses `python script.py` would give."""
+    from launcher.runtime import entry
 
     monkeypatch.chdir(tmp_path)
     for body, want in [
@@ -295,4 +297,4 @@ def test_entry_runner_maps_endings_like_the_interpreter(tmp_path, monkeypatch):
         assert code == want, body
     code, message = entry.run("absent.py", [], module=False)
     assert code == 2 and "absent.py" in message
-    assert subprocess.run([sys.executable, "-m", "launcher.entry"], capture_output=True).returncode == 2
+    assert subprocess.run([sys.executable, "-m", "launcher.runtime.entry"], capture_output=True).returncode == 2

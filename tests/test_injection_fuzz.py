@@ -403,7 +403,7 @@ class Harness:
         rc = results[-1].returncode
         # it ran to the launch, or stopped on purpose, saying why (never a shell error half way)
         assert rc == 0 or "dtlaunch: error" in log, f"{what}: exit {rc}\n{log}"
-        want = "deepspeed.launcher.runner" if CONFIGS[config][1][:2] == DS else "launcher.elastic"
+        want = "deepspeed.launcher.runner" if CONFIGS[config][1][:2] == DS else "launcher.runtime.elastic"
         launches = [c for c in recorded(self.root) if want in c.argv]
         assert rc != 0 or launches, f"{what}: no launch recorded\n{log}"
         if config == SSH and rc == 0:

@@ -302,8 +302,8 @@ def test_no_container_renders_nothing_of_it():
     text = art.files["job.sbatch"] + art.files["step.sh"]
     assert "container" not in text.lower() and "apptainer" not in text
     # no image to start on every node first: each node's torchrun agent checks its node before the rendezvous
-    assert "launcher.train" not in art.files["job.sbatch"] and "--check-environment" in art.files["job.sbatch"]
-    assert '"$PYTHON" -m launcher.elastic "--check-plan=$DTLAUNCH_PLAN" "--nnodes=' in art.files["step.sh"]
+    assert "launcher.runtime.train" not in art.files["job.sbatch"] and "--check-environment" in art.files["job.sbatch"]
+    assert '"$PYTHON" -m launcher.runtime.elastic "--check-plan=$DTLAUNCH_PLAN" "--nnodes=' in art.files["step.sh"]
 
 
 def test_pyxis_flags_on_srun_and_the_check_inside_the_image(tmp_path):
@@ -338,7 +338,7 @@ def test_pyxis_flags_on_srun_and_the_check_inside_the_image(tmp_path):
     assert "mkdir -p /shared/ckpt ||" in job
     # The batch shell (on the host) resolves no interpreter; step.sh does, inside the container.
     assert "command -v python3" not in job and 'PYTHON="${DTLAUNCH_PYTHON:-$(command -v python3' in step
-    assert '"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check' in step
+    assert '"$PYTHON" -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --check' in step
 
 
 @pytest.mark.parametrize(
@@ -354,8 +354,8 @@ def test_apptainer_wraps_torchrun_and_the_check(runtime, recipe, nv):
         f'{runtime} exec {"--nv " if nv else ""}--bind "$CONTAINER_MOUNTS" --env-file "$DTLAUNCH_JOB_ENV" '
         f'--pwd "$PWD" "$SUBMIT_DIR/{sif}"'
     )
-    assert f'{prefix} "$PYTHON" -m launcher.elastic' in step
-    assert f'{prefix} "$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check' in step
+    assert f'{prefix} "$PYTHON" -m launcher.runtime.elastic' in step
+    assert f'{prefix} "$PYTHON" -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --check' in step
     assert 'PYTHON="${DTLAUNCH_PYTHON:-python3}"' in step  # looked up on the image's PATH
     assert (
         'srun "--nodes=$SLURM_NNODES" "--ntasks=$SLURM_NNODES" --ntasks-per-node=1 bash "$SUBMIT_DIR/step.sh" '
@@ -411,7 +411,7 @@ def test_submitit_with_a_container_keeps_the_host_python_for_itself():
     )
     pre = art.files["submitit_setup.sh"]
     assert 'PYTHON="${DTLAUNCH_PYTHON:-$(command -v python3' in pre
-    assert '"$PYTHON" -m launcher.train' not in pre and 'bash "$SUBMIT_DIR/step.sh" --check' in pre
+    assert '"$PYTHON" -m launcher.runtime.train' not in pre and 'bash "$SUBMIT_DIR/step.sh" --check' in pre
     assert pre.index('bash "$SUBMIT_DIR/step.sh" --check') < pre.index("import submitit")
     srun = SubmititSpec.from_json(art.files["submitit.json"]).step["srun"]
     assert srun[-4:] == [

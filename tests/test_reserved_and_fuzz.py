@@ -9,10 +9,10 @@ import json
 import pytest
 
 from launcher import jobenv
+from launcher.cli.sweep import expand
 from launcher.errors import DtlaunchError, RecipeError
 from launcher.plan import make_plan
 from launcher.recipe import load, load_text
-from launcher.sweep import expand
 from launcher.validate import validate
 from testpaths import RECIPES
 

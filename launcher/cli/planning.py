@@ -152,7 +152,7 @@ def _print_plan(recipe, p) -> None:
 
 
 def _plan_sweep(recipe_path, overrides, sweeps, as_json):
-    from ..sweep import expand
+    from .sweep import expand
 
     rows = []
     for combo in expand(sweeps):

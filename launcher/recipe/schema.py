@@ -286,7 +286,7 @@ MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z"
 
 
 class EntrypointSpec(Spec, kw_only=True):
-    """The user's own training code, started by the job instead of `python -m launcher.train`."""
+    """The user's own training code, started by the job instead of `python -m launcher.runtime.train`."""
 
     script: Doc(
         "a Python file, relative to workdir (shipped with the job): torchrun runs it on every rank", Str | None
@@ -350,7 +350,8 @@ class Recipe(Spec, kw_only=True, dict=True):
     training: TrainingSpec
     checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
     entrypoint: Doc(
-        "the user's own training code; default: dtlaunch's trainer (python -m launcher.train)", EntrypointSpec | None
+        "the user's own training code; default: dtlaunch's trainer (python -m launcher.runtime.train)",
+        EntrypointSpec | None,
     ) = None
     targets: TargetsSpec = msgspec.field(default_factory=TargetsSpec)
     env: Annotated[dict[str, Any], Meta(max_length=1000, description="plain environment variables for the job")] = {}

@@ -8,8 +8,8 @@ from ..plan import Plan
 from ..recipe import Recipe
 from .shell import ShellExpr, Word, flag
 
-TRAIN_MODULE = "launcher.train"
-ENTRY_MODULE = "launcher.entry"  # runs the user's entrypoint and records its exit code for the job scripts
+TRAIN_MODULE = "launcher.runtime.train"
+ENTRY_MODULE = "launcher.runtime.entry"  # runs the user's entrypoint and records its exit code for the job scripts
 # torchrun passes these to its workers and then shuts down without restarting them: TERM (cancel,
 # scheduler preemption) and USR2 (the time-limit signal) both mean "checkpoint and stop".
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
@@ -35,7 +35,7 @@ def grace_seconds(recipe: Recipe, plan: Plan) -> int:
 
 def entry_module(recipe: Recipe, plan_path: Word, run_dir: Word) -> tuple[str, list[Word]]:
     """(module every rank runs, its arguments): dtlaunch's trainer, or the user's entrypoint through
-    launcher.entry (the script path is relative to the code directory the job scripts cd into)."""
+    launcher.runtime.entry (the script path is relative to the code directory the job scripts cd into)."""
     ep = recipe.entrypoint
     if ep is None:
         return TRAIN_MODULE, ["--plan", plan_path, "--run-dir", run_dir]
@@ -69,11 +69,11 @@ def torchrun_command(
     which on cloud images resolves to 127.0.1.1 and on some sites differs from the scheduler's node name, so
     no node would host the store, or the workers' store would be announced at an address others cannot
     reach. No --node-rank: with c10d the ranks are assigned at rendezvous. `check_plan`: the agent checks its
-    node against that plan before it joins (launcher.elastic --check-plan)."""
+    node against that plan before it joins (launcher.runtime.elastic --check-plan)."""
     return [
         python,
         "-m",
-        "launcher.elastic",
+        "launcher.runtime.elastic",
         *([flag("--check-plan", check_plan)] if check_plan is not None else []),
         flag("--nnodes", nnodes),
         flag("--nproc-per-node", nproc_per_node),

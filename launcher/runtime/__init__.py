@@ -7,7 +7,7 @@
     engine = build_engine(model, layout, recipe, plan, steps, world.device, world.is_gpu)
     ...
 
-or all of it at once with `Trainer(recipe, plan, run_dir).run()` (what `python -m launcher.train` does).
+or all of it at once with `Trainer(recipe, plan, run_dir).run()` (what `python -m launcher.runtime.train` does).
 Names are imported lazily so `import launcher.runtime` stays cheap until something is used.
 """
 

@@ -363,7 +363,7 @@ def init_distributed(
                 init_method=f"tcp://{proc.master_addr}:{proc.master_port}", rank=proc.rank, world_size=proc.world_size
             )
         elif proc.source == "single":
-            # A plain `python -m launcher.train`: a world of one with an in-process store, so every
+            # A plain `python -m launcher.runtime.train`: a world of one with an in-process store, so every
             # strategy (FSDP2, DeepSpeed) and DCP run unchanged, and no port is needed.
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         if is_gpu:

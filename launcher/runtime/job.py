@@ -1,4 +1,4 @@
-"""dtlaunch's runtime for the user's own training loop: what `python -m launcher.train` does for its own
+"""dtlaunch's runtime for the user's own training loop: what `python -m launcher.runtime.train` does for its own
 model, in a handful of calls a plain PyTorch script can make.
 
     import launcher
@@ -19,7 +19,7 @@ before the time limit) is agreed across ranks, so all of them checkpoint the sam
 exits 42, which the job scripts requeue; checkpoints are written atomically (verified on resume, the
 newest good one wins) at the plan's interval; metrics go to the run directory. `state` is the user's own
 resume position (JSON): it comes back from `resume()`, so nothing trained is lost and nothing is trained
-twice. A collective that times out raises, and launcher.entry turns it into exit 43 (restart).
+twice. A collective that times out raises, and launcher.runtime.entry turns it into exit 43 (restart).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class Job:
                 f"the plan uses tensor={self.layout.tp} pipeline={self.layout.pp}; job.wrap trains your "
                 "own model data-parallel only (DDP, FSDP2, ZeRO)",
                 fix="set parallelism.tensor: 1 and pipeline: 1, or train dtlaunch's Llama or a Hugging "
-                "Face model (model.hf) without an entrypoint: python -m launcher.train splits them",
+                "Face model (model.hf) without an entrypoint: python -m launcher.runtime.train splits them",
             )
         # the attempt's start in the records (dtlaunch's trainer writes its own, with the model's build): the
         # goodput ledger counts attempts by it

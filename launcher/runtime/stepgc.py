@@ -12,7 +12,7 @@ After the start-up collection, everything alive is frozen (`gc.freeze`: moved to
 collector never scans), so the periodic full collections only walk what the run itself created since. The
 cost: memory held only by a reference cycle made during training (the loop's own step makes none) is
 freed at the next collection, at most `every` steps later, rather than whenever the collector happens to
-run. Only dtlaunch's own loop (`launcher.train`) does this; a user's script that imports the library keeps
+run. Only dtlaunch's own loop (`launcher.runtime.train`) does this; a user's script that imports the library keeps
 its interpreter's settings.
 """
 

@@ -1,6 +1,6 @@
 """One traced training step of the runtime's own code, on fake tensors and a fake process group.
 
-What runs is what `launcher.train` runs: `Layout.for_world` -> `build_model(shape, ac, "meta")` -> `build_engine`
+What runs is what `launcher.runtime.train` runs: `Layout.for_world` -> `build_model(shape, ac, "meta")` -> `build_engine`
 (FSDP2 units, MixedPrecisionPolicy, AdamW, LambdaLR) -> `engine.micro_step` x grad_accum -> `engine.step`,
 under `FakeTensorMode` (no memory is allocated, shapes and dtypes are exact) with PyTorch's memory tracker
 counting every live tensor by category. Four deliberate differences from a GPU job, each because fake tensors

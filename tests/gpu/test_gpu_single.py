@@ -35,7 +35,7 @@ def test_env_contract():
 def test_7_a_gpu_plan_where_no_gpu_is_visible_is_a_preflight_error(tmp_path):
     plan = write_plan(tmp_path, gpu_recipe())
     p = subprocess.run(
-        [sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"],
+        [sys.executable, "-m", "launcher.runtime.train", "--plan", str(plan), "--check"],
         capture_output=True,
         text=True,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
@@ -43,7 +43,7 @@ def test_7_a_gpu_plan_where_no_gpu_is_visible_is_a_preflight_error(tmp_path):
     )
     assert p.returncode == ExitCode.PREFLIGHT and "sees none" in p.stderr, p.stdout + p.stderr
     ok = subprocess.run(
-        [sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"],
+        [sys.executable, "-m", "launcher.runtime.train", "--plan", str(plan), "--check"],
         capture_output=True,
         text=True,
         timeout=300,

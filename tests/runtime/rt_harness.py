@@ -131,7 +131,7 @@ class RunResult:
 
 
 # What the job scripts start instead of torchrun: the same agent, which does not restart a final exit code.
-ELASTIC = [sys.executable, "-m", "launcher.elastic"]
+ELASTIC = [sys.executable, "-m", "launcher.runtime.elastic"]
 
 
 def torchrun_cmd(
@@ -144,8 +144,8 @@ def torchrun_cmd(
     elastic: bool = False,
     worker: list[str] | None = None,
 ) -> list[str]:
-    """`worker`: a command each rank runs instead of `python -m launcher.train ...` (given those arguments)."""
-    train = ["-m", "launcher.train", "--plan", str(plan), "--run-dir", str(run_dir)]
+    """`worker`: a command each rank runs instead of `python -m launcher.runtime.train ...` (given those arguments)."""
+    train = ["-m", "launcher.runtime.train", "--plan", str(plan), "--run-dir", str(run_dir)]
     return [
         *(ELASTIC if elastic else [TORCHRUN]),
         f"--nnodes={nnodes}",
@@ -194,10 +194,10 @@ def run_torchrun(
     worker: list[str] | None = None,
     node_env: list[dict] | None = None,
 ) -> RunResult:
-    """Run `python -m launcher.train` under a real torchrun; never hangs the suite (timeout kills it). `nnodes` > 1:
+    """Run `python -m launcher.runtime.train` under a real torchrun; never hangs the suite (timeout kills it). `nnodes` > 1:
     that many torchrun agents on this machine, one per simulated node (each starts `nproc` ranks, its LOCAL_* as
     on a node of its own); their outputs are joined, the first agent's exit code is returned. `elastic`: through
-    launcher.elastic, as the job scripts start it; `prefix`: a command that runs it (unshare); `worker`: a command
+    launcher.runtime.elastic, as the job scripts start it; `prefix`: a command that runs it (unshare); `worker`: a command
     that runs each rank (a wrapper that straces one of them); `node_env`: each agent's own variables (a node's name)."""
     port = free_port()
     t0 = time.monotonic()

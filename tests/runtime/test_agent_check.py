@@ -1,4 +1,4 @@
-"""The pre-start check inside torchrun's agent (`python -m launcher.elastic --check-plan=PLAN ...`, as the SLURM
+"""The pre-start check inside torchrun's agent (`python -m launcher.runtime.elastic --check-plan=PLAN ...`, as the SLURM
 step script starts it): a node that passes starts its workers; one that fails ends the agent with the check's
 code before it joins the rendezvous, without starting a worker, and a broken node is named in the job's
 bad-node file for the job script to exclude. Real torchrun (one node, one worker), real plan files."""
@@ -31,7 +31,7 @@ def _agent(tmp_path: Path, plan: Path, **env: str) -> tuple[subprocess.Completed
     argv = [
         sys.executable,
         "-m",
-        "launcher.elastic",
+        "launcher.runtime.elastic",
         f"--check-plan={plan}",
         "--nnodes=1",
         "--nproc-per-node=1",

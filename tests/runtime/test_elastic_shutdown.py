@@ -1,6 +1,6 @@
 """torch elastic's real shutdown path, the one `--shutdown-timeout` governs (C05).
 
-A signal to the agent (`python -m launcher.elastic`, torchrun's own code) is passed to the workers; the agent
+A signal to the agent (`python -m launcher.runtime.elastic`, torchrun's own code) is passed to the workers; the agent
 then waits `--shutdown-timeout` seconds and SIGKILLs whatever is still running. A worker acts on the signal at
 its next step boundary and then saves, so the grace must cover a step and a save: a worker that needs longer
 is killed before it commits and writes no exit record. The rendered grace is made of exactly those terms.
@@ -44,7 +44,7 @@ def _stop_after(tmp_path: Path, grace: int, need: float) -> tuple[int, bool, flo
     cmd = [
         sys.executable,
         "-m",
-        "launcher.elastic",
+        "launcher.runtime.elastic",
         "--nnodes=1",
         "--nproc-per-node=1",
         "--rdzv-backend=c10d",
@@ -115,7 +115,7 @@ def test_a_restart_kills_a_rank_that_ignores_sigterm_after_the_restart_grace(tmp
     cmd = [
         sys.executable,
         "-m",
-        "launcher.elastic",
+        "launcher.runtime.elastic",
         "--nnodes=1",
         "--nproc-per-node=2",
         "--rdzv-backend=c10d",

@@ -289,12 +289,12 @@ def test_7_a_gpu_recipe_on_a_machine_without_cuda_is_a_preflight_error(monkeypat
 
 
 def _node_check_of_a_gpu_plan(tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`launcher.train --check` of an 8-GPU plan, as each node runs it before torchrun."""
+    """`launcher.runtime.train --check` of an 8-GPU plan, as each node runs it before torchrun."""
     from rt_harness import write_plan
 
     plan = write_plan(tmp_path, recipe_dict(resources={"accelerator": "H100:8"}))
     return subprocess.run(
-        [sys.executable, "-m", "launcher.train", "--plan", str(plan), "--check"],
+        [sys.executable, "-m", "launcher.runtime.train", "--plan", str(plan), "--check"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -303,7 +303,7 @@ def _node_check_of_a_gpu_plan(tmp_path, env: dict | None = None) -> subprocess.C
 
 
 def test_7_the_node_check_before_torchrun_says_preflight_for_a_gpu_plan_here(tmp_path):
-    """`launcher.train --check` (each node, before torchrun) exits 44, so the node can be excluded."""
+    """`launcher.runtime.train --check` (each node, before torchrun) exits 44, so the node can be excluded."""
     p = _node_check_of_a_gpu_plan(tmp_path)
     assert p.returncode == jobenv.ExitCode.PREFLIGHT, p.stdout + p.stderr
     assert "CPU-only build" in p.stderr

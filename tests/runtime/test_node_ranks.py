@@ -1,6 +1,6 @@
-"""Node ranks follow the scheduler, not the sort order of addresses (launcher.elastic).
+"""Node ranks follow the scheduler, not the sort order of addresses (launcher.runtime.elastic).
 
-Two real torch elastic agents (`python -m launcher.elastic`, torchrun's own code) rendezvous over c10d on
+Two real torch elastic agents (`python -m launcher.runtime.elastic`, torchrun's own code) rendezvous over c10d on
 loopback, each announcing an address of its own: 127.0.0.9 for the scheduler's node 0 and 127.0.0.10 for
 its node 1 (every 127/8 address is the loopback interface on Linux). As strings, "127.0.0.10" sorts first, so
 torch alone makes the scheduler's node 1 global rank 0, away from the node that hosts the store; with
@@ -44,7 +44,7 @@ def _rendezvous(tmp_path: Path, with_node_rank: bool) -> dict[int, dict]:
         cmd = [
             sys.executable,
             "-m",
-            "launcher.elastic",
+            "launcher.runtime.elastic",
             "--nnodes=2",
             "--nproc-per-node=1",
             "--rdzv-backend=c10d",
@@ -84,4 +84,4 @@ def test_job_scripts_pass_the_schedulers_node_rank(tmp_path, target, script, sou
     text = yaml.safe_load(files["task.yaml"])["run"] if target == "sky" else files[script]
     assert f'export {NODE_RANK}="{source}"' in text
     # set before torchrun starts
-    assert text.index(f"export {NODE_RANK}=") < text.index("-m launcher.elastic")
+    assert text.index(f"export {NODE_RANK}=") < text.index("-m launcher.runtime.elastic")

@@ -40,7 +40,7 @@ def test_ranks_started_without_torchrun(run_dir, launcher):
             )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "launcher.train", "--plan", str(plan), "--run-dir", str(run_dir)],
+                [sys.executable, "-m", "launcher.runtime.train", "--plan", str(plan), "--run-dir", str(run_dir)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

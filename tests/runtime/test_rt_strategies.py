@@ -6,7 +6,7 @@ scalers (GradScaler for DDP, ShardedGradScaler for FSDP2) on the smaller `micro`
 matmuls are slow on CPU. DeepSpeed's fp16 needs a GPU: that case must be a clear CONFIG error.
 
 The matrix runs in ONE torchrun world (tests/runtime/multi_train.py, the public library API);
-`python -m launcher.train` itself is exercised by every other multi-process test and by the
+`python -m launcher.runtime.train` itself is exercised by every other multi-process test and by the
 ZeRO/fp16 error case below.
 """
 

@@ -107,7 +107,7 @@ def test_rendered_yaml_is_accepted_by_skypilot(sky_lib, tmp_path, recipe_path, v
     if variant == "deepspeed-launcher":
         assert "deepspeed==" in doc["setup"] and "--no_ssh" in doc["run"] and "ds_config.json" in art.files
     else:
-        assert "launcher.elastic" in doc["run"] and "--node-rank" not in doc["run"]
+        assert "launcher.runtime.elastic" in doc["run"] and "--node-rank" not in doc["run"]
         assert '"--rdzv-conf=join_timeout=' in doc["run"] and 'is_host=$IS_HOST"' in doc["run"]
         assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2" in doc["run"]
 
@@ -121,7 +121,7 @@ def test_the_wheel_is_installable_and_holds_this_dtlaunch(tmp_path):
         names = set(zf.namelist())
         meta = zf.read(f"dtlaunch-{launcher.__version__}.dist-info/METADATA").decode()
         record = zf.read(f"dtlaunch-{launcher.__version__}.dist-info/RECORD").decode()
-    assert "launcher/train.py" in names and "launcher/targets/slurm/templates/slurm_job.sh.j2" in names
+    assert "launcher/runtime/train.py" in names and "launcher/targets/slurm/templates/slurm_job.sh.j2" in names
     assert not any("__pycache__" in n for n in names)
     assert "Requires-Dist: torch" in meta and 'extra == "train"' in meta
     assert all(line.count(",") == 2 for line in record.splitlines())

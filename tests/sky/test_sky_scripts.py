@@ -75,7 +75,7 @@ def test_each_node_starts_torchrun_against_the_head(tmp_path):
     assert run_nodes(tmp_path, out, 2) == [0, 0]
     for rank in (0, 1):
         (argv,) = calls(tmp_path, rank)
-        assert argv[:2] == ["-m", "launcher.elastic"]
+        assert argv[:2] == ["-m", "launcher.runtime.elastic"]
         assert "--nnodes=2" in argv and "--nproc-per-node=2" in argv  # cpu:2 -> the plan's count, not SkyPilot's 0
         assert "--rdzv-endpoint=10.0.0.5:29500" in argv and f"--rdzv-id={TASK_ID}" in argv
         # The head hosts the rendezvous store whatever its hostname resolves to (torch guesses by hostname).
@@ -114,7 +114,7 @@ def test_shell_metacharacters_in_recipe_values_are_never_executed(tmp_path, laun
         for r in (0, 1):
             (argv,) = calls(tmp_path, r)
             assert argv[:3] == ["-m", "deepspeed.launcher.runner", "--no_ssh"]
-            assert argv[argv.index("--module") + 1] == "launcher.train" and "--no_local_rank" in argv
+            assert argv[argv.index("--module") + 1] == "launcher.runtime.train" and "--no_local_rank" in argv
 
 
 def _pdsh_command(out: Path, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
@@ -128,7 +128,7 @@ def _pdsh_command(out: Path, tmp_path: Path) -> tuple[list[str], dict[str, str]]
             "--hostfile",
             str(tmp_path / "hf"),
             "--module",
-            "launcher.train",
+            "launcher.runtime.train",
             "--no_local_rank",
             "--master_addr",
             "127.0.0.1",

@@ -227,7 +227,7 @@ def test_apptainer_runs_torchrun_in_the_image_on_every_node(tmp_path, partition,
     pulls = [c for c in got if c["op"] == "pull"]
     execs = [c for c in got if c["op"] == "exec"]
     check = [c for c in execs if "--check" in c["cmd"]]
-    train = [c for c in execs if "launcher.elastic" in c["cmd"]]
+    train = [c for c in execs if "launcher.runtime.elastic" in c["cmd"]]
     submit = str(out.resolve())
     # the registry image converted once, into the submit directory, then run from there on every node
     assert [(c["host"], c["image"]) for c in pulls] == [("node1", f"docker://{IMAGE}")], got
@@ -242,7 +242,7 @@ def test_apptainer_runs_torchrun_in_the_image_on_every_node(tmp_path, partition,
         assert c["envfile"].startswith(f"{submit}/jobs/{job}/env-")  # the job's values over the image's
         assert_wheel_first(c, submit)
         assert c["master_port"] != "99999"
-    assert check[0]["cmd"].startswith("python3 -m launcher.train --plan ")  # the image's python3, by name
+    assert check[0]["cmd"].startswith("python3 -m launcher.runtime.train --plan ")  # the image's python3, by name
     assert (shared_dir(tmp_path) / "ckpt-root" / job).is_dir()  # created before mounting; the checkpoints are there
     assert any((shared_dir(tmp_path) / "ckpt-root" / job).iterdir())
     assert (out / "cache" / "torch_extensions").is_dir()  # writable caches under the submit directory

@@ -1,8 +1,8 @@
-"""The whole job on real SLURM + srun + torchrun + the real runtime (`python -m launcher.train`): 2-node
+"""The whole job on real SLURM + srun + torchrun + the real runtime (`python -m launcher.runtime.train`): 2-node
 rendezvous, USR2 -> checkpoint -> requeue -> resume, `scontrol requeue` -> resume, a crashing rank
 restarted by torchrun without a requeue, a new job given the id of an earlier one in the same submit dir.
 
-Nothing is stubbed: the rendered job.sbatch/step.sh start launcher.train on node1 and node2 (one CPU
+Nothing is stubbed: the rendered job.sbatch/step.sh start launcher.runtime.train on node1 and node2 (one CPU
 rank each, gloo), and every assertion reads what the runtime and the script leave behind: the run dir
 $SUBMIT_DIR/runs/$DTLAUNCH_RUN_ID (metrics.jsonl, checkpoints/, status/) and the job dir
 $SUBMIT_DIR/jobs/$SLURM_JOB_ID (the ledgers and per-attempt logs).

@@ -8,11 +8,11 @@ import subprocess
 
 import pytest
 
+from launcher.cli.sweep import expand
 from launcher.errors import DtlaunchError
 from launcher.plan import make_plan
 from launcher.recipe import load
 from launcher.render.shell import sbatch_value
-from launcher.sweep import expand
 from launcher.targets.slurm.sbatch import render_slurm_array
 from slurmkit import REPO, render_to
 
@@ -61,7 +61,7 @@ def test_the_interpreter_is_resolved_on_the_node_after_setup(tmp_path):
     assert sys.executable not in script
     setup_at = script.index("source /opt/venv/bin/activate")
     resolve_at = script.index('PYTHON="${DTLAUNCH_PYTHON:-$(command -v python3')
-    check_at = script.index('"$PYTHON" -m launcher.elastic --check-environment')
+    check_at = script.index('"$PYTHON" -m launcher.runtime.elastic --check-environment')
     assert setup_at < resolve_at < check_at < script.index("srun --kill-on-bad-exit")
 
 
@@ -116,7 +116,7 @@ def test_network_profiles_leave_nccl_its_own_choices(tmp_path):
 def test_deepspeed_recipe_ships_its_config_and_uses_torchrun(tmp_path):
     _, art = render_to(tmp_path, "llama2-13b-zero3")
     assert "ds_config.json" in art.files
-    assert "launcher.elastic" in art.files["step.sh"]
+    assert "launcher.runtime.elastic" in art.files["step.sh"]
 
 
 def test_sbatch_value_quotes_for_sbatchs_own_parser():

@@ -148,7 +148,7 @@ def test_the_preamble_is_job_sbatchs_batch_part_from_one_template(tmp_path):
         "source /opt/venv/bin/activate",
         '[ -n "${HF_TOKEN+x}" ]',
         "export FOO=bar",
-        '"$PYTHON" -m launcher.elastic --check-environment',
+        '"$PYTHON" -m launcher.runtime.elastic --check-environment',
         "MASTER_PORT=$(( 10000 + ",
     ):
         assert line in pre

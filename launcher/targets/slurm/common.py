@@ -42,11 +42,11 @@ SETUP_HINT = (
     "activate the environment that has torch and dtlaunch in targets.slurm.setup, "
     "e.g. `source /path/to/venv/bin/activate` or `module load ...`"
 )
-# The check a node makes before any rank starts (launcher.train --check): its interpreter, its GPUs, the plan.
+# The check a node makes before any rank starts (launcher.runtime.train --check): its interpreter, its GPUs, the plan.
 CHECK_WORDS: tuple[Word, ...] = (
     ShellExpr("$PYTHON"),
     "-m",
-    "launcher.train",
+    "launcher.runtime.train",
     "--plan",
     ShellExpr("$DTLAUNCH_PLAN"),
     "--check",

@@ -11,7 +11,7 @@ The two runtimes sit at different places in the job, and the job scripts follow 
 Either way the submit directory (step.sh, plan.json, code/, runs/, jobs/) is mounted at its own path, so every
 path the scripts and the runtime pass around means the same inside and outside; so is the static part of an
 absolute checkpoint.dir (created first: a bind mount needs its source). The interpreter check the batch
-shell makes before any rank starts (`python -m launcher.train --check`, exit 2 once instead of a crash on
+shell makes before any rank starts (`python -m launcher.runtime.train --check`, exit 2 once instead of a crash on
 every node and every requeue) runs inside the container too: `step.sh --check`, through srun (pyxis) or
 directly (Apptainer, on the first node, where the batch shell runs).
 

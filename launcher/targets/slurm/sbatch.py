@@ -85,7 +85,7 @@ def render_sbatch(recipe: Recipe, plan: Plan, files: dict[str, str | bytes]) -> 
 
 
 def render_slurm_array(items: Sequence[tuple[Recipe, Plan]]) -> Artifacts:
-    """One array job for a sweep (override sets from launcher.sweep.expand): task i reads task-i/plan.json.
+    """One array job for a sweep (override sets from launcher.cli.sweep.expand): task i reads task-i/plan.json.
     All tasks must share the allocation (nodes, devices, targets.slurm), since an array has one set of
     #SBATCH lines."""
     if not items:

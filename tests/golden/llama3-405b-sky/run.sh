@@ -68,7 +68,7 @@ if [ -z "$PYTHON" ]; then
 fi
 export PYTHON
 CHECK_RC=0 CHECK_RUNNER="$PYTHON"
-"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?
+"$PYTHON" -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?
 if [ "$CHECK_RC" -eq 44 ]; then
   fail 44 "a node cannot run the plan (see above): exclude it and resubmit"
 elif [ "$CHECK_RC" -eq 2 ] || [ "$CHECK_RC" -eq 46 ]; then
@@ -87,7 +87,7 @@ export DTLAUNCH_NODE_RANK="$SKYPILOT_NODE_RANK"  # node ranks in SkyPilot's orde
 NODE_NAME="${SLURMD_NODENAME:-$(hostname)}"
 export PET_TEE=3 PET_LOG_DIR="$DTLAUNCH_RUN_DIR/logs/attempt-$DTLAUNCH_ATTEMPT/$NODE_NAME"
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[$NODE_NAME rank \${rank}] "
-"$PYTHON" -m launcher.elastic "--nnodes=$SKYPILOT_NUM_NODES" "--nproc-per-node=$SKYPILOT_NUM_GPUS_PER_NODE" --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$NODE_ADDR" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=765 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
+"$PYTHON" -m launcher.runtime.elastic "--nnodes=$SKYPILOT_NUM_NODES" "--nproc-per-node=$SKYPILOT_NUM_GPUS_PER_NODE" --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$NODE_ADDR" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=765 -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
 LAUNCHER=$!
 rc=0
 while :; do

@@ -13,7 +13,7 @@ export DTLAUNCH_NODE_RANK="${SLURM_NODEID:-}"  # node ranks in SLURM's (topology
 NODE_NAME="${SLURMD_NODENAME:-$(hostname)}"
 export PET_TEE=3 PET_LOG_DIR="$DTLAUNCH_RUN_DIR/logs/attempt-$DTLAUNCH_ATTEMPT/$NODE_NAME"
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[$NODE_NAME rank \${rank}] "
-"$PYTHON" -m launcher.elastic "--check-plan=$DTLAUNCH_PLAN" "--nnodes=$SLURM_NNODES" --nproc-per-node=8 --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" "--rdzv-id=$SLURM_JOB_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$SLURMD_NODENAME" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=765 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
+"$PYTHON" -m launcher.runtime.elastic "--check-plan=$DTLAUNCH_PLAN" "--nnodes=$SLURM_NNODES" --nproc-per-node=8 --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" "--rdzv-id=$SLURM_JOB_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$SLURMD_NODENAME" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=765 -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
 TORCHRUN=$!
 rc=0
 while :; do

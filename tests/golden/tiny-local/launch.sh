@@ -61,7 +61,7 @@ if [ -z "$PYTHON" ]; then
 fi
 export PYTHON
 CHECK_RC=0 CHECK_RUNNER="$PYTHON"
-"$PYTHON" -m launcher.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?
+"$PYTHON" -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?
 if [ "$CHECK_RC" -eq 44 ]; then
   fail 44 "a node cannot run the plan (see above): exclude it and resubmit"
 elif [ "$CHECK_RC" -eq 2 ] || [ "$CHECK_RC" -eq 46 ]; then
@@ -77,7 +77,7 @@ NODE_NAME="${SLURMD_NODENAME:-$(hostname)}"
 export PET_TEE=3 PET_LOG_DIR="$DTLAUNCH_RUN_DIR/logs/attempt-$DTLAUNCH_ATTEMPT/$NODE_NAME"
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[$NODE_NAME rank \${rank}] "
 # torchrun in a session of its own: a signal to this script reaches it once, through the trap below.
-setsid "$PYTHON" -m launcher.elastic --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d "--rdzv-endpoint=127.0.0.1:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" --rdzv-conf=join_timeout=120,is_host=1 --local-addr=127.0.0.1 --max-restarts=3 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=31 -m launcher.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
+setsid "$PYTHON" -m launcher.runtime.elastic --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d "--rdzv-endpoint=127.0.0.1:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" --rdzv-conf=join_timeout=120,is_host=1 --local-addr=127.0.0.1 --max-restarts=3 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=31 -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
 TORCHRUN=$!
 forward() { kill "-$1" "$TORCHRUN" 2>/dev/null || true; }
 trap 'forward TERM' TERM

@@ -1,4 +1,4 @@
-"""torchrun, as the job scripts start it: `python -m launcher.elastic ARGS` == `torchrun ARGS`.
+"""torchrun, as the job scripts start it: `python -m launcher.runtime.elastic ARGS` == `torchrun ARGS`.
 
 The one difference: when a signal stops torchrun (the preemption USR2, a cancel's TERM), torchrun lets its
 SignalException escape as a traceback in every node's log, although stopping is exactly what was asked.
@@ -32,7 +32,7 @@ import os
 import sys
 from pathlib import Path
 
-from .jobenv import node_name
+from ..jobenv import node_name
 
 
 def _record_unreported(failures: dict) -> None:
@@ -42,7 +42,7 @@ def _record_unreported(failures: dict) -> None:
     status, run_dir = os.environ.get("DTLAUNCH_STATUS"), os.environ.get("DTLAUNCH_RUN_DIR")
     if not status or not run_dir:
         return
-    from .runtime.status import UNREPORTED, write_status
+    from .status import UNREPORTED, write_status
 
     for rank, failure in failures.items():
         code = int(failure.exitcode)
@@ -64,7 +64,7 @@ def _final_codes_stop_restarts() -> None:
     instead of restarting theirs."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from .jobenv import ExitCode, restarts_in_place
+    from ..jobenv import ExitCode, restarts_in_place
 
     monitor = LocalElasticAgent._monitor_workers
 
@@ -100,7 +100,7 @@ def _restarts_do_not_wait_for_the_hung() -> None:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import PContext
 
-    from .jobenv import RESTART_GRACE_S
+    from ..jobenv import RESTART_GRACE_S
 
     close = PContext.close
     if "timeout" in inspect.signature(close).parameters:
@@ -141,7 +141,7 @@ CHECK_PLAN = "--check-plan"  # our one flag, first: `--check-plan=PLAN` checks t
 
 
 def _check_first(argv: list[str]) -> tuple[int, list[str]]:
-    """Run the pre-start check (launcher.train.check) here, in the agent, when argv begins with
+    """Run the pre-start check (launcher.runtime.train.check) here, in the agent, when argv begins with
     `--check-plan=PLAN`: (its exit code, torchrun's own arguments). The agent imports torch anyway, so a node
     checks itself without a Python process (and a job step) of its own, once per agent, before it joins the
     rendezvous; torchrun's in-place restarts keep the agent and do not check again. A node that fails ends its
@@ -149,7 +149,7 @@ def _check_first(argv: list[str]) -> tuple[int, list[str]]:
     other nodes' agents, and the step's exit code is that node's (srun exits with the highest task status)."""
     if not argv or not argv[0].startswith(CHECK_PLAN + "="):
         return 0, argv
-    from .jobenv import ExitCode
+    from ..jobenv import ExitCode
     from .train import check
 
     try:
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv == [CHECK_ENVIRONMENT]:
         return _check_environment()
-    from .runtime.signals import die_with_parent
+    from .signals import die_with_parent
 
     die_with_parent()  # if the job script that started us is killed, stop the workers (gracefully) too
     code, argv = _check_first(argv)
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from .jobenv import NODE_RANK
+    from ..jobenv import NODE_RANK
 
     _final_codes_stop_restarts()
     _restarts_do_not_wait_for_the_hung()

@@ -10,7 +10,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from .errors import DtlaunchError
+from ..errors import DtlaunchError
 
 MAX_COMBINATIONS = 1000
 

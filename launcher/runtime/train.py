@@ -1,4 +1,4 @@
-"""The job's entry point: `python -m launcher.train --plan PLAN.json [--run-dir DIR]` (under torchrun,
+"""The job's entry point: `python -m launcher.runtime.train --plan PLAN.json [--run-dir DIR]` (under torchrun,
 srun or SkyPilot). It trains exactly the resolved plan that `dtlaunch plan` showed.
 
 Every ending maps to one exit code from launcher.jobenv.ExitCode, with a one-paragraph message instead of a
@@ -14,14 +14,14 @@ import sys
 import traceback
 from pathlib import Path
 
-from . import jobenv
-from .errors import DtlaunchError
-from .jobenv import ExitCode
-from .runtime.status import classify, is_oom, rank_from_env, write_status
+from .. import jobenv
+from ..errors import DtlaunchError
+from ..jobenv import ExitCode
+from .status import classify, is_oom, rank_from_env, write_status
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launcher.train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m launcher.runtime.train", description=__doc__.splitlines()[0])
     p.add_argument("--plan", required=True, help="the plan file written by `dtlaunch render` (plan.json)")
     p.add_argument(
         "--run-dir",
@@ -46,14 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return check(args.plan, args.run_dir)
     rank = rank_from_env()
-    from .runtime.signals import PreemptionFlag, die_with_parent
+    from .signals import PreemptionFlag, die_with_parent
 
     # First things first, before the seconds of importing torch: a preemption signal that arrives during
     # start-up must set the flag (checkpoint at the first step boundary), not kill the process; and if
     # torchrun dies, this worker must not train on alone.
     flag = PreemptionFlag().install()
     die_with_parent()
-    from . import planfile
+    from .. import planfile
 
     try:
         recipe, plan, doc = planfile.read(args.plan)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = _run_dir(args.plan, args.run_dir)
     for k, v in recipe.env.items():  # the recipe's plain environment, unless the launcher already set it
         os.environ.setdefault(k, v)
-    from .runtime.loop import Trainer
+    from .loop import Trainer
 
     trainer = Trainer(recipe, plan, run_dir, recipe_hash=doc.get("recipe_hash"), flag=flag)
     try:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dtlaunch: rank {rank}: exit {code} ({label}): {message}", file=sys.stderr, flush=True)
         write_status(run_dir, rank, code, message, step, trainer.start_step)
         if code == ExitCode.HANG:
-            from .runtime.hangs import on_hang
+            from .hangs import on_hang
 
             on_hang(rank, nccl=trainer.writes_flight_recorder())
         sys.stdout.flush()
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         # live group can abort the process, replacing our exit code with SIGABRT.
         os._exit(code)
     write_status(run_dir, rank, code, message, trainer.step, trainer.start_step)
-    from .runtime.dist import shutdown
+    from .dist import shutdown
 
     shutdown()
     return code
@@ -119,11 +119,11 @@ def _run_dir(plan_path: str, run_dir: str | None) -> Path:
 
 
 def check(plan_path: str, run_dir: str | None = None) -> int:
-    """This node against the plan (`launcher.train --check`, and torchrun's agent before its rendezvous:
-    launcher.elastic --check-plan): print one line, return 0, or the exit code that says what is wrong:
+    """This node against the plan (`launcher.runtime.train --check`, and torchrun's agent before its rendezvous:
+    launcher.runtime.elastic --check-plan): print one line, return 0, or the exit code that says what is wrong:
     CONFIG (the plan or the environment), PREFLIGHT (this node's hardware: recorded in jobenv.BAD_NODES),
     STORAGE, or FAILED when the environment cannot import what the check needs."""
-    from . import planfile
+    from .. import planfile
 
     try:
         recipe, plan, _ = planfile.read(plan_path)
@@ -131,7 +131,7 @@ def check(plan_path: str, run_dir: str | None = None) -> int:
         print(f"dtlaunch: node {jobenv.node_name()}: cannot read the plan:\n{e}", file=sys.stderr, flush=True)
         return ExitCode.CONFIG
     try:
-        from .runtime.nodecheck import check as check_node
+        from .nodecheck import check as check_node
 
         summary = check_node(recipe, plan, _run_dir(plan_path, run_dir))
     except DtlaunchError as e:  # CONFIG (the plan or the environment) or PREFLIGHT (this node's hardware)

@@ -1,7 +1,7 @@
 """The user's own training code, as the job scripts start it on every rank (under torchrun or DeepSpeed):
 
-    python -m launcher.entry path/to/train.py ARGS...      (entrypoint.script)
-    python -m launcher.entry --module pkg.train ARGS...     (entrypoint.module)
+    python -m launcher.runtime.entry path/to/train.py ARGS...      (entrypoint.script)
+    python -m launcher.runtime.entry --module pkg.train ARGS...     (entrypoint.module)
 
 It runs the code exactly as `python train.py ARGS` / `python -m pkg.train ARGS` would (same `__main__`, same
 sys.argv, same sys.path), and adds the one thing a job needs that a script would not do by itself: the
@@ -22,7 +22,7 @@ import sys
 import traceback
 from pathlib import Path
 
-USAGE = "usage: python -m launcher.entry SCRIPT.py [ARGS...] | --module MODULE [ARGS...]"
+USAGE = "usage: python -m launcher.runtime.entry SCRIPT.py [ARGS...] | --module MODULE [ARGS...]"
 
 
 def _exit_code(value) -> tuple[int, str]:
@@ -39,7 +39,7 @@ def _exit_code(value) -> tuple[int, str]:
 
 def run(target: str, args: list[str], *, module: bool) -> tuple[int, str]:
     """Run the user's code in this process; (exit code, message) of how it ended."""
-    from .runtime.status import classify
+    from .status import classify
 
     sys.argv = [target, *args]
     try:
@@ -49,7 +49,7 @@ def run(target: str, args: list[str], *, module: bool) -> tuple[int, str]:
         else:
             path = Path(target)
             if not path.is_file():
-                from .jobenv import ExitCode
+                from ..jobenv import ExitCode
 
                 return ExitCode.CONFIG, f"entrypoint script {target} not found in {os.getcwd()}"
             sys.path.insert(0, str(path.resolve().parent))  # what `python script.py` does
@@ -58,7 +58,7 @@ def run(target: str, args: list[str], *, module: bool) -> tuple[int, str]:
     except SystemExit as e:
         return _exit_code(e.code)
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
-        from .errors import DtlaunchError
+        from ..errors import DtlaunchError
 
         code, message = classify(exc, None, None)
         if not isinstance(exc, (DtlaunchError, KeyboardInterrupt)):
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, args = argv[0], argv[1:]
 
-    from . import jobenv
-    from .runtime.signals import die_with_parent
-    from .runtime.status import progress, rank_from_env, write_status
+    from .. import jobenv
+    from .signals import die_with_parent
+    from .status import progress, rank_from_env, write_status
 
     die_with_parent()  # if torchrun dies, this rank must not train on alone
     code, message = run(target, args, module=module)
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     write_status(Path(os.environ.get(jobenv.RUN_DIR) or "."), rank, code, message, step, start)
     if code == jobenv.ExitCode.HANG:
-        from .runtime.hangs import on_hang
+        from .hangs import on_hang
 
         on_hang(rank)
     return code
