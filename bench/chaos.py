@@ -190,12 +190,12 @@ def _checkpoint_disk(root: Path) -> None:
 
 def _corrupt_newest(root: Path) -> int | None:
     """Flip bytes in the newest complete checkpoint's largest file; its step, None when no older one is left."""
-    from launcher.runtime import ckptdir
+    from launcher.runtime.checkpoint import disk
 
-    steps = ckptdir.complete_steps(root)
+    steps = disk.complete_steps(root)
     if len(steps) < 2:
         return None
-    path = ckptdir.step_path(root, steps[-1])
+    path = disk.step_path(root, steps[-1])
     victim = max((f for f in path.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
     data = bytearray(victim.read_bytes())
     for i in range(0, len(data), max(1, len(data) // 64)):
@@ -333,7 +333,7 @@ def _run(rec: dict, ref, plan: Path, run_dir: Path, steps: int, faults: int, see
     from safetensors.torch import load_file
 
     from launcher.jobenv import ExitCode
-    from launcher.runtime import ckptdir
+    from launcher.runtime.checkpoint import disk
     from launcher.runtime.checkpoint.lock import RunLock
     from launcher.runtime.goodput import ledger
 
@@ -363,7 +363,7 @@ def _run(rec: dict, ref, plan: Path, run_dir: Path, steps: int, faults: int, see
     ref_losses = {r["step"]: r["loss"] for r in ref.metrics() if "loss" in r and isinstance(r.get("step"), int)}
     same_losses = final == ref_losses
     orphans = sorted({p for h in happened for p in h["orphans"]} | set(_marked(mark)))
-    partials = [p.name for p in ckptdir.partial_dirs(run_dir / "checkpoints")]
+    partials = [p.name for p in disk.partial_dirs(run_dir / "checkpoints")]
     lock = RunLock(run_dir / "checkpoints")
     lock_free = lock.acquire("chaos-check") is None
     lock.release()

@@ -196,7 +196,7 @@ class Controller:
 
 def _inject(kind: str, ctl: Controller, rng: random.Random) -> dict:
     """The fault, from outside; what was done. Returns once the run trains again."""
-    from launcher.runtime import ckptdir
+    from launcher.runtime.checkpoint import disk
 
     t0 = time.time()
     rank = rng.randint(0, 1)
@@ -215,7 +215,7 @@ def _inject(kind: str, ctl: Controller, rng: random.Random) -> dict:
         got = {"vm": "all", "corrupted_step": C._corrupt_newest(ctl.run_dir)}
     elif kind == "kill_in_checkpoint":
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not ckptdir.partial_dirs(ctl.run_dir):
+        while time.monotonic() < deadline and not disk.partial_dirs(ctl.run_dir):
             time.sleep(0.005)
         got = {"killed": _kill(_workers(ctl.mark).values())}
     else:
@@ -226,7 +226,7 @@ def _inject(kind: str, ctl: Controller, rng: random.Random) -> dict:
 def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
     from safetensors.torch import load_file
 
-    from launcher.runtime import ckptdir
+    from launcher.runtime.checkpoint import disk
     from launcher.runtime.goodput import attempts, ledger
     from sky_nodes import WORKDIR, build_image, destroy_all
 
@@ -266,7 +266,7 @@ def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
             raise RuntimeError("chaos_sky: no node exported the model")
         a, b = load_file(str(ref.run_dir / "model.safetensors")), load_file(str(exported))
         identical = a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-        partials = [p.name for p in ckptdir.partial_dirs(ctl.run_dir)]
+        partials = [p.name for p in disk.partial_dirs(ctl.run_dir)]
     finally:
         ctl.close()
         destroy_all()

@@ -226,11 +226,11 @@ def _render(out: Path, steps: int, partition: str) -> None:
 
 def _wait_for_save(run: Run, timeout: float) -> bool:
     """Until a save is being written (an uncommitted step directory), polled fast: True when one is."""
-    from launcher.runtime import ckptdir
+    from launcher.runtime.checkpoint import disk
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not run.finished():
-        if ckptdir.partial_dirs(run.dir / "checkpoints"):
+        if disk.partial_dirs(run.dir / "checkpoints"):
             return True
         time.sleep(0.005)
     return False
@@ -338,7 +338,7 @@ def chaos(steps: int, faults: int, seed: int, out: Path) -> dict:
 
 
 def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict:
-    from launcher.runtime import ckptdir
+    from launcher.runtime.checkpoint import disk
     from launcher.runtime.checkpoint.lock import RunLock
     from launcher.runtime.goodput import attempts, ledger
 
@@ -373,7 +373,7 @@ def _chaos(run: Run, ref, steps: int, faults: int, seed: int, load_file) -> dict
     same_losses = final == {k: v for k, v in ref_losses.items() if k <= steps}
     time.sleep(2)  # slurmstepd's last kills
     orphans = [(p.pid, p.cmd[:80]) for p in procs(run.mark)]
-    partials = [p.name for p in ckptdir.partial_dirs(run.dir / "checkpoints")]
+    partials = [p.name for p in disk.partial_dirs(run.dir / "checkpoints")]
     lock = RunLock(run.dir / "checkpoints")
     lock_free = lock.acquire("chaos-check") is None
     lock.release()

@@ -56,7 +56,7 @@ OUTCOMES: dict[ExitCode, str] = {
     ExitCode.HANG: "retry",
     ExitCode.PREFLIGHT: "retry",
     ExitCode.DIVERGED: "final",
-    # Retried reads already happened inside the attempt (runtime.ckptdir); a full or read-only disk stays so.
+    # Retried reads already happened inside the attempt (runtime.checkpoint.disk); a full or read-only disk stays so.
     ExitCode.STORAGE: "final",
 }
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from launcher.jobenv import ATTEMPT
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from launcher.targets.local import backend as local
 from launcher.targets.local.request import LocalHandle
 from launcher.targets.registry import JobRecord, Registry
@@ -307,6 +307,6 @@ def test_down_in_a_jobs_first_second_is_a_stop_not_a_lost_job(run_cli, tmp_path)
     code, out, err = run_cli("down", "tiny")
     assert code == 0 and "stopped tiny: stopped before training began (nothing to checkpoint)" in out, out + err
     assert states(run_cli) == ["PREEMPTED"]
-    assert not (run_dir / "checkpoints").exists() or not ckptdir.complete_steps(run_dir / "checkpoints")
+    assert not (run_dir / "checkpoints").exists() or not disk.complete_steps(run_dir / "checkpoints")
     code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=4")
     assert code == 0 and "done: 4 steps" in out, out + err

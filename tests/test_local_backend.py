@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from launcher.targets.local.backend import job_processes
 from launcher.targets.local.request import LocalHandle
 from launcher.targets.registry import JobRecord, Registry
@@ -107,9 +107,9 @@ def test_up_status_logs_plot_and_history_per_attempt(run_cli, tmp_path):
     assert code == 0, err
     assert "resumed" not in out and "done: 4 steps" in out, out
     (aside,) = (run_dir / "previous").iterdir()
-    assert ckptdir.complete_steps(aside / "checkpoints")[-1] == 8  # the failed third attempt's last save
+    assert disk.complete_steps(aside / "checkpoints")[-1] == 8  # the failed third attempt's last save
     assert {"checkpoints", "metrics.jsonl", "logs", "loss.png"} <= {p.name for p in aside.iterdir()}
-    assert ckptdir.complete_steps(run_dir / "checkpoints")[-1] == 4
+    assert disk.complete_steps(run_dir / "checkpoints")[-1] == 4
     assert [m["step"] for m in metrics(run_dir) if "loss" in m][0] == 1
 
 
@@ -155,7 +155,7 @@ def test_one_job_per_run_directory_and_down_checkpoints(run_cli, tmp_path):
     (row,) = status_rows(run_cli)
     assert (row["state"], row["exit_code"]) == ("PREEMPTED", 42)
     pre = [m for m in metrics(run_dir) if m.get("event") == "preempt"]
-    assert pre and pre[0]["step"] in ckptdir.complete_steps(run_dir / "checkpoints")
+    assert pre and pre[0]["step"] in disk.complete_steps(run_dir / "checkpoints")
     code, out, _ = run_cli("down", "tiny")
     assert code == 0 and "already finished" in out
 

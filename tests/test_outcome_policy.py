@@ -152,9 +152,9 @@ def test_the_readme_table_says_what_the_policy_does():
 def test_progress_counts_checkpoints_committed_by_ranks_that_left_no_exit_record(tmp_path):
     """A time limit with progress continues the run in a new allocation; without, it fails. Ranks SIGKILLed at the
     limit write no exit record, so progress is also read from the checkpoints: a step committed since the attempt
-    started (job.sbatch's newest_checkpoint, the submitit path's JobFiles, and launcher/runtime/ckptdir.py see the
+    started (job.sbatch's newest_checkpoint, the submitit path's JobFiles, and launcher/runtime/checkpoint/disk.py see the
     same directory alike: committed, not corrupt, not partial)."""
-    from launcher.runtime import ckptdir
+    from launcher.runtime.checkpoint import disk
     from launcher.targets.slurm_decisions import JobFiles
 
     job = rendered("slurm").files["job.sbatch"]
@@ -162,10 +162,10 @@ def test_progress_counts_checkpoints_committed_by_ranks_that_left_no_exit_record
     fns += job[job.index("progress() {") : job.index("requeue() {")]
     root = tmp_path / "ckpt"
     for step in (4, 12, 16):
-        ckptdir.step_path(root, step).mkdir(parents=True)
-        ckptdir.commit(root, step, {"step": step})
-    ckptdir.mark_corrupt(ckptdir.step_path(root, 16), "a bad shard")
-    ckptdir.step_path(root, 20).mkdir()  # written, never committed
+        disk.step_path(root, step).mkdir(parents=True)
+        disk.commit(root, step, {"step": step})
+    disk.mark_corrupt(disk.step_path(root, 16), "a bad shard")
+    disk.step_path(root, 20).mkdir()  # written, never committed
     status = tmp_path / "status"
     status.mkdir()
 
@@ -178,7 +178,7 @@ def test_progress_counts_checkpoints_committed_by_ranks_that_left_no_exit_record
         }
         return subprocess.run(["bash", "-c", fns + script], env=env, capture_output=True, text=True, timeout=30)
 
-    assert bash("newest_checkpoint", 0).stdout.strip() == str(ckptdir.newest_step(root)) == "12"
+    assert bash("newest_checkpoint", 0).stdout.strip() == str(disk.newest_step(root)) == "12"
     assert bash("progress", 4).returncode == 0 and bash("progress", 12).returncode != 0
     files = JobFiles.__new__(JobFiles)
     files.checkpoint_dir, files.status = str(root), status

@@ -107,7 +107,7 @@ def _job_log(name: str):
 def write_calibration(ledger: dict, where: Path) -> Path:
     """ledger.json (when it is not there already) and calibration.json in `where`."""
     from ..plan.ledger import LEDGER_FILE, calibration
-    from ..runtime.ckptdir import write_file_durably
+    from ..runtime.checkpoint.disk import write_file_durably
 
     if not (where / LEDGER_FILE).is_file():
         write_file_durably(where / LEDGER_FILE, (json.dumps(ledger, indent=2) + "\n").encode())

@@ -102,12 +102,12 @@ def out_dir_for(recipe, target: str, out_dir=None) -> Path:
 def _completed_step(recipe, plan, out: Path, run_id: str) -> int | None:
     """The newest committed checkpoint of the run in `out` when it is at or past the recipe's last step (the run
     is complete: another attempt would train nothing); None when there is more to train or no checkpoint here."""
-    from ..runtime import ckptdir
+    from ..runtime.checkpoint import disk
 
     if plan.steps is None or "{run_id}" in (recipe.checkpoint.dir or "") and not run_id:
         return None
-    root = ckptdir.expand_dir(recipe.checkpoint.dir, out.resolve(), run_id)
-    done = ckptdir.complete_steps(root)
+    root = disk.expand_dir(recipe.checkpoint.dir, out.resolve(), run_id)
+    done = disk.complete_steps(root)
     return done[-1] if done and done[-1] >= plan.steps else None
 
 
@@ -120,10 +120,10 @@ def _start_over(recipe, art, out: Path, run_id: str) -> str:
 
     from ..jobenv import RUN_ID
     from ..render.artifacts import MANIFEST, read_manifest
-    from ..runtime import ckptdir
+    from ..runtime.checkpoint import disk
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    root = ckptdir.expand_dir(recipe.checkpoint.dir, out.resolve(), run_id)
+    root = disk.expand_dir(recipe.checkpoint.dir, out.resolve(), run_id)
     said = []
     if not root.resolve().is_relative_to(out.resolve()) and root.is_dir():
         if "{run_id}" not in (recipe.checkpoint.dir or ""):

@@ -43,7 +43,7 @@ from ..plan.ledger import LEDGER_FILE, entry, log_line
 from .agreement import Agreement, NonFiniteWatch, Reporter, StepSync
 from .checkpoint import Checkpointer
 from .checkpoint.compat import identity
-from .ckptdir import expand_dir, write_file_durably
+from .checkpoint.disk import expand_dir, write_file_durably
 from .dist import World, init_distributed, node_names, set_collective_timeout, shutdown
 from .engines import Engine, build_engine
 from .failures import ConfigError, Preempted, PreflightError

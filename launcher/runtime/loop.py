@@ -26,9 +26,8 @@ from ..jobenv import ExitCode
 from ..plan.cost import checkpoint_bytes
 from ..plan.layout import Layout
 from ..validate.rules_runtime import eval_with_pipeline
-from . import ckptdir
 from . import preflight as preflight_mod
-from .checkpoint import Checkpointer, export_model
+from .checkpoint import Checkpointer, disk, export_model
 from .checkpoint.compat import identity
 from .data import Batches, EvalData, build_dataloader, build_eval_data, held_out_sequences, rescale_position
 from .dist import World, enable_determinism, init_distributed
@@ -203,7 +202,7 @@ class Trainer:
             module = build_for_recipe(
                 rec.model, layout.activation_checkpointing, device="meta" if meta else "cpu", seed=tr.seed
             )
-        weights = rec.model.hf_weights if not ckptdir.complete_steps(job.checkpoint_dir) else None
+        weights = rec.model.hf_weights if not disk.complete_steps(job.checkpoint_dir) else None
         if weights and not meta:  # fine-tuning: every rank reads the weights before the strategy wraps the model
             n = load_weights(module, weights, sharded=False)
             metrics.log(f"loaded {n} tensors of pretrained weights from {weights}")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..jobenv import METRICS_FILE, read_metrics, span
-from .ckptdir import write_file_durably
+from .checkpoint.disk import write_file_durably
 from .failures import ConfigError
 
 MB = 2**20

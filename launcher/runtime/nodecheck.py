@@ -17,7 +17,7 @@ from pathlib import Path
 from ..jobenv import CHECKPOINT_DIR, CODE_DIR, MIN_TORCH, RUN_ID
 from ..strategies import Family
 from ..version import __version__
-from .ckptdir import expand_dir, free_bytes
+from .checkpoint.disk import expand_dir, free_bytes
 from .failures import ConfigError, StorageError
 
 

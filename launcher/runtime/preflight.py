@@ -345,7 +345,7 @@ def check_checkpoint_space(world, checkpoint_dir: Path, checkpoint_bytes: float,
     run that failed on a full disk must not then fail here on its own leftovers."""
     if world.rank != 0:
         return
-    from .ckptdir import free_bytes, partial_dirs, tree_bytes
+    from .checkpoint.disk import free_bytes, partial_dirs, tree_bytes
 
     leftovers = sum(tree_bytes(p) for p in partial_dirs(checkpoint_dir))
     free = free_bytes(checkpoint_dir) + leftovers

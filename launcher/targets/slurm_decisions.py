@@ -136,7 +136,7 @@ class JobFiles:
         return out
 
     def newest_checkpoint(self) -> int:
-        from ..runtime.ckptdir import newest_step
+        from ..runtime.checkpoint.disk import newest_step
 
         return newest_step(Path(self.checkpoint_dir))
 

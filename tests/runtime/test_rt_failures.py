@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from launcher.jobenv import ExitCode
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from rt_harness import recipe_dict, run_torchrun, write_plan
 
 TIMEOUT_S = 5
@@ -121,7 +121,7 @@ def test_unresumable_checkpoints_are_config_errors(reference, run_dir, tmp_path)
         zero_dir,
     )
     assert zero.rc == 0, zero.output[-3000:]
-    assert ckptdir.complete_steps(zero_dir / "checkpoints") == [2]
+    assert disk.complete_steps(zero_dir / "checkpoints") == [2]
     shutil.copytree(zero_dir / "checkpoints", run_dir / "checkpoints")
     fsdp = run_torchrun(
         write_plan(run_dir, recipe_dict(parallelism={"strategy": "fsdp", "tensor": 2}, training={"steps": 4})), run_dir
@@ -132,7 +132,7 @@ def test_unresumable_checkpoints_are_config_errors(reference, run_dir, tmp_path)
     # A real DDP checkpoint of the tiny model, resumed by a recipe with another shape (micro): refused.
     ref = reference("ddp")
     other = tmp_path / "other"
-    shutil.copytree(ref.run_dir / "checkpoints" / ckptdir.step_name(4), other / "checkpoints" / ckptdir.step_name(4))
+    shutil.copytree(ref.run_dir / "checkpoints" / disk.step_name(4), other / "checkpoints" / disk.step_name(4))
     shape = run_torchrun(
         write_plan(other, recipe_dict(model={"preset": "micro", "seq_len": 64}, training={"steps": 4})), other
     )

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from launcher.jobenv import ExitCode
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from rt_harness import DET_EVERY, DET_STEPS, det_recipe, load_safetensors, run_torchrun, write_plan
 
 pytestmark = pytest.mark.slow
@@ -46,15 +46,15 @@ def test_r01_no_usable_checkpoint_ends_the_job_despite_torchruns_restarts(run_di
     plan = write_plan(run_dir, det_recipe("ddp", checkpoint={"every": 6, "keep": 1}))
     assert run_torchrun(plan, run_dir, elastic=True, max_restarts=3).rc == 0
     root = run_dir / "checkpoints"
-    (only,) = ckptdir.complete_steps(root)
-    truncate(ckptdir.step_path(root, only) / "__1_0.distcp")
+    (only,) = disk.complete_steps(root)
+    truncate(disk.step_path(root, only) / "__1_0.distcp")
     (run_dir / "metrics.jsonl").unlink()
     res = run_torchrun(plan, run_dir, elastic=True, max_restarts=3)
     assert res.rc != 0 and set(res.worker_codes) == {ExitCode.CONFIG}, res.output[-3000:]
     assert "never retried: not restarting the workers" in res.stderr
     assert len(res.events("start")) == 1, "the agent restarted the workers"
     assert trained_steps(res) == [] and "starting from step 0" not in res.stdout
-    assert ckptdir.is_corrupt(ckptdir.step_path(root, only))  # kept in place for a person, never moved aside
+    assert disk.is_corrupt(disk.step_path(root, only))  # kept in place for a person, never moved aside
     assert not list(root.glob("*.corrupt-*"))
     # Every later attempt (a resubmission, or an agent on another node that restarts anyway) stops too, naming it.
     again = run_torchrun(plan, run_dir, max_restarts=0)
@@ -77,7 +77,7 @@ def strace_rank(rank: int, path, when: str) -> list[str]:
 
 def verified_by_rank(path, rank: int, world: int) -> str:
     """A data file that `rank` checksums at resume (ranks take the sorted names in turn)."""
-    names = sorted(ckptdir.expected_files(path)[0])
+    names = sorted(disk.expected_files(path)[0])
     return next(n for n in names[rank::world] if n.endswith(".distcp"))
 
 
@@ -92,25 +92,25 @@ def finished(run_dir):
 
 def test_r02_a_transient_read_error_is_retried_and_marks_nothing(reference, run_dir, finished):
     plan, root = finished
-    newest = ckptdir.step_path(root, DET_STEPS)
+    newest = disk.step_path(root, DET_STEPS)
     victim = newest / verified_by_rank(newest, 1, 2)
     res = run_torchrun(plan, run_dir, elastic=True, max_restarts=2, worker=strace_rank(1, victim, "1"))
     assert res.rc == 0, res.output[-3000:]
     assert f"resumed from step {DET_STEPS}" in res.stdout and "cannot be used" not in res.stdout
-    assert ckptdir.corrupt_steps(root) == [] and ckptdir.complete_steps(root)[-1] == DET_STEPS
+    assert disk.corrupt_steps(root) == [] and disk.complete_steps(root)[-1] == DET_STEPS
     assert same_weights(reference("ddp").run_dir / "model.safetensors", run_dir / "model.safetensors")
 
 
 def test_r02_a_read_error_that_persists_fails_the_attempt_without_marking(run_dir, finished):
     plan, root = finished
-    newest = ckptdir.step_path(root, DET_STEPS)
+    newest = disk.step_path(root, DET_STEPS)
     victim = newest / verified_by_rank(newest, 1, 2)
     before = sorted(p.name for p in newest.iterdir())
     res = run_torchrun(plan, run_dir, elastic=True, max_restarts=2, worker=strace_rank(1, victim, "1+"))
     assert set(res.worker_codes) == {ExitCode.STORAGE}, res.output[-3000:]
     assert f"cannot read the checkpoint file {victim} (Input/output error)" in res.stderr
     assert len(res.events("start")) == 1  # a storage error is not restarted by the agent
-    assert ckptdir.corrupt_steps(root) == [] and sorted(p.name for p in newest.iterdir()) == before
+    assert disk.corrupt_steps(root) == [] and sorted(p.name for p in newest.iterdir()) == before
     assert "launcher/runtime/" not in res.stderr  # no rank traceback (torchrun reports the failure itself)
 
 
@@ -118,11 +118,11 @@ def test_r02_a_read_error_inside_dcp_load_is_a_storage_error(run_dir, finished):
     """DCP's CheckpointException is a BaseException: it ended the rank with a traceback and torchrun retried.
     Here the checksums pass (the first three opens succeed) and DCP's own open fails."""
     plan, root = finished
-    newest = ckptdir.step_path(root, DET_STEPS)
+    newest = disk.step_path(root, DET_STEPS)
     victim = newest / verified_by_rank(newest, 1, 2)
     res = run_torchrun(plan, run_dir, elastic=True, max_restarts=2, worker=strace_rank(1, victim, "2+"))
     assert set(res.worker_codes) == {ExitCode.STORAGE}, res.output[-3000:]
-    assert f"reading checkpoint {newest} failed" in res.stderr and ckptdir.corrupt_steps(root) == []
+    assert f"reading checkpoint {newest} failed" in res.stderr and disk.corrupt_steps(root) == []
 
 
 # ----------------------------------------------------------------------------- R03
@@ -133,7 +133,7 @@ def test_r03_a_linked_step_directory_is_refused_and_the_other_run_untouched(run_
     (unlinking A's COMPLETE) and log "pruned"; A then lost that checkpoint."""
     a = tmp_path / "a"
     assert run_torchrun(write_plan(a, det_recipe("ddp")), a, elastic=True).rc == 0
-    a_root, a_newest = a / "checkpoints", ckptdir.step_path(a / "checkpoints", DET_STEPS)
+    a_root, a_newest = a / "checkpoints", disk.step_path(a / "checkpoints", DET_STEPS)
     before = {p.name: p.stat().st_size for p in a_newest.iterdir()}
     b_root = run_dir / "checkpoints"
     b_root.mkdir()
@@ -144,21 +144,21 @@ def test_r03_a_linked_step_directory_is_refused_and_the_other_run_untouched(run_
     assert f"{a_newest.name} -> {a_newest}" in res.stderr and "never follows" in res.stderr
     assert trained_steps(res) == [] and "pruned" not in res.stdout
     assert {p.name: p.stat().st_size for p in a_newest.iterdir()} == before
-    assert ckptdir.complete_steps(a_root)[-1] == DET_STEPS
+    assert disk.complete_steps(a_root)[-1] == DET_STEPS
 
 
 def test_r03_prune_and_cleanup_never_follow_links_and_say_what_they_did(tmp_path):
     other = tmp_path / "other" / "step-00000002"
     other.mkdir(parents=True)
-    (other / ckptdir.MARKER).write_text("{}")
+    (other / disk.MARKER).write_text("{}")
     root = tmp_path / "ck"
     root.mkdir()
     (root / "step-00000002").symlink_to(other)
     (root / "step-00000009").symlink_to(tmp_path / "other")  # an uncommitted-looking link
     problems: list[str] = []
-    assert ckptdir.prune(root, keep=1, problems=problems) == []
-    assert ckptdir.clean_partials(root, problems) == []
-    assert (other / ckptdir.MARKER).is_file() and (root / "step-00000002").is_symlink()
+    assert disk.prune(root, keep=1, problems=problems) == []
+    assert disk.clean_partials(root, problems) == []
+    assert (other / disk.MARKER).is_file() and (root / "step-00000002").is_symlink()
     assert any("left step-00000002 alone: it is a symbolic link" in p for p in problems)
     # A directory that could not be removed is reported, not counted as removed (rmtree failing silently
     # under ignore_errors used to be logged as "pruned").
@@ -166,8 +166,8 @@ def test_r03_prune_and_cleanup_never_follow_links_and_say_what_they_did(tmp_path
     stuck.mkdir()
     problems.clear()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ckptdir.shutil, "rmtree", lambda p, **kw: None)
-        assert ckptdir.clean_partials(root, problems) == []
+        mp.setattr(disk.shutil, "rmtree", lambda p, **kw: None)
+        assert disk.clean_partials(root, problems) == []
     assert problems == ["could not remove step-00000001: still there"]
 
 
@@ -178,11 +178,11 @@ def test_r10_an_edited_meta_json_is_damage_and_the_result_stays_exact(reference,
     """step-12/meta.json edited to say step 8 (with step 8's data position): the run resumed "from step 8" on
     step-12 weights, retrained 9-12 on top and skipped the saves as already committed: wrong weights."""
     plan, root = finished
-    newest = ckptdir.step_path(root, DET_STEPS)
+    newest = disk.step_path(root, DET_STEPS)
     prev = DET_STEPS - DET_EVERY
-    meta = ckptdir.read_meta(newest)
-    meta.update(step=prev, data=ckptdir.read_meta(ckptdir.step_path(root, prev))["data"])
-    (newest / ckptdir.META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    meta = disk.read_meta(newest)
+    meta.update(step=prev, data=disk.read_meta(disk.step_path(root, prev))["data"])
+    (newest / disk.META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     res = run_torchrun(plan, run_dir, elastic=True, max_restarts=2)
     assert res.rc == 0, res.output[-3000:]
     line = next(ln for ln in res.stdout.splitlines() if f"checkpoint step {DET_STEPS} cannot be used" in ln)
@@ -231,10 +231,10 @@ def test_r08_leftovers_count_as_room_and_the_probe_never_stays(tmp_path, monkeyp
     from launcher.runtime import nodecheck, preflight
 
     root = tmp_path / "ck"
-    partial = ckptdir.step_path(root, 8)
+    partial = disk.step_path(root, 8)
     partial.mkdir(parents=True)
     (partial / "__0_0.distcp").write_bytes(b"x" * 4096)
-    free = ckptdir.free_bytes(root)
+    free = disk.free_bytes(root)
     rep = preflight.Report()
     world = SimpleNamespace(rank=0)
     preflight.check_checkpoint_space(world, root, free + 2048, keep=1, rep=rep)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from launcher.jobenv import ExitCode
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from rt_harness import DET_EVERY, DET_STEPS, det_recipe, load_safetensors, run_torchrun, write_plan
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ def assert_same_weights(a, b):
 
 
 def newest_data_file(root, step):
-    return ckptdir.step_path(root, step) / "__1_0.distcp"
+    return disk.step_path(root, step) / "__1_0.distcp"
 
 
 @pytest.mark.parametrize("damage", ["same-size", "truncated"])
@@ -34,7 +34,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(reference, 
     first = run_torchrun(plan, run_dir)
     assert first.rc == 0, first.output[-3000:]
     root = run_dir / "checkpoints"
-    assert ckptdir.complete_steps(root)[-1] == DET_STEPS
+    assert disk.complete_steps(root)[-1] == DET_STEPS
     f = newest_data_file(root, DET_STEPS)
     data = bytearray(f.read_bytes())
     if damage == "same-size":  # bit rot in the middle of a tensor: only a checksum can see it
@@ -54,10 +54,10 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(reference, 
     assert "Traceback" not in again.stderr
     assert f"resumed from step {previous}" in again.stdout
     # Never deleted: when the run reached that step again, the corrupt one was moved aside for inspection.
-    (aside,) = root.glob(f"{ckptdir.step_name(DET_STEPS)}.corrupt-*")
-    assert "__1_0.distcp" in json.loads((aside / ckptdir.CORRUPT).read_text())["reason"]
+    (aside,) = root.glob(f"{disk.step_name(DET_STEPS)}.corrupt-*")
+    assert "__1_0.distcp" in json.loads((aside / disk.CORRUPT).read_text())["reason"]
     assert f"moved the corrupt checkpoint step {DET_STEPS} to {aside.name}" in again.stdout
-    assert ckptdir.complete_steps(root)[-1] == DET_STEPS  # a good one in its place
+    assert disk.complete_steps(root)[-1] == DET_STEPS  # a good one in its place
     # Never loaded: the run redid the steps after the previous checkpoint and ended with exactly the
     # uninterrupted run's weights.
     assert_same_weights(ref.run_dir / "model.safetensors", run_dir / "model.safetensors")
@@ -69,7 +69,7 @@ def test_no_usable_checkpoint_stops_instead_of_starting_over(run_dir):
     plan = write_plan(run_dir, det_recipe("ddp", checkpoint={"every": 6, "keep": 1}))
     assert run_torchrun(plan, run_dir).rc == 0
     root = run_dir / "checkpoints"
-    (only,) = ckptdir.complete_steps(root)
+    (only,) = disk.complete_steps(root)
     newest_data_file(root, only).write_bytes(b"")
     res = run_torchrun(plan, run_dir)
     assert ExitCode.CONFIG in res.worker_codes, res.output[-3000:]
@@ -83,7 +83,7 @@ def test_a_diverging_loss_ends_the_run_and_commits_nothing_meanwhile(run_dir):
     plan = write_plan(run_dir, recipe)
     res = run_torchrun(plan, run_dir, env={"DTLAUNCH_FAULT": "nan_loss:step=7;nan_loss:step=8;nan_loss:step=9"})
     assert res.worker_codes and set(res.worker_codes) == {ExitCode.DIVERGED}, res.output[-3000:]
-    assert ckptdir.complete_steps(run_dir / "checkpoints") == [4, 6]
+    assert disk.complete_steps(run_dir / "checkpoints") == [4, 6]
     assert "the loss was not finite for 3 steps in a row (steps 7-9)" in res.stderr
     statuses = res.statuses()
     assert {s["code"] for s in statuses.values()} == {ExitCode.DIVERGED}

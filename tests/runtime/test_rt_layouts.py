@@ -36,7 +36,7 @@ from launcher.plan.params import count_params
 from launcher.plan.parts import part_of, rank_params
 from launcher.plan.states import model_states
 from launcher.recipe import load
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from rt_harness import (
     TORCHRUN,
     deep_merge,
@@ -264,7 +264,7 @@ def test_resume_across_layout_changes_continues_the_loss(runs):
     d, first = result(runs, "tp2xpp2")
     assert sorted(first) == list(range(1, FIRST + 1))
     shared = d.parent / "shared-checkpoints"
-    meta = ckptdir.read_meta(ckptdir.step_path(shared, FIRST))
+    meta = disk.read_meta(disk.step_path(shared, FIRST))
     assert meta["layout"] == {
         "strategy": "fsdp",
         "dp": 1,
@@ -289,7 +289,7 @@ def test_resume_across_layout_changes_continues_the_loss(runs):
         assert any(w.startswith(f"layout {before}") and f"-> {after}" in w for w in resume[-1]["warnings"]), resume
         assert sorted(rows) == list(range(start + 1, stop + 1))
         compare(runs, name, "ref", range(start + 1, stop + 1), GRAD_RTOL_LATER)
-    assert ckptdir.read_meta(ckptdir.step_path(shared, 2 * FIRST))["layout"]["dp"] == 4
+    assert disk.read_meta(disk.step_path(shared, 2 * FIRST))["layout"]["dp"] == 4
 
 
 @pytest.mark.slow

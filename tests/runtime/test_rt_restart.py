@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from rt_harness import DET_EVERY, DET_STEPS, det_recipe, load_safetensors, run_torchrun, write_plan
 
 
@@ -60,15 +60,15 @@ def test_kill_while_committing_a_checkpoint_keeps_the_previous_one(reference, ru
     assert res.rc != 0 and -9 in res.worker_codes, res.output[-3000:]
     root = run_dir / "checkpoints"
     # The torn save is on disk (every rank's files and manifest) but not committed; the one before it is.
-    torn_dir = ckptdir.step_path(root, torn)
-    assert torn_dir.is_dir() and (torn_dir / ckptdir.manifest_name(1)).is_file()
-    assert not ckptdir.is_complete(torn_dir)
-    assert ckptdir.complete_steps(root) == [DET_EVERY]
+    torn_dir = disk.step_path(root, torn)
+    assert torn_dir.is_dir() and (torn_dir / disk.manifest_name(1)).is_file()
+    assert not disk.is_complete(torn_dir)
+    assert disk.complete_steps(root) == [DET_EVERY]
     # The next start ignores (and removes) the partial one, resumes from the previous, and ends exactly
     # where an uninterrupted run ends.
     res2 = run_torchrun(plan, run_dir)
     assert res2.rc == 0, res2.output[-3000:]
-    assert f"removed partial checkpoint {ckptdir.step_name(torn)} (never committed)" in res2.stdout
+    assert f"removed partial checkpoint {disk.step_name(torn)} (never committed)" in res2.stdout
     assert f"resumed from step {DET_EVERY}" in res2.stdout
-    assert ckptdir.complete_steps(root) == [DET_EVERY, 2 * DET_EVERY, 3 * DET_EVERY]
+    assert disk.complete_steps(root) == [DET_EVERY, 2 * DET_EVERY, 3 * DET_EVERY]
     assert_bit_identical(ref.run_dir / "model.safetensors", run_dir / "model.safetensors")

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from launcher.jobenv import ExitCode
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from rt_harness import (
     DET_EVERY,
     DET_STEPS,
@@ -39,7 +39,7 @@ def test_resume_2_to_1_to_2_ranks_continues_the_loss(reference, run_dir, strateg
     plan = write_plan(run_dir, det_recipe(strategy))
     root = run_dir / "checkpoints"
     root.mkdir()
-    shutil.copytree(ref.run_dir / "checkpoints" / ckptdir.step_name(DET_EVERY), root / ckptdir.step_name(DET_EVERY))
+    shutil.copytree(ref.run_dir / "checkpoints" / disk.step_name(DET_EVERY), root / disk.step_name(DET_EVERY))
     # 2 -> 1: resume the reference's step-4 checkpoint on one rank; preempt it at step 8.
     stop = 2 * DET_EVERY
     one = run_torchrun(plan, run_dir, nproc=1, env={"DTLAUNCH_FAULT": f"signal:rank=0:step={stop}:sig=USR2"})
@@ -54,7 +54,7 @@ def test_resume_2_to_1_to_2_ranks_continues_the_loss(reference, run_dir, strateg
     )
     for s in range(first, stop + 1):
         assert abs(l1[s] - ref_losses[s]) < TOL, (s, l1[s], ref_losses[s])
-    assert ckptdir.newest_step(root) == stop
+    assert disk.newest_step(root) == stop
     # 1 -> 2: the 1-rank checkpoint continues on two ranks to the end.
     two = run_torchrun(plan, run_dir, nproc=2)
     assert two.rc == 0, two.output[-3000:]
@@ -108,7 +108,7 @@ def test_sigusr2_checkpoints_exits_42_and_the_next_start_resumes(run_dir):
     assert "preemption signal (a signal on rank 1)" in out
     saved = pre[0]["step"]
     assert 3 <= saved < steps
-    assert ckptdir.newest_step(run_dir / "checkpoints") == saved
+    assert disk.newest_step(run_dir / "checkpoints") == saved
     assert {s["code"] for s in res.statuses().values()} == {ExitCode.PREEMPTED}
     assert f"preempted at step {saved}" in err
     # The next start picks the preemption checkpoint up and finishes.

@@ -23,7 +23,7 @@ import pytest
 from launcher import catalog
 from launcher.jobenv import ExitCode
 from launcher.plan.params import count_params
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from rt_harness import (
     TORCHRUN,
     deep_merge,
@@ -148,7 +148,7 @@ def test_strategy_trains(matrix, strategy, precision, ac, offload):
     first, last = losses[1], sum(losses[s] for s in (STEPS - 2, STEPS - 1, STEPS)) / 3
     assert first > 6.0  # ~ln(512): an untrained model
     assert last < first - 1.5, f"loss did not fall enough: {first:.3f} -> {last:.3f}"
-    assert ckptdir.complete_steps(d / "checkpoints") == [10, 20]
+    assert disk.complete_steps(d / "checkpoints") == [10, 20]
     weights = load_safetensors(d / "model.safetensors")
     assert sum(t.numel() for t in weights.values()) == count_params(catalog.PRESETS["tiny"])
     assert all(str(t.dtype) == "torch.float32" for t in weights.values())
@@ -261,13 +261,13 @@ def test_a_run_driven_step_by_step_trains_as_run_does(matrix):
     d, res, stepped = _result(matrix, "stepwise:ddp:fp32:none:none")
     assert res["stepwise"]["yielded"] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in stepped] == pytest.approx([r["loss"] for r in by_run], rel=1e-6)
-    assert ckptdir.complete_steps(d / "checkpoints") == [10, 20]
+    assert disk.complete_steps(d / "checkpoints") == [10, 20]
     assert (d / "model.safetensors").exists()
     assert res["stepwise"]["handlers_restored"] and res_run["stepwise"]["handlers_restored"]
 
     d, res, closed = _result(matrix, "stepwise-closed:ddp:fp32:none:none")
     assert res["stepwise"]["yielded"] == [1, 2, 3]
     assert [r["step"] for r in closed] == [1, 2, 3]
-    assert ckptdir.complete_steps(d / "checkpoints") == []
+    assert disk.complete_steps(d / "checkpoints") == []
     assert not (d / "model.safetensors").exists()
     assert res["stepwise"]["handlers_restored"]

@@ -17,7 +17,7 @@ from launcher import catalog
 from launcher.plan import make_plan
 from launcher.plan.params import count_params
 from launcher.recipe import load_text
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from launcher.runtime.data import DataPosition, GlobalOrderSampler, SyntheticTokens, TokenDataset, rescale_position
 from launcher.runtime.dist import detect, first_slurm_host, job_environment
 from launcher.runtime.failures import ConfigError
@@ -180,7 +180,7 @@ def test_deepspeed_config_needs_no_torch():
 
 def _fake_ckpt(root: Path, step: int, state: str, world: int = 2) -> Path:
     """state: complete (files, manifests, marker) | partial (files only, never committed)."""
-    p = ckptdir.step_path(root, step)
+    p = disk.step_path(root, step)
     p.mkdir(parents=True)
     for rank in range(world):
         (p / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * (10 + rank))
@@ -188,8 +188,8 @@ def _fake_ckpt(root: Path, step: int, state: str, world: int = 2) -> Path:
     (p / ".metadata").write_bytes(b"m")
     if state == "complete":
         for rank in range(world):
-            ckptdir.write_manifest(p, rank)
-        ckptdir.commit(root, step, {"step": step, "world_size": world})
+            disk.write_manifest(p, rank)
+        disk.commit(root, step, {"step": step, "world_size": world})
     return p
 
 
@@ -199,12 +199,12 @@ def test_only_committed_uncorrupted_checkpoints_are_selected(tmp_path):
     _fake_ckpt(root, 10, "complete")
     _fake_ckpt(root, 15, "partial")
     _fake_ckpt(root, 20, "complete")
-    ckptdir.mark_corrupt(ckptdir.step_path(root, 20), "test")
-    assert ckptdir.complete_steps(root) == [5, 10]
-    assert ckptdir.corrupt_steps(root) == [20]
-    assert ckptdir.newest_step(root) == 10
+    disk.mark_corrupt(disk.step_path(root, 20), "test")
+    assert disk.complete_steps(root) == [5, 10]
+    assert disk.corrupt_steps(root) == [20]
+    assert disk.newest_step(root) == 10
     assert json.loads((root / "step-00000010" / "meta.json").read_text())["step"] == 10
-    assert ckptdir.newest_step(tmp_path / "missing") == 0
+    assert disk.newest_step(tmp_path / "missing") == 0
 
 
 def test_each_rank_manifests_exactly_its_own_files(tmp_path):
@@ -213,24 +213,24 @@ def test_each_rank_manifests_exactly_its_own_files(tmp_path):
     m1 = json.loads((p / "manifest-rank-00001.json").read_text())["files"]
     assert set(m0) == {"__0_0.distcp", "rng-00000.pt", ".metadata"} and set(m1) == {"__1_0.distcp", "rng-00001.pt"}
     assert m1["__1_0.distcp"]["size"] == 11
-    assert ckptdir.owner("zero_pp_rank_3_mp_rank_00_optim_states.pt") == 3  # DeepSpeed's per-rank files
-    assert ckptdir.owner("bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt") == 12
-    assert ckptdir.owner("mp_rank_00_model_states.pt") == 0 and ckptdir.owner("trainer.pt") == 0
+    assert disk.owner("zero_pp_rank_3_mp_rank_00_optim_states.pt") == 3  # DeepSpeed's per-rank files
+    assert disk.owner("bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt") == 12
+    assert disk.owner("mp_rank_00_model_states.pt") == 0 and disk.owner("trainer.pt") == 0
 
 
 def test_verification_finds_truncation_changed_bytes_and_missing_manifests(tmp_path):
     root = tmp_path / "ck"
     p = _fake_ckpt(root, 4, "complete")
-    files = sorted(ckptdir.expected_files(p)[0])
-    assert not ckptdir.size_problems(p) and not ckptdir.crc_problems(p, files)
+    files = sorted(disk.expected_files(p)[0])
+    assert not disk.size_problems(p) and not disk.crc_problems(p, files)
     data = p / "__1_0.distcp"
     data.write_bytes(b"\x7f" * 11)  # same size, other bytes: only the checksum can tell
-    assert not ckptdir.size_problems(p)
-    assert any("__1_0.distcp has changed" in x for x in ckptdir.crc_problems(p, files))
+    assert not disk.size_problems(p)
+    assert any("__1_0.distcp has changed" in x for x in disk.crc_problems(p, files))
     data.write_bytes(b"\x01" * 5)  # truncated
-    assert ckptdir.size_problems(p) == ["__1_0.distcp is 5 bytes, written as 11"]
+    assert disk.size_problems(p) == ["__1_0.distcp is 5 bytes, written as 11"]
     (p / "manifest-rank-00001.json").write_text("{")  # a manifest that does not parse: damage
-    assert any("rank 1's manifest is unreadable" in x for x in ckptdir.size_problems(p))
+    assert any("rank 1's manifest is unreadable" in x for x in disk.size_problems(p))
 
 
 def test_a_read_that_keeps_failing_is_a_storage_error_not_damage(tmp_path, monkeypatch):
@@ -238,10 +238,10 @@ def test_a_read_that_keeps_failing_is_a_storage_error_not_damage(tmp_path, monke
     wrote it) is read again; still failing, the attempt ends with StorageError and nothing is marked."""
     from launcher.runtime.failures import StorageError
 
-    monkeypatch.setattr(ckptdir, "READ_RETRY_S", 0.0)
+    monkeypatch.setattr(disk, "READ_RETRY_S", 0.0)
     p = _fake_ckpt(tmp_path / "ck", 4, "complete")
-    files = sorted(ckptdir.expected_files(p)[0])
-    real, calls = ckptdir.crc32_of, []
+    files = sorted(disk.expected_files(p)[0])
+    real, calls = disk.crc32_of, []
 
     def flaky(path):
         calls.append(path)
@@ -249,25 +249,25 @@ def test_a_read_that_keeps_failing_is_a_storage_error_not_damage(tmp_path, monke
             raise OSError(5, "Input/output error")
         return real(path)
 
-    monkeypatch.setattr(ckptdir, "crc32_of", flaky)
-    assert ckptdir.crc_problems(p, files) == []  # retried
+    monkeypatch.setattr(disk, "crc32_of", flaky)
+    assert disk.crc_problems(p, files) == []  # retried
     (p / "manifest-rank-00001.json").unlink()
     with pytest.raises(StorageError, match=r"rank 1's manifest .*\(No such file or directory\), 4 tries"):
-        ckptdir.size_problems(p)
-    assert not ckptdir.is_corrupt(p)
+        disk.size_problems(p)
+    assert not disk.is_corrupt(p)
 
 
 def test_meta_json_and_the_marker_must_agree_with_the_directory(tmp_path):
     p = _fake_ckpt(tmp_path / "ck", 4, "complete")
-    assert ckptdir.meta_problems(p) == []
+    assert disk.meta_problems(p) == []
     meta = json.loads((p / "meta.json").read_text())
     (p / "meta.json").write_text(json.dumps({**meta, "step": 3}, indent=2, sort_keys=True) + "\n")
-    problems = ckptdir.meta_problems(p)
+    problems = disk.meta_problems(p)
     assert any("meta.json has changed since it was committed" in x for x in problems)
     assert "meta.json says step 3, but the directory is step 4" in problems
     # A marker of an older version records no checksum: the step is still compared.
     (p / "COMPLETE").write_text(json.dumps({"step": 4, "time": 0}))
-    assert ckptdir.meta_problems(p) == ["meta.json says step 3, but the directory is step 4"]
+    assert disk.meta_problems(p) == ["meta.json says step 3, but the directory is step 4"]
 
 
 def test_prune_keeps_the_newest_and_never_the_last_verified_one(tmp_path):
@@ -275,19 +275,19 @@ def test_prune_keeps_the_newest_and_never_the_last_verified_one(tmp_path):
     for s in (2, 4, 6, 8):
         _fake_ckpt(root, s, "complete")
     _fake_ckpt(root, 3, "partial")  # a dead attempt older than the newest committed: garbage
-    ckptdir.prune(root, keep=2)
-    assert ckptdir.complete_steps(root) == [6, 8]
-    assert not ckptdir.step_path(root, 3).exists()
+    disk.prune(root, keep=2)
+    assert disk.complete_steps(root) == [6, 8]
+    assert not disk.step_path(root, 3).exists()
     # The newest two no longer check out (e.g. another node's files not visible yet): the newest verified one,
     # older than them, is kept although keep=2 would drop it.
     for s in (10, 12):
         p = _fake_ckpt(root, s, "complete")
         (p / "__0_0.distcp").write_bytes(b"")
-    ckptdir.prune(root, keep=2)
-    assert ckptdir.complete_steps(root) == [8, 10, 12]
-    ckptdir.mark_corrupt(ckptdir.step_path(root, 8), "test")
-    ckptdir.prune(root, keep=1)
-    assert ckptdir.step_path(root, 8).exists(), "a corrupt checkpoint is kept for a person to look at"
+    disk.prune(root, keep=2)
+    assert disk.complete_steps(root) == [8, 10, 12]
+    disk.mark_corrupt(disk.step_path(root, 8), "test")
+    disk.prune(root, keep=1)
+    assert disk.step_path(root, 8).exists(), "a corrupt checkpoint is kept for a person to look at"
 
 
 def test_clean_partials_at_startup(tmp_path):
@@ -295,16 +295,16 @@ def test_clean_partials_at_startup(tmp_path):
     _fake_ckpt(root, 4, "complete")
     _fake_ckpt(root, 8, "partial")
     (root / "step-00000012.tmp").mkdir()  # the rename-based protocol of dtlaunch 0.1
-    removed = {p.name for p in ckptdir.clean_partials(root)}
+    removed = {p.name for p in disk.clean_partials(root)}
     assert removed == {"step-00000008", "step-00000012.tmp"}
-    assert ckptdir.complete_steps(root) == [4]
+    assert disk.complete_steps(root) == [4]
 
 
 def test_checkpoint_dir_template(tmp_path):
-    assert ckptdir.expand_dir(None, tmp_path, None) == tmp_path / "checkpoints"
-    assert ckptdir.expand_dir("/ck/{run_id}/x", tmp_path, "r42") == Path("/ck/r42/x")
+    assert disk.expand_dir(None, tmp_path, None) == tmp_path / "checkpoints"
+    assert disk.expand_dir("/ck/{run_id}/x", tmp_path, "r42") == Path("/ck/r42/x")
     with pytest.raises(ConfigError, match="DTLAUNCH_RUN_ID"):
-        ckptdir.expand_dir("/ck/{run_id}", tmp_path, None)
+        disk.expand_dir("/ck/{run_id}", tmp_path, None)
 
 
 # ----------------------------------------------------------------------------- data order
@@ -376,9 +376,9 @@ def test_a_failed_durable_write_leaves_nothing_behind(tmp_path, monkeypatch):
     def full(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckptdir.os, "fsync", full)
+    monkeypatch.setattr(disk.os, "fsync", full)
     with pytest.raises(OSError, match="No space left"):
-        ckptdir.write_file_durably(tmp_path / "records.jsonl", b"x" * 100)
+        disk.write_file_durably(tmp_path / "records.jsonl", b"x" * 100)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -601,8 +601,8 @@ def test_dcp_writer_checksums_equal_a_read_back(tmp_path):
     assert set(sums) == on_disk and ".metadata" in sums and len(sums) >= 3
     for name, (size, crc) in sums.items():
         assert (tmp_path / name).stat().st_size == size
-        assert ckptdir.crc32_of(tmp_path / name) == crc, name
-    assert ckptdir.write_manifest(tmp_path, 0, sums)["files"] == ckptdir.write_manifest(tmp_path, 0)["files"]
+        assert disk.crc32_of(tmp_path / name) == crc, name
+    assert disk.write_manifest(tmp_path, 0, sums)["files"] == disk.write_manifest(tmp_path, 0)["files"]
 
 
 def test_dcp_write_threads_are_the_ranks_share_of_the_cores(monkeypatch):
@@ -631,12 +631,12 @@ def test_checksums_not_taken_in_order_are_not_trusted(tmp_path):
     assert str(tmp_path / "a") not in fs.sums and str(tmp_path / "b") in fs.sums
     fs.rename(tmp_path / "b", tmp_path / "__0_0.distcp")
     sums = {"__0_0.distcp": fs.sums[str(tmp_path / "__0_0.distcp")]}
-    assert ckptdir.write_manifest(tmp_path, 0, sums)["files"]["__0_0.distcp"]["crc32"] == ckptdir.crc32_of(
+    assert disk.write_manifest(tmp_path, 0, sums)["files"]["__0_0.distcp"]["crc32"] == disk.crc32_of(
         tmp_path / "__0_0.distcp"
     )
     (tmp_path / "__0_0.distcp").write_bytes(b"changed later")  # a different size: recomputed, not trusted
-    m = ckptdir.write_manifest(tmp_path, 0, sums)["files"]["__0_0.distcp"]
-    assert m == {"size": 13, "crc32": ckptdir.crc32_of(tmp_path / "__0_0.distcp")}
+    m = disk.write_manifest(tmp_path, 0, sums)["files"]["__0_0.distcp"]
+    assert m == {"size": 13, "crc32": disk.crc32_of(tmp_path / "__0_0.distcp")}
 
 
 # ----------------------------------------------------------------------------- loss

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from launcher.jobenv import read_metrics
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from launcher.runtime.goodput import ledger
 from sky_helpers import ROOT, render_to
 from sky_nodes import WORKDIR
@@ -71,13 +71,13 @@ def test_user_script_recovers_on_fresh_vms_with_nothing_lost(tmp_path, sky_nodes
     setup_ok(first)
     procs = first.start()
     deadline = time.time() + 180
-    while not ckptdir.complete_steps(bucket) and time.time() < deadline and all(p.poll() is None for p in procs):
+    while not disk.complete_steps(bucket) and time.time() < deadline and all(p.poll() is None for p in procs):
         time.sleep(0.2)
-    saved = ckptdir.complete_steps(bucket)
+    saved = disk.complete_steps(bucket)
     assert saved and saved[-1] < STEPS, first.log(0)[-3000:]
     first.destroy()  # the VMs are gone: processes and disks; the bucket stays
     destroyed = time.time()
-    resume_from = ckptdir.complete_steps(bucket)[-1]
+    resume_from = disk.complete_steps(bucket)[-1]
 
     fresh = sky_nodes(out, nodes=2, task_id=TASK_ID)
     fresh.provision()
@@ -101,4 +101,4 @@ def test_user_script_recovers_on_fresh_vms_with_nothing_lost(tmp_path, sky_nodes
     )
     for step, loss in got.items():
         assert loss == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
-    assert ckptdir.complete_steps(bucket)[-1] == STEPS
+    assert disk.complete_steps(bucket)[-1] == STEPS

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from launcher.jobenv import ExitCode
-from launcher.runtime import ckptdir
+from launcher.runtime.checkpoint import disk
 from sky_helpers import RECIPES, render_to
 from sky_nodes import WORKDIR
 
@@ -47,7 +47,7 @@ def overrides(steps=STEPS, nodes=2):
 
 
 def bucket_ckpts(nodes) -> list[int]:
-    return ckptdir.complete_steps(nodes.bucket(BUCKET_URL) / TASK_ID)
+    return disk.complete_steps(nodes.bucket(BUCKET_URL) / TASK_ID)
 
 
 def exported_weights(nodes) -> dict:

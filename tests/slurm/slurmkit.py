@@ -14,7 +14,7 @@ from pathlib import Path
 from launcher.plan import make_plan
 from launcher.recipe import load
 from launcher.render import render
-from launcher.runtime.ckptdir import complete_steps
+from launcher.runtime.checkpoint.disk import complete_steps
 from launcher.runtime.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

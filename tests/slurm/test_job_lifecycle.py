@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.runtime.ckptdir import complete_steps
+from launcher.runtime.checkpoint.disk import complete_steps
 from launcher.runtime.goodput import ledger
 from slurmkit import (
     EVERY,

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from launcher.jobenv import ExitCode
-from launcher.runtime.ckptdir import complete_steps
+from launcher.runtime.checkpoint.disk import complete_steps
 from slurmkit import Job, overrides, release_after_requeue, render_to, sacct_rows, sh, squeue_state, wait_for, wait_gone
 
 pytestmark = pytest.mark.slow

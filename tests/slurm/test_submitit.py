@@ -22,7 +22,7 @@ import submitit
 import launcher
 from launcher.errors import DtlaunchError
 from launcher.jobenv import ExitCode
-from launcher.runtime.ckptdir import complete_steps
+from launcher.runtime.checkpoint.disk import complete_steps
 from launcher.runtime.metrics import read_metrics
 from launcher.targets.registry import Registry
 from launcher.targets.slurm import submitit_job

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import ckptdir
+from . import disk
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Pending:
 
 
 class Pruner:
-    """ckptdir.prune on a background thread (rank 0); joined before the next commit and by wait()."""
+    """disk.prune on a background thread (rank 0); joined before the next commit and by wait()."""
 
     def __init__(self, root: Path, keep: int):
         self.root, self.keep = root, keep
@@ -39,6 +39,6 @@ class Pruner:
 
     def _run(self) -> None:
         try:
-            self.removed = ckptdir.prune(self.root, self.keep, self.problems)
+            self.removed = disk.prune(self.root, self.keep, self.problems)
         except BaseException as e:  # reported by the joiner
             self.error = e

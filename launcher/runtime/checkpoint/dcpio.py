@@ -1,6 +1,6 @@
 """DCP's filesystem writer, with each file's size and CRC-32 taken from the bytes as they are written.
 
-The manifest of a checkpoint records every file's CRC-32 (ckptdir.write_manifest). Reading each file back
+The manifest of a checkpoint records every file's CRC-32 (disk.write_manifest). Reading each file back
 after DCP wrote it cost a second pass over the whole shard (~0.15 s per 350 MB rank on the benchmark
 machine, a fifth of the save). The bytes are in hand while they are written, so the checksum is folded in
 there: `zlib.crc32` releases the GIL, so it runs in DCP's writer threads beside the other threads' disk
@@ -19,7 +19,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from .. import ckptdir
+from . import disk
 
 try:
     # DCP reports every rank's failure in one CheckpointException, a BaseException (`except Exception` misses it).
@@ -32,12 +32,12 @@ except ImportError:  # pragma: no cover - torch without distributed
 
 def read_failed(exc: BaseException) -> bool:
     """An OSError anywhere in the failure: the storage failed (EIO, ESTALE, ENOENT), not the bytes."""
-    return any(isinstance(e, OSError) for e in ckptdir.exception_chain(exc))
+    return any(isinstance(e, OSError) for e in disk.exception_chain(exc))
 
 
 def first_line(exc: BaseException) -> str:
     """The innermost OSError's message if there is one (what went wrong), else the error's first line."""
-    inner = next((e for e in ckptdir.exception_chain(exc) if isinstance(e, OSError)), exc)
+    inner = next((e for e in disk.exception_chain(exc) if isinstance(e, OSError)), exc)
     text = str(inner).strip().splitlines()
     return f"{type(inner).__name__}: {text[0][:300] if text else ''}"
 
@@ -177,7 +177,7 @@ def writer(path: Path, thread_count: int | None = None):
 
 
 def written_sums(w, path: Path) -> dict[str, tuple[int, int]]:
-    """{name relative to `path`: (size, crc32)} of the files `w` wrote there, for ckptdir.write_manifest."""
+    """{name relative to `path`: (size, crc32)} of the files `w` wrote there, for disk.write_manifest."""
     sums: dict | None = getattr(getattr(w, "fs", None), "sums", None)
     if not sums:
         return {}

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ...version import __version__
-from .. import ckptdir
 from ..engines import DeepSpeedEngine, Engine
+from . import disk
 from .state import save_torch
 
 
@@ -70,7 +70,7 @@ class SafetensorsWriter:
         os.fsync(self.fd)
         os.close(self.fd)
         os.replace(self.tmp, self.path)
-        ckptdir.fsync_path(self.path.parent)
+        disk.fsync_path(self.path.parent)
         return self.path
 
     def abort(self) -> None:
@@ -215,7 +215,7 @@ def export_model(engine: Engine, out_dir: Path, fmt: str, rank: int, group=None)
         return None
     path = writer.close()
     if hf_config is not None:
-        ckptdir.write_file_durably(out / "config.json", hf_config.to_json_string().encode())
+        disk.write_file_durably(out / "config.json", hf_config.to_json_string().encode())
     return path
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import ckptdir
+from . import disk
 
 
 def rng_state() -> dict:
@@ -43,7 +43,7 @@ def set_rng_state(state: dict) -> None:
 def save_torch(obj: Any, path: Path) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
-    ckptdir.write_file_durably(path, buf.getvalue())
+    disk.write_file_durably(path, buf.getvalue())
 
 
 def rank_file(rank: int) -> str:

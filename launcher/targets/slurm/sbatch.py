@@ -36,7 +36,7 @@ from ...render import common_files
 from ...render.artifacts import Artifacts
 from ...render.code import CODE_DIR
 from ...render.templates import render_template
-from ...runtime import ckptdir
+from ...runtime.checkpoint import disk
 from .common import JOB_SCRIPT, STEP_SCRIPT, batch_context, notes, srun_words, step_script, with_wheel
 from .directives import directives
 from .request import SlurmRequest
@@ -54,9 +54,9 @@ def job_script(recipe: Recipe, plan: Plan, *, array: str | None = None) -> str:
         max_failures=t.max_failures,
         final_codes=FINAL_CODES,
         resume_codes=RESUME_CODES,
-        ckpt_prefix=ckptdir.STEP_PREFIX,
-        ckpt_marker=ckptdir.MARKER,
-        ckpt_corrupt=ckptdir.CORRUPT,
+        ckpt_prefix=disk.STEP_PREFIX,
+        ckpt_marker=disk.MARKER,
+        ckpt_corrupt=disk.CORRUPT,
         time_limit_slack=TIME_LIMIT_SLACK_S,
         host_python=False,
         **batch_context(recipe, array is not None),

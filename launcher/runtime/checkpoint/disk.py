@@ -201,7 +201,7 @@ _STORAGE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT}
 
 
 def storage_error(message: str, fix: str):
-    from .failures import StorageError
+    from ..failures import StorageError
 
     return StorageError(message, fix=fix)
 
@@ -437,7 +437,7 @@ def expand_dir(template: str | None, run_dir: Path, run_id: str | None) -> Path:
         return run_dir / "checkpoints"
     if "{run_id}" in template:
         if not run_id:
-            from .failures import ConfigError
+            from ..failures import ConfigError
 
             raise ConfigError(
                 f"checkpoint.dir {template!r} uses {{run_id}} but DTLAUNCH_RUN_ID is not set",
