@@ -44,7 +44,7 @@ from msgspec.structs import replace
 from ..catalog import ModelShape
 from ..strategies import Family
 from . import activations as act
-from .deepspeed import DS_REDUCE_BUCKET, overlaps_comm
+from .buckets import DS_REDUCE_BUCKET, overlaps_comm
 from .layout import Layout
 from .params import embedding_params, embedding_units_apart, layer_params, layer_params_per_rank
 from .parts import WHOLE_MODEL, Part, pipeline_parts

@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from ..strategies import STRATEGY_NAMES
-from ..targets import TARGET_NAMES
+from ..targets.table import TARGET_NAMES
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z", re.ASCII)

@@ -49,9 +49,7 @@ def image_requirements(extra: str = "train", provided: tuple[str, ...] = ("torch
 
 
 def _package_files() -> list[tuple[str, bytes]]:
-    import launcher
-
-    root = Path(launcher.__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent  # the launcher package
     out = []
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root)

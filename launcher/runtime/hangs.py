@@ -8,6 +8,8 @@
   reached (or the culprit left no dump at all).
 - Stacks: where py-spy is installed (dtlaunch[train] brings it), the first rank of a node to end with HANG writes
   the Python stacks of every worker on its node (`stacks`), so a rank stuck outside any collective shows where.
+- The watchdog (`Watchdog`, dtlaunch's own loop): a rank with no step for too long, or that cannot act on a
+  signal, ends with HANG after leaving the above.
 
 Reading imports no torch (the CLI's `logs --diagnose` runs where there may be none).
 """
@@ -20,10 +22,16 @@ import pickle
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import jobenv
+from ..jobenv import ExitCode
+
+if TYPE_CHECKING:
+    from .signals import PreemptionFlag
 
 DUMP_PREFIX = jobenv.FLIGHT_RECORDER_PREFIX
 STACKS_PREFIX = "stacks-"
@@ -216,3 +224,49 @@ def verdict(dumps: dict[int, dict], world: int) -> tuple[list[int], str] | None:
         waiting = ("rank " if len(ahead) == 1 else "ranks ") + ", ".join(map(str, ahead))
         return culprits, f"never entered {name} #{top} in {g}, where {waiting} waited; " + "; ".join(parts)
     return None
+
+
+class Watchdog:
+    """Backstop for what no collective timeout catches: a rank stuck outside communication.
+
+    Exits with HANG when no step finishes within `limit` seconds, or when a signal (SIGTERM from
+    torchrun tearing the world down after a peer failed, or a preemption) was received and no step
+    boundary follows within `grace` seconds: a stuck rank would otherwise ignore torchrun's SIGTERM
+    (the handler only sets a flag) and delay the restart until torchrun's SIGKILL 30 s later.
+    """
+
+    def __init__(self, limit: float, grace: float, rank: int, flag: PreemptionFlag | None = None):
+        self.limit, self.grace, self.rank, self.flag = limit, grace, rank, flag
+        self.step = 0
+        self.armed = False
+        self.last = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="dtlaunch-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int) -> None:
+        self.step, self.last, self.armed = step, time.monotonic(), True
+
+    def pause(self) -> None:
+        self.armed = False
+
+    def _exit(self, why: str) -> None:
+        print(
+            f"dtlaunch: rank {self.rank}: {why} (last completed step {self.step}): exiting with HANG ({ExitCode.HANG})",
+            file=sys.stderr,
+            flush=True,
+        )
+        on_hang(self.rank, watchdog=True)  # where this rank was stuck, for the diagnosis
+        os._exit(ExitCode.HANG)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            if not self.armed:
+                continue
+            now = time.monotonic()
+            if now - self.last > self.limit:
+                self._exit(f"no progress for {self.limit:.0f}s")
+            flag = self.flag
+            sig_at = flag.received_at if flag is not None else None
+            if flag is not None and sig_at is not None and now - max(sig_at, self.last) > self.grace:
+                self._exit(f"received {flag.received} but reached no step boundary within {self.grace:.0f}s")

@@ -55,7 +55,7 @@ from .status import record_progress
 from .stragglers import ComputeClock, Straggler, StragglerWatch
 
 if TYPE_CHECKING:
-    from .loop import Watchdog
+    from .hangs import Watchdog
 
 FALLBACK_STEPS = 10**9  # schedules need a length; a plan without one trains until the user's loop stops
 

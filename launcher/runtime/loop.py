@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ from .data import Batches, EvalData, build_dataloader, build_eval_data, held_out
 from .dist import World, enable_determinism, init_distributed
 from .engines import Engine, build_engine, build_partitioned, builds_partitioned
 from .failures import ConfigError, Preempted, PreflightError, StorageError
+from .hangs import Watchdog
 from .inject import Faults
 from .job import Job
 from .loss import cross_entropy
@@ -42,54 +41,6 @@ from .models.hf import load_weights
 from .nodecheck import check_model
 from .signals import PreemptionFlag
 from .stepgc import StepGC
-
-
-class Watchdog:
-    """Backstop for what no collective timeout catches: a rank stuck outside communication.
-
-    Exits with HANG when no step finishes within `limit` seconds, or when a signal (SIGTERM from
-    torchrun tearing the world down after a peer failed, or a preemption) was received and no step
-    boundary follows within `grace` seconds: a stuck rank would otherwise ignore torchrun's SIGTERM
-    (the handler only sets a flag) and delay the restart until torchrun's SIGKILL 30 s later.
-    """
-
-    def __init__(self, limit: float, grace: float, rank: int, flag: PreemptionFlag | None = None):
-        self.limit, self.grace, self.rank, self.flag = limit, grace, rank, flag
-        self.step = 0
-        self.armed = False
-        self.last = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="dtlaunch-watchdog", daemon=True)
-        self._thread.start()
-
-    def beat(self, step: int) -> None:
-        self.step, self.last, self.armed = step, time.monotonic(), True
-
-    def pause(self) -> None:
-        self.armed = False
-
-    def _exit(self, why: str) -> None:
-        print(
-            f"dtlaunch: rank {self.rank}: {why} (last completed step {self.step}): exiting with HANG ({ExitCode.HANG})",
-            file=sys.stderr,
-            flush=True,
-        )
-        from .hangs import on_hang
-
-        on_hang(self.rank, watchdog=True)  # where this rank was stuck, for the diagnosis
-        os._exit(ExitCode.HANG)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(0.5)
-            if not self.armed:
-                continue
-            now = time.monotonic()
-            if now - self.last > self.limit:
-                self._exit(f"no progress for {self.limit:.0f}s")
-            flag = self.flag
-            sig_at = flag.received_at if flag is not None else None
-            if flag is not None and sig_at is not None and now - max(sig_at, self.last) > self.grace:
-                self._exit(f"received {flag.received} but reached no step boundary within {self.grace:.0f}s")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The targets: one package each (launcher/targets/NAME/), registered in one table, `TARGETS`, below.
+"""The targets: one package each (launcher/targets/NAME/), registered in one table, `TARGETS` (table.py).
 
 A target's package holds everything about it, laid out the same way in every package:
 
@@ -17,15 +17,25 @@ environment, the wheel, the Artifacts record) stays in launcher/render; the job 
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import msgspec
+from ..errors import BackendError
+from .table import TARGET_NAMES, TARGETS, TargetSpec, target
 
-from ..errors import BackendError, DtlaunchError
+__all__ = [
+    "TARGETS",
+    "TARGET_NAMES",
+    "TargetSpec",
+    "target",
+    "backend",
+    "Renderer",
+    "Backend",
+    "JobStatus",
+    "require_secrets",
+]
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -33,46 +43,6 @@ if TYPE_CHECKING:
     from ..recipe import Recipe
     from ..render.artifacts import Artifacts
     from .registry import JobRecord
-
-
-class TargetSpec(msgspec.Struct, frozen=True):
-    """A target's row: its name (`--target NAME`, the recipe's `targets.NAME`) and where its package keeps its
-    renderer, its backend and its handle ("module:attribute" inside launcher/targets/NAME/)."""
-
-    name: str
-    renderer: str
-    backend: str
-    handle: str
-
-    @property
-    def package(self) -> str:
-        return f"{__name__}.{self.name}"
-
-    def module(self, name: str):
-        """The package's module `name` (e.g. "rules"), imported now."""
-        return importlib.import_module(f"{self.package}.{name}")
-
-    def load(self, part: str) -> Any:
-        """The renderer, backend class or handle class (part: "renderer", "backend" or "handle"), imported now."""
-        mod, _, attr = getattr(self, part).partition(":")
-        return getattr(self.module(mod), attr)
-
-
-TARGETS: dict[str, TargetSpec] = {
-    t.name: t
-    for t in (
-        TargetSpec("local", "render:render_local", "backend:LocalBackend", "request:LocalHandle"),
-        TargetSpec("slurm", "render:render_slurm", "backend:SlurmBackend", "request:SlurmHandle"),
-        TargetSpec("sky", "render:render_sky", "backend:SkyBackend", "request:SkyHandle"),
-    )
-}
-TARGET_NAMES: tuple[str, ...] = tuple(TARGETS)
-
-
-def target(name: str) -> TargetSpec:
-    if name not in TARGETS:
-        raise DtlaunchError(f"unknown target {name!r}", fix=f"use one of {', '.join(TARGET_NAMES)}")
-    return TARGETS[name]
 
 
 # ----------------------------------------------------------------------------- what each target implements

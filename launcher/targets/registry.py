@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendError, DtlaunchError
-from . import TARGETS
+from .table import TARGETS
 
 
 def state_dir() -> Path:

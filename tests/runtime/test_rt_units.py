@@ -129,7 +129,8 @@ def test_deepspeed_config_is_accepted_by_deepspeed(strategy, precision):
     import deepspeed  # noqa: F401 - part of the test environment: missing must fail, not skip
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from launcher.plan.deepspeed import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET, deepspeed_config
+    from launcher.plan.buckets import DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET
+    from launcher.plan.deepspeed import deepspeed_config
 
     rec, plan = _plan_for(parallelism={"strategy": strategy, "precision": precision})
     assert deepspeed_config(rec, plan)["train_batch_size"] == 16 and plan.layout.dp == 2
