@@ -35,6 +35,9 @@ FULL_SUITE_ONLY = {
 }
 
 
+README_IN_ORDER = "test_the_readme_in_order_in_one_workspace"  # tests/test_readme.py
+
+
 @pytest.fixture(autouse=True)
 def _isolated_state(tmp_path, monkeypatch):
     """Each test gets its own job registry, so tests never see each other's (or the user's) jobs."""
@@ -89,8 +92,10 @@ def pytest_collection_modifyitems(config, items):
     fixture starts, and the SkyPilot node tests on one worker too."""
     for item in items:
         path = item.path.as_posix()
-        if "/tests/slurm/" in path or "slurm-local" in item.nodeid:  # the README's cluster uses the same
-            group = "slurm"  # node addresses, so its jobs could collide with the tests' jobs on a port
+        # The README's cluster (its slurm-local block, run alone or in order with the others) uses the same
+        # node addresses, so its jobs could collide with the tests' jobs on a port.
+        if "/tests/slurm/" in path or "slurm-local" in item.nodeid or item.name == README_IN_ORDER:
+            group = "slurm"
         elif "/tests/sky/" in path:
             group = "sky"  # simulated VMs on loopback addresses: two node sets at once would share ports
         else:
