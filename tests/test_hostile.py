@@ -19,7 +19,7 @@ Each category of case has a strategy and a test of its own (CATEGORIES in this p
 so each is always generated, with a fixed number of examples and derandomize: the same examples on every run,
 and no example database. The fast tier runs a sample of every in-process category (test_hostile_sample), the
 full suite each one in full. The named cases, which assert a particular message, are plain tests (the end of
-this file, tests/test_review_findings.py, tests/test_reserved_and_fuzz.py).
+this file, tests/test_reserved_and_fuzz.py).
 """
 
 from __future__ import annotations
@@ -800,6 +800,46 @@ def test_plan_on_a_bad_recipe_exits_2_with_file_line_field(run_cli, tmp_path):
     f.write_text("name: x\nmodel: {preset: tiny}\ntraining:\n  steps: -3\n")
     code, out, err = run_cli("plan", str(f))
     assert code == 2 and f"{f}:4: training.steps" in err and "Traceback" not in err
+
+
+NAMED_TINY = (RECIPES / "tiny.yaml").read_text()
+DEEP = 5000
+
+# case -> (YAML appended to the tiny recipe, or None; --set items; text the error names): inputs the properties
+# above only hold to "no traceback, no hang", each of which must be refused as a located recipe error (the file
+# and line, or the --set item, and the field), never accepted.
+NAMED = {
+    "deep-set": (None, [f"env.X={'[' * DEEP}{']' * DEEP}"], "--set env.X"),
+    "recursive-alias": ("secrets: &r [*r]\n", [], "through YAML aliases"),
+    "deep-mapping": ("extra: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n", [], "tiny.yaml"),
+    "huge-int": (None, ["training.steps=" + "9" * 400], "training.steps"),
+    "inf-mtbf": (None, ["resources.gpu_mtbf_hours=.inf"], "gpu_mtbf_hours"),
+    "inf-gpu-memory": (None, ["resources.gpu_memory_gb=.inf"], "gpu_memory_gb"),
+    "heads": (None, ["model.heads=3", "model.kv_heads=3"], "model"),
+    "betas": (None, ["training.betas=[2, 3]"], "training.betas"),
+    "seed": (None, [f"training.seed={2**70}"], "training.seed"),
+    "timeout": (None, [f"training.timeout_seconds={10**15}"], "training.timeout_seconds"),
+    "inf-lr": (None, ["training.lr=.inf"], "training.lr"),
+    "tiny-storage": (None, ["resources.storage_gbps_per_node=1e-300"], "storage_gbps_per_node"),
+    "duplicate-key": ("name: again\n", [], "name"),
+    "empty-count": (None, ["resources.accelerator='H100:'"], "the count after ':'"),
+    "fullwidth-digit": (None, ["resources.accelerator=H100:８"], "in ASCII digits"),
+    "bool-as-int": (None, ["parallelism.tensor=true"], "parallelism.tensor"),
+    "bool-nodes": (None, ["resources.nodes=true"], "resources.nodes"),
+    "nul-in-env": ('env: {A: "x\\0y"}\n', [], "env"),
+}
+
+
+@pytest.mark.parametrize("case", list(NAMED))
+def test_each_named_hostile_input_is_a_located_recipe_error(case, run_cli, tmp_path):
+    extra, sets, names = NAMED[case]
+    path = tmp_path / "tiny.yaml"
+    path.write_text(NAMED_TINY + (extra or ""))
+    code, out, err = run_cli("validate", path, *[a for s in sets for a in ("--set", s)])
+    text = out + err
+    assert code == 1, f"{case}: exit {code}, expected a recipe error:\n{text[-2000:]}"
+    assert "internal error" not in text and "Traceback" not in text, text[-2000:]
+    assert names in text, f"{case}: the error does not name {names!r}:\n{text[-2000:]}"
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["heavy"]:

@@ -689,3 +689,39 @@ def test_clipping_on_plain_gradients_is_torchs(max_norm):
     assert mine[3].grad is None
     after = float(torch.stack([p.grad.norm() for p in mine[:3]]).norm())
     assert after == pytest.approx(min(max_norm, float(norm)), rel=1e-5)
+
+
+def test_a_checkpoint_of_another_recipe_is_refused_unless_allowed():
+    """A checkpoint written by another recipe (here another learning rate and data) in the same
+    directory is refused with what differs, unless checkpoint.resume_changed_recipe allows it; the length of
+    training and the world size may change freely."""
+    from launcher.runtime.checkpoint.compat import check_compatible, identity
+    from launcher.runtime.failures import ConfigError
+
+    base = {
+        "model": {"preset": "tiny"},
+        "training": {"lr": 3e-3, "seed": 0, "steps": 40, "data": {"source": "synthetic", "num_tokens": 200000}},
+    }
+    other = {
+        "model": {"preset": "tiny"},
+        "training": {"lr": 1e-4, "seed": 0, "steps": 80, "data": {"source": "synthetic", "num_tokens": 999}},
+    }
+
+    def meta(r):
+        return {
+            "format": 1,
+            "shape": "tiny",
+            "family": "torch",
+            "strategy": "fsdp",  # noqa: E731
+            "world_size": 2,
+            "identity": identity(r),
+        }
+
+    with pytest.raises(ConfigError, match=r"different recipe.*training\.data\.num_tokens.*training\.lr") as e:
+        check_compatible(meta(base), meta(other), world_size=2, deepspeed=False, allow_changed_recipe=False, fmt=1)
+    assert "resume_changed_recipe" in e.value.fix
+    notes = check_compatible(meta(base), meta(other), world_size=2, deepspeed=False, allow_changed_recipe=True, fmt=1)
+    assert any("recipe changed (allowed): training.lr" in n for n in notes), notes
+    longer = {**base, "training": {**base["training"], "steps": 400}}
+    # no ConfigError: a longer run on another world size is the same run
+    check_compatible(meta(base), meta(longer), world_size=4, deepspeed=False, allow_changed_recipe=False, fmt=1)
