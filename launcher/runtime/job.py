@@ -41,7 +41,7 @@ from ..plan.cost import flops_per_token
 from ..plan.layout import Layout
 from ..plan.ledger import LEDGER_FILE, entry, log_line
 from .agreement import Agreement, NonFiniteWatch, Reporter, StepSync
-from .checkpoint import Checkpointer
+from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.compat import identity
 from .checkpoint.disk import expand_dir, write_file_durably
 from .dist import World, init_distributed, node_names, set_collective_timeout, shutdown

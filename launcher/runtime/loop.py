@@ -25,8 +25,10 @@ from ..plan.cost import checkpoint_bytes
 from ..plan.layout import Layout
 from ..validate.rules_runtime import eval_with_pipeline
 from . import preflight as preflight_mod
-from .checkpoint import Checkpointer, disk, export_model
+from .checkpoint import disk
+from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.compat import identity
+from .checkpoint.export import export_model
 from .data import Batches, EvalData, build_dataloader, build_eval_data, held_out_sequences, rescale_position
 from .dist import World, enable_determinism, init_distributed
 from .engines import Engine, build_engine, build_partitioned, builds_partitioned

@@ -618,7 +618,7 @@ def test_17_fp16_fsdp_steps_after_clipping_with_the_sharded_scaler():
 def test_20_async_staging_copies_without_blocking_into_pinned_memory_on_a_gpu():
     """The stager a GPU job uses pins its host copy and copies without blocking, with one synchronize at the end
     (it waited for every tensor in turn); a CPU job's copies are plain."""
-    from launcher.runtime.checkpoint import staging_options
+    from launcher.runtime.checkpoint.checkpointer import staging_options
 
     gpu, cpu = staging_options(gpu=True), staging_options(gpu=False)
     assert gpu.use_pinned_memory and gpu.use_non_blocking_copy and not gpu.use_async_staging
