@@ -58,7 +58,7 @@ else
     torch_index=()
     [[ -z $TORCH_INDEX ]] || torch_index=(--index-url "$TORCH_INDEX")
     "$PY" -m pip install -q -c constraints.txt "${torch_index[@]}" torch==2.13.0
-    step "installing dtlaunch (core + train: click, PyYAML, msgspec, rich, Jinja2, safetensors, matplotlib, psutil, py-spy)"
+    step "installing dtlaunch (core + train: click, PyYAML, msgspec, pydantic, rich, Jinja2, safetensors, matplotlib, psutil, py-spy)"
     "$PY" -m pip install -q -c constraints.txt -e '.[train]'
     touch "$VENV/.installed-demo"
 fi

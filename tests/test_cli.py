@@ -10,8 +10,8 @@ import pytest
 
 from testpaths import RECIPES
 
-# pydantic: ~70 ms of start-up (its import and building a schema's classes); the recipe schema is msgspec's,
-# and a stray import (a helper typed with pydantic) would bring the cost back unseen.
+# pydantic: imported only to list a broken recipe's mistakes (launcher/recipe/problems.py); the schema is
+# msgspec's, and a stray import would bring its start-up back to every command unseen.
 HEAVY = ("torch", "deepspeed", "sky", "submitit", "paramiko", "transformers", "pydantic", "jinja2")
 PY = sys.executable
 

@@ -844,3 +844,38 @@ def test_each_named_hostile_input_is_a_located_recipe_error(case, run_cli, tmp_p
 
 if __name__ == "__main__" and sys.argv[1:] == ["heavy"]:
     sys.exit(heavy_main())
+
+
+# ----------------------------------------------------------------------------- the error list agrees with the schema
+
+# Values msgspec converts and pydantic's lax mode would too, or the reverse, if the derived models coerced their own
+# way: a bool for a number, an integral float for a whole number, text for numbers and booleans.
+COERCIONS = [True, False, 1, 0, 2, 1.0, 1.5, "1", "1.0", "1e-4", " 1", "1_000", "+1", "true", "inf", "nan", "0x10"]
+
+
+@settings(max_examples=400, **SETTINGS)
+@given(
+    base=st.sampled_from(BASE_NAMES),
+    changes=st.lists(
+        st.tuples(st.sampled_from(FIELDS), st.one_of(HOSTILE_VALUE, st.sampled_from(COERCIONS))), min_size=1, max_size=3
+    ),
+)
+def test_the_listed_mistakes_are_what_the_schema_refuses(base, changes):
+    """A refused recipe's mistakes are listed by pydantic models derived from the msgspec schema (and the sections'
+    own checks): the two must agree. An accepted document has no wrong type for pydantic either; a refused one
+    gets at least one located problem, and never the fallback (msgspec's own words, said when they disagree)."""
+    import msgspec
+
+    from launcher.recipe import problems
+    from launcher.recipe.schema import parse
+
+    doc = copy.deepcopy(BASE_DOC[base])
+    for path, value in changes:
+        _set(doc, path, copy.deepcopy(value))
+    try:
+        parse(copy.deepcopy(doc))
+    except msgspec.ValidationError as e:
+        found, _ = problems.collect(doc, e, "r.yaml", {}, [])
+        assert found and all(p.fix != problems.UNSURE for p in found), (changes, str(e), [p.render() for p in found])
+    else:
+        assert problems._type_errors(doc) == [], changes

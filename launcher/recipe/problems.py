@@ -1,10 +1,12 @@
 """A recipe's schema errors as Problems: every mistake at once, each located (file or `--set` item, line,
 field) and said in the recipe's words with a fix.
 
-msgspec stops at the first mistake and says it in its own words ("Expected `int` >= 1 - at `$.training.steps`").
-So `collect` reads the path and the kind of each error, rewords it, then takes the mistaken value out of a
-copy of the document (its field falls back to its default) and converts again, until the copy converts or a
-required field is missing. Imported only when a recipe has a mistake.
+msgspec converts the recipe on every command and stops at its first mistake. When there is one, pydantic
+checks the document once more against the same schema and reports every mistake with a structured location,
+kind and bounds: a pydantic model is derived from each section's struct (msgspec.inspect), its values coerced
+by msgspec's own rules. The sections' own checks (their `__post_init__`: a known accelerator, a SLURM time)
+then run on what the types let through. Imported only when a recipe has a mistake, so a recipe without one
+pays for neither pydantic's import nor the models' build.
 """
 
 from __future__ import annotations
@@ -12,83 +14,106 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any
+import types
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
+import msgspec.inspect as mi
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, create_model
 
 from ..errors import Problem
 from .fields import ONE_LINE, suggest
-from .limits import MAX_DEPTH, MAX_PROBLEMS, Path_, dotted
-from .schema import Recipe, parse
+from .limits import MAX_PROBLEMS, Path_, dotted
+from .schema import Recipe
 
-MAX_ROUNDS = 200  # conversions of the copy, at most: a bound on the work a hostile recipe can cause
-_PATH = re.compile(r"\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\]|\[\.\.\.\])*)", re.ASCII)
-_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]|\[\.\.\.\]", re.ASCII)
-
-_TYPE_FIX = {
-    "int": "give a whole number, e.g. 8",
-    "float": "give a number, e.g. 0.4",
-    "finite": "give a finite number (not .inf or .nan)",
-    "bool": "give true or false",
-    "str": "give a text value (quote it if it looks like a number)",
-    "object": "give a mapping of key: value lines",
-    "array": "give a list, e.g. [A, B]",
+_KINDS: dict[type, tuple[str, str | None]] = {  # a schema type: (in words, the fix for another type)
+    mi.IntType: ("a whole number", "give a whole number, e.g. 8"),
+    mi.FloatType: ("a number", "give a number, e.g. 0.4"),
+    mi.BoolType: ("true/false", "give true or false"),
+    mi.StrType: ("text", "give a text value (quote it if it looks like a number)"),
+    mi.StructType: ("a mapping", "give a mapping of key: value lines"),
+    mi.DictType: ("a mapping", "give a mapping of key: value lines"),
+    mi.ListType: ("a list", "give a list, e.g. [A, B]"),
+    mi.VarTupleType: ("a list", "give a list, e.g. [A, B]"),
+    mi.TupleType: ("a list", "give a list, e.g. [A, B]"),
+    mi.NoneType: ("null (nothing)", None),
 }
-_TYPE_WORDS = {
-    "int": "a whole number",
-    "float": "a number",
-    "str": "text",
-    "bool": "true/false",
-    "object": "a mapping",
-    "array": "a list",
-    "null": "null (nothing)",
-}
+_VALUE_WORDS = {bool: "true/false", int: "a whole number", float: "a number", str: "text", dict: "a mapping"}
+_VALUE_WORDS |= {list: "a list", tuple: "a list", type(None): "null (nothing)"}
+_MISSING = object()
+UNSURE = "see `dtlaunch schema` for what each field accepts"  # the fix of a mistake only msgspec found
 
 
-def _words(spelled: str) -> str:
-    """msgspec's `int | str | null` in the recipe's words."""
-    parts = [_TYPE_WORDS.get(t.strip(), t.strip()) for t in spelled.split("|")]
-    return " or ".join(dict.fromkeys(parts))
+# ----------------------------------------------------------------------------- the schema, for pydantic
 
 
-def _split(err: msgspec.ValidationError) -> tuple[str, Path_, BaseException | None]:
-    """(message, path, the check's own exception) of one msgspec error. A check's message is the exception's
-    text, so a user's value inside it cannot be mistaken for the location that msgspec appends."""
-    text, cause = str(err), err.__cause__
-    msg, loc = text, ""
-    if cause is not None and text.startswith(str(cause)):
-        msg, rest = str(cause), text[len(str(cause)) :]
-        loc = rest[len(" - at `") : -1] if rest.startswith(" - at `") else ""
-    elif m := re.fullmatch(r"(.*) - at `key` in `(\$[^`]*)`", text, re.S):
-        got = re.search(r"got `([^`]*)`", m.group(1))  # e.g. `1: x` under env
-        msg, loc = "a key must be text" + (f", not {_words(got.group(1))}" if got else ""), m.group(2)
-    else:
-        head, sep, tail = text.rpartition(" - at `")
-        if sep and tail.endswith("`") and _PATH.fullmatch(tail[:-1]):
-            msg, loc = head, tail[:-1]
-    path: list = []
-    for m in _STEP.finditer(loc[1:] if loc.startswith("$") else ""):
-        if m.group(1) is not None:
-            path.append(m.group(1))
-        elif m.group(2) is not None:
-            path.append(int(m.group(2)))
-        else:
-            break  # a mapping's key: the mapping is the place to point at
-    return msg, tuple(path), cause
+class _Section(BaseModel):
+    # Python's re: the schema's patterns end with \Z, which pydantic's default (Rust) engine does not know.
+    model_config = ConfigDict(extra="forbid", regex_engine="python-re")
+
+
+def _coerced(kind: type) -> BeforeValidator:
+    """What msgspec converts to `kind` (strict=False: numbers and booleans YAML left as text, 1.0 as 1, 1 as
+    true), converted the same way; anything else is left for the strict check to name its type."""
+
+    def coerce(v: Any) -> Any:
+        try:
+            return msgspec.convert(v, kind, strict=False)
+        except msgspec.ValidationError:
+            return v
+
+    return BeforeValidator(coerce)
+
+
+def _annotation(t: Any) -> Any:
+    """The pydantic annotation of a msgspec.inspect type: the same types, bounds and patterns."""
+    if isinstance(t, mi.Metadata):
+        return _annotation(t.type)
+    if isinstance(t, (mi.IntType, mi.FloatType)):
+        kind = int if isinstance(t, mi.IntType) else float
+        bounds = Field(ge=t.ge, gt=t.gt, le=t.le, lt=t.lt, multiple_of=t.multiple_of)
+        return Annotated[kind, _coerced(kind), Strict(), bounds]
+    if isinstance(t, mi.BoolType):
+        return Annotated[bool, _coerced(bool), Strict()]
+    if isinstance(t, mi.StrType):
+        return Annotated[str, Strict(), Field(min_length=t.min_length, max_length=t.max_length, pattern=t.pattern)]
+    if isinstance(t, mi.NoneType):
+        return None
+    if isinstance(t, mi.LiteralType):
+        return Literal.__getitem__(tuple(t.values))
+    if isinstance(t, mi.UnionType):
+        return Union.__getitem__(tuple(_annotation(x) for x in t.types))
+    if isinstance(t, (mi.ListType, mi.VarTupleType)):
+        sized = Field(min_length=t.min_length, max_length=t.max_length)
+        return Annotated[list[_annotation(t.item_type)], sized]  # type: ignore[misc]
+    if isinstance(t, mi.TupleType):
+        return tuple.__class_getitem__(tuple(_annotation(x) for x in t.item_types))
+    if isinstance(t, mi.DictType):
+        sized = Field(min_length=t.min_length, max_length=t.max_length)
+        return Annotated[dict[_annotation(t.key_type), _annotation(t.value_type)], sized]  # type: ignore[misc]
+    if isinstance(t, mi.StructType):
+        return _model(t.cls)
+    return Any
+
+
+@functools.cache
+def _model(cls: type) -> type[BaseModel]:
+    """A pydantic model of a section struct: its fields by the names a recipe spells (aliases, so a field
+    named like a BaseModel attribute cannot clash), required where the struct requires them."""
+    fields: dict[str, Any] = {}
+    info: Any = mi.type_info(cls)
+    for i, f in enumerate(info.fields):
+        fields[f"f{i}"] = (_annotation(f.type), Field(... if f.required else None, alias=f.encode_name))
+    return create_model(cls.__name__, __base__=_Section, **fields)
 
 
 @functools.cache
 def _schema() -> Any:
-    """The recipe's schema as msgspec.inspect describes it (built once: the search asks it every round)."""
-    import msgspec.inspect as mi
-
     return mi.type_info(Recipe)
 
 
 def _alternatives(t: Any) -> list:
     """The plain types a schema type stands for, in order: descriptions unwrapped, unions flattened."""
-    import msgspec.inspect as mi
-
     out, todo = [], [t]
     while todo:
         t = todo.pop()
@@ -101,55 +126,46 @@ def _alternatives(t: Any) -> list:
     return out
 
 
-def _type_at(path: Path_) -> Any:
-    """The schema's type (msgspec.inspect) at a field path, or None."""
-    import msgspec.inspect as mi
+def _step(t: Any, part: Any) -> Any:
+    """The schema type one step below `t` at `part` (a field, an index, a key), or _MISSING when `part` is not
+    a step of the document (pydantic's name for a union member it tried)."""
+    for x in _alternatives(t):
+        if isinstance(x, mi.StructType) and isinstance(part, str):
+            for f in x.fields:
+                if f.encode_name == part:
+                    return f.type
+        elif isinstance(x, (mi.ListType, mi.VarTupleType)) and isinstance(part, int):
+            return x.item_type
+        elif isinstance(x, mi.TupleType) and isinstance(part, int):
+            return x.item_types[part] if part < len(x.item_types) else mi.AnyType()
+        elif isinstance(x, mi.DictType) and part != "[key]":
+            return x.value_type
+    return _MISSING
 
+
+def _place(loc: tuple, unknown_key: bool) -> Path_:
+    """The field path in the document of a pydantic location: its steps through the schema, without the names
+    of the union members pydantic tried; a mapping's bad key ends in "[key]"; an unknown key is no step."""
+    path: list = []
+    t: Any = _schema()
+    for i, part in enumerate(loc):
+        below = _step(t, part)
+        if part == "[key]" or unknown_key and i == len(loc) - 1:
+            path.append(part)
+        elif below is not _MISSING:
+            path.append(part)
+            t = below
+    return tuple(path)
+
+
+def _type_at(path: Path_) -> Any:
+    """The schema's type at a field path (None past the schema)."""
     t: Any = _schema()
     for part in path:
-        t = next((x for x in _alternatives(t) if isinstance(x, (mi.StructType, mi.ListType, mi.TupleType))), None)
-        if isinstance(part, int) and isinstance(t, mi.ListType):
-            t = t.item_type
-        elif isinstance(part, int) and isinstance(t, mi.TupleType):
-            t = t.item_types[part] if part < len(t.item_types) else None
-        elif isinstance(part, str) and isinstance(t, mi.StructType):
-            t = next((f.type for f in t.fields if f.encode_name == part), None)
-        else:
+        t = _step(t, part)
+        if t is _MISSING:
             return None
     return t
-
-
-def _struct_at(path: Path_) -> Any:
-    import msgspec.inspect as mi
-
-    return next((x for x in _alternatives(_type_at(path)) if isinstance(x, mi.StructType)), None)
-
-
-def _keys_at(path: Path_) -> list[str]:
-    s = _struct_at(path)
-    return [f.encode_name for f in s.fields] if s is not None else []
-
-
-def _missing_keys(data: Any, path: Path_) -> list[str]:
-    s, have = _struct_at(path), _value_at(data, path)
-    if s is None or not isinstance(have, dict):
-        return []
-    return [f.encode_name for f in s.fields if f.required and f.encode_name not in have]
-
-
-def _takes_int(path: Path_) -> bool:
-    import msgspec.inspect as mi
-
-    return any(isinstance(x, mi.IntType) for x in _alternatives(_type_at(path)))
-
-
-def _choices_at(path: Path_) -> tuple:
-    import msgspec.inspect as mi
-
-    return tuple(v for x in _alternatives(_type_at(path)) if isinstance(x, mi.LiteralType) for v in x.values)
-
-
-_MISSING = object()
 
 
 def _value_at(data: Any, path: Path_) -> Any:
@@ -161,70 +177,87 @@ def _value_at(data: Any, path: Path_) -> Any:
     return data
 
 
+# ----------------------------------------------------------------------------- errors in the recipe's words
+
+
 def _got(v: Any) -> str:
     r = repr(v)
     return f" (got {r[:80] + '...' if len(r) > 80 else r})" if v is not _MISSING else ""
 
 
-def _message(err: msgspec.ValidationError, data: Any) -> tuple[Path_, str, str | None, str]:
-    """(field path, what is wrong, what to do, kind) of one msgspec error, in the recipe's words. The kind is
-    "missing" (a required field), "section" (a check across a section's fields) or "field"."""
-    msg, path, cause = _split(err)
-    if cause is not None:
-        field = getattr(cause, "field", None)
-        where = field if isinstance(field, tuple) else (field,)  # a field, or a path to one entry of it
-        return (path + where if field else path), msg, getattr(cause, "fix", None), "field" if field else "section"
-    if m := re.fullmatch(r"Object contains unknown field `(.*)`", msg, re.S):
-        key = m.group(1)
-        names = _keys_at(path)
-        return (
-            path + (key,),
-            f"unknown key {key!r}{suggest(key, names)}",
-            "allowed keys here: " + ", ".join(names) if names else "remove it",
-            "field",
-        )
-    if m := re.fullmatch(r"Object missing required field `(.*)`", msg, re.S):
-        return path + (m.group(1),), "required field is missing", f"add `{m.group(1)}:`", "missing"
-    return (path, *_value_message(msg, path, _value_at(data, path)), "field")
+_BOUND = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+_SIZE = ("string_too_long", "string_too_short", "too_long", "too_short")
 
 
-def _value_message(msg: str, path: Path_, value: Any) -> tuple[str, str | None]:
-    """(what is wrong, what to do) for a value msgspec refused."""
-    if m := re.fullmatch(r"Invalid enum value (.*)", msg, re.S):
-        choices = _choices_at(path)
-        v = value if value is not _MISSING else m.group(1)
-        listed = ("one of " if len(choices) > 1 else "") + ", ".join(map(repr, choices))
-        if _takes_int(path):  # e.g. grad_accum: a number or 'auto'
-            listed = "a whole number or " + listed
-        return (
-            f"{str(v)[:80]!r} is not {listed}{suggest(v, choices)}" if choices else msg,
-            "use one of the listed values",
-        )
+def _say(errors: list[dict], path: Path_, data: Any) -> tuple[Path_, str, str | None]:
+    """(where, what is wrong, what to do) of the errors pydantic reported at one place: one error, or one per
+    type it tried when the field takes one of several."""
+    kinds = {e["type"]: e for e in errors}
+    if "extra_forbidden" in kinds:
+        names = [
+            f.encode_name for x in _alternatives(_type_at(path[:-1])) if isinstance(x, mi.StructType) for f in x.fields
+        ]
+        allowed = "allowed keys here: " + ", ".join(names) if names else "remove it"
+        return path, f"unknown key {path[-1]!r}{suggest(path[-1], names)}", allowed
+    if path and path[-1] == "[key]":  # a mapping's key (after the key itself): the mapping is the place
+        return path[:-2], f"a key must be text, not {_words(errors[0]['input'])}", "quote the key"
+    if "missing" in kinds and path and isinstance(path[-1], int) and _tuple_of(path[:-1]):
+        path = path[:-1]  # a missing item of a fixed-length list: the list is what is short
+    if n := _tuple_of(path):
+        if kinds.keys() & {"missing", "too_long", "too_short"}:
+            got = _value_at(data, path)
+            got_n = f", got {len(got)}" if isinstance(got, (list, tuple)) else ""
+            two = "give a list of two numbers, e.g. [0.9, 0.95]" if n == 2 else None
+            return path, f"expected a list of {n} items{got_n}", two
+    if "missing" in kinds:
+        return path, "required field is missing", f"add `{path[-1]}:`"
+    value = _value_at(data, path)
+    said = _bad_value(kinds, value) or _bad_type(_alternatives(_type_at(path)), value)
+    return (path, *said)
+
+
+def _tuple_of(path: Path_) -> int:
+    """The length of the fixed-length list the schema has at `path`, or 0."""
+    return next((len(x.item_types) for x in _alternatives(_type_at(path)) if isinstance(x, mi.TupleType)), 0)
+
+
+def _bad_value(kinds: dict[str, dict], value: Any) -> tuple[str, str | None] | None:
+    """A value of the right type out of its bounds, its pattern or its size."""
     if isinstance(value, float) and not math.isfinite(value):
-        return f"must be a finite number{_got(value)}", _TYPE_FIX["finite"]
-    if m := re.fullmatch(r"Expected `([^`]*)`, got `([^`]*)`", msg):
-        want = m.group(1)
-        return f"expected {_words(want)}, not {_words(m.group(2))}{_got(value)}", _TYPE_FIX.get(want.split(" | ")[0])
-    if m := re.fullmatch(r"Expected `(\w+)` (>=|>|<=|<) (\S+)", msg):
-        return f"must be {m.group(2)} {m.group(3)}{_got(value)}", None
-    if m := re.fullmatch(r"Expected `array` of length (\d+), got (\d+)", msg):
-        return (
-            f"expected a list of {m.group(1)} items, got {m.group(2)}",
-            "give a list of two numbers, e.g. [0.9, 0.95]" if m.group(1) == "2" else None,
-        )
-    if m := re.fullmatch(r"Expected `(str|array|object)` of length (<=|>=) (\d+)", msg):
-        n = len(value) if isinstance(value, (str, list, dict)) else None
-        what = {"str": "characters", "array": "items", "object": "entries"}[m.group(1)]
-        most = "at most" if m.group(2) == "<=" else "at least"
-        return f"{most} {int(m.group(3)):,} {what}" + (f", got {n:,}" if n is not None else ""), None
-    if m := re.fullmatch(r"Expected `str` matching regex '(.*)'", msg, re.S):
-        if m.group(1) in (ONE_LINE, repr(ONE_LINE)[1:-1]):  # msgspec prints the pattern as its repr
-            return (
-                "must be a single line (no line break or NUL): it goes into an #SBATCH line of the job script",
-                "write it on one line",
-            )
-        return f"should match pattern {m.group(1)!r}{_got(value)}", None
-    return msg, None
+        return f"must be a finite number{_got(value)}", "give a finite number (not .inf or .nan)"
+    for kind, e in kinds.items():
+        ctx = e.get("ctx") or {}
+        if kind in _BOUND:
+            return f"must be {_BOUND[kind]} {next(iter(ctx.values()))}{_got(value)}", None
+        if kind == "string_pattern_mismatch" and ctx["pattern"] == ONE_LINE:
+            why = "must be a single line (no line break or NUL): it goes into an #SBATCH line of the job script"
+            return why, "write it on one line"
+        if kind == "string_pattern_mismatch":
+            return f"should match pattern {ctx['pattern']!r}{_got(value)}", None
+        if kind in _SIZE:
+            what = "characters" if isinstance(value, str) else "entries" if isinstance(value, dict) else "items"
+            most = "at most" if kind.endswith("long") else "at least"
+            n = f", got {len(value):,}" if isinstance(value, (str, list, dict)) else ""
+            return f"{most} {ctx.get('max_length', ctx.get('min_length')):,} {what}{n}", None
+    return None
+
+
+def _bad_type(alts: list, value: Any) -> tuple[str, str | None]:
+    """A value that is none of the types (or listed values) the field takes."""
+    choices = tuple(v for x in alts if isinstance(x, mi.LiteralType) for v in x.values)
+    if choices and isinstance(value, str):
+        listed = ("one of " if len(choices) > 1 else "") + ", ".join(map(repr, choices))
+        if any(isinstance(x, mi.IntType) for x in alts):  # e.g. grad_accum: a number or 'auto'
+            listed = "a whole number or " + listed
+        return f"{value[:80]!r} is not {listed}{suggest(value, choices)}", "use one of the listed values"
+    words = [repr(v) for x in alts if isinstance(x, mi.LiteralType) for v in x.values]
+    words += [_KINDS.get(type(x), ("a value", None))[0] for x in alts if not isinstance(x, mi.LiteralType)]
+    fix = next((_KINDS[type(x)][1] for x in alts if type(x) in _KINDS), "use one of the listed values")
+    return f"expected {' or '.join(dict.fromkeys(words))}, not {_words(value)}{_got(value)}", fix
+
+
+def _words(value: Any) -> str:
+    return _VALUE_WORDS.get(type(value), type(value).__name__)
 
 
 def _problem(
@@ -240,123 +273,116 @@ def _problem(
     touched = [item for opath, item in overrides if opath[: len(path)] == path and path]
     if touched:
         msg += f" (after --set {', --set '.join(t[:80] for t in touched)})"
-    line = None
-    for n in range(len(path), -1, -1):
-        if path[:n] in lines:
-            line = lines[path[:n]]
-            break
+    line = next((lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in lines), None)
     return Problem(source, field, msg, fix, line)
 
 
-def _unshared(v: Any, depth: int = 0) -> Any:
-    """A copy in which no two places share a mapping or list (a YAML alias shares one): taking a mistake out
-    of one place must leave the others as written. The loader has bounded the document's size; a `--set`
-    value that refers to itself stays shared below the recipe's depth bound."""
-    if depth > 2 * MAX_DEPTH:
-        return v
-    if isinstance(v, dict):
-        return {k: _unshared(x, depth + 1) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_unshared(x, depth + 1) for x in v]
-    return v
+# ----------------------------------------------------------------------------- the mistakes, all of them
 
 
-def _take_out(work: Any, path: Path_, removed: set[Path_], original: Path_) -> bool:
-    """Delete the value at `path` (its field falls back to its default); False if there is none to delete.
-    `removed` records it at its `original` place (the document's, before any list item was taken out)."""
-    parent = _value_at(work, path[:-1]) if path else _MISSING
-    if not path or not isinstance(parent, dict) or path[-1] not in parent:
-        return False
-    del parent[path[-1]]
-    removed.add(original)
-    return True
+def _type_errors(data: Any) -> list[tuple[Path_, str, str | None]]:
+    """(where, what is wrong, what to do) of every value of a wrong type, out of bounds or unknown, in order."""
+    try:
+        _model(Recipe).model_validate(data)
+        return []
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+    places: dict[Path_, list] = {}
+    for err in errors:
+        places.setdefault(_place(err["loc"], err["type"] == "extra_forbidden"), []).append(err)
+    return [_say(errs, path, data) for path, errs in places.items()]
 
 
-def _original(path: Path_, kept: dict[Path_, list[int]]) -> Path_:
-    """A path in the working copy as a path in the document: a list some items were taken out of has its
-    remaining items' original indices in `kept` (keyed by the list's own original path)."""
-    out: Path_ = ()
-    for part in path:
-        if isinstance(part, int) and out in kept and part < len(kept[out]):
-            part = kept[out][part]
-        out = (*out, part)
+def _section_checks(node: Any, cls: type, path: Path_, found: list) -> Any:
+    """The section at `path` built from `node`, its own check and its sections' checks run. A value of a wrong
+    type (reported already) falls back to its default; each check that fails is added to `found` as (path,
+    exception, the fields that fell back). Returns the section, a stand-in with its fields when its check
+    failed (so the enclosing section's check runs too), or _MISSING when a required field has no usable value."""
+    if not isinstance(node, dict):
+        return _MISSING
+    values: dict[str, Any] = {}
+    fields = _fields(cls)
+    fell_back: list[str] = []
+    for name, (f, inner, items) in fields.items():
+        v = _field_value(node.get(name, _MISSING), f, inner, items, (*path, name), found)
+        if v is _MISSING:
+            if f.required:
+                return _MISSING
+            v = _default(f)
+            if name in node:
+                fell_back.append(name)
+        values[f.name] = v
+    # A check stops at its first complaint: the field it names falls back to its default and the check runs
+    # again, so that the section's other complaints are reported too.
+    for _ in range(len(fields) + 1):
+        try:
+            return cls(**values)
+        except ValueError as e:
+            found.append((path, e, tuple(fell_back)))
+            named = getattr(e, "field", None)
+            f = fields.get(named[0] if isinstance(named, tuple) else named, (None,))[0]  # type: ignore[arg-type]
+            if f is None or f.required or values[f.name] == _default(f):
+                break
+            values[f.name] = _default(f)
+            fell_back.append(f.encode_name)
+        except Exception:  # a check reading a section that is only a stand-in: that section's error is reported
+            break
+    return types.SimpleNamespace(**values)
+
+
+@functools.cache
+def _fields(cls: type) -> dict[str, tuple[Any, type | None, type | None]]:
+    """A section's fields by the names a recipe spells: (the field, its section's struct if it is one, its items'
+    struct if it is a list of sections)."""
+    out = {}
+    for f in msgspec.structs.fields(cls):
+        t = mi.type_info(f.type)
+        out[f.encode_name] = (f, _struct_of(t), _struct_of(_item_type(t)))
     return out
 
 
-def _take_out_item(work: Any, path: Path_, kept: dict[Path_, list[int]]) -> bool:
-    """Take one bad item out of its list, so that the list's other items are still checked; False when it is
-    the last item (an empty list may break the list's own rules: the list goes instead)."""
-    items = _value_at(work, path[:-1])
-    i = path[-1]
-    if not isinstance(items, list) or not 0 <= i < len(items) or len(items) < 2:
-        return False
-    where = _original(path[:-1], kept)
-    del items[i]
-    del kept.setdefault(where, list(range(len(items) + 1)))[i]
-    return True
+def _field_value(v: Any, f: Any, inner: type | None, items: type | None, path: Path_, found: list) -> Any:
+    """A field's value as its section holds it (sections built and checked), or _MISSING."""
+    if inner is not None and isinstance(v, dict):
+        return _section_checks(v, inner, path, found)
+    if items is not None and isinstance(v, list):
+        built = [_section_checks(x, items, (*path, i), found) for i, x in enumerate(v)]
+        return _MISSING if _MISSING in built else built
+    try:
+        return v if v is _MISSING else msgspec.convert(v, f.type, strict=False)
+    except msgspec.ValidationError:
+        return _MISSING
 
 
-def _take_out_mistake(work: Any, wpath: Path_, kept: dict[Path_, list[int]], removed: set[Path_], alone: bool) -> bool:
-    """Take out a refused value: a list item alone if it can go alone, else its field (the whole list)."""
-    if alone and wpath and isinstance(wpath[-1], int) and _take_out_item(work, wpath, kept):
-        return True
-    cut = wpath
-    while cut and not isinstance(cut[-1], str):
-        cut = cut[:-1]
-    return _take_out(work, cut, removed, _original(cut, kept))
+def _default(f: Any) -> Any:
+    return f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+
+
+def _struct_of(t: Any) -> type | None:
+    return next((x.cls for x in _alternatives(t) if isinstance(x, mi.StructType)), None)
+
+
+def _item_type(t: Any) -> Any:
+    return next((x.item_type for x in _alternatives(t) if isinstance(x, (mi.ListType, mi.VarTupleType))), None)
 
 
 def collect(
     data: Any, first: msgspec.ValidationError, source: str, lines: dict[Path_, int], overrides: list[tuple[Path_, str]]
 ) -> tuple[list[Problem], int]:
-    """Every mistake in the document: report one, take its value out of a copy, convert again. A bad list
-    item goes alone, so the next bad item of the same list is reported too; paths in the copy are mapped
-    back to the document's (its lines, its indices) before they are reported."""
-    work = _unshared(data)
-    out: list[Problem] = []
-    seen: set[Path_] = set()
-    removed: set[Path_] = set()  # original paths
-    standins: set[Path_] = set()  # required sections the search took out and put back empty (original paths)
-    kept: dict[Path_, list[int]] = {}
-    err = first
-    for _ in range(MAX_ROUNDS):
-        wpath, msg, fix, kind = _message(err, work)
-        path = _original(wpath, kept)
-        if any(path[: len(s)] == s for s in standins):
-            break  # an empty stand-in is not valid either: nothing more can be learned
-        if kind == "missing":
-            parent = _value_at(work, wpath[:-1])
-            if path in removed and isinstance(parent, dict):
-                # The search took out a required section after a check across its fields failed; an empty
-                # one (its defaults) lets it go on to the other sections.
-                parent[wpath[-1]] = {}
-                standins.add(path)
-            else:
-                # Every required field of that section that is missing; then the section goes, unless it is
-                # the recipe itself: nothing can stand in for what the recipe lacks.
-                for key in _missing_keys(work, wpath[:-1]) or [path[-1]]:
-                    where = path[:-1] + (key,)
-                    if where not in removed and where not in seen:
-                        seen.add(where)
-                        out.append(_problem(where, msg, f"add `{key}:`", source, lines, overrides))
-                if not _take_out(work, wpath[:-1], removed, path[:-1]):
-                    break
-        else:
-            # A section's check that names a field taken out of it failed because of that: nothing new.
-            consequence = kind == "section" and any(
-                r[: len(path)] == path and len(r) == len(path) + 1 and re.search(rf"\b{re.escape(str(r[-1]))}\b", msg)
-                for r in removed
-            )
-            # So did a list's own rule (its length) once items were taken out of it.
-            consequence = consequence or path in kept
-            if path not in seen and not consequence:
-                seen.add(path)
-                out.append(_problem(path, msg, fix, source, lines, overrides))
-            if not _take_out_mistake(work, wpath, kept, removed, alone=not consequence):
-                break
-        try:
-            parse(work)
-            break
-        except msgspec.ValidationError as e:
-            err = e
-    return out[:MAX_PROBLEMS], len(out[MAX_PROBLEMS:])
+    """Every mistake in the document: the values pydantic refuses, then the sections' checks."""
+    found = _type_errors(data)
+    checks: list = []
+    _section_checks(data, Recipe, (), checks)
+    for path, e, fell_back in checks:
+        if field := getattr(e, "field", None):
+            found.append(((*path, *(field if isinstance(field, tuple) else (field,))), str(e), e.fix))
+        # A section's check that names a field which fell back to its default failed because of that.
+        elif not any(re.search(rf"\b{re.escape(name)}\b", str(e)) for name in fell_back):
+            found.append((path, str(e), getattr(e, "fix", None)))
+    if not found:  # the two disagree on what is wrong: msgspec's own words, at the top
+        found.append(((), str(first), UNSURE))
+    out: dict[Path_, Problem] = {}
+    for path, msg, fix in found:
+        out.setdefault(path, _problem(path, msg, fix, source, lines, overrides))
+    problems = list(out.values())
+    return problems[:MAX_PROBLEMS], len(problems[MAX_PROBLEMS:])

@@ -287,6 +287,7 @@ def test_with_an_image_the_wheel_leaves_the_images_torch_alone(tmp_path):
         ("click", "8.1.7"),
         ("PyYAML", "6.0.2"),
         ("msgspec", "0.19.0"),
+        ("pydantic", "2.7.0"),
         ("rich", "13.9.4"),
         ("Jinja2", "3.1.4"),
         ("MarkupSafe", "2.1.5"),
