@@ -39,7 +39,7 @@ def load_recipe(source, overrides: Sequence[str] = ()):
     from .recipe.loading import load_data
 
     if isinstance(source, Recipe):
-        return load_data(source.given_data(), f"<recipe {source.name}>", list(overrides), source.base_dir())
+        return load_data(source.to_dict(), f"<recipe {source.name}>", list(overrides), source.base_dir())
     return load(source, list(overrides))
 
 

@@ -102,7 +102,7 @@ def make_plan(recipe: Recipe) -> Plan:
     notes = []
     if shape is None:
         notes.append("model given by `params` only: activations are not estimated (give a preset or shape for them)")
-    tp, pp = par.tensor, par.pipeline
+    tp, pp = (1 if d == "auto" else d for d in (par.tensor, par.pipeline))
     dp = par.data if isinstance(par.data, int) else max(world // (tp * pp), 1)
     grad_accum, _ = grad_accum_for(tr.global_batch, tr.micro_batch, dp, par.grad_accum)
     base = Layout(
@@ -113,27 +113,25 @@ def make_plan(recipe: Recipe) -> Plan:
         precision=par.precision,
         micro_batch=tr.micro_batch,
         grad_accum=grad_accum,
-        sequence_parallel=par.sequence_parallel,
+        sequence_parallel=par.sequence_parallel is True,
         optimizer=tr.optimizer,
         shard=res.per_node if par.strategy == "hybrid" else None,
         pp_schedule=par.pipeline_schedule,
         grad_reduce="once_per_step" if par.grad_reduce == "once_per_step" else "every_micro_batch",
     )
     ctx = Context(shape, arch, n, seq, dev.memory_gb * 1e9, dev.is_gpu, res.per_node, res.nodes)
-    fields_set = par.fields_set
     hf = model.hf_config is not None
-    # `auto` decides sequence parallelism unless the recipe says (the schema's default is off)
-    searched_sp = par.strategy == "auto" and "sequence_parallel" not in fields_set and not hf
+    searched_sp = par.strategy == "auto" and par.sequence_parallel == "auto" and not hf
     req = Request(
         par.strategy,
         par.backend,
         par.activation_checkpointing,
         par.offload,
-        tp_fixed="tensor" in fields_set,
-        pp_fixed="pipeline" in fields_set,
+        tp_fixed=par.tensor != "auto",
+        pp_fixed=par.pipeline != "auto",
         global_batch=tr.global_batch,
         grad_accum=par.grad_accum,
-        sequence_parallel=None if searched_sp else par.sequence_parallel,
+        sequence_parallel=None if searched_sp else par.sequence_parallel is True,
         hf=hf,
     )
     lay, reasons = choose(ctx, base, req)  # sized at the grad_accum of the degrees it chose

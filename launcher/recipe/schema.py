@@ -41,18 +41,20 @@ from .fields import (
 from .model_spec import ModelSpec
 
 
-class ParallelismSpec(Spec, kw_only=True, dict=True):
+class ParallelismSpec(Spec, kw_only=True):
     strategy: Strategy = "auto"
     backend: Doc(
         "which family `auto` picks from: torch (DDP/FSDP2) or deepspeed (ZeRO)", Literal["torch", "deepspeed"]
     ) = "torch"
     data: AutoInt(10_000_000, "data-parallel degree; auto = world / (tensor*pipeline)") = "auto"
-    tensor: Int(1, 1024) = 1
-    pipeline: Int(1, 1024) = 1
+    # auto: strategy auto's search chooses (a written degree it keeps); any other strategy takes 1 (off)
+    tensor: AutoInt(1024, "tensor-parallel degree; auto = strategy auto's choice, else 1") = "auto"
+    pipeline: AutoInt(1024, "pipeline-parallel degree; auto = strategy auto's choice, else 1") = "auto"
     sequence_parallel: Doc(
-        "with tensor > 1: split the residual stream and the norms over the sequence across the tensor-parallel group",
-        bool,
-    ) = False
+        "with tensor > 1: split the residual stream and the norms over the sequence across the tensor-parallel "
+        "group; auto = strategy auto's choice, else off",
+        bool | Literal["auto"],
+    ) = "auto"
     pipeline_schedule: Doc(
         "with pipeline > 1: 1F1B (one stage per rank), or interleaved 1F1B (two stages per rank: "
         "smaller bubbles, more activations in flight)",
@@ -73,24 +75,6 @@ class ParallelismSpec(Spec, kw_only=True, dict=True):
         "how DeepSpeed recipes start: torchrun on every node, or the deepspeed launcher",
         Literal["torchrun", "deepspeed"],
     ) = "torchrun"
-
-    @property
-    def fields_set(self) -> frozenset[str]:
-        """The fields the recipe wrote (the planner keeps a written tensor or pipeline degree as the user's
-        choice). Without a record of the input (a section built in code), the fields that differ from their
-        defaults."""
-        given = self.__dict__.get("given")
-        if given is not None:
-            return given
-        return frozenset(f.name for f in msgspec.structs.fields(self) if getattr(self, f.name) != f.default)
-
-    def remember_given(self, keys) -> None:
-        self.__dict__["given"] = frozenset(keys)
-
-    def replace(self, **changes: Any) -> "ParallelismSpec":
-        out = super().replace(**changes)
-        out.remember_given(self.fields_set | changes.keys())
-        return out
 
 
 class ResourcesSpec(Spec, kw_only=True):
@@ -418,14 +402,6 @@ class Recipe(Spec, kw_only=True, dict=True):
         compares equal to it."""
         return msgspec.json.decode(msgspec.json.encode(self))
 
-    def given_data(self) -> dict[str, Any]:
-        """The recipe as data that loads back into this recipe, with the record of which parallelism fields the
-        user wrote (the planner keeps a written degree and chooses an unwritten one): to_dict() writes every field,
-        which would read back as all of them written."""
-        d = self.to_dict()
-        d["parallelism"] = {k: v for k, v in d["parallelism"].items() if k in self.parallelism.fields_set}
-        return d
-
     def digest(self) -> str:
         """A recipe's identity: the fields that differ from their defaults. A newer dtlaunch that only adds
         optional fields leaves it unchanged, and so does writing out a default."""
@@ -465,13 +441,10 @@ def _env_values(v: dict) -> dict[str, str]:
 
 def parse(data: Any) -> Recipe:
     """A Recipe from plain data (a loaded YAML document, a plan file's copy): msgspec.ValidationError on any
-    mistake. Records which parallelism fields the data wrote, for the planner."""
+    mistake."""
     # strict=False reads numbers and booleans that YAML left as text, as pydantic did: PyYAML reads `1e-4`
     # (no dot) as a string, and users write learning rates that way. Booleans are still not numbers.
-    recipe = msgspec.convert(data, Recipe, strict=False)
-    par = data.get("parallelism") if isinstance(data, dict) else None
-    recipe.parallelism.remember_given(par.keys() if isinstance(par, dict) else ())
-    return recipe
+    return msgspec.convert(data, Recipe, strict=False)
 
 
 def _given(section: msgspec.Struct) -> dict:

@@ -119,8 +119,8 @@ def _fit(r: Recipe, p: Plan):
             for k, v in (("activation_checkpointing", par.activation_checkpointing), ("offload", par.offload))
             if v != "auto"
         ]
-        pinned += [f"leave {k} unset (it is {getattr(par, k)})" for k in ("tensor", "pipeline") if k in par.fields_set]
-        if lay.tp > 1 and not lay.sequence_parallel and "sequence_parallel" in par.fields_set:
+        pinned += [f"{k}: auto (it is {getattr(par, k)})" for k in ("tensor", "pipeline") if getattr(par, k) != "auto"]
+        if lay.tp > 1 and par.sequence_parallel is False:
             pinned.append("sequence_parallel: true")
         fix = (
             "no layout that strategy: auto may choose fits (`dtlaunch plan` lists what it tried): "
@@ -325,7 +325,7 @@ def _every(r: Recipe, p: Plan):
     "sequence-parallel-no-tp", "warning", "parallelism.sequence_parallel", "sequence parallel without tensor parallel"
 )
 def _sp(r: Recipe, p: Plan):
-    if r.parallelism.sequence_parallel and p.layout.tp == 1:
+    if r.parallelism.sequence_parallel is True and p.layout.tp == 1:
         return (
             "sequence_parallel splits activations across the tensor-parallel group, which has size 1 here",
             "set tensor > 1 or sequence_parallel: false",
