@@ -28,7 +28,7 @@ FULL_SUITE_ONLY = {
     "tests/runtime/test_gpu_paths.py::test_collectives_per_step_of_the_70b_recipe_at_64_ranks": "16 s",
     # Every string field times every payload, target and launcher, each rendered job run against stubs (the
     # three other tests of the file stay: every configuration against the stubs, the head-only launch).
-    "tests/test_injection_fuzz.py::test_shell_payloads_in_every_string_field_are_refused_located_or_stay_data": "21 s",
+    "tests/test_shell_payloads.py::test_shell_payloads_in_every_string_field_are_refused_located_or_stay_data": "21 s",
     # The generated hostile inputs, each in-process category in full (tests/test_hostile.py: ~1,000 cases through
     # validate, plan and render on every target); test_hostile_sample, a few of each category, stays.
     "tests/test_hostile.py::test_hostile_input": "15 categories, 0.1-15 s each: ~35 s",

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.cli.sweep import expand
+from launcher.errors import DtlaunchError
 from testpaths import RECIPES
 
 # pydantic: imported only to list a broken recipe's mistakes (launcher/recipe/problems.py); the schema is
@@ -426,3 +428,20 @@ def test_up_dry_run_prints_a_summary_and_the_script_only_with_show(run_cli, tmp_
     code, out, err = run_cli(*args, "--show", "--set", "targets.slurm.partition=debug")
     assert code == 0, err
     assert f"# ---- {tmp_path / 'd' / 'job.sbatch'}" in out and "#SBATCH --partition=debug" in out
+
+
+def test_a_bracketed_sweep_value_is_one_item(run_cli):
+    assert expand(["training.betas=[0.9,0.95],[0.8, 0.9]", "training.seed=1,2"]) == [
+        ["training.betas=[0.9,0.95]", "training.seed=1"],
+        ["training.betas=[0.9,0.95]", "training.seed=2"],
+        ["training.betas=[0.8, 0.9]", "training.seed=1"],
+        ["training.betas=[0.8, 0.9]", "training.seed=2"],
+    ]
+    assert expand(["env={A: '1,2'},{A: 3}"]) == [["env={A: '1,2'}"], ["env={A: 3}"]]
+    assert expand(["name='a,b',c"]) == [["name='a,b'"], ["name=c"]]
+    assert expand(["name=it's,b"]) == [["name=it's"], ["name=b"]]  # a quote inside a word is text
+    for bad in ("training.betas=[0.9,0.95", "training.betas=0.9]", "a=[1,2],", "a=1,,2"):
+        with pytest.raises(DtlaunchError, match="--sweep"):
+            expand([bad])
+    code, out, err = run_cli("plan", RECIPES / "tiny.yaml", "--sweep", "training.betas=[0.9,0.95],[0.8,0.9]")
+    assert code == 0, err

@@ -19,7 +19,7 @@ Each category of case has a strategy and a test of its own (CATEGORIES in this p
 so each is always generated, with a fixed number of examples and derandomize: the same examples on every run,
 and no example database. The fast tier runs a sample of every in-process category (test_hostile_sample), the
 full suite each one in full. The named cases, which assert a particular message, are plain tests (the end of
-this file, tests/test_reserved_and_fuzz.py).
+this file; a field's own cases beside its other tests, e.g. the reserved env names in tests/test_recipe.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import yaml
 from launcher.errors import RecipeError
 from launcher.plan import make_plan
 from launcher.plan.choices import plan_choices
-from launcher.recipe import load
+from launcher.recipe import load, load_text
 from launcher.recipe.images import for_apptainer, for_enroot, for_sky
 from launcher.recipe.schema import parse
 from launcher.render import render
@@ -601,3 +601,66 @@ def test_up_after_adds_the_dependency_by_id_or_name(run_cli, tmp_path):
 def test_help_lists_the_after_option(run_cli):
     code, out, _ = run_cli("up", "--help")
     assert code == 0 and re.search(r"--after JOB", out)
+
+
+# ----------------------------------------------------------------------------- extra_sbatch: refused where render would refuse it
+
+L70 = RECIPES / "llama70b.yaml"
+TINY = RECIPES / "tiny.yaml"
+
+BAD_ENTRIES = [
+    ("", "is not an sbatch option"),
+    ("   ", "is not an sbatch option"),
+    ("comment=x", "is not an sbatch option"),
+    ("rm -rf /", "is not an sbatch option"),
+    ("-", "is not an sbatch option"),
+    ("--", "is not an sbatch option"),
+    ("--=x", "is not an sbatch option"),
+]
+
+
+@pytest.mark.parametrize("entry,words", BAD_ENTRIES)
+def test_an_extra_sbatch_entry_render_refuses_is_refused_located_by_every_command(run_cli, tmp_path, entry, words):
+    item = f"targets.slurm.extra_sbatch={json.dumps([entry])}"
+    for args in (["validate", L70, "-t", "slurm"], ["render", L70, "-t", "slurm", "-o", tmp_path / "r"], ["plan", L70]):
+        code, out, err = run_cli(*args, "--set", item)
+        text = out + err
+        assert code not in (0, 70) and "internal error" not in text, (args, text)
+        # validate lists it as a finding, the others as the error they stop with
+        where = "error [recipe] " if args[0] == "validate" else ""
+        assert f"--set {item}: {where}targets.slurm.extra_sbatch.0: " in text and words in text, (args, text)
+        assert "fix: " in text
+
+
+@pytest.mark.parametrize(
+    "entry,words", [("-w node1", "submitit writes long options only"), ("--comment=a\\b", "backslash")]
+)
+def test_what_submitit_refuses_in_extra_sbatch_is_refused_located(run_cli, entry, words):
+    item = f"targets.slurm.extra_sbatch={json.dumps([entry])}"
+    code, out, _ = run_cli("validate", L70, "-t", "slurm", "--set", "targets.slurm.submit=submitit", "--set", item)
+    assert code == 1 and words in out and f"--set {item}: error [recipe]" in out, out
+    # the same entries are fine for sbatch
+    code, _, err = run_cli("validate", TINY, "-t", "slurm", "--set", item)
+    assert code == 0, err
+
+
+def test_an_extra_sbatch_entry_in_the_file_is_reported_at_its_line():
+    text = TINY.read_text() + "  slurm:\n    extra_sbatch:\n      - --hold\n      - comment=nightly\n"
+    line = text.splitlines().index("      - comment=nightly") + 1
+    with pytest.raises(RecipeError) as e:
+        load_text(text, "r.yaml")
+    (p,) = e.value.problems
+    assert (p.file, p.line, p.field) == ("r.yaml", line, "targets.slurm.extra_sbatch.1"), p
+
+
+def test_the_plan_options_rule_reads_every_entry_the_loader_passes():
+    for entry, hit in (
+        ("-N 2", True),
+        ("--nodes=2", True),
+        ("--ntasks-per-node 2", True),
+        ("--hold", False),
+        ("-w node1", False),
+    ):
+        r = load(TINY, [f"targets.slurm.extra_sbatch={json.dumps([entry])}"])
+        rules = {f.rule for f in validate(r, make_plan(r), "slurm")}
+        assert ("slurm-extra-sbatch-plan" in rules) == hit, entry

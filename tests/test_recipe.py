@@ -2,8 +2,10 @@
 
 import pytest
 
+from launcher import jobenv
 from launcher.errors import RecipeError
 from launcher.recipe import load, load_text
+from testpaths import RECIPES
 
 GOOD = """name: r
 model:
@@ -229,3 +231,67 @@ def test_later_mistakes_are_found_past_a_missing_field_a_text_key_and_an_alias()
     assert {"targets.slurm.container.runtime", "env", "parallelism.tensor", "checkpoint.tensor"} <= fields, [
         p.render() for p in ps
     ]
+
+
+# ----------------------------------------------------------------------------- env: the names dtlaunch and torchrun set
+
+TINY = RECIPES / "tiny.yaml"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "DTLAUNCH_ATTEMPT",
+        "DTLAUNCH_STATUS",
+        "DTLAUNCH_RUN_ID",
+        "DTLAUNCH_PLAN",
+        "DTLAUNCH_SOMETHING_LATER",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID",
+        "MASTER_PORT",
+        "MASTER_ADDR",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "GROUP_RANK",
+    ],
+)
+def test_recipe_env_cannot_set_a_variable_dtlaunch_or_torchrun_sets(run_cli, name):
+    code, out, _ = run_cli("validate", TINY, "--set", f"env.{name}=mine")
+    assert code == 1, out
+    assert f"--set env.{name}=mine: error [recipe] env.{name}: " in out, out
+    assert f"fix: remove env.{name}: " in out, out
+
+
+def test_a_reserved_env_name_in_the_file_is_reported_at_its_line():
+    text = TINY.read_text() + "env:\n  OMP_PROC_BIND: close\n  DTLAUNCH_CHECKPOINT_DIR: /mine\n"
+    line = text.splitlines().index("  DTLAUNCH_CHECKPOINT_DIR: /mine") + 1
+    with pytest.raises(RecipeError) as e:
+        load_text(text, "r.yaml")
+    (p,) = e.value.problems
+    assert (p.file, p.line, p.field) == ("r.yaml", line, "env.DTLAUNCH_CHECKPOINT_DIR"), p
+
+
+def test_ordinary_env_and_the_documented_inputs_still_pass(run_cli):
+    code, out, _ = run_cli(
+        "validate",
+        TINY,
+        "--set",
+        "env.MY_SETTING=1",
+        "--set",
+        "env.RANKING=top",
+        "--set",
+        "env.NCCL_DEBUG=INFO",
+        "--set",
+        "env.DTLAUNCH_PYTHON=/opt/venv/bin/python",
+    )
+    assert code == 0, out
+
+
+def test_every_variable_the_job_contract_names_is_reserved():
+    contract = [v for k, v in vars(jobenv).items() if k.isupper() and isinstance(v, str) and v.startswith("DTLAUNCH_")]
+    assert len(contract) >= 12
+    for name in contract:
+        assert (jobenv.env_owner(name) == "dtlaunch") == (name not in jobenv.ENV_INPUTS), name
+    assert jobenv.env_owner("DTLAUNCH_LATER") == "dtlaunch" and jobenv.env_owner("MASTER_PORT") == "torchrun"
+    assert jobenv.env_owner("RANKING") is None and jobenv.env_owner("DTLAUNCH_PYTHON") is None

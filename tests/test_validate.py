@@ -345,3 +345,14 @@ def test_validate_cli_exit_codes_json_and_lines(run_cli, tmp_path):
         "validate", "-t", "sky", tiny, "--set", "resources.nodes=2", "--set", "resources.accelerator=cpu:1"
     )
     assert code == 1 and "tiny.yaml:28: error [sky-checkpoint-storage]" in out
+
+
+def test_a_vocabulary_smaller_than_the_tensor_degree_is_a_located_error_not_a_crash(run_cli):
+    code, out, err = run_cli("validate", RECIPES / "llama3-405b.yaml", "--set", "model.vocab=1")
+    assert code == 1 and "internal error" not in out + err, out + err
+    # the runtime splits the vocabulary evenly over the tensor-parallel ranks: the tp-shape rule says so
+    assert "llama3-405b.yaml:10: error [tp-shape] parallelism.tensor: tensor 8 does not divide vocab 1" in out, out
+    # planning alone (the user's own entrypoint runs it) gives a plan, with a loss chunk of a fraction of a column
+    r = load(RECIPES / "llama3-405b.yaml", ["model.vocab=1"])
+    p = make_plan(r)
+    assert p.layout.tp > 1 and p.memory.total > 0

@@ -1,5 +1,4 @@
-"""Review 1170c19, R06 and its "injection and secrets" row: shell payloads in every string field of the recipe
-(enumerated from the schema), on every target and launcher. Each case ends one of two ways: the loader or
+"""Shell payloads in every string field of the recipe (enumerated from the schema), on every target and launcher. Each case ends one of two ways: the loader or
 validate refuses it, located (at the field or its --set item), or it renders, and the rendered job, run with bash
 against stubs that only record (srun, sbatch, scontrol, squeue, scancel, enroot, apptainer, torchrun, deepspeed,
 pdsh, python3), never creates the payload's marker file.
