@@ -214,6 +214,9 @@ LOUD_FAILURES = {
     # file before exiting (launcher.runtime.train), so the dump is not lost to the exit.
     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(FLIGHT_RECORDER_DUMP_WAIT_S * 1000),
     "TORCH_FR_BUFFER_SIZE": "2000",
+    # The recorder's entries then carry each collective's time on the device, from which every rank's wait for
+    # the last rank to arrive is measured at log steps (launcher.runtime.stragglers.CollectiveClock).
+    "TORCH_NCCL_ENABLE_TIMING": "1",
     "NCCL_DEBUG": "WARN",
     "PYTHONUNBUFFERED": "1",
     "PYTHONFAULTHANDLER": "1",

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .failures import Diverged, HangError
-from .stragglers import ComputeClock, StragglerWatch
+from .stragglers import CollectiveClock, ComputeClock, StragglerWatch, collective_waits
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,7 @@ class Reporter:
         world_size: int,
         clock: ComputeClock | None = None,
         stragglers: StragglerWatch | None = None,
+        collectives: CollectiveClock | None = None,
     ):
         import time
 
@@ -211,6 +212,8 @@ class Reporter:
         self.clock = clock if clock is not None else ComputeClock(is_gpu)
         self.stragglers = stragglers  # None: a world of one rank has no peers to be slower than
         self._forward: list[float | None] = []  # every rank's forward seconds per step at the last log step
+        self.collectives = collectives  # None: no peers to wait for
+        self._waits: list[float] | None = None  # every rank's seconds per step waiting in collectives, last window
         self._warm = False
         self.memory = MemoryWindow(is_gpu)
         self.peak_tflops, self.device_name = device_peak_tflops(is_gpu)
@@ -244,13 +247,18 @@ class Reporter:
         value, run, worst, end = host_values(torch.cat((t, state.to(torch.float64))))  # the step's one read
         mem = self.memory.read() if log else dict.fromkeys(MEMORY_FIELDS)
         forward = self.clock.take() if log else None  # after the read above: the window's work is done
-        rows = self.sync.gather(step, [value, run, worst, end, *(mem[k] for k in MEMORY_FIELDS), forward])
+        waited = self.collectives.take() if log and self.collectives is not None else None
+        count, total = waited if waited is not None else (None, None)
+        row = [value, run, worst, end, *(mem[k] for k in MEMORY_FIELDS), forward, count, total]
+        rows = self.sync.gather(step, row)
         finite = self.watch.decide([_counts(r) for r in rows], step)
         losses = [r[0] for r in rows if r[0] is not None]  # None: a rank's loss was not finite
         mean = sum(losses) / len(losses) if len(losses) == len(rows) else math.nan
         memory = [dict(zip(MEMORY_FIELDS, r[4 : 4 + len(MEMORY_FIELDS)], strict=True)) for r in rows]
         if log:
             self._forward = [r[4 + len(MEMORY_FIELDS)] for r in rows]
+            waits = [None if r[-2] is None or r[-1] is None else (r[-2], r[-1]) for r in rows]
+            self._waits = collective_waits(waits, self.is_gpu, self._steps) if self._warm else None
             if self.stragglers is not None and self._warm:  # the attempt's first window warms up (lazy init)
                 self.stragglers.update(self._forward)
             self._warm = True
@@ -283,6 +291,8 @@ class Reporter:
                 "max": round(known[-1], 6),
                 "slowest_rank": max(range(len(self._forward)), key=lambda r: self._forward[r] or 0.0),
             }
+        if self._waits is not None:
+            extra["collective_wait_s"] = [round(w, 6) for w in self._waits]  # per rank, per step
         watch = self.stragglers
         if watch is not None and watch.last:  # every slow rank goes in the record, with its streak; the log
             # names a rank once, as its streak becomes persistent: one slow window is noise on a shared host, and

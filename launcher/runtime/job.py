@@ -52,7 +52,7 @@ from .metrics import Metrics, check_tracking
 from .optim import apply_schedule
 from .signals import PreemptionFlag
 from .status import record_progress
-from .stragglers import ComputeClock, Straggler, StragglerWatch
+from .stragglers import CollectiveClock, ComputeClock, Straggler, StragglerWatch
 
 if TYPE_CHECKING:
     from .hangs import Watchdog
@@ -117,6 +117,7 @@ class Job:
             world_size=world.world_size,
             clock=ComputeClock(world.is_gpu, throttle),
             stragglers=StragglerWatch(node_names(world)) if self._sync.distributed else None,
+            collectives=CollectiveClock(world.is_gpu, lambda: _own_groups(world)) if self._sync.distributed else None,
         )
 
     def _open_sinks(self) -> None:
@@ -514,3 +515,8 @@ def init(plan_path: str | None = None, run_dir: str | None = None) -> Job:
     world = init_distributed(recipe, plan)
     torch.manual_seed(recipe.training.seed)
     return Job(recipe, plan, rd, world, flag)
+
+
+def _own_groups(world) -> set[str]:
+    """The process groups dtlaunch's own bookkeeping uses (checkpoints, the step agreement): not training's."""
+    return {g.group_name for g in (world.checkpoint_group, world.control_group) if g is not None}

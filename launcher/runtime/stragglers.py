@@ -76,6 +76,65 @@ class ComputeClock:
         return seconds / steps if timed else None
 
 
+class CollectiveClock:
+    """This rank's collectives since the last take, read from torch's flight recorder (its ring of each rank's
+    recent collectives, TORCH_FR_BUFFER_SIZE in jobenv): on NCCL their time on the device (TORCH_NCCL_ENABLE_TIMING),
+    which includes the wait for the last rank to arrive; on gloo, which records no durations, the host time each
+    one was issued. Reading the ring is a host call, made at log steps: no device sync. The checkpoint and control
+    groups' collectives and pipeline sends (stages differ by design) are left out."""
+
+    def __init__(self, is_gpu: bool, skip_groups: Callable[[], set[str]] = set):
+        self.is_gpu, self.skip_groups = is_gpu, skip_groups
+        self._seen = -1
+
+    def _entries(self) -> list[dict]:
+        import pickle
+
+        try:
+            from torch._C import _distributed_c10d as c10d
+
+            dump = c10d._dump_nccl_trace if self.is_gpu else c10d._dump_fr_trace  # type: ignore[attr-defined]
+            return pickle.loads(dump(includeStackTraces=False)).get("entries", [])
+        except Exception:  # noqa: BLE001 - no recorder (its buffer is 0), or a torch without it: nothing measured
+            return []
+
+    def take(self) -> tuple[float, float] | None:
+        """(collectives, their total: device seconds on NCCL, issue times in host seconds on gloo) since the last
+        take; None when the recorder has none or lacks their times."""
+        entries = self._entries()
+        skip = self.skip_groups()
+        new = [
+            e
+            for e in entries
+            if e["record_id"] > self._seen and not e.get("is_p2p") and e["process_group"][0] not in skip
+        ]
+        self._seen = max((e["record_id"] for e in entries), default=self._seen)
+        if not new:
+            return None
+        if self.is_gpu:  # a collective still running has no duration yet: the ranks compare how many they timed
+            known = [d for e in new if (d := e.get("duration_ms")) is not None]
+            return (len(known), sum(known) / 1e3) if known else None
+        return len(new), sum(e["time_created_ns"] for e in new) / 1e9
+
+
+def collective_waits(rows: list[tuple[float, float] | None], is_gpu: bool, steps: int) -> list[float] | None:
+    """Seconds per step each rank waited in collectives for the last rank to arrive, from every rank's
+    CollectiveClock.take(). On NCCL: a rank's device time in collectives beyond the least any rank spent (the last
+    to arrive waits least), exact when the same rank arrives last throughout the window (a straggler), a lower
+    bound otherwise. On gloo, which times nothing: how long before the latest rank a rank issued the window's
+    collectives, on average; DDP and ZeRO issue a step's collectives without waiting for each, so their waits
+    overlap and that lag is the step's wait; where each is waited for in turn (FSDP's all-gathers) the first wait
+    brings the ranks back in step and the figure is a lower bound. Different nodes' host clocks must agree (NTP)
+    for gloo's. None when a rank measured nothing or the ranks counted different collectives."""
+    if not rows or any(r is None for r in rows) or len({r[0] for r in rows if r is not None}) != 1:
+        return None
+    count = next(r[0] for r in rows if r is not None)
+    totals = [r[1] for r in rows if r is not None]
+    if is_gpu:
+        return [(t - min(totals)) / max(1, steps) for t in totals]
+    return [(max(totals) - t) / max(1.0, count) for t in totals]
+
+
 @dataclass(frozen=True)
 class Straggler:
     rank: int
@@ -158,4 +217,12 @@ class StragglerWatch:
         return [s for s in self.last if s.windows == self.windows]
 
 
-__all__ = ["ComputeClock", "Straggler", "StragglerWatch", "outliers", "reference"]
+__all__ = [
+    "CollectiveClock",
+    "ComputeClock",
+    "Straggler",
+    "StragglerWatch",
+    "collective_waits",
+    "outliers",
+    "reference",
+]

@@ -66,6 +66,13 @@ def test_a_slow_rank_is_named_checkpointed_and_the_resumed_run_matches_an_undist
     }
     assert sorted(named) == list(range(2, stop + 1)), named
     assert all(m["forward_s"]["slowest_rank"] == 1 for m in named.values())
+    # its peer waited for it in the step's collectives, read off each rank's flight recorder: as long as rank 1's
+    # forwards took longer (the fault's 0.4 s each; DDP's gradient all-reduces, issued without waiting, each met
+    # rank 1 that much later); rank 1 waited for nobody. From the second slow window: the first is partly fast.
+    for step, m in named.items():
+        rank0, rank1 = m["collective_wait_s"]
+        slower = m["forward_s"]["max"] - m["forward_s"]["min"]
+        assert rank1 < 0.05 and (step == 2 or abs(rank0 - slower) < 0.25 * slower), (step, rank0, rank1, slower)
     (event,) = res.events("straggler")
     assert event["step"] == stop and event["saved"] and event["stragglers"][0]["rank"] == 1
     assert f"persistent straggler at step {stop}" in res.stdout
@@ -84,3 +91,16 @@ def test_a_slow_rank_is_named_checkpointed_and_the_resumed_run_matches_an_undist
     assert max(again.losses()) == DET_STEPS
     mine, theirs = (load_safetensors(r.run_dir / "model.safetensors") for r in (again, ref))
     assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
+
+
+def test_collective_waits_are_what_each_rank_spent_beyond_the_last_to_arrive():
+    from launcher.runtime.stragglers import collective_waits
+
+    # NCCL: device seconds in the window's collectives; the last rank to arrive spent the least
+    assert collective_waits([(8, 1.0), (8, 2.6), (8, 1.0)], True, 4) == [0.0, 0.4, 0.0]
+    # gloo: issue times summed over the window's collectives; rank 2 issued each 0.3 s after the others
+    base = 1_800_000_000.0 * 10
+    assert collective_waits([(10, base), (10, base), (10, base + 3.0)], False, 5) == pytest.approx([0.3, 0.3, 0.0])
+    # a rank that measured nothing, or ranks that counted different collectives: no figure
+    assert collective_waits([(8, 1.0), None], True, 4) is None
+    assert collective_waits([(8, 1.0), (7, 1.0)], True, 4) is None
