@@ -214,9 +214,6 @@ LOUD_FAILURES = {
     # file before exiting (launcher.runtime.train), so the dump is not lost to the exit.
     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(FLIGHT_RECORDER_DUMP_WAIT_S * 1000),
     "TORCH_FR_BUFFER_SIZE": "2000",
-    # The recorder's entries then carry each collective's time on the device, from which every rank's wait for
-    # the last rank to arrive is measured at log steps (launcher.runtime.stragglers.CollectiveClock).
-    "TORCH_NCCL_ENABLE_TIMING": "1",
     "NCCL_DEBUG": "WARN",
     "PYTHONUNBUFFERED": "1",
     "PYTHONFAULTHANDLER": "1",
@@ -228,7 +225,12 @@ LOUD_FAILURES = {
 
 # GPU jobs (as torchtitan's): the caching allocator grows a segment in place instead of reserving a new one for
 # each odd-sized block, which keeps fragmentation within what the planner budgets (launcher.plan.memory).
-GPU_ENV = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+GPU_ENV = {
+    "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+    # The flight recorder's NCCL entries carry each collective's time on the device, from which every rank's wait
+    # for the last rank to arrive is measured at log steps (launcher.runtime.stragglers.CollectiveClock).
+    "TORCH_NCCL_ENABLE_TIMING": "1",
+}
 
 # training.deterministic: a restarted run must end with the same weights as an uninterrupted one. cuBLAS needs a
 # fixed workspace for deterministic GEMMs; NCCL picks its algorithm and protocol by message size and topology and

@@ -49,8 +49,9 @@ def _all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
 
 
 AGREE, REPORT = 1.0, 2.0
-# a report row: loss, three non-finite counts, five memory figures (metrics.MEMORY_FIELDS), forward seconds per step
-PAYLOAD = 10
+# a report row: loss, three non-finite counts, five memory figures (metrics.MEMORY_FIELDS), forward seconds per step,
+# the collectives counted since the last report and their total (stragglers.CollectiveClock)
+PAYLOAD = 12
 
 
 class StepSync:
@@ -70,6 +71,7 @@ class StepSync:
 
     def _exchange(self, kind: float, step: int, flag: bool, payload: list[float | None]) -> list[list[float]]:
         row = [kind, float(step), 1.0 if flag else 0.0, *(math.nan if v is None else float(v) for v in payload)]
+        assert len(row) <= 3 + PAYLOAD, "a row is one fixed size (PAYLOAD)"
         row += [math.nan] * (3 + PAYLOAD - len(row))
         local = torch.tensor(row, dtype=torch.float64, device="cpu")
         if not self.distributed or (kind == AGREE and self.skip(step)):
