@@ -295,3 +295,13 @@ def test_every_variable_the_job_contract_names_is_reserved():
         assert (jobenv.env_owner(name) == "dtlaunch") == (name not in jobenv.ENV_INPUTS), name
     assert jobenv.env_owner("DTLAUNCH_LATER") == "dtlaunch" and jobenv.env_owner("MASTER_PORT") == "torchrun"
     assert jobenv.env_owner("RANKING") is None and jobenv.env_owner("DTLAUNCH_PYTHON") is None
+
+
+def test_the_mistakes_are_listed_in_the_files_order():
+    """The schema lists resources before training; a reader goes down the file."""
+    ps = problems("name: x\nmodel: {preset: tiny}\ntraining: {steps: ten, micro_bach: 2}\nresources: {nodes: true}\n")
+    assert [(p.line, p.field) for p in ps] == [
+        (3, "training.steps"),
+        (3, "training.micro_bach"),
+        (4, "resources.nodes"),
+    ], [p.render() for p in ps]

@@ -384,5 +384,6 @@ def collect(
     out: dict[Path_, Problem] = {}
     for path, msg, fix in found:
         out.setdefault(path, _problem(path, msg, fix, source, lines, overrides))
-    problems = list(out.values())
+    # in the file's order (pydantic reports in the schema's), the --set items' after it
+    problems = sorted(out.values(), key=lambda p: (p.line is None, p.line or 0))
     return problems[:MAX_PROBLEMS], len(problems[MAX_PROBLEMS:])
