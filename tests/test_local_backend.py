@@ -203,14 +203,16 @@ def test_down_never_signals_a_process_that_is_not_the_job(run_cli, tmp_path):
         other.wait()
 
 
-def _up_in_a_terminal(run_dir: Path) -> subprocess.Popen:
+def _up_in_a_terminal(run_dir: Path, fault: str = "", *sets: str) -> subprocess.Popen:
     """`dtlaunch up` as a user starts it: Ctrl-C reaches dtlaunch alone (the job runs in its own session)."""
+    more = [a for item in sets for a in ("--set", item)]
     return subprocess.Popen(
-        [sys.executable, "-m", "launcher.cli", "up", str(TINY), "-o", str(run_dir), "--set", "training.steps=2000"],
+        [sys.executable, "-m", "launcher.cli", "up", str(TINY), "-o", str(run_dir), "--set", "training.steps=2000"]
+        + more,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **({"DTLAUNCH_FAULT": fault} if fault else {})},
     )
 
 
@@ -227,7 +229,9 @@ def test_ctrl_c_shows_the_stop_to_its_end_and_a_second_one_leaves_it_stopping(ru
     assert f"checkpoint step {saved[-1]} committed" in out.split("dtlaunch: stopping tiny")[1], out
     assert f"its workers checkpointed step {saved[-1]}" in out and "tiny: PREEMPTED (exit code 42)" in out, out
 
-    twice = _up_in_a_terminal(tmp_path / "twice")
+    # the stop's checkpoint (the first: none is due before) takes 5 s, so the second Ctrl-C surely comes while the
+    # job is stopping (a quick stop could end before it)
+    twice = _up_in_a_terminal(tmp_path / "twice", "slow_checkpoint:step=any:seconds=5", "checkpoint.every=100000")
     wait_for(lambda: any("loss" in m for m in metrics(tmp_path / "twice")), 120, "a first step")
     twice.send_signal(signal.SIGINT)
     time.sleep(1)
@@ -243,3 +247,4 @@ def test_ctrl_c_shows_the_stop_to_its_end_and_a_second_one_leaves_it_stopping(ru
         120,
         "the job, left stopping, to end PREEMPTED",
     )
+    assert any("slow_checkpoint at step" in f.read_text() for f in (tmp_path / "twice" / "logs").glob("up-*.log"))
