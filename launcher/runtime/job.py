@@ -117,7 +117,7 @@ class Job:
             world_size=world.world_size,
             clock=ComputeClock(world.is_gpu, throttle),
             stragglers=StragglerWatch(node_names(world)) if self._sync.distributed else None,
-            collectives=CollectiveClock(world.is_gpu, lambda: _own_groups(world)) if self._sync.distributed else None,
+            collectives=CollectiveClock(world.is_gpu, _own_groups(world)) if self._sync.distributed else None,
         )
 
     def _open_sinks(self) -> None:
@@ -517,6 +517,6 @@ def init(plan_path: str | None = None, run_dir: str | None = None) -> Job:
     return Job(recipe, plan, rd, world, flag)
 
 
-def _own_groups(world) -> set[str]:
+def _own_groups(world) -> frozenset[str]:
     """The process groups dtlaunch's own bookkeeping uses (checkpoints, the step agreement): not training's."""
-    return {g.group_name for g in (world.checkpoint_group, world.control_group) if g is not None}
+    return frozenset(g.group_name for g in (world.checkpoint_group, world.control_group) if g is not None)

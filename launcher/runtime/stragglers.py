@@ -83,7 +83,7 @@ class CollectiveClock:
     one was issued. Reading the ring is a host call, made at log steps: no device sync. The checkpoint and control
     groups' collectives and pipeline sends (stages differ by design) are left out."""
 
-    def __init__(self, is_gpu: bool, skip_groups: Callable[[], set[str]] = set):
+    def __init__(self, is_gpu: bool, skip_groups: frozenset[str] = frozenset()):
         self.is_gpu, self.skip_groups = is_gpu, skip_groups
         self._seen = -1
 
@@ -102,7 +102,7 @@ class CollectiveClock:
         """(collectives, their total: device seconds on NCCL, issue times in host seconds on gloo) since the last
         take; None when the recorder has none or lacks their times."""
         entries = self._entries()
-        skip = self.skip_groups()
+        skip = self.skip_groups
         new = [
             e
             for e in entries
