@@ -74,7 +74,12 @@ def diagnose(where: Path) -> list[str]:
 def _slow(stragglers) -> str:
     """runtime/stragglers.py's records, for one line."""
     return "; ".join(
-        f"rank {s.get('rank')} on {s.get('node')} ({s.get('slower')}x the median rank's forward time)"
+        f"rank {s.get('rank')} on {s.get('node')} ({s.get('slower')}x the median rank's forward time"
+        + (
+            f"; the others waited {w:.3g} s per step for it in collectives)"
+            if isinstance(w := s.get("peers_waited_s"), (int, float))
+            else ")"
+        )
         for s in stragglers or []
         if isinstance(s, dict)
     )

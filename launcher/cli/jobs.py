@@ -101,7 +101,11 @@ def progress(row: dict, now: float) -> dict:
     state = row["state"] + (f" exit={row['exit_code']}" if row.get("exit_code") is not None else "")
     slow = [s for s in last.get("stragglers") or [] if isinstance(s, dict)]  # runtime/stragglers.py
     if slow:
-        state += " straggler: " + ", ".join(f"rank {s.get('rank')} on {s.get('node')} {s.get('slower')}x" for s in slow)
+        state += " straggler: " + ", ".join(
+            f"rank {s.get('rank')} on {s.get('node')} {s.get('slower')}x"
+            + (f", others wait {w:.2g} s/step" if isinstance(w := s.get("peers_waited_s"), (int, float)) else "")
+            for s in slow
+        )
     return {
         "name": row["name"],
         "target": f"{row['target']}:{row['job_id']}",

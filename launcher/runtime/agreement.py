@@ -262,7 +262,7 @@ class Reporter:
             waits = [None if r[-2] is None or r[-1] is None else (r[-2], r[-1]) for r in rows]
             self._waits = collective_waits(waits, self.is_gpu, self._steps) if self._warm else None
             if self.stragglers is not None and self._warm:  # the attempt's first window warms up (lazy init)
-                self.stragglers.update(self._forward)
+                self.stragglers.update(self._forward, self._waits)
             self._warm = True
         return mean, finite, memory
 

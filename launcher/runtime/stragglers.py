@@ -12,7 +12,10 @@ every rank reaches the same verdict: a rank beyond the robust z-score cut (media
 MAD floored so that timing noise on identical ranks is no outlier) and at least MIN_SLOWDOWN slower than the
 median, for WINDOWS log steps in a row, is a persistent straggler. `training.on_straggler` decides what
 follows: `warn` names it in the log and metrics.jsonl; `exit` checkpoints, and the straggler's ranks exit 44
-(PREFLIGHT) naming their node, which the SLURM job script excludes before it requeues the job.
+(PREFLIGHT) naming their node, which the SLURM job script excludes before it requeues the job. What a straggler
+costs the rest, the other ranks' time waiting for it in collectives (CollectiveClock, read off the flight recorder),
+goes with its record; it is not part of the verdict, since on gloo it is a lower bound wherever collectives are
+waited for one by one (FSDP's all-gathers).
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ class Straggler:
     seconds: float  # its forward time per step
     median: float  # the median rank's
     windows: int  # log steps in a row it was this slow
+    peers_waited: float | None = None  # seconds per step the other ranks waited in collectives (their median)
 
     @property
     def slower(self) -> float:
@@ -151,6 +155,11 @@ class Straggler:
         return (
             f"rank {self.rank} on node {self.node}: forward {self.seconds:.3g} s per step, {self.slower:.1f}x the "
             f"median rank's {self.median:.3g} s ({self.windows} log step(s) in a row)"
+            + (
+                f"; the other ranks waited {self.peers_waited:.3g} s per step in collectives"
+                if self.peers_waited is not None
+                else ""
+            )
         )
 
     def record(self) -> dict:
@@ -161,6 +170,7 @@ class Straggler:
             "median": round(self.median, 6),
             "slower": round(self.slower, 3),
             "windows": self.windows,
+            "peers_waited_s": None if self.peers_waited is None else round(self.peers_waited, 6),
         }
 
 
@@ -195,17 +205,20 @@ class StragglerWatch:
         self.streak = [0] * len(nodes)
         self.last: list[Straggler] = []  # this log step's slow ranks (persistent or not)
 
-    def update(self, seconds: list[float | None]) -> list[Straggler]:
-        """This log step's slow ranks, each with its streak; `persistent()` of them are past the window."""
+    def update(self, seconds: list[float | None], waits: list[float] | None = None) -> list[Straggler]:
+        """This log step's slow ranks, each with its streak; `persistent()` of them are past the window. `waits`:
+        every rank's seconds per step in collectives (collective_waits), for what the slow ranks cost the rest."""
         slow = set(outliers(seconds))
         median = reference([s for s in seconds if s is not None])
+        others = [w for r, w in enumerate(waits or []) if r not in slow]
+        peers = statistics.median(others) if others else None
         out = []
         for r in range(len(self.streak)):
             self.streak[r] = self.streak[r] + 1 if r in slow else 0
             if r in slow:
                 s = seconds[r]
                 assert s is not None
-                out.append(Straggler(r, self.nodes[r], s, median, self.streak[r]))
+                out.append(Straggler(r, self.nodes[r], s, median, self.streak[r], peers))
         self.last = out
         return out
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from launcher.cli.diagnose import diagnose
+from launcher.cli.jobs import progress
 from launcher.jobenv import ExitCode
 from launcher.runtime.stragglers import WINDOWS, StragglerWatch, outliers
 from rt_harness import DET_STEPS, det_recipe, load_safetensors, run_torchrun, write_plan
@@ -47,6 +49,12 @@ def test_a_straggler_is_persistent_only_after_the_window_in_a_row():
     for _ in range(WINDOWS):
         watch.update(slow)
     assert [s.rank for s in watch.newly_persistent()] == [3]  # a new streak is named again
+    # what it costs the rest: the median of the other ranks' waits in collectives, in its record and its line
+    (s,) = watch.update(slow, [0.19, 0.21, 0.2, 0.0])
+    assert s.peers_waited == pytest.approx(0.2) and s.record()["peers_waited_s"] == pytest.approx(0.2)
+    assert "the other ranks waited 0.2 s per step in collectives" in s.describe()
+    (s,) = watch.update(slow)  # no waits measured (a torch without the flight recorder): no figure, no guess
+    assert s.peers_waited is None and "waited" not in s.describe()
 
 
 @pytest.mark.slow
@@ -73,6 +81,9 @@ def test_a_slow_rank_is_named_checkpointed_and_the_resumed_run_matches_an_undist
         rank0, rank1 = m["collective_wait_s"]
         slower = m["forward_s"]["max"] - m["forward_s"]["min"]
         assert rank1 < 0.05 and (step == 2 or abs(rank0 - slower) < 0.25 * slower), (step, rank0, rank1, slower)
+        # the straggler's record carries what it cost its peer
+        (rec1,) = [s for s in m["stragglers"] if s["rank"] == 1]
+        assert rec1["peers_waited_s"] == rank0, (rec1, m["collective_wait_s"])
     (event,) = res.events("straggler")
     assert event["step"] == stop and event["saved"] and event["stragglers"][0]["rank"] == 1
     assert f"persistent straggler at step {stop}" in res.stdout
@@ -83,6 +94,16 @@ def test_a_slow_rank_is_named_checkpointed_and_the_resumed_run_matches_an_undist
     assert status[1]["node"] == event["stragglers"][0]["node"]  # what the SLURM job script excludes
     assert status[0]["code"] == ExitCode.PREEMPTED
     assert max(res.losses()) == stop
+    # what a person reads: `logs --diagnose` and `status` name it with what it cost its peer
+    waited = event["stragglers"][0]["peers_waited_s"]
+    assert waited > 0.2, event
+    said = "\n".join(diagnose(run_dir))
+    assert f"straggler ended the attempt at step {stop}: rank 1 on" in said, said
+    assert f"the others waited {waited:.3g} s per step for it in collectives" in said, said
+    last = next(m for m in reversed(res.metrics()) if "loss" in m)
+    row = {"run_dir": str(run_dir), "state": "running", "last_step": last, "name": "x", "target": "local"}
+    shown = progress({**row, "job_id": "1", "created": 0.0}, now=1.0)["state"]
+    assert "straggler: rank 1 on" in shown and f"others wait {waited:.2g} s/step" in shown, shown
 
     again = run_torchrun(plan, run_dir)  # the fault gone (the node excluded): resume from the straggler's save
     assert again.rc == 0, again.output[-4000:]
