@@ -99,6 +99,27 @@ def test_the_flight_recorder_names_the_rank_behind_and_the_collective_it_missed(
     assert hangs.verdict({0: dumps[0], 1: dumps[2]}, world=2) is None
 
 
+def test_a_rank_that_reached_the_collective_only_after_the_others_gave_up_is_the_culprit():
+    """Rank 0 was stuck outside any collective (committing a checkpoint) while rank 1 waited in the checkpoint
+    group's barrier; it got there after rank 1 had timed out (its record's time), and ended on the lost peer."""
+
+    def at(created: float) -> dict:
+        d = pickle.loads(_dump(("default_pg", 9, "gloo:all_reduce"), ("checkpoint", 5, "gloo:barrier")))
+        d["entries"][-1]["time_created_ns"] = int(created * 1e9)
+        return d
+
+    timed_out = 1_800_000_010.0  # when rank 1 wrote its HANG record
+    dumps = {0: at(timed_out + 4.0), 1: at(timed_out - 10.0)}
+    assert hangs.verdict(dumps, world=2, gave_up=timed_out) == (
+        [0],
+        "was late to gloo:barrier #5 in checkpoint, where rank 1 waited; it entered it only after a rank had timed "
+        "out there",
+    )
+    # late, but there before anyone gave up: no culprit; nor when every rank came after (they cannot all be)
+    assert hangs.verdict({0: at(timed_out - 1.0), 1: at(timed_out - 10.0)}, world=2, gave_up=timed_out) is None
+    assert hangs.verdict({0: at(timed_out + 1.0), 1: at(timed_out + 2.0)}, world=2, gave_up=timed_out) is None
+
+
 def test_a_dump_that_names_a_class_is_not_loaded(tmp_path):
     """A dump is a file on shared storage: reading one runs no code it names (pickle's classes refused)."""
     evil = tmp_path / "nccl_trace_rank_0"

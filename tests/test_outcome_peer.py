@@ -57,7 +57,7 @@ def test_gloos_closed_connection_is_classified_as_a_lost_peer():
     exc = RuntimeError(
         "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:3271"
     )
-    code, message = classify(exc, 2, 15)
+    code, message = classify(exc, 2)
     assert code == ExitCode.FAILED and message.startswith(PEER_LOST), message
 
 

@@ -60,7 +60,7 @@ def run(target: str, args: list[str], *, module: bool) -> tuple[int, str]:
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
         from ..errors import DtlaunchError
 
-        code, message = classify(exc, None, None)
+        code, message = classify(exc, None)
         if not isinstance(exc, (DtlaunchError, KeyboardInterrupt)):
             traceback.print_exc()
         return code, message

@@ -180,32 +180,36 @@ def read_dumps(status_dir: Path) -> dict[int, dict]:
     return out
 
 
-def _last(d: dict) -> dict[str, tuple[int, str]]:
-    """Process group name -> (the last collective sequence number this rank entered, that collective's name)."""
-    out: dict[str, tuple[int, str]] = {}
+def _last(d: dict) -> dict[str, tuple[int, str, float | None]]:
+    """Process group name -> (the last collective sequence number this rank entered, that collective's name, when
+    it entered it: seconds since the epoch, None when the dump does not say)."""
+    out: dict[str, tuple[int, str, float | None]] = {}
     for e in d["entries"]:
         if not isinstance(e, dict) or e.get("is_p2p"):
             continue
         pg = e.get("process_group")
         name = str(pg[1] if isinstance(pg, (list, tuple)) and len(pg) > 1 else pg)
         seq = int(e.get("collective_seq_id") or 0)
-        if seq >= out.get(name, (0, ""))[0]:
-            out[name] = (seq, str(e.get("profiling_name") or "?"))
+        if seq >= out.get(name, (0, "", None))[0]:
+            created = e.get("time_created_ns")
+            out[name] = (seq, str(e.get("profiling_name") or "?"), created / 1e9 if isinstance(created, int) else None)
     return out
 
 
-def verdict(dumps: dict[int, dict], world: int) -> tuple[list[int], str] | None:
+def verdict(dumps: dict[int, dict], world: int, gave_up: float | None = None) -> tuple[list[int], str] | None:
     """(culprit ranks, why) from one attempt's dumps: in the first process group (the default group first) where
     ranks stopped at different collectives, the ranks whose last collective is behind the furthest one, or that
-    left no dump. None: no dumps, or every rank reached the same collective (the dumps cannot tell)."""
+    left no dump; where they all reached the same one, those that entered it only after `gave_up` (when the first
+    rank timed out waiting: their dumps were written as the loss of that peer ended them). None: no dumps, or
+    the dumps cannot tell."""
     if not dumps:
         return None
     last = {rank: _last(d) for rank, d in dumps.items()}
     groups = sorted({g for lr in last.values() for g in lr}, key=lambda g: (g != "default_pg", g))
     for g in groups:
-        seqs = {rank: lr.get(g, (0, ""))[0] for rank, lr in last.items()}
+        seqs = {rank: lr.get(g, (0, "", None))[0] for rank, lr in last.items()}
         top = max(seqs.values())
-        name = next(lr[g][1] for lr in last.values() if lr.get(g, (0, ""))[0] == top)
+        name = next(lr[g][1] for lr in last.values() if lr.get(g, (0, "", None))[0] == top)
         ahead = sorted(r for r, s in seqs.items() if s == top)
         if g == "default_pg":
             missing = [r for r in range(world) if r not in dumps]
@@ -213,16 +217,23 @@ def verdict(dumps: dict[int, dict], world: int) -> tuple[list[int], str] | None:
             missing = []
         behind = sorted(r for r, s in seqs.items() if s < top)
         culprits = sorted(behind + missing)
+        parts = []
+        if not culprits and gave_up is not None:
+            late = [r for r in ahead if (t := last[r][g][2]) is not None and t > gave_up]
+            if late and len(late) < len(ahead):
+                ahead = [r for r in ahead if r not in late]
+                culprits = late
+                parts.append(f"{'it' if len(late) == 1 else 'they'} entered it only after a rank had timed out there")
         if not culprits:
             continue
-        parts = []
         if behind:
             shown = ", ".join(f"rank {r} at #{seqs[r]}" for r in behind)
             parts.append(f"its flight recorder ends before it ({shown})")
         if missing:
             parts.append(f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))} left no dump")
         waiting = ("rank " if len(ahead) == 1 else "ranks ") + ", ".join(map(str, ahead))
-        return culprits, f"never entered {name} #{top} in {g}, where {waiting} waited; " + "; ".join(parts)
+        entered = "was late to" if not behind and not missing else "never entered"
+        return culprits, f"{entered} {name} #{top} in {g}, where {waiting} waited; " + "; ".join(parts)
     return None
 
 
@@ -239,15 +250,23 @@ class Watchdog:
         self.limit, self.grace, self.rank, self.flag = limit, grace, rank, flag
         self.step = 0
         self.armed = False
+        self.saving: float | None = None  # the save mode's limit (`save`)
         self.last = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="dtlaunch-watchdog", daemon=True)
         self._thread.start()
 
     def beat(self, step: int) -> None:
-        self.step, self.last, self.armed = step, time.monotonic(), True
+        self.step, self.last, self.armed, self.saving = step, time.monotonic(), True, None
 
     def pause(self) -> None:
         self.armed = False
+
+    def save(self, limit: float) -> None:
+        """A checkpoint is being written: it may outlast many steps, and a preemption signal must let it finish,
+        so only a save that makes no progress for `limit` seconds ends the rank (a rank stuck in storage, which
+        no collective timeout sees when every rank is stuck there, or when the world is one rank). The next
+        `beat` ends the save mode."""
+        self.saving, self.last, self.armed = limit, time.monotonic(), True
 
     def _exit(self, why: str) -> None:
         print(
@@ -264,6 +283,10 @@ class Watchdog:
             if not self.armed:
                 continue
             now = time.monotonic()
+            if (saving := self.saving) is not None:
+                if now - self.last > saving:
+                    self._exit(f"stuck writing a checkpoint for {saving:.0f}s")
+                continue
             if now - self.last > self.limit:
                 self._exit(f"no progress for {self.limit:.0f}s")
             flag = self.flag

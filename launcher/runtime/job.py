@@ -70,7 +70,7 @@ class Job:
     ):
         self.recipe, self.plan, self.run_dir, self.world, self.flag = recipe, plan, Path(run_dir), world, flag
         self.faults = faults  # test-only fault injection (the trainer's drills); None for the user's loop
-        self.watchdog: Watchdog | None = None  # the trainer's: paused while a checkpoint is written
+        self.watchdog: Watchdog | None = None  # the trainer's: in its save mode while a checkpoint is written
         self.checkpoint_dir = Path(
             os.path.expanduser(
                 os.environ.get(jobenv.CHECKPOINT_DIR)
@@ -101,6 +101,7 @@ class Job:
         self._reapply_schedule = True
         self._first = True  # no step of this attempt is done yet: the start-up timeouts still hold
         self._last_saved: int | None = None
+        self.saving: int | None = None  # the step whose checkpoint this rank is writing now
         self._position: dict = {}  # the resume position at the last step, for the final checkpoint
         self.nonfinite = NonFiniteWatch(recipe.training.max_nonfinite_steps, world.device, self.metrics.log)
         self._sync = StepSync(
@@ -431,13 +432,29 @@ class Job:
         raise Preempted(f"stopped at step {step} for a straggler ({names}); checkpoint written, resume", step=step)
 
     def _save(self, position: dict, *, blocking: bool, reason: str) -> None:
-        if self.watchdog is not None:
-            self.watchdog.pause()  # a save may outlast a step; the trainer beats it again at the step's end
+        if self.watchdog is not None:  # a save may outlast a step: the watchdog's save mode until the next beat
+            self.watchdog.save(jobenv.watchdog_seconds(self.recipe.training.init_timeout_seconds))
         cp = self._need_checkpointer("save")
+        self.saving = self.step
         cp.save(self.step, position, blocking=blocking, reason=reason)
         if blocking:
             cp.wait()
+        self.saving = None
         self._last_saved = self.step
+
+    def timeout(self) -> tuple[str | None, str]:
+        """(where this rank is when a checkpoint is being written, else None; the recipe field whose timeout its
+        collectives have now): for the message of a collective that timed out. A checkpoint's collectives run on
+        the checkpoint group, which keeps the long start-up timeout, as do the training groups until the
+        attempt's first step is done."""
+        tr = self.recipe.training
+        if self.saving is not None:
+            return f"while writing the checkpoint of step {self.saving}", (
+                f"training.init_timeout_seconds={tr.init_timeout_seconds}, the checkpoint group's timeout"
+            )
+        if self._first:
+            return None, f"training.init_timeout_seconds={tr.init_timeout_seconds} until a first step is done"
+        return None, f"training.timeout_seconds={tr.timeout_seconds}"
 
     def save(self, state: dict | None = None) -> None:
         """Checkpoint the current step now (blocking), e.g. at the end of an epoch."""

@@ -103,13 +103,21 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def classify(
-    exc: BaseException, step: int | None, timeout_s: float | None, memory_note: str | None = None
+    exc: BaseException,
+    step: int | None,
+    timeout: tuple[str | None, str] | None = None,
+    memory_note: str | None = None,
 ) -> tuple[int, str]:
-    """(exit code, message) for an exception that escaped the training loop. `memory_note`: this rank's memory
-    at the time and the plan's figure, for a CUDA out-of-memory error (computed by the caller, which has torch)."""
+    """(exit code, message) for an exception that escaped the training loop. `timeout`: Job.timeout(), (where the
+    rank was when not the step says it, the recipe field whose timeout its collectives had). `memory_note`:
+    this rank's memory at the time and the plan's figure, for a CUDA out-of-memory error (computed by the caller,
+    which has torch)."""
     from .failures import is_comm_error, is_timeout
 
     where = f"during step {step}" if step else "before the first step"
+    setting = ""
+    if timeout is not None:
+        where, setting = timeout[0] or where, f" ({timeout[1]})"
     if isinstance(exc, DtlaunchError):
         return exc.exit_code, str(exc)
     text = str(exc)
@@ -130,13 +138,12 @@ def classify(
         )
     if any(m in text for m in ABORTED_MARKERS):
         return ExitCode.HANG, (
-            f"NCCL's watchdog aborted the communicators {where} after a collective timed out "
-            f"(training.timeout_seconds={timeout_s}): {first}"
+            f"NCCL's watchdog aborted the communicators {where} after a collective timed out{setting}: {first}"
         )
     if is_timeout(exc):
         return ExitCode.HANG, (
-            f"a collective timed out {where} (training.timeout_seconds={timeout_s}): another rank "
-            f"stopped responding or diverged. Underlying error: {str(exc).splitlines()[0][:300]}"
+            f"a collective timed out {where}{setting}: another rank stopped responding or diverged. "
+            f"Underlying error: {str(exc).splitlines()[0][:300]}"
         )
     if is_comm_error(exc):
         text = str(exc)

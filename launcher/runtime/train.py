@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import jobenv
 from ..errors import DtlaunchError
 from ..jobenv import ExitCode
-from .status import classify, is_oom, rank_from_env, write_status
+from .status import PEER_LOST, classify, is_oom, rank_from_env, write_status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,8 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         message = "finished"
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
         step = trainer.current
+        job = trainer.job
         code, message = classify(
-            exc, step, recipe.training.timeout_seconds, memory_note=memory_note(plan) if is_oom(exc) else None
+            exc,
+            step,
+            job.timeout() if job is not None else None,
+            memory_note=memory_note(plan) if is_oom(exc) else None,
         )
         if code == ExitCode.FAILED and not isinstance(exc, (DtlaunchError, KeyboardInterrupt)):
             traceback.print_exc()  # an unexpected error is a bug: keep the traceback for the report
@@ -83,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             from .hangs import on_hang
 
             on_hang(rank, nccl=trainer.writes_flight_recorder())
+        elif message.startswith(PEER_LOST) and not trainer.writes_flight_recorder():
+            from .hangs import dump
+
+            dump(rank)  # a peer that timed out waiting for this rank left: when this rank got there tells who hung
         sys.stdout.flush()
         sys.stderr.flush()
         # No destroy_process_group on failure: peers may be gone (it would hang), and C++ teardown of a

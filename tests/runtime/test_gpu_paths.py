@@ -550,7 +550,6 @@ def test_15_oom_is_config_and_gpu_hardware_faults_are_preflight():
     code, msg = classify(
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
         7,
-        600,
         memory_note="the plan expected 61.2 GB per GPU at its peak (layer backward)",
     )
     assert code == jobenv.ExitCode.CONFIG and "during step 7" in msg and "61.2 GB" in msg and "micro_batch" in msg
@@ -559,17 +558,20 @@ def test_15_oom_is_config_and_gpu_hardware_faults_are_preflight():
         "CUDA error: unspecified launch failure",
         "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus",
     ):
-        code, msg = classify(RuntimeError(text), 3, 600)
+        code, msg = classify(RuntimeError(text), 3)
         assert code == jobenv.ExitCode.PREFLIGHT and "exclude this node" in msg, text
-    code, _ = classify(RuntimeError("CUDA error: an illegal memory access was encountered"), 3, 600)
+    code, _ = classify(RuntimeError("CUDA error: an illegal memory access was encountered"), 3)
     assert code == jobenv.ExitCode.FAILED  # a software bug: retried like any crash
 
 
 def test_11_an_aborted_communicator_is_a_hang():
     from launcher.runtime.status import classify
 
-    code, msg = classify(dist.DistBackendError("NCCL communicator was aborted on rank 3."), 12, 600)
-    assert code == jobenv.ExitCode.HANG and "watchdog aborted" in msg
+    code, msg = classify(
+        dist.DistBackendError("NCCL communicator was aborted on rank 3."), 12, (None, "training.timeout_seconds=600")
+    )
+    assert code == jobenv.ExitCode.HANG and "watchdog aborted" in msg and "during step 12" in msg
+    assert "(training.timeout_seconds=600)" in msg
 
 
 # ----------------------------------------------------------------------------- 17, 20: optimizer and staging

@@ -49,6 +49,82 @@ def test_stuck_rank_ends_the_job_with_HANG_within_the_timeout(run_dir):
     assert "timed out during step 5" in status["message"] and f"timeout_seconds={TIMEOUT_S}" in status["message"]
 
 
+WATCHED = """
+import os, signal, sys, time
+from launcher.runtime.hangs import Watchdog
+from launcher.runtime.signals import PreemptionFlag
+
+flag = PreemptionFlag().install()
+watchdog = Watchdog(100, 0.5, 0, flag)  # a step may take 100 s; a signal must reach a step boundary in 0.5 s
+watchdog.beat(3)
+if sys.argv[1] == "save":
+    watchdog.save(2.0)  # writing a checkpoint: no progress for 2 s ends the rank, a signal does not
+os.kill(os.getpid(), signal.SIGTERM)  # a preemption, or torchrun ending the world
+time.sleep(1.2)
+print("alive after the signal's grace", flush=True)
+time.sleep(10)
+print("never ended", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["save", "step"])
+def test_a_save_outlives_a_signal_and_a_rank_stuck_writing_it_ends_with_HANG(mode, tmp_path):
+    """The watchdog while a checkpoint is written: a preemption signal lets the save finish (a step that reaches
+    no boundary within the grace ends at once), and a rank stuck in the save (storage that stopped answering,
+    which no collective timeout sees when every rank is stuck there, or in a world of one) ends with HANG."""
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-c", WATCHED, mode], capture_output=True, text=True, timeout=30, cwd=tmp_path
+    )
+    took = time.monotonic() - t0
+    assert res.returncode == ExitCode.HANG, res.stderr[-2000:]
+    assert "never ended" not in res.stdout and "last completed step 3" in res.stderr
+    if mode == "save":
+        assert "alive after the signal's grace" in res.stdout and "stuck writing a checkpoint for 2s" in res.stderr
+        assert took < 8, took
+    else:
+        assert "alive" not in res.stdout and "received SIGTERM but reached no step boundary" in res.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_committing_a_checkpoint_is_named_with_the_checkpoint_groups_timeout(run_dir):
+    """Rank 0 takes 14 s to commit step 4's checkpoint; rank 1 waits for it on the checkpoint group, whose timeout
+    is training.init_timeout_seconds (10 here), not the training groups' timeout_seconds (5): its message says
+    which save and which setting, and the diagnosis names rank 0."""
+    from launcher.cli.diagnose import diagnose
+
+    rec = recipe_dict(
+        training={"steps": 8, "timeout_seconds": TIMEOUT_S, "init_timeout_seconds": 10}, checkpoint={"every": 4}
+    )
+    status_dir = run_dir / "status" / "a1"  # where the job scripts have the ranks write their flight recorders
+    env = {
+        "DTLAUNCH_FAULT": "slow_checkpoint:rank=0:step=4:seconds=14",
+        "DTLAUNCH_ATTEMPT": "a1",
+        "DTLAUNCH_STATUS": str(status_dir),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{status_dir}/nccl_trace_rank_",
+    }
+    res = run_torchrun(write_plan(run_dir, rec), run_dir, env=env, timeout=90)
+    assert ExitCode.HANG in res.worker_codes, res.output[-3000:]
+    status = res.statuses()[1]
+    assert status["code"] == ExitCode.HANG, status
+    assert status["message"].startswith(
+        "a collective timed out while writing the checkpoint of step 4 "
+        "(training.init_timeout_seconds=10, the checkpoint group's timeout)"
+    ), status["message"]
+    # rank 0 reached that collective too, but only after rank 1 had given up on it: its flight recorder, written as
+    # the peer's loss ended it, says when
+    assert res.statuses()[0]["message"].startswith("communication with a peer failed while writing the checkpoint")
+    said = "\n".join(diagnose(run_dir))
+    assert re.search(
+        r"likely culprit: rank 0 on \S+: was late to gloo:barrier #\d+ in \S+, where rank 1 waited; it entered it "
+        r"only after a rank had timed out there",
+        said,
+    ), said
+
+
 @pytest.mark.slow
 def test_off_by_one_rank_is_caught_by_step_agreement(run_dir):
     rec = recipe_dict(training={"steps": 30, "timeout_seconds": TIMEOUT_S}, checkpoint={"every": 100})
