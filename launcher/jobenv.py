@@ -200,6 +200,9 @@ MIN_TORCH = (2, 12)
 FLIGHT_RECORDER_DUMP_WAIT_S = 60
 # Each rank's flight-recorder dump in its attempt's status directory: this prefix and the rank (job scripts, runtime).
 FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"
+# A gloo rank that ended on a lost peer writes its ring too, under another name: the job scripts read a dump of
+# their prefix as a hang, and this one is only evidence for the diagnosis (when the rank reached the collective).
+LOST_PEER_RECORDER_PREFIX = "lost_peer_trace_rank_"
 
 # Failures must be loud and diagnosable: an NCCL timeout that says nothing costs hours.
 LOUD_FAILURES = {

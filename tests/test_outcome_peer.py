@@ -15,12 +15,20 @@ from launcher.render.templates import render_template
 from launcher.runtime.status import PEER_LOST, classify, write_status
 
 
-def outcome(tmp_path: Path, records: list[tuple[int, str]], rc: int = 1, dumps: tuple[int, ...] = ()) -> int:
+def outcome(
+    tmp_path: Path,
+    records: list[tuple[int, str]],
+    rc: int = 1,
+    dumps: tuple[int, ...] = (),
+    lost_peer: tuple[int, ...] = (),
+) -> int:
     status = tmp_path / "attempt"
     for rank, (code, message) in enumerate(records):
         write_status(tmp_path, rank, code, message, step=2, start_step=0)
     for rank in dumps:  # a flight-recorder dump, as NCCL's watchdog or a hung gloo rank leaves it
         (status / f"nccl_trace_rank_{rank}").write_bytes(b"dump")
+    for rank in lost_peer:  # the one a gloo rank writes as a lost peer ends it (evidence for the diagnosis only)
+        (status / f"lost_peer_trace_rank_{rank}").write_bytes(b"dump")
     script = render_template("_outcome.sh.j2") + '\ndtl_outcome "$1"\n'
     out = subprocess.run(
         ["bash", "-c", script, "outcome", str(rc)],
@@ -100,3 +108,10 @@ def test_a_flight_recorder_dump_is_a_hang_unless_a_rank_failed_on_its_own(
 ):
     monkeypatch.setenv("DTLAUNCH_STATUS", str(tmp_path / "attempt"))
     assert outcome(tmp_path, records, dumps=dumps) == expect
+
+
+def test_the_dump_of_a_rank_that_lost_a_peer_is_no_hang(tmp_path, monkeypatch):
+    """A crashed rank's peers end on the closed connection and write their rings for the diagnosis: the job's
+    outcome is still the crash's (retried as one), not a hang whose culprit would be excluded."""
+    monkeypatch.setenv("DTLAUNCH_STATUS", str(tmp_path / "attempt"))
+    assert outcome(tmp_path, [PEER, PEER], lost_peer=(0, 1)) == ExitCode.FAILED

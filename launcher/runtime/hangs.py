@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .signals import PreemptionFlag
 
 DUMP_PREFIX = jobenv.FLIGHT_RECORDER_PREFIX
+LOST_PEER_PREFIX = jobenv.LOST_PEER_RECORDER_PREFIX
 STACKS_PREFIX = "stacks-"
 STACKS_TIMEOUT_S = 20
 
@@ -59,11 +60,13 @@ def wait_for_nccl_dump(rank: int, limit_s: float = jobenv.FLIGHT_RECORDER_DUMP_W
         time.sleep(0.5)
 
 
-def dump(rank: int) -> Path | None:
-    """Write this rank's flight-recorder ring where the job scripts point NCCL's (a gloo rank's own dump); the
-    path, or None when there is nowhere to write, no torch or nothing recorded. Never raises: it runs on the
-    way out of a failed rank."""
+def dump(rank: int, *, lost_peer: bool = False) -> Path | None:
+    """Write this rank's flight-recorder ring where the job scripts point NCCL's (a gloo rank's own dump; with
+    `lost_peer`, under LOST_PEER_PREFIX); the path, or None when there is nowhere to write, no torch or nothing
+    recorded. Never raises: it runs on the way out of a failed rank."""
     path = dump_path(rank)
+    if path is not None and lost_peer:
+        path = path.with_name(f"{LOST_PEER_PREFIX}{rank}")
     if path is None or path.exists():  # NCCL's watchdog (or an earlier call) wrote it already
         return None
     try:
@@ -171,12 +174,14 @@ def read(path: Path) -> dict | None:
 
 
 def read_dumps(status_dir: Path) -> dict[int, dict]:
-    """rank -> its dump, for the dumps in one attempt's status directory that can be read."""
-    out = {}
-    for p in status_dir.glob(f"{DUMP_PREFIX}*"):
-        tail = p.name[len(DUMP_PREFIX) :]
-        if tail.isdigit() and (d := read(p)) is not None:
-            out[int(tail)] = d
+    """rank -> its dump, for the dumps in one attempt's status directory that can be read (a rank's hang dump
+    before the one it wrote on losing a peer)."""
+    out: dict[int, dict] = {}
+    for prefix in (DUMP_PREFIX, LOST_PEER_PREFIX):
+        for p in status_dir.glob(f"{prefix}*"):
+            tail = p.name[len(prefix) :]
+            if tail.isdigit() and int(tail) not in out and (d := read(p)) is not None:
+                out[int(tail)] = d
     return out
 
 

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         elif message.startswith(PEER_LOST) and not trainer.writes_flight_recorder():
             from .hangs import dump
 
-            dump(rank)  # a peer that timed out waiting for this rank left: when this rank got there tells who hung
+            dump(rank, lost_peer=True)  # a peer that timed out waiting for it left: when it got there tells who hung
         sys.stdout.flush()
         sys.stderr.flush()
         # No destroy_process_group on failure: peers may be gone (it would hang), and C++ teardown of a

@@ -117,6 +117,7 @@ def test_a_rank_stuck_committing_a_checkpoint_is_named_with_the_checkpoint_group
     # rank 0 reached that collective too, but only after rank 1 had given up on it: its flight recorder, written as
     # the peer's loss ended it, says when
     assert res.statuses()[0]["message"].startswith("communication with a peer failed while writing the checkpoint")
+    assert (status_dir / "lost_peer_trace_rank_0").is_file() and not (status_dir / "nccl_trace_rank_0").exists()
     said = "\n".join(diagnose(run_dir))
     assert re.search(
         r"likely culprit: rank 0 on \S+: was late to gloo:barrier #\d+ in \S+, where rank 1 waited; it entered it "
