@@ -101,6 +101,29 @@ def test_10_11_a_hang_ends_every_rank_with_43_and_leaves_the_dumps(tmp_path, str
     assert list(dumps.glob("nccl_trace_rank_*")), "no flight-recorder dump"
 
 
+def test_a_slow_ranks_peers_wait_for_it_in_nccl_collectives_as_the_flight_recorder_times_them(tmp_path):
+    """Issue 35's NCCL path: rank 5's forwards are 0.3 s slower from step 2; every rank's time waiting in the
+    step's collectives comes from NCCL's flight recorder (TORCH_NCCL_ENABLE_TIMING, device time): the others wait
+    about what rank 5's forwards took longer, rank 5 itself next to nothing, and its straggler record says so."""
+    rec = gpu_recipe(
+        8, **deep_merge(COMMON, {"parallelism": {"strategy": "ddp"}, "training": {"steps": 10, "log_every": 1}})
+    )
+    d = tmp_path / "run"
+    res = run_torchrun(
+        write_plan(d, rec), d, nproc=8, timeout=600, env={"DTLAUNCH_FAULT": "slow:rank=5:step=2:seconds=0.3"}
+    )
+    assert res.rc == 0, res.output[-3000:]
+    logged = [m for m in res.metrics() if "loss" in m and m["step"] >= 4]
+    assert logged and all("collective_wait_s" in m for m in logged), logged[-1:]
+    for m in logged:
+        waits = m["collective_wait_s"]
+        slower = m["forward_s"]["max"] - m["forward_s"]["min"]
+        others = [w for r, w in enumerate(waits) if r != 5]
+        assert waits[5] < 0.1 * slower and min(others) > 0.6 * slower, (m["step"], waits, slower)
+        (straggler,) = [s for s in m.get("stragglers", []) if s["rank"] == 5]
+        assert straggler["peers_waited_s"] > 0.6 * slower, straggler
+
+
 def test_preempt_then_resume_on_4_gpus_continues_the_loss(tmp_path):
     rec = gpu_recipe(
         8, **deep_merge(COMMON, {"parallelism": {"strategy": "fsdp"}, "training": {"steps": 8, "deterministic": True}})
