@@ -115,9 +115,22 @@ def test_a_rank_that_reached_the_collective_only_after_the_others_gave_up_is_the
         "was late to gloo:barrier #5 in checkpoint, where rank 1 waited; it entered it only after a rank had timed "
         "out there",
     )
-    # late, but there before anyone gave up: no culprit; nor when every rank came after (they cannot all be)
+    # groups made without a description are told apart by their names (their numbers are their own)
+    two = {r: pickle.loads(_dump(("default_pg", 9, "gloo:all_reduce"))) for r in (0, 1)}
+    for r, (seq_a, seq_b) in {0: (7, 40), 1: (8, 40)}.items():
+        two[r]["entries"] += [
+            {"process_group": ("5", "undefined"), "collective_seq_id": seq_a, "profiling_name": "gloo:barrier"},
+            {"process_group": ("6", "undefined"), "collective_seq_id": seq_b, "profiling_name": "gloo:all_gather"},
+        ]
+    assert hangs.verdict(two, world=2) == (
+        [0],
+        "never entered gloo:barrier #8 in group 5, where rank 1 waited; its flight recorder ends before it (rank 0 at #7)",
+    )
+    # late, but there before anyone gave up (or within the clocks' slack): no culprit; nor when every rank came
+    # after (they cannot all be)
     assert hangs.verdict({0: at(timed_out - 1.0), 1: at(timed_out - 10.0)}, world=2, gave_up=timed_out) is None
-    assert hangs.verdict({0: at(timed_out + 1.0), 1: at(timed_out + 2.0)}, world=2, gave_up=timed_out) is None
+    assert hangs.verdict({0: at(timed_out + 0.5), 1: at(timed_out - 10.0)}, world=2, gave_up=timed_out) is None
+    assert hangs.verdict({0: at(timed_out + 3.0), 1: at(timed_out + 4.0)}, world=2, gave_up=timed_out) is None
 
 
 def test_a_dump_that_names_a_class_is_not_loaded(tmp_path):

@@ -134,9 +134,9 @@ def hang_culprits(mine: list[dict], dumps: dict[int, dict] | None = None) -> tup
     None: no telling."""
     world = max((int(r.get("world_size") or 0) for r in mine), default=0) or 1 + max(r["rank"] for r in mine)
     have = {r["rank"]: r for r in mine if UNREPORTED not in str(r.get("message", ""))}
-    gave_up = min(
-        (float(r["time"]) for r in have.values() if r["code"] == ExitCode.HANG and r.get("time")), default=None
-    )
+    # when the first rank's collective timed out (not a HANG of ranks that disagreed, which is reported at once)
+    timed_out = [r for r in have.values() if r["code"] == ExitCode.HANG and "timed out" in str(r.get("message"))]
+    gave_up = min((float(r["time"]) for r in timed_out if r.get("time")), default=None)
     fr = hangs.verdict(dumps or {}, world, gave_up)
     if fr is not None:
         culprits, why = fr

@@ -381,8 +381,9 @@ def init_distributed(
     # Checkpoint collectives get their own gloo group with the long timeout: a big save may
     # legitimately take minutes, and async saves must not interleave with training collectives.
     long = datetime.timedelta(seconds=init_timeout_s or 1800)
-    world.checkpoint_group = dist.new_group(backend="gloo", timeout=long)
-    world.control_group = dist.new_group(backend="gloo", timeout=long)
+    # named: the flight recorder's dumps (and the diagnosis that reads them) tell the groups apart by it
+    world.checkpoint_group = dist.new_group(backend="gloo", timeout=long, group_desc="checkpoint")
+    world.control_group = dist.new_group(backend="gloo", timeout=long, group_desc="control")
     if verbose and proc.rank == 0:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(env_set.items())) or "nothing (all already set)"
         print(

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -186,14 +188,19 @@ def read_dumps(status_dir: Path) -> dict[int, dict]:
 
 
 def _last(d: dict) -> dict[str, tuple[int, str, float | None]]:
-    """Process group name -> (the last collective sequence number this rank entered, that collective's name, when
-    it entered it: seconds since the epoch, None when the dump does not say)."""
+    """Process group -> (the last collective sequence number this rank entered, that collective's name, when it
+    entered it: seconds since the epoch, None when the dump does not say). A group is known by its description
+    (default_pg, checkpoint, ...), and by its unique name where it has none ("undefined": groups made without one
+    would otherwise share their numbers)."""
     out: dict[str, tuple[int, str, float | None]] = {}
     for e in d["entries"]:
         if not isinstance(e, dict) or e.get("is_p2p"):
             continue
         pg = e.get("process_group")
-        name = str(pg[1] if isinstance(pg, (list, tuple)) and len(pg) > 1 else pg)
+        if isinstance(pg, (list, tuple)) and len(pg) > 1:
+            name = str(pg[1]) if pg[1] not in (None, "", "undefined") else f"group {pg[0]}"
+        else:
+            name = str(pg)
         seq = int(e.get("collective_seq_id") or 0)
         if seq >= out.get(name, (0, "", None))[0]:
             created = e.get("time_created_ns")
@@ -201,12 +208,15 @@ def _last(d: dict) -> dict[str, tuple[int, str, float | None]]:
     return out
 
 
+CLOCK_SLACK_S = 1.0  # nodes' clocks (NTP) agree to within this: an entry this close to a rank's timeout is not late
+
+
 def verdict(dumps: dict[int, dict], world: int, gave_up: float | None = None) -> tuple[list[int], str] | None:
     """(culprit ranks, why) from one attempt's dumps: in the first process group (the default group first) where
     ranks stopped at different collectives, the ranks whose last collective is behind the furthest one, or that
     left no dump; where they all reached the same one, those that entered it only after `gave_up` (when the first
-    rank timed out waiting: their dumps were written as the loss of that peer ended them). None: no dumps, or
-    the dumps cannot tell."""
+    rank's collective timed out: a rank stuck elsewhere got there after, and its dump was written as the lost peer
+    ended it). None: no dumps, or the dumps cannot tell."""
     if not dumps:
         return None
     last = {rank: _last(d) for rank, d in dumps.items()}
@@ -224,7 +234,8 @@ def verdict(dumps: dict[int, dict], world: int, gave_up: float | None = None) ->
         culprits = sorted(behind + missing)
         parts = []
         if not culprits and gave_up is not None:
-            late = [r for r in ahead if (t := last[r][g][2]) is not None and t > gave_up]
+            entered = {r: last[r].get(g, (0, "", None))[2] for r in ahead}
+            late = [r for r, t in entered.items() if t is not None and t > gave_up + CLOCK_SLACK_S]
             if late and len(late) < len(ahead):
                 ahead = [r for r in ahead if r not in late]
                 culprits = late
@@ -237,8 +248,8 @@ def verdict(dumps: dict[int, dict], world: int, gave_up: float | None = None) ->
         if missing:
             parts.append(f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))} left no dump")
         waiting = ("rank " if len(ahead) == 1 else "ranks ") + ", ".join(map(str, ahead))
-        entered = "was late to" if not behind and not missing else "never entered"
-        return culprits, f"{entered} {name} #{top} in {g}, where {waiting} waited; " + "; ".join(parts)
+        how = "was late to" if not behind and not missing else "never entered"
+        return culprits, f"{how} {name} #{top} in {g}, where {waiting} waited; " + "; ".join(parts)
     return None
 
 
@@ -248,30 +259,38 @@ class Watchdog:
     Exits with HANG when no step finishes within `limit` seconds, or when a signal (SIGTERM from
     torchrun tearing the world down after a peer failed, or a preemption) was received and no step
     boundary follows within `grace` seconds: a stuck rank would otherwise ignore torchrun's SIGTERM
-    (the handler only sets a flag) and delay the restart until torchrun's SIGKILL 30 s later.
+    (the handler only sets a flag) and delay the restart until torchrun's SIGKILL 30 s later. While a
+    checkpoint is written (`saving`) the rules are the save's own.
     """
 
     def __init__(self, limit: float, grace: float, rank: int, flag: PreemptionFlag | None = None):
         self.limit, self.grace, self.rank, self.flag = limit, grace, rank, flag
         self.step = 0
         self.armed = False
-        self.saving: float | None = None  # the save mode's limit (`save`)
+        self._save: tuple[float, Callable[[], float]] | None = None  # (limit, last write) while saving
         self.last = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="dtlaunch-watchdog", daemon=True)
         self._thread.start()
 
     def beat(self, step: int) -> None:
-        self.step, self.last, self.armed, self.saving = step, time.monotonic(), True, None
+        self.step, self.last, self.armed = step, time.monotonic(), True
 
     def pause(self) -> None:
         self.armed = False
 
-    def save(self, limit: float) -> None:
-        """A checkpoint is being written: it may outlast many steps, and a preemption signal must let it finish,
-        so only a save that makes no progress for `limit` seconds ends the rank (a rank stuck in storage, which
-        no collective timeout sees when every rank is stuck there, or when the world is one rank). The next
-        `beat` ends the save mode."""
-        self.saving, self.last, self.armed = limit, time.monotonic(), True
+    @contextmanager
+    def saving(self, limit: float, written: Callable[[], float] = lambda: 0.0) -> Iterator[None]:
+        """While a checkpoint is written: it may outlast many steps, and a preemption signal must let it finish,
+        so the signal's grace does not apply; a save that writes nothing for `limit` seconds (`written()`: the
+        monotonic time of its latest write) ends the rank: a rank stuck in storage, which no collective timeout
+        sees when every rank is stuck there, or in a world of one. Then the watchdog is as it was, its clock
+        restarted (a save is progress)."""
+        armed = self.armed
+        self._save, self.last, self.armed = (limit, written), time.monotonic(), True
+        try:
+            yield
+        finally:
+            self._save, self.last, self.armed = None, time.monotonic(), armed
 
     def _exit(self, why: str) -> None:
         print(
@@ -288,9 +307,10 @@ class Watchdog:
             if not self.armed:
                 continue
             now = time.monotonic()
-            if (saving := self.saving) is not None:
-                if now - self.last > saving:
-                    self._exit(f"stuck writing a checkpoint for {saving:.0f}s")
+            if (save := self._save) is not None:
+                limit, written = save
+                if now - max(self.last, written()) > limit:
+                    self._exit(f"a checkpoint being written made no progress for {limit:.0f}s")
                 continue
             if now - self.last > self.limit:
                 self._exit(f"no progress for {self.limit:.0f}s")

@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ from ..plan.cost import flops_per_token
 from ..plan.layout import Layout
 from ..plan.ledger import LEDGER_FILE, entry, log_line
 from .agreement import Agreement, NonFiniteWatch, Reporter, StepSync
+from .checkpoint import dcpio
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.compat import identity
 from .checkpoint.disk import expand_dir, write_file_durably
@@ -51,7 +53,7 @@ from .inject import Faults
 from .metrics import Metrics, check_tracking
 from .optim import apply_schedule
 from .signals import PreemptionFlag
-from .status import record_progress
+from .status import Timeouts, record_progress
 from .stragglers import CollectiveClock, ComputeClock, Straggler, StragglerWatch
 
 if TYPE_CHECKING:
@@ -432,29 +434,39 @@ class Job:
         raise Preempted(f"stopped at step {step} for a straggler ({names}); checkpoint written, resume", step=step)
 
     def _save(self, position: dict, *, blocking: bool, reason: str) -> None:
-        if self.watchdog is not None:  # a save may outlast a step: the watchdog's save mode until the next beat
-            self.watchdog.save(jobenv.watchdog_seconds(self.recipe.training.init_timeout_seconds))
         cp = self._need_checkpointer("save")
-        self.saving = self.step
-        cp.save(self.step, position, blocking=blocking, reason=reason)
-        if blocking:
-            cp.wait()
+        limit = jobenv.save_watchdog_seconds(
+            self.recipe.training.init_timeout_seconds, self.plan.checkpoint_write_seconds
+        )
+        # a save may outlast many steps: the watchdog's rules are the save's while it is written (on this thread)
+        watching = self.watchdog.saving(limit, dcpio.last_write) if self.watchdog is not None else nullcontext()
+        self.saving = self.step  # left set if the save fails: the failure's message says which save it was
+        with watching:
+            cp.save(self.step, position, blocking=blocking, reason=reason)
+            if blocking:
+                cp.wait()
         self.saving = None
         self._last_saved = self.step
 
-    def timeout(self) -> tuple[str | None, str]:
-        """(where this rank is when a checkpoint is being written, else None; the recipe field whose timeout its
-        collectives have now): for the message of a collective that timed out. A checkpoint's collectives run on
-        the checkpoint group, which keeps the long start-up timeout, as do the training groups until the
-        attempt's first step is done."""
+    def timeout(self) -> Timeouts:
+        """What the message of a collective that timed out says: where this rank was (writing a checkpoint, else
+        None: the step says), and the recipe fields whose timeouts its collectives had. A save's collectives run
+        on the checkpoint group, which keeps the long start-up timeout (and some strategies' on the training
+        groups too); the training groups keep it until the attempt's first step is done."""
         tr = self.recipe.training
-        if self.saving is not None:
-            return f"while writing the checkpoint of step {self.saving}", (
-                f"training.init_timeout_seconds={tr.init_timeout_seconds}, the checkpoint group's timeout"
-            )
-        if self._first:
-            return None, f"training.init_timeout_seconds={tr.init_timeout_seconds} until a first step is done"
-        return None, f"training.timeout_seconds={tr.timeout_seconds}"
+        training = (
+            f"training.init_timeout_seconds={tr.init_timeout_seconds} until a first step is done"
+            if self._first
+            else f"training.timeout_seconds={tr.timeout_seconds}"
+        )
+        if self.saving is None:
+            return Timeouts(None, training, training)
+        return Timeouts(
+            f"while writing the checkpoint of step {self.saving}",
+            f"the checkpoint group's training.init_timeout_seconds={tr.init_timeout_seconds}; the training "
+            f"groups' {training}",
+            training,
+        )
 
     def save(self, state: dict | None = None) -> None:
         """Checkpoint the current step now (blocking), e.g. at the end of an epoch."""

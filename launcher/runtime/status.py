@@ -10,6 +10,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from .. import jobenv
 from ..errors import DtlaunchError
@@ -102,22 +103,29 @@ def is_oom(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
 
 
+class Timeouts(NamedTuple):
+    """What a rank's message says of a collective that timed out (Job.timeout())."""
+
+    where: str | None  # where the rank was, when the step does not say it (writing a checkpoint)
+    timed_out: str  # the recipe fields whose timeouts its collectives had
+    aborted: str  # the one behind NCCL's abort (its training groups': the checkpoint group is gloo)
+
+
 def classify(
     exc: BaseException,
     step: int | None,
-    timeout: tuple[str | None, str] | None = None,
+    timeouts: Timeouts | None = None,
     memory_note: str | None = None,
 ) -> tuple[int, str]:
-    """(exit code, message) for an exception that escaped the training loop. `timeout`: Job.timeout(), (where the
-    rank was when not the step says it, the recipe field whose timeout its collectives had). `memory_note`:
-    this rank's memory at the time and the plan's figure, for a CUDA out-of-memory error (computed by the caller,
-    which has torch)."""
+    """(exit code, message) for an exception that escaped the training loop. `memory_note`: this rank's memory
+    at the time and the plan's figure, for a CUDA out-of-memory error (computed by the caller, which has torch)."""
     from .failures import is_comm_error, is_timeout
 
     where = f"during step {step}" if step else "before the first step"
-    setting = ""
-    if timeout is not None:
-        where, setting = timeout[0] or where, f" ({timeout[1]})"
+    timed_out = aborted = ""
+    if timeouts is not None:
+        where = timeouts.where or where
+        timed_out, aborted = f" ({timeouts.timed_out})", f" ({timeouts.aborted})"
     if isinstance(exc, DtlaunchError):
         return exc.exit_code, str(exc)
     text = str(exc)
@@ -138,11 +146,11 @@ def classify(
         )
     if any(m in text for m in ABORTED_MARKERS):
         return ExitCode.HANG, (
-            f"NCCL's watchdog aborted the communicators {where} after a collective timed out{setting}: {first}"
+            f"NCCL's watchdog aborted the communicators {where} after a collective timed out{aborted}: {first}"
         )
     if is_timeout(exc):
         return ExitCode.HANG, (
-            f"a collective timed out {where}{setting}: another rank stopped responding or diverged. "
+            f"a collective timed out {where}{timed_out}: another rank stopped responding or diverged. "
             f"Underlying error: {str(exc).splitlines()[0][:300]}"
         )
     if is_comm_error(exc):

@@ -565,13 +565,13 @@ def test_15_oom_is_config_and_gpu_hardware_faults_are_preflight():
 
 
 def test_11_an_aborted_communicator_is_a_hang():
-    from launcher.runtime.status import classify
+    from launcher.runtime.status import Timeouts, classify
 
-    code, msg = classify(
-        dist.DistBackendError("NCCL communicator was aborted on rank 3."), 12, (None, "training.timeout_seconds=600")
-    )
+    # what timed out is a training group's NCCL collective (the checkpoint group is gloo): its setting is named
+    timeouts = Timeouts(None, "the checkpoint group's ...", "training.timeout_seconds=600")
+    code, msg = classify(dist.DistBackendError("NCCL communicator was aborted on rank 3."), 12, timeouts)
     assert code == jobenv.ExitCode.HANG and "watchdog aborted" in msg and "during step 12" in msg
-    assert "(training.timeout_seconds=600)" in msg
+    assert "(training.timeout_seconds=600)" in msg and "checkpoint group" not in msg
 
 
 # ----------------------------------------------------------------------------- 17, 20: optimizer and staging

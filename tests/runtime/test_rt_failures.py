@@ -50,28 +50,43 @@ def test_stuck_rank_ends_the_job_with_HANG_within_the_timeout(run_dir):
 
 
 WATCHED = """
-import os, signal, sys, time
+import contextlib, os, signal, sys, time
 from launcher.runtime.hangs import Watchdog
 from launcher.runtime.signals import PreemptionFlag
 
+mode = sys.argv[1]
 flag = PreemptionFlag().install()
-watchdog = Watchdog(100, 0.5, 0, flag)  # a step may take 100 s; a signal must reach a step boundary in 0.5 s
+# a step may take 100 s (1 s when paused: were the pause lost, it would end the process), a signal must reach a
+# step boundary within 0.5 s
+watchdog = Watchdog(1.0 if mode == "paused" else 100, 0.5, 0, flag)
 watchdog.beat(3)
-if sys.argv[1] == "save":
-    watchdog.save(2.0)  # writing a checkpoint: no progress for 2 s ends the rank, a signal does not
-os.kill(os.getpid(), signal.SIGTERM)  # a preemption, or torchrun ending the world
-time.sleep(1.2)
-print("alive after the signal's grace", flush=True)
-time.sleep(10)
-print("never ended", flush=True)
+if mode == "paused":  # the trainer pauses it before the final save; the save must leave it paused
+    watchdog.pause()
+    with watchdog.saving(5.0):
+        pass
+    time.sleep(2.5)
+    print("never ended", flush=True)
+    sys.exit(0)
+saving = {
+    "save": lambda: watchdog.saving(2.0),  # writing a checkpoint: nothing written for 2 s ends the rank
+    "writing": lambda: watchdog.saving(2.0, written=time.monotonic),  # a save that keeps writing does not end
+    "step": contextlib.nullcontext,
+}[mode]
+with saving():
+    os.kill(os.getpid(), signal.SIGTERM)  # a preemption, or torchrun ending the world
+    time.sleep(1.2)
+    print("alive after the signal's grace", flush=True)
+    time.sleep(3)
+    print("never ended", flush=True)
 """
 
 
-@pytest.mark.parametrize("mode", ["save", "step"])
+@pytest.mark.parametrize("mode", ["save", "writing", "step", "paused"])
 def test_a_save_outlives_a_signal_and_a_rank_stuck_writing_it_ends_with_HANG(mode, tmp_path):
     """The watchdog while a checkpoint is written: a preemption signal lets the save finish (a step that reaches
-    no boundary within the grace ends at once), and a rank stuck in the save (storage that stopped answering,
-    which no collective timeout sees when every rank is stuck there, or in a world of one) ends with HANG."""
+    no boundary within the grace ends at once), a save that writes nothing for its limit (storage that stopped
+    answering, which no collective timeout sees when every rank is stuck there, or in a world of one) ends with
+    HANG, one that keeps writing does not, and after it the watchdog is as it was."""
     import subprocess
     import sys
 
@@ -80,11 +95,14 @@ def test_a_save_outlives_a_signal_and_a_rank_stuck_writing_it_ends_with_HANG(mod
         [sys.executable, "-c", WATCHED, mode], capture_output=True, text=True, timeout=30, cwd=tmp_path
     )
     took = time.monotonic() - t0
+    if mode in ("writing", "paused"):
+        assert res.returncode == 0 and "never ended" in res.stdout, (res.stdout, res.stderr[-2000:])
+        return
     assert res.returncode == ExitCode.HANG, res.stderr[-2000:]
     assert "never ended" not in res.stdout and "last completed step 3" in res.stderr
     if mode == "save":
-        assert "alive after the signal's grace" in res.stdout and "stuck writing a checkpoint for 2s" in res.stderr
-        assert took < 8, took
+        assert "alive after the signal's grace" in res.stdout, res.stdout
+        assert "a checkpoint being written made no progress for 2s" in res.stderr and took < 8, (took, res.stderr)
     else:
         assert "alive" not in res.stdout and "received SIGTERM but reached no step boundary" in res.stderr
 
@@ -111,8 +129,8 @@ def test_a_rank_stuck_committing_a_checkpoint_is_named_with_the_checkpoint_group
     status = res.statuses()[1]
     assert status["code"] == ExitCode.HANG, status
     assert status["message"].startswith(
-        "a collective timed out while writing the checkpoint of step 4 "
-        "(training.init_timeout_seconds=10, the checkpoint group's timeout)"
+        "a collective timed out while writing the checkpoint of step 4 (the checkpoint group's "
+        f"training.init_timeout_seconds=10; the training groups' training.timeout_seconds={TIMEOUT_S})"
     ), status["message"]
     # rank 0 reached that collective too, but only after rank 1 had given up on it: its flight recorder, written as
     # the peer's loss ended it, says when
@@ -120,7 +138,8 @@ def test_a_rank_stuck_committing_a_checkpoint_is_named_with_the_checkpoint_group
     assert (status_dir / "lost_peer_trace_rank_0").is_file() and not (status_dir / "nccl_trace_rank_0").exists()
     said = "\n".join(diagnose(run_dir))
     assert re.search(
-        r"likely culprit: rank 0 on \S+: was late to gloo:barrier #\d+ in \S+, where rank 1 waited; it entered it "
+        r"likely culprit: rank 0 on \S+: was late to gloo:barrier #\d+ in checkpoint, where rank 1 waited; it entered "
+        r"it "
         r"only after a rank had timed out there",
         said,
     ), said

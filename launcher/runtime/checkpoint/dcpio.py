@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import zlib
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -42,6 +43,13 @@ def first_line(exc: BaseException) -> str:
     return f"{type(inner).__name__}: {text[0][:300] if text else ''}"
 
 
+_LAST_WRITE = [0.0]  # monotonic time of this process's latest checkpoint write: the save watchdog's progress
+
+
+def last_write() -> float:
+    return _LAST_WRITE[0]
+
+
 class _ChecksumStream:
     """A binary file opened for writing that keeps the running size and CRC-32 of what went through it."""
 
@@ -56,6 +64,7 @@ class _ChecksumStream:
         if not mv.c_contiguous:
             mv = memoryview(mv.tobytes())
         n = self._f.write(mv)
+        _LAST_WRITE[0] = time.monotonic()
         if n != mv.nbytes:  # a short write (only raw streams do that): the running checksum is void
             self.in_order = False
             return n
