@@ -95,12 +95,12 @@ def watchdog_seconds(timeout_seconds: float) -> float:
     return 2 * timeout_seconds + 60
 
 
-def save_watchdog_seconds(init_timeout_seconds: float, planned_write_seconds: float) -> float:
+def save_watchdog_seconds(init_timeout_seconds: float, timeout_seconds: float, planned_write_seconds: float) -> float:
     """How long a checkpoint being written may go without a write before the watchdog ends its rank with HANG:
-    as long as the step's limit under the checkpoint group's timeout (init_timeout_seconds), and at least four
-    times the plan's write time (a save written by another library, DeepSpeed's, reports no writes: there it is
-    the whole save's bound)."""
-    return max(watchdog_seconds(init_timeout_seconds), 4 * planned_write_seconds)
+    as long as the step's limit under either timeout its collectives may have (the checkpoint group's
+    init_timeout_seconds, the training groups' timeout_seconds), and at least four times the plan's write time
+    (a save written by another library, DeepSpeed's, reports no writes: there it is the whole save's bound)."""
+    return max(watchdog_seconds(max(init_timeout_seconds, timeout_seconds)), 4 * planned_write_seconds)
 
 
 # The environment contract of a job's processes (ours, or the user's own entrypoint).

@@ -286,11 +286,14 @@ class Watchdog:
         sees when every rank is stuck there, or in a world of one. Then the watchdog is as it was, its clock
         restarted (a save is progress)."""
         armed = self.armed
-        self._save, self.last, self.armed = (limit, written), time.monotonic(), True
+        # the clock first: the thread must never see the save mode's end with the save's start as its clock
+        self.last = time.monotonic()
+        self._save, self.armed = (limit, written), True
         try:
             yield
         finally:
-            self._save, self.last, self.armed = None, time.monotonic(), armed
+            self.last = time.monotonic()
+            self._save, self.armed = None, armed
 
     def _exit(self, why: str) -> None:
         print(

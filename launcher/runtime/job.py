@@ -435,8 +435,9 @@ class Job:
 
     def _save(self, position: dict, *, blocking: bool, reason: str) -> None:
         cp = self._need_checkpointer("save")
+        tr = self.recipe.training
         limit = jobenv.save_watchdog_seconds(
-            self.recipe.training.init_timeout_seconds, self.plan.checkpoint_write_seconds
+            tr.init_timeout_seconds, tr.timeout_seconds, self.plan.checkpoint_write_seconds
         )
         # a save may outlast many steps: the watchdog's rules are the save's while it is written (on this thread)
         watching = self.watchdog.saving(limit, dcpio.last_write) if self.watchdog is not None else nullcontext()
