@@ -103,7 +103,6 @@ class Job:
         self._reapply_schedule = True
         self._first = True  # no step of this attempt is done yet: the start-up timeouts still hold
         self._last_saved: int | None = None
-        self.saving: int | None = None  # the step whose checkpoint this rank is writing now
         self._position: dict = {}  # the resume position at the last step, for the final checkpoint
         self.nonfinite = NonFiniteWatch(recipe.training.max_nonfinite_steps, world.device, self.metrics.log)
         self._sync = StepSync(
@@ -441,12 +440,10 @@ class Job:
         )
         # a save may outlast many steps: the watchdog's rules are the save's while it is written (on this thread)
         watching = self.watchdog.saving(limit, dcpio.last_write) if self.watchdog is not None else nullcontext()
-        self.saving = self.step  # left set if the save fails: the failure's message says which save it was
         with watching:
             cp.save(self.step, position, blocking=blocking, reason=reason)
             if blocking:
                 cp.wait()
-        self.saving = None
         self._last_saved = self.step
 
     def timeout(self) -> Timeouts:
@@ -460,10 +457,11 @@ class Job:
             if self._first
             else f"training.timeout_seconds={tr.timeout_seconds}"
         )
-        if self.saving is None:
+        writing = self.checkpointer.writing if self.checkpointer is not None else None
+        if writing is None:
             return Timeouts(None, training, training)
         return Timeouts(
-            f"while writing the checkpoint of step {self.saving}",
+            f"while writing the checkpoint of step {writing}",
             f"the checkpoint group's training.init_timeout_seconds={tr.init_timeout_seconds}; the training "
             f"groups' {training}",
             training,

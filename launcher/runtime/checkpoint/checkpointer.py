@@ -80,6 +80,9 @@ class Checkpointer:
         self.allow_changed_recipe = allow_changed_recipe
         self.run_id = run_id
         self._pending: Pending | None = None
+        # the step whose checkpoint this rank is writing or committing now (left set when that fails: the failure's
+        # message says which save it was; a background save's is the one the next save or close waits for)
+        self.writing: int | None = None
         self._pruner: Pruner | None = None  # rank 0: deleting old checkpoints in the background
         self._lock = RunLock(self.root)
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -230,6 +233,7 @@ class Checkpointer:
         StorageError when the storage is full or read-only."""
         entered = time.time()
         self.wait()  # at most one save in flight: commit the previous one first
+        self.writing = step
         try:
             self._save(step, data_position, blocking=blocking, reason=reason)
             if self._pending is not None:  # an async save: training waited for the wait and the staging only
@@ -241,6 +245,7 @@ class Checkpointer:
             if failure is not None:
                 raise failure from e
             raise
+        self.writing = None
 
     def _save(self, step: int, data_position: dict, *, blocking: bool, reason: str) -> None:
         t0 = time.time()
@@ -375,6 +380,7 @@ class Checkpointer:
             if self.rank == 0:
                 self._join_pruner()
             return
+        self.writing = p.step
         p.manifest.wait()
         ok = self._gather(p.error is None)
         failure = self.storage_failure(p.step, p.error) if self.rank == 0 and not all(ok) else None
@@ -400,6 +406,7 @@ class Checkpointer:
         if self.rank == 0:
             self._join_pruner()
         self._barrier()
+        self.writing = None
 
     # ------------------------------------------------------------------ resume
 
