@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..jobenv import ExitCode, read_metrics
 from ..runtime import hangs
-from ..runtime.status import UNREPORTED
+from ..runtime.status import TIMED_OUT, UNREPORTED
 
 
 def run_dirs(where: Path) -> list[Path]:
@@ -135,7 +135,7 @@ def hang_culprits(mine: list[dict], dumps: dict[int, dict] | None = None) -> tup
     world = max((int(r.get("world_size") or 0) for r in mine), default=0) or 1 + max(r["rank"] for r in mine)
     have = {r["rank"]: r for r in mine if UNREPORTED not in str(r.get("message", ""))}
     # when the first rank's collective timed out (not a HANG of ranks that disagreed, which is reported at once)
-    timed_out = [r for r in have.values() if r["code"] == ExitCode.HANG and "timed out" in str(r.get("message"))]
+    timed_out = [r for r in have.values() if r["code"] == ExitCode.HANG and TIMED_OUT in str(r.get("message"))]
     gave_up = min((float(r["time"]) for r in timed_out if r.get("time")), default=None)
     fr = hangs.verdict(dumps or {}, world, gave_up)
     if fr is not None:

@@ -103,6 +103,11 @@ def is_oom(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
 
 
+# In the message of every HANG a collective's timeout caused (NCCL's abort after one too), not of ranks that
+# disagreed on the step: the diagnosis takes the moment such a rank gave up from its record.
+TIMED_OUT = "a collective timed out"
+
+
 class Timeouts(NamedTuple):
     """What a rank's message says of a collective that timed out (Job.timeout())."""
 
@@ -145,12 +150,10 @@ def classify(
             "\nfix: exclude this node (targets.slurm.exclude) and resubmit"
         )
     if any(m in text for m in ABORTED_MARKERS):
-        return ExitCode.HANG, (
-            f"NCCL's watchdog aborted the communicators {where} after a collective timed out{aborted}: {first}"
-        )
+        return ExitCode.HANG, (f"NCCL's watchdog aborted the communicators {where} after {TIMED_OUT}{aborted}: {first}")
     if is_timeout(exc):
         return ExitCode.HANG, (
-            f"a collective timed out {where}{timed_out}: another rank stopped responding or diverged. "
+            f"{TIMED_OUT} {where}{timed_out}: another rank stopped responding or diverged. "
             f"Underlying error: {str(exc).splitlines()[0][:300]}"
         )
     if is_comm_error(exc):
