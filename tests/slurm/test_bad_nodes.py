@@ -16,7 +16,7 @@ from launcher.cli.diagnose import diagnose
 from launcher.cli.jobs import of_ranks
 from launcher.jobenv import ExitCode
 from launcher.runtime import hangs
-from slurmkit import Job, overrides, release_after_requeue, render_to, sh, wait_for
+from slurmkit import Job, overrides, release_after_requeue, render_to, sacct_rows, sh, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +64,9 @@ def test_exclusions_stop_at_the_cap(tmp_path, partition):
     assert len(job.ledger("attempts")) == 1
     out = (tmp_path / f"tiny-{job.id}.out").read_text()
     assert "more than targets.slurm.max_excluded_nodes=0" in out and "exclude it and resubmit" in out, out
-    rows = sh("sacct", "-n", "-X", "-P", "-j", job.id, "-o", "ExitCode", check=False).stdout.split()
-    assert rows and rows[0].startswith(f"{ExitCode.PREFLIGHT}:"), rows
+    # Accounting records the end asynchronously: read it once it has (sacct_rows), or it may still say 0:0.
+    rows = {r[0]: r[1:] for r in sacct_rows(job.id)}
+    assert rows[job.id] == ["FAILED", f"{ExitCode.PREFLIGHT}:0"], rows
 
 
 def fails_on_node1_then_finishes_on_node2(
