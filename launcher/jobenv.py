@@ -313,8 +313,13 @@ def allocation_start(env: Mapping[str, str] = os.environ) -> float | None:
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """All records of a metrics.jsonl (a run dir or the file itself); a torn last line is skipped."""
+    return _records(metrics_path(path).read_text(errors="replace").splitlines())
+
+
+def _records(lines: list[str]) -> list[dict]:
+    """The JSON objects among metrics.jsonl lines; a torn or foreign line is skipped."""
     out = []
-    for line in metrics_path(path).read_text(errors="replace").splitlines():
+    for line in lines:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
@@ -334,15 +339,7 @@ def tail_records(path: str | os.PathLike, tail_bytes: int = 1 << 16) -> list[dic
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return []
-    out = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+    return _records(lines)
 
 
 def last_logged_step(path: str | os.PathLike, tail_bytes: int = 1 << 16) -> dict | None:

@@ -6,6 +6,10 @@ from typing import Any, Literal
 from .. import catalog
 from .fields import Doc, Float, Int, Invalid, Spec, Str, suggest
 
+# The fields that give a model's shape (model.hf gives all of them; a preset's values fill those left unset).
+_SHAPE = ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "tied_embeddings", "rope_theta")
+DEFAULT_SEQ_LEN = 2048
+
 
 class ModelSpec(Spec, kw_only=True):
     """Either a preset, an explicit shape, or only a parameter count (model states only)."""
@@ -75,22 +79,7 @@ class ModelSpec(Spec, kw_only=True):
     def _hf_complete(self) -> None:
         from .hf import HFConfigError, shape_fields
 
-        others = [
-            f
-            for f in (
-                "preset",
-                "layers",
-                "hidden",
-                "ffn_hidden",
-                "heads",
-                "kv_heads",
-                "vocab",
-                "tied_embeddings",
-                "params",
-                "rope_theta",
-            )
-            if getattr(self, f) is not None
-        ]
+        others = [f for f in ("preset", *_SHAPE, "params") if getattr(self, f) is not None]
         if others:
             raise ValueError(f"model.hf gives the whole shape; remove {', '.join(others)} (seq_len may stay)")
         if self.hf_config is None:
@@ -112,17 +101,7 @@ class ModelSpec(Spec, kw_only=True):
         if base is None and self.layers is None:
             return None
         vals: dict[str, Any] = {}  # int, bool or float by field; None until a default fills it
-        for f in (
-            "layers",
-            "hidden",
-            "ffn_hidden",
-            "heads",
-            "kv_heads",
-            "vocab",
-            "tied_embeddings",
-            "seq_len",
-            "rope_theta",
-        ):
+        for f in (*_SHAPE, "seq_len"):
             v = getattr(self, f)
             vals[f] = v if v is not None else (getattr(base, f) if base else None)
         if None in (vals["layers"], vals["hidden"], vals["heads"], vals["vocab"]):
@@ -134,11 +113,11 @@ class ModelSpec(Spec, kw_only=True):
         if vals["ffn_hidden"] is None:
             vals["ffn_hidden"] = 4 * vals["hidden"]
         if vals["seq_len"] is None:
-            vals["seq_len"] = 2048
+            vals["seq_len"] = DEFAULT_SEQ_LEN
         if vals["rope_theta"] is None:
             vals["rope_theta"] = 10000.0
         return catalog.ModelShape(**vals)
 
     def seq(self) -> int:
         s = self.shape()
-        return s.seq_len if s else (self.seq_len or 2048)
+        return s.seq_len if s else (self.seq_len or DEFAULT_SEQ_LEN)
