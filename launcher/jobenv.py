@@ -119,6 +119,33 @@ FAULT = "DTLAUNCH_FAULT"  # test-only fault injection (launcher.runtime.inject)
 # A file each node that fails the pre-start check with PREFLIGHT appends its name to (the SLURM job script's
 # JOB_DIR/bad_nodes): the job is requeued with those nodes excluded.
 BAD_NODES = "DTLAUNCH_BAD_NODES"
+
+
+class Excluded:
+    """Why the SLURM job script left nodes out: the last field of its ledger line (JOB_DIR/excluded: "ATTEMPT
+    TIME NODES WHY"), which `status` and `logs --diagnose` say in words."""
+
+    CHECK = "check"  # a node failed the check before training (no rank of it started)
+    FAULT = "fault"  # a rank on it exited PREFLIGHT under the job: its GPU failed, or it was a persistent straggler
+    HANG = "hang"  # a hang's likely culprit ran there (the flight-recorder dumps, or the ranks' records)
+    WORDS = {
+        CHECK: "failed the node check before training",
+        FAULT: f"a rank on it exited {int(ExitCode.PREFLIGHT)} under the job: a GPU fault or a persistent straggler",
+        HANG: "a hang's likely culprit ran there",
+    }
+
+    @classmethod
+    def ledger(cls, text: str) -> list[dict]:
+        """The ledger's exclusions, oldest first: {attempt, nodes, why (in words; None from an older script)}."""
+        out = []
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) >= 3:
+                why = cls.WORDS.get(parts[3], parts[3]) if len(parts) > 3 else None
+                out.append({"attempt": parts[0], "nodes": parts[2], "why": why})
+        return out
+
+
 TRACK_MEMORY = "DTLAUNCH_TRACK_MEMORY"  # a step whose tensors each rank counts (`dtlaunch rehearse`'s memory check)
 MEMTRACK_DIR = "memtrack"  # RUN_DIR/memtrack/rank-N.json: what each rank counted
 # When this allocation began (epoch seconds): every job script sets it as it starts (a SLURM batch start, each

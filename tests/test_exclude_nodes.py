@@ -10,17 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from launcher.jobenv import ExitCode
+from launcher.cli.diagnose import diagnose
+from launcher.cli.jobs import progress
+from launcher.jobenv import Excluded, ExitCode
 from launcher.plan import make_plan
 from launcher.recipe import load
 from launcher.targets.slurm.sbatch import job_script
 from testpaths import RECIPES
 
 
-def run(tmp_path: Path, bad: list[str], excluded: list[str]) -> tuple[int, list[str]]:
-    recipe = load(RECIPES / "tiny.yaml")
-    script = job_script(recipe, make_plan(recipe))
-    fn = re.search(r"^exclude_bad_nodes\(\) \{.*?^\}$", script, re.S | re.M)
+def script(overrides: tuple[str, ...] = ()) -> str:
+    recipe = load(RECIPES / "tiny.yaml", list(overrides))
+    return job_script(recipe, make_plan(recipe))
+
+
+def run(tmp_path: Path, bad: list[str], excluded: list[str], why: str = Excluded.CHECK) -> tuple[int, list[str]]:
+    fn = re.search(r"^exclude_bad_nodes\(\) \{.*?^\}$", script(), re.S | re.M)
     assert fn, "the job script has no exclude_bad_nodes()"
     stub = tmp_path / "bin"
     stub.mkdir()
@@ -29,7 +34,7 @@ def run(tmp_path: Path, bad: list[str], excluded: list[str]) -> tuple[int, list[
     (stub / "scontrol").chmod(0o755)
     (tmp_path / "bad_nodes").write_text("".join(f"{n}\n" for n in bad))
     (tmp_path / "excluded").write_text("".join(f"{i} 1700000000 {e}\n" for i, e in enumerate(excluded)))
-    body = 'fail() { echo "fail $*"; exit "$1"; }\n' + fn.group(0) + "\nexclude_bad_nodes\necho returned\n"
+    body = 'fail() { echo "fail $*"; exit "$1"; }\n' + fn.group(0) + f"\nexclude_bad_nodes {why}\necho returned\n"
     env = {
         "PATH": f"{stub}:/usr/bin:/bin",
         "DTLAUNCH_BAD_NODES": str(tmp_path / "bad_nodes"),
@@ -42,9 +47,44 @@ def run(tmp_path: Path, bad: list[str], excluded: list[str]) -> tuple[int, list[
 
 
 def test_a_new_bad_node_is_excluded_and_the_job_requeued(tmp_path):
-    rc, calls = run(tmp_path, ["node1"], [])
+    rc, calls = run(tmp_path, ["node1"], [], Excluded.HANG)
     assert rc == ExitCode.PREFLIGHT
     assert calls[1:] == ["requeue 7", "update JobId=7 ExcNodeList=node1"], calls
+    # the ledger line says why (the attempt, the time, the nodes, the reason), as status and --diagnose read it
+    attempt, _, nodes, why = (tmp_path / "excluded").read_text().splitlines()[-1].split()
+    assert (attempt, nodes, why) == ("1", "node1", "hang")
+
+
+def test_every_exclusion_in_the_job_script_gives_a_reason_the_readers_know():
+    """The job script's reasons (bash) and jobenv.Excluded's words (Python) against each other: each call of
+    exclude_bad_nodes passes one reason, and each reason has its words."""
+    reasons: set[str] = set()
+    container = ("resources.image=nvcr.io/nvidia/pytorch:24.05-py3", "targets.slurm.container={runtime: pyxis}")
+    for text in (script(), script(container)):  # the container's check runs in the batch shell: a call of its own
+        calls = re.findall(r"(?:^|then|else|;)[ \t]*exclude_bad_nodes\b(?!\(\))[ \t]*([^ \t;\n]*)", text, re.M)
+        assert calls and all(c in Excluded.WORDS for c in calls), calls
+        reasons.update(calls)
+    assert reasons == set(Excluded.WORDS), reasons
+
+
+def test_status_and_diagnose_say_which_node_was_excluded_and_why(tmp_path):
+    """A SLURM job's ledger of exclusions, read by `logs --diagnose` and the status table (an older script's
+    line, without a reason, still reads)."""
+    (tmp_path / "jobs" / "7").mkdir(parents=True)
+    (tmp_path / "jobs" / "7" / "excluded").write_text("0 1700000000 node3\n1 1700000100 node3,node1 hang\n")
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"event": "end", "step": 6, "time": 1700000200}\n')
+    said = diagnose(tmp_path)
+    assert said[-2:] == [
+        "job 7: excluded node3 after attempt 0 and requeued",
+        "job 7: excluded node3,node1 after attempt 1 and requeued: a hang's likely culprit ran there",
+    ], said
+    row = {"name": "tiny", "target": "slurm", "job_id": "7", "run_dir": str(run), "created": 0.0}
+    row |= {"state": "COMPLETED", "exit_code": 0}
+    row["excluded"] = Excluded.ledger((tmp_path / "jobs" / "7" / "excluded").read_text())
+    state = progress(row, now=1.0)["state"]
+    assert state.endswith("excluded: node3,node1 (attempt 1: a hang's likely culprit ran there)"), state
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..jobenv import ExitCode, read_metrics
+from ..jobenv import Excluded, ExitCode, read_metrics
 from ..runtime import hangs
 from ..runtime.status import TIMED_OUT, UNREPORTED
 
@@ -201,13 +201,12 @@ def culprit_nodes(run: Path) -> list[str]:
 
 
 def _ledgers(where: Path) -> list[str]:
-    """A SLURM job's exclusions (jobs/ID/excluded: "ATTEMPT TIME NODES")."""
+    """A SLURM job's exclusions (jobs/ID/excluded, jobenv.Excluded) and why."""
     out = []
     for f in sorted(where.glob("jobs/*/excluded")):
-        for line in f.read_text().splitlines():
-            parts = line.split()
-            if len(parts) >= 3:
-                out.append(f"job {f.parent.name}: excluded {parts[-1]} after attempt {parts[0]} and requeued")
+        for e in Excluded.ledger(f.read_text()):
+            why = f": {e['why']}" if e["why"] else ""
+            out.append(f"job {f.parent.name}: excluded {e['nodes']} after attempt {e['attempt']} and requeued{why}")
     return out
 
 

@@ -106,6 +106,10 @@ def progress(row: dict, now: float) -> dict:
             + (f", others wait {w:.2g} s/step" if isinstance(w := s.get("peers_waited_s"), (int, float)) else "")
             for s in slow
         )
+    excluded = row.get("excluded") or []  # a SLURM job's left-out nodes (jobenv.Excluded.ledger), the newest
+    if excluded:
+        e = excluded[-1]
+        state += f" excluded: {e['nodes']} (attempt {e['attempt']}" + (f": {e['why']})" if e.get("why") else ")")
     return {
         "name": row["name"],
         "target": f"{row['target']}:{row['job_id']}",

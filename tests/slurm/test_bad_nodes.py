@@ -14,7 +14,7 @@ from test_containers import IMAGE, calls, stubs  # noqa: F401 - stubs: the pyxis
 
 from launcher.cli.diagnose import diagnose
 from launcher.cli.jobs import of_ranks
-from launcher.jobenv import ExitCode
+from launcher.jobenv import Excluded, ExitCode
 from launcher.runtime import hangs
 from slurmkit import Job, overrides, release_after_requeue, render_to, sacct_rows, sh, wait_for
 
@@ -36,13 +36,56 @@ def one_node(partition: str, extra=()) -> list[str]:
     return [*overrides(partition), "resources.nodes=1", "training.steps=6", "checkpoint.every=3", *extra]
 
 
-def test_a_node_that_fails_its_check_is_excluded_and_the_job_finishes_elsewhere(tmp_path, partition):
+@pytest.fixture(scope="module")
+def undisturbed(slurm, tmp_path_factory):
+    """The weights a one-node job on `accelerator` ends with when nothing goes wrong (one job per accelerator,
+    run when first asked for): what each disturbed run below must end with too (deterministic training)."""
+    done: dict[str, dict] = {}
+
+    def weights(accelerator: str) -> dict:
+        if accelerator not in done:
+            out = tmp_path_factory.mktemp("undisturbed")
+            render_to(out, "tiny", one_node(slurm["SLURM_LOCAL_PARTITION"], [f"resources.accelerator={accelerator}"]))
+            job = Job(out)
+            job.done(240)
+            assert job.ledger("state") == ["COMPLETED"], job.explain()
+            done[accelerator] = exported(job)
+        return done[accelerator]
+
+    return weights
+
+
+def exported(job: Job) -> dict:
+    """The run's final weights, as its export wrote them (model.safetensors)."""
+    from safetensors.torch import load_file
+
+    (export,) = job.events("export")
+    return load_file(export["path"])
+
+
+def assert_same_weights(job: Job, reference: dict) -> None:
+    mine = exported(job)
+    assert mine.keys() == reference.keys() and all(mine[k].equal(reference[k]) for k in mine), job.explain()
+
+
+def status(job: Job) -> dict:
+    """What `dtlaunch status` reads for the job (the SLURM backend's status; the registry record is the one
+    `dtlaunch up` would have written)."""
+    from launcher.targets.registry import JobRecord
+    from launcher.targets.slurm.backend import SlurmBackend
+    from launcher.targets.slurm.request import SlurmHandle
+
+    rec = JobRecord("tiny", "slurm", job.id, str(job.out), SlurmHandle(str(job.out), "tiny"))
+    return SlurmBackend().status(rec).to_dict()
+
+
+def test_a_node_that_fails_its_check_is_excluded_and_the_job_finishes_elsewhere(tmp_path, partition, undisturbed):
     render_to(tmp_path, "tiny", one_node(partition))
     job = Job(tmp_path, fault="bad_node:step=0:attempt=0")  # whichever node the first allocation gets
     wait_for(lambda: job.ledger("excluded"), 120, "the bad node's exclusion", explain=job.explain)
     requeued_at = time.time()
     (line,) = job.ledger("excluded")
-    bad = line.split()[-1]
+    bad = line.split()[2]  # ATTEMPT TIME NODES WHY
     assert bad in ("node1", "node2"), line
     wait_excluded(job, bad)
     release_after_requeue(job.id, requeued_at)
@@ -54,6 +97,11 @@ def test_a_node_that_fails_its_check_is_excluded_and_the_job_finishes_elsewhere(
     assert f"node {bad} cannot run the plan: CUDA error: uncorrectable ECC error encountered (injected)" in out
     assert f"node(s) {bad} failed: requeueing job {job.id} without them" in out
     assert [e["step"] for e in job.events("end")] == [6]
+    assert_same_weights(job, undisturbed("cpu:1"))
+    why = Excluded.WORDS[Excluded.CHECK]
+    said = diagnose(tmp_path)
+    assert f"job {job.id}: excluded {bad} after attempt 0 and requeued: {why}" in said, said
+    assert status(job)["excluded"] == [{"attempt": "0", "nodes": bad, "why": why}]
 
 
 def test_exclusions_stop_at_the_cap(tmp_path, partition):
@@ -70,11 +118,12 @@ def test_exclusions_stop_at_the_cap(tmp_path, partition):
 
 
 def fails_on_node1_then_finishes_on_node2(
-    tmp_path, partition, fault: str, extra: list[str], resume_at: int = 3
+    tmp_path, partition, fault: str, extra: list[str], reference: dict, why: str, resume_at: int = 3
 ) -> tuple[Job, str]:
     """A one-node job whose first allocation is node1 (node2 held by another job until node1 is excluded), given
-    `fault`: node1 excluded, the job released, resumed from its step-`resume_at` checkpoint on node2 and finished.
-    The job and its output."""
+    `fault`: node1 excluded (for `why`, a jobenv.Excluded reason: in status and the diagnosis), the job released,
+    resumed from its step-`resume_at` checkpoint on node2 and finished with the `reference` run's weights. The
+    job and its output."""
     blocker = sh(
         "sbatch", "--parsable", "-p", partition, "-w", "node2", "-o", "/dev/null", "--wrap", "sleep 300"
     ).stdout.strip()
@@ -85,30 +134,45 @@ def fails_on_node1_then_finishes_on_node2(
         requeued_at = time.time()
     finally:
         sh("scancel", blocker, check=False)
-    assert job.ledger("excluded")[0].split()[-1] == "node1"
+    assert job.ledger("excluded")[0].split()[2:] == ["node1", why]
     wait_excluded(job, "node1")
     release_after_requeue(job.id, requeued_at)
     job.done(240)
     assert job.ledger("state") == ["COMPLETED"], job.explain()
     assert [a.split()[2] for a in job.ledger("attempts")] == ["node1", "node2"]
     assert [e["step"] for e in job.events("resume")] == [resume_at] and [e["step"] for e in job.events("end")] == [6]
+    assert_same_weights(job, reference)
+    words = Excluded.WORDS[why]
+    said = diagnose(tmp_path)
+    assert f"job {job.id}: excluded node1 after attempt 0 and requeued: {words}" in said, said
+    # status reads accounting, which records the end asynchronously (RUNNING a moment after the job left squeue)
+    st = wait_for(
+        lambda: (s := status(job))["state"] == "COMPLETED" and s, 60, "the end in accounting", explain=job.explain
+    )
+    assert st["excluded"] == [{"attempt": "0", "nodes": "node1", "why": words}], st
     return job, (tmp_path / f"tiny-{job.id}.out").read_text()
 
 
-def test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_elsewhere(tmp_path, partition):
+def test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_elsewhere(
+    tmp_path, partition, undisturbed
+):
     """A rank's GPU fails at step 4 (the test-only `gpu_fault`, an uncorrectable ECC error: exit 44) on node1; the
     rank's record names its node, the job is requeued without node1 and resumes from the step-3 checkpoint on
     node2. torchrun's own restarts are off (max_restarts=0): in place they would meet the same GPU."""
-    job, out = fails_on_node1_then_finishes_on_node2(tmp_path, partition, "gpu_fault:rank=0:step=4:node=node1", [])
+    job, out = fails_on_node1_then_finishes_on_node2(
+        tmp_path, partition, "gpu_fault:rank=0:step=4:node=node1", [], undisturbed("cpu:1"), Excluded.FAULT
+    )
     assert "dtlaunch: node node1 failed under the job (exit 44" in out, out[-3000:]
     said = diagnose(tmp_path)  # what `dtlaunch logs NAME --diagnose` prints for this job's directory
-    assert "finished at step 6" in said and f"job {job.id}: excluded node1 after attempt 0 and requeued" in said, said
+    assert "finished at step 6" in said, said  # and the exclusion, with its reason (fails_on_node1...)
 
 
 # On the host (no container) the same bad-node functions run through submitit in
 # tests/slurm/test_submitit.py::test_a_hangs_culprit_node_is_left_out_through_submitit_too (one template include).
 @pytest.mark.parametrize("where", ["pyxis"])
-def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(tmp_path, partition, where, request):
+def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(
+    tmp_path, partition, where, request, undisturbed
+):
     """Rank 1 (of 2, on node1) stops at step 4: rank 0 times out in the step's collective (43), rank 1 is ended by
     its no-progress watchdog. The job script names node1 as the culprit's node (what `logs --diagnose` says, from
     the ranks' flight-recorder dumps), requeues without it, and the run resumes from step 3 on node2. In a pyxis
@@ -119,7 +183,9 @@ def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(tmp_path
     if where == "pyxis":
         log = request.getfixturevalue("stubs")
         extra += [f"resources.image={IMAGE}", "targets.slurm.container={runtime: pyxis}"]
-    job, out = fails_on_node1_then_finishes_on_node2(tmp_path, partition, "hang:rank=1:step=4:node=node1", extra)
+    job, out = fails_on_node1_then_finishes_on_node2(
+        tmp_path, partition, "hang:rank=1:step=4:node=node1", extra, undisturbed("cpu:2"), Excluded.HANG
+    )
     assert "dtlaunch: the hang's likely culprit ran on node1" in out, out[-3000:]
     # what the job script read: the hung attempt's flight-recorder dumps, rank 1's behind rank 0's; and py-spy's
     # stacks of both ranks, rank 1's in the injected stop
@@ -135,7 +201,7 @@ def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(tmp_path
         )  # enroot's spelling, calls(log)
 
 
-def test_a_slow_nodes_straggler_is_named_excluded_and_the_run_resumes_elsewhere(tmp_path, partition):
+def test_a_slow_nodes_straggler_is_named_excluded_and_the_run_resumes_elsewhere(tmp_path, partition, undisturbed):
     """Rank 1 (of 2, on node1) runs every forward 0.5 s slower from step 2 (the test-only `slow` fault: a throttled
     GPU). From step 2 (the first step warms up) it is named at each log step; at step 4, the third in a row, with
     training.on_straggler: exit, the ranks save step 4 and rank 1 exits 44 naming node1; the job script requeues
@@ -145,6 +211,8 @@ def test_a_slow_nodes_straggler_is_named_excluded_and_the_run_resumes_elsewhere(
         partition,
         "slow:rank=1:step=2:node=node1:seconds=0.5",
         ["resources.accelerator=cpu:2", "training.on_straggler=exit"],
+        undisturbed("cpu:2"),
+        Excluded.FAULT,
         resume_at=4,
     )
     assert "WARNING: straggler: rank 1 on node node1" in out and "persistent straggler at step 4" in out, out[-3000:]
@@ -162,4 +230,3 @@ def test_a_slow_nodes_straggler_is_named_excluded_and_the_run_resumes_elsewhere(
     first = sorted((run / "logs").glob("attempt-*"))[0]  # attempt-JOB.0: the job's first allocation
     ranks = sorted(p.parent.name for p in (first / "node1").rglob("stderr.log"))
     assert ranks == ["0", "1"], ranks  # torchrun's file per local rank, beside the run's records
-    assert f"job {job.id}: excluded node1 after attempt 0 and requeued" in said, said

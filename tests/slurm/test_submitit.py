@@ -390,7 +390,7 @@ def test_a_hangs_culprit_node_is_left_out_through_submitit_too(tmp_path, partiti
         requeued_at = time.time()
     finally:
         sh("scancel", blocker, check=False)
-    assert r.ledger("excluded")[0].split()[-1] == "node1" and r.ledger("exit_codes") == ["0 43 none"]
+    assert r.ledger("excluded")[0].split()[2:] == ["node1", "hang"] and r.ledger("exit_codes") == ["0 43 none"]
     wait_for(
         lambda: "ExcNodeList=node1" in sh("scontrol", "show", "job", "-o", r.id, check=False).stdout,
         30,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ...errors import BackendError
+from ...jobenv import Excluded
 from .. import JobStatus, require_secrets
 from ..registry import JobRecord
 from .common import JOBS_DIR
@@ -185,6 +186,9 @@ class SlurmBackend:
         attempts = tr.read(f"{base}/attempts")
         if attempts is not None:
             info["attempts"] = len(attempts.decode().splitlines())
+        excluded = tr.read(f"{base}/excluded")
+        if excluded:
+            info["excluded"] = Excluded.ledger(excluded.decode(errors="replace"))
         codes = tr.read(f"{base}/exit_codes")
         if codes:
             last = codes.decode().splitlines()[-1].split()
