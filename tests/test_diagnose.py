@@ -5,6 +5,7 @@ exit), and the diagnosis names it as the likely culprit, on its node."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 import socket
@@ -140,3 +141,19 @@ def test_a_dump_that_names_a_class_is_not_loaded(tmp_path):
     (tmp_path / "nccl_trace_rank_1").write_bytes(b"flight recorder dump (injected)")
     assert hangs.read(evil) is None
     assert hangs.read_dumps(tmp_path) == {}
+
+
+def test_logs_diagnose_reads_a_directory_of_records_no_recorded_job_ran_in(run_cli, tmp_path):
+    """A SkyPilot run's records copied from its checkpoint storage (its nodes gone): `dtlaunch logs DIR
+    --diagnose` reads them; a name that is neither a recorded job nor a directory is still an error."""
+    kept = tmp_path / "kept"
+    (kept / "status").mkdir(parents=True)
+    (kept / "metrics.jsonl").write_text('{"step": 6, "loss": 2.5, "time": 1700000000}\n')
+    rec = {"rank": 1, "code": 44, "step": 7, "attempt": "0", "time": 1700000001, "node": "vm-2", "message": "GPU lost"}
+    (kept / "status" / "rank-00001.json").write_text(json.dumps(rec))
+    code, text, err = run_cli("logs", str(kept), "--diagnose")
+    assert code == 0, err
+    assert "PREFLIGHT (44) on rank 1 (vm-2) at step 7: GPU lost" in text, text
+    assert "the node(s) to exclude: vm-2" in text, text
+    code, text, err = run_cli("logs", str(tmp_path / "nowhere"), "--diagnose")
+    assert code != 0 and "no job named" in err and "Traceback" not in err, (code, text, err)

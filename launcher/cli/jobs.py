@@ -245,7 +245,8 @@ def of_ranks(lines, node: str | None, rank: int | None):
     "--diagnose",
     is_flag=True,
     help="What happened, in a few lines, from the run's records: how each rank ended, on which node, at which "
-    "step; a hang's likely culprit; the nodes excluded.",
+    "step; a hang's likely culprit; the nodes excluded. JOB may also be a directory of records (a SkyPilot "
+    "run's, copied from its checkpoint storage).",
 )
 @click.option("--node", default=None, help="Only the lines of this node's ranks (SLURM jobs label every line).")
 @click.option("--rank", type=click.IntRange(0), default=None, help="Only the lines of this rank.")
@@ -258,13 +259,21 @@ def logs_cmd(job, follow, tail, diagnose, node, rank):
 
     if follow and tail:
         raise click.UsageError("--tail prints what is written so far; --follow streams it all: use one")
-    rec = resolve(Registry(), job)
     if diagnose:
         from .diagnose import diagnose as explain
 
-        for line in explain(Path(rec.run_dir)):
+        try:
+            where = Path(resolve(Registry(), job).run_dir)
+        except DtlaunchError:
+            # or a directory no recorded job ran in: a copy of a SkyPilot run's records from its checkpoint
+            # storage (the nodes that wrote them may be gone), another machine's run directory
+            if not Path(job).is_dir():
+                raise
+            where = Path(job)
+        for line in explain(where):
             click.echo(line)
         return
+    rec = resolve(Registry(), job)
     try:
         lines = backend(rec.target).logs(rec, follow=follow)
         if node is not None or rank is not None:

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from launcher.cli.diagnose import diagnose
 from launcher.jobenv import ExitCode
 from launcher.runtime.checkpoint import disk
 from sky_helpers import RECIPES, render_to
@@ -141,6 +142,16 @@ def test_a_bad_nodes_44_recovers_onto_fresh_nodes_from_the_bucket(
     disks = [first.node_path(r, "/") for r in range(2)]
     first.destroy()
     assert not any(d.exists() for d in disks), "destroy() must delete the nodes' disks"
+    # what happened survives the nodes: each node's records went to the bucket beside the checkpoints, and the
+    # diagnosis reads them there (a copy of the bucket's directory, as a user would download it)
+    kept = first.bucket(BUCKET_URL) / TASK_ID
+    said = diagnose(kept)
+    failed = [line for line in said if line.startswith("  PREFLIGHT (44) on rank 1 (")]
+    assert failed and "at step 7" in failed[0] and "the GPU failed during step 7" in failed[0], said
+    bad = failed[0].split("(")[2].split(")")[0]  # rank 1's node, as its record names it
+    assert f"  the node(s) to exclude: {bad} (a GPU or the node's environment failed there)" in said, said
+    rank1 = [p for p in (kept / "logs").rglob("stderr.log") if f"/{bad}/" in str(p)]
+    assert rank1 and any("the GPU failed during step 7" in p.read_text() for p in rank1), sorted(kept.rglob("*.log"))
 
     fresh = sky_nodes(out, nodes=2, task_id=TASK_ID)  # same root: the same bucket, new VMs
     fresh.provision()
@@ -154,6 +165,9 @@ def test_a_bad_nodes_44_recovers_onto_fresh_nodes_from_the_bucket(
     assert same_weights(exported_weights(fresh), reference["weights"]), (
         "a recovered run must end with the uninterrupted weights"
     )
+    said = diagnose(kept)  # the newest attempt's records now, beside both attempts' logs
+    assert f"finished at step {STEPS}" in said and f"resumed 1 time(s), at step(s) {resume_from}" in said, said
+    assert len(list((kept / "logs").glob("attempt-*"))) == 2, sorted((kept / "logs").iterdir())
 
 
 def test_preempted_code_reaches_skypilot_for_recover_on_exit_codes(tmp_path, sky_nodes):

@@ -123,6 +123,18 @@ dtl_outcome() {
   echo "${worst:-$rc}"
 }
 CODE="$(dtl_outcome "$rc")"
+# This node's records of the attempt (its ranks' status records and exit codes, the flight-recorder dumps and
+# py-spy stacks of status/ATTEMPT/, its ranks' logs) go to checkpoint storage, beside the run's metrics.jsonl
+# (the runtime copies that one): a recovery onto fresh nodes deletes this disk, and there they survive it, laid
+# out as a run directory (`dtlaunch logs --diagnose` reads a copy of it). Each node writes only its own files.
+if [ "$DTLAUNCH_CHECKPOINT_DIR" != "$DTLAUNCH_RUN_DIR/checkpoints" ]; then
+  KEPT="$DTLAUNCH_CHECKPOINT_DIR"
+  mkdir -p "$KEPT/status" "$KEPT/logs" \
+    && cp -R "$DTLAUNCH_RUN_DIR/status/." "$KEPT/status/" \
+    && { [ ! -d "${PET_LOG_DIR:-}" ] || { mkdir -p "$KEPT/logs/attempt-$DTLAUNCH_ATTEMPT" \
+      && cp -R "$PET_LOG_DIR" "$KEPT/logs/attempt-$DTLAUNCH_ATTEMPT/"; }; } \
+    || echo "dtlaunch: could not copy this node's records to $KEPT (they stay on this node only)" >&2
+fi
 mark_final "$CODE"
 exit "$CODE"
 )
