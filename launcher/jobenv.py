@@ -226,6 +226,10 @@ def job_port(job_id: int) -> int:
 # a collective or a kernel, stopped) uses the wait, and every second of it is the whole job's. A hang's
 # flight-recorder dumps do not need it: they are written when the collective times out, before the restart.
 RESTART_GRACE_S = 5
+# On SkyPilot a node whose ranks failed only because a peer's connection closed under them waits this long
+# before it ends: the node that caused the failure (a GPU's 44, a crash) must end first, or SkyPilot, which ends
+# every other node when one fails, records this node's generic failure and loses the code recovery goes by.
+PEER_LOST_GRACE_S = 15
 
 # The oldest torch whose torchrun has what the job scripts use: --signals-to-handle (forward USR2 to the
 # workers and shut down without restarting them) and --shutdown-timeout (time to checkpoint after TERM).
@@ -238,6 +242,9 @@ FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"
 # A gloo rank that ended on a lost peer writes its ring too, under another name: the job scripts read a dump of
 # their prefix as a hang, and this one is only evidence for the diagnosis (when the rank reached the collective).
 LOST_PEER_RECORDER_PREFIX = "lost_peer_trace_rank_"
+# A node whose check before training failed records it in its attempt's status directory (no rank of it
+# starts, so no rank record says why): this prefix and the node's name, .json (`logs --diagnose` reads it).
+CHECK_RECORD_PREFIX = "check-"
 
 # Failures must be loud and diagnosable: an NCCL timeout that says nothing costs hours.
 LOUD_FAILURES = {

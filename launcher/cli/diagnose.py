@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..jobenv import Excluded, ExitCode, read_metrics
+from ..jobenv import CHECK_RECORD_PREFIX, Excluded, ExitCode, read_metrics
 from ..runtime import hangs
 from ..runtime.status import TIMED_OUT, UNREPORTED
 
@@ -66,9 +66,27 @@ def diagnose(where: Path) -> list[str]:
     logged = [r for r in events if "event" not in r and "loss" in r]
     if logged and logged[-1].get("stragglers") and not ends:
         lines.append(f"straggling at step {logged[-1]['step']}: {_slow(logged[-1]['stragglers'])}")
+    lines += _checks(run)
     lines += _last_attempt(run, _records(run))
     lines += _ledgers(where)
     return lines
+
+
+def _checks(run: Path) -> list[str]:
+    """The nodes that failed the check before training, in any attempt (no rank of theirs left a record)."""
+    found = []
+    for p in (run / "status").glob(f"*/{CHECK_RECORD_PREFIX}*.json"):
+        try:
+            rec = json.loads(p.read_text())
+            found.append((float(rec.get("time") or 0), rec))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return [
+        f"node {r.get('node')} failed the check before training (attempt {r.get('attempt')}): "
+        f"{ExitCode.name_of(int(r.get('code', 0)))} ({r.get('code')}): {str(r.get('message', '')).splitlines()[0]}"
+        for _, r in sorted(found, key=lambda x: x[0])
+        if str(r.get("message", "")).strip()
+    ]
 
 
 def _slow(stragglers) -> str:

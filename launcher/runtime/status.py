@@ -76,6 +76,21 @@ def write_status(
         pass  # the exit code still tells the story
 
 
+def write_check_record(run_dir: Path, node: str, code: int, message: str) -> None:
+    """A node's failed check before training, in this attempt's status directory (jobenv.CHECK_RECORD_PREFIX +
+    node + .json): no rank of the node starts, so no rank record says why; `logs --diagnose` reads this one."""
+    rec = {"node": node, "code": int(code), "message": message, "time": time.time()}
+    rec["attempt"] = os.environ.get(jobenv.ATTEMPT)
+    try:
+        d = status_dir(run_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{jobenv.CHECK_RECORD_PREFIX}{node}.json.tmp"
+        tmp.write_text(json.dumps(rec, indent=2) + "\n")
+        os.replace(tmp, d / f"{jobenv.CHECK_RECORD_PREFIX}{node}.json")
+    except OSError:
+        pass  # the message is in the node's log too
+
+
 # A GPU's hardware failing under the job: the node must be excluded, so these are PREFLIGHT (a node fault), not an
 # ordinary retry on the same node. Xid is the driver's error report; the others are how CUDA surfaces it.
 NODE_FAULT_MARKERS = (

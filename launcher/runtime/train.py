@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import jobenv
 from ..errors import DtlaunchError
 from ..jobenv import ExitCode
-from .status import PEER_LOST, classify, is_oom, rank_from_env, write_status
+from .status import PEER_LOST, classify, is_oom, rank_from_env, write_check_record, write_status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -145,10 +145,11 @@ def check(plan_path: str, run_dir: str | None = None) -> int:
     except DtlaunchError as e:  # CONFIG (the plan or the environment) or PREFLIGHT (this node's hardware)
         node = jobenv.node_name()
         print(f"dtlaunch: node {node} cannot run the plan: {e}", file=sys.stderr, flush=True)
-        if e.exit_code == ExitCode.PREFLIGHT:
+        code = e.exit_code if e.exit_code in (ExitCode.PREFLIGHT, ExitCode.STORAGE) else ExitCode.CONFIG
+        write_check_record(_run_dir(plan_path, run_dir), node, code, str(e))
+        if code == ExitCode.PREFLIGHT:
             _record_bad_node(node)
-            return ExitCode.PREFLIGHT
-        return e.exit_code if e.exit_code == ExitCode.STORAGE else ExitCode.CONFIG
+        return code
     except ImportError as e:  # the job scripts add how to point them at another environment
         print(
             f"dtlaunch: this node cannot run the plan: {e} (install dtlaunch[train] in the job's environment)",

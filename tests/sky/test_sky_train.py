@@ -170,6 +170,68 @@ def test_a_bad_nodes_44_recovers_onto_fresh_nodes_from_the_bucket(
     assert len(list((kept / "logs").glob("attempt-*"))) == 2, sorted((kept / "logs").iterdir())
 
 
+def test_a_failed_check_then_a_hang_recover_onto_fresh_nodes_and_the_bucket_tells_both(
+    tmp_path, sky_nodes, sky_lib, reference
+):
+    """Issue 35's other faults on SkyPilot, one launch after another as a managed job meets them: node 1 fails
+    its check before training (the test-only `bad_node`: 44, no rank starts), then on fresh nodes rank 1 hangs
+    at step 7 (rank 0 times out in the step's collective: 43). SkyPilot's recovery code restarts each (on
+    max_restarts_on_errors), onto fresh nodes (EAGER_NEXT_REGION destroys the old ones), and the diagnosis,
+    read from the bucket alone, names each: the node whose check failed, the hang and its culprit rank. The third
+    launch resumes from step 5 and ends with exactly the uninterrupted run's weights. (A straggler's exit is the
+    GPU fault's 44 on this path: test_a_bad_nodes_44_...; its naming, on SLURM and in tests/runtime.)"""
+    import asyncio
+
+    from sky import backends
+    from sky.jobs.recovery_strategy import StrategyExecutor
+
+    extra = ["targets.sky.recovery=fresh_nodes", "targets.sky.max_restarts=0", "training.timeout_seconds=10"]
+    _, _, out = render_to(tmp_path, TINY, [*overrides(), *extra])
+    task = sky_lib.Task.from_yaml(str(out / "task.yaml"))
+    executor = StrategyExecutor.make(
+        "dtlaunch-sim", backends.CloudVmRayBackend(), task, 1, 0, None, set(), asyncio.Lock(), asyncio.Condition()
+    )
+    kept = None
+
+    def launch(env: dict | None = None, per_node: dict | None = None):
+        nodes = sky_nodes(out, nodes=2, task_id=TASK_ID)  # the same root: the same bucket, new VMs
+        nodes.provision()
+        setup_ok(nodes)
+        rcs = nodes.wait(nodes.start(env, per_node), timeout=240)
+        return nodes, rcs
+
+    first, rcs = launch(per_node={1: {"DTLAUNCH_FAULT": "bad_node:step=0"}})
+    assert rcs[1] == ExitCode.PREFLIGHT, first.log(1)[-3000:]
+    assert executor.should_restart_on_failure(exit_codes=rcs)
+    kept = first.bucket(BUCKET_URL) / TASK_ID
+    first.destroy()
+    said = diagnose(kept)
+    check = [line for line in said if " failed the check before training " in line]
+    assert len(check) == 1 and "PREFLIGHT (44): " in check[0] and "(injected)" in check[0], said
+    bad = check[0].split()[1]
+    assert bad in first.log(1), first.log(1)[-2000:]  # node 1's name, as its log says it
+
+    second, rcs = launch({"DTLAUNCH_FAULT": "hang:rank=1:step=7"})
+    assert rcs[0] == ExitCode.HANG, second.log(0)[-3000:]
+    assert executor.should_restart_on_failure(exit_codes=rcs)
+    assert bucket_ckpts(second)[-1] == 5
+    second.destroy()
+    said = diagnose(kept)
+    assert any(line.startswith("  HANG (43) on rank 0 (") and "at step 7" in line for line in said), said
+    assert any(line.startswith("  likely culprit: rank 1") for line in said), said
+    assert check[0] in said, said  # the first launch's failed check stays on record
+
+    third, rcs = launch()
+    assert rcs == [0, 0], third.log(0)[-3000:] + third.log(1)[-3000:]
+    assert [e["step"] for e in events(third, "resume")] == [5]
+    assert same_weights(exported_weights(third), reference["weights"]), "recovered runs end with the same weights"
+    said = diagnose(kept)
+    assert f"finished at step {STEPS}" in said, said
+    # both nodes named the launch alike, so the diagnosis reads its two ranks as one attempt
+    assert any(line.startswith("  OK (0) on ranks 0, 1 (") for line in said), said
+    assert len(list((kept / "logs").glob("attempt-*"))) == 2, sorted((kept / "logs").iterdir())  # 2 trained
+
+
 def test_preempted_code_reaches_skypilot_for_recover_on_exit_codes(tmp_path, sky_nodes):
     """torchrun exits non-zero whatever its workers' codes were; the node's `run` must still end with the
     runtime's PREEMPTED (42), which recover_on_exit_codes matches."""

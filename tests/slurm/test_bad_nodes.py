@@ -101,6 +101,8 @@ def test_a_node_that_fails_its_check_is_excluded_and_the_job_finishes_elsewhere(
     why = Excluded.WORDS[Excluded.CHECK]
     said = diagnose(tmp_path)
     assert f"job {job.id}: excluded {bad} after attempt 0 and requeued: {why}" in said, said
+    check = [line for line in said if line.startswith(f"node {bad} failed the check before training (attempt ")]
+    assert len(check) == 1 and "PREFLIGHT (44): CUDA error: uncorrectable ECC error" in check[0], said
     assert status(job)["excluded"] == [{"attempt": "0", "nodes": bad, "why": why}]
 
 

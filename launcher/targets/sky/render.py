@@ -231,7 +231,7 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
         default_run_id=recipe.run_id or ShellExpr("$SKYPILOT_TASK_ID"),
         run_dir=exported_or(RUN_DIR, f"$JOB_DIR/runs/${RUN_ID}"),
         plan_file=ShellExpr("$JOB_DIR/plan.json"),
-        attempt=ShellExpr("sky-$(date +%s)-$$"),
+        attempt=ShellExpr("$(sky_attempt)"),
         final_codes=FINAL_CODES,
         final_marker=FINAL_MARKER,
         checkpoint_template=checkpoint_dir(recipe),

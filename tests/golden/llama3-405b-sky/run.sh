@@ -16,6 +16,15 @@ mark_final() {
 }
 fail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; mark_final "$rc"; exit "$rc"; }
 JOB_DIR="$PWD"
+# This launch's attempt, one name on every node (their records meet in checkpoint storage): SkyPilot's job id
+# on the cluster and the cluster's addresses, which a relaunch changes (a new job on the same cluster, new
+# nodes), and the attempts earlier launches recorded there (new nodes may reuse an old address and job id 1).
+sky_attempt() {
+  local ips seen
+  ips="$(printf '%s' "${SKYPILOT_NODE_IPS:-}" | cksum | cut -d' ' -f1)"
+  seen="$(ls "$DTLAUNCH_CHECKPOINT_DIR/status" 2>/dev/null | cksum | cut -d' ' -f1)"
+  echo "sky-${SKYPILOT_INTERNAL_JOB_ID:-0}-$ips-$seen"
+}
 # ---- identity: SKYPILOT_TASK_ID is stable across managed-job recoveries, so a recovered job resumes its
 # own checkpoints; export DTLAUNCH_RUN_ID (or set run_id in the recipe) to resume an earlier run.
 DEFAULT_RUN_ID="$SKYPILOT_TASK_ID"
@@ -25,11 +34,11 @@ DTLAUNCH_ALLOCATION_START="$(date +%s.%N)"
 export DTLAUNCH_ALLOCATION_START
 export DTLAUNCH_RUN_DIR="${DTLAUNCH_RUN_DIR:-$JOB_DIR/runs/$DTLAUNCH_RUN_ID}"
 export DTLAUNCH_PLAN="$JOB_DIR/plan.json"
-DTLAUNCH_ATTEMPT="sky-$(date +%s)-$$"
-export DTLAUNCH_ATTEMPT
-export DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"
 CHECKPOINT_TEMPLATE='/checkpoints/{run_id}'
 export DTLAUNCH_CHECKPOINT_DIR="${CHECKPOINT_TEMPLATE//\{run_id\}/$DTLAUNCH_RUN_ID}"
+DTLAUNCH_ATTEMPT="$(sky_attempt)"
+export DTLAUNCH_ATTEMPT
+export DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"
 # A collective timeout dumps the flight recorder here (per attempt), not into a node's /tmp.
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
 # The VMs were this task's from their setup on, not from this run's start (a restart, a second run)
@@ -56,6 +65,20 @@ export MASTER_ADDR
 NODE_ADDR="$(echo "$SKYPILOT_NODE_IPS" | sed -n "$((SKYPILOT_NODE_RANK + 1))p")"
 export DTLAUNCH_NODE_ADDR="$NODE_ADDR"
 mkdir -p "$DTLAUNCH_STATUS"
+# This node's records of the attempt (its ranks' status records and exit codes, a failed check's record, the
+# flight-recorder dumps and py-spy stacks of status/ATTEMPT/, its ranks' logs) go to checkpoint storage beside
+# the run's metrics.jsonl (the runtime copies that one) whenever this run ends: a recovery onto fresh nodes
+# deletes this disk, and there they survive it, laid out as a run directory (`dtlaunch logs DIR --diagnose`
+# reads a copy of it). Each node writes only its own files.
+keep_records() {
+  local kept="$DTLAUNCH_CHECKPOINT_DIR" logs="${PET_LOG_DIR:-}"
+  [ "$kept" != "$DTLAUNCH_RUN_DIR/checkpoints" ] || return 0
+  { mkdir -p "$kept/status" && cp -R "$DTLAUNCH_RUN_DIR/status/." "$kept/status/" \
+    && { [ ! -d "$logs" ] || { mkdir -p "$kept/logs/attempt-$DTLAUNCH_ATTEMPT" \
+      && cp -R "$logs" "$kept/logs/attempt-$DTLAUNCH_ATTEMPT/"; }; }; } \
+    || echo "dtlaunch: could not copy this node's records to $kept (they stay on this node only)" >&2
+}
+trap keep_records EXIT
 PORT="${DTLAUNCH_PORT:-29500}"
 
 # The interpreter of this machine's environment, resolved here (after any setup lines) and never taken
@@ -123,17 +146,19 @@ dtl_outcome() {
   echo "${worst:-$rc}"
 }
 CODE="$(dtl_outcome "$rc")"
-# This node's records of the attempt (its ranks' status records and exit codes, the flight-recorder dumps and
-# py-spy stacks of status/ATTEMPT/, its ranks' logs) go to checkpoint storage, beside the run's metrics.jsonl
-# (the runtime copies that one): a recovery onto fresh nodes deletes this disk, and there they survive it, laid
-# out as a run directory (`dtlaunch logs --diagnose` reads a copy of it). Each node writes only its own files.
-if [ "$DTLAUNCH_CHECKPOINT_DIR" != "$DTLAUNCH_RUN_DIR/checkpoints" ]; then
-  KEPT="$DTLAUNCH_CHECKPOINT_DIR"
-  mkdir -p "$KEPT/status" "$KEPT/logs" \
-    && cp -R "$DTLAUNCH_RUN_DIR/status/." "$KEPT/status/" \
-    && { [ ! -d "${PET_LOG_DIR:-}" ] || { mkdir -p "$KEPT/logs/attempt-$DTLAUNCH_ATTEMPT" \
-      && cp -R "$PET_LOG_DIR" "$KEPT/logs/attempt-$DTLAUNCH_ATTEMPT/"; }; } \
-    || echo "dtlaunch: could not copy this node's records to $KEPT (they stay on this node only)" >&2
+peer_lost_only() {  # every rank of this node that ended failed only because a peer's connection closed
+  local f code cause n=0
+  for f in "$DTLAUNCH_STATUS"/rank-*.code; do
+    [ -f "$f" ] || continue
+    read -r code _ _ cause _ < "$f" || return 1
+    if [ "$code" != 1 ] || [ "$cause" != peer ]; then return 1; fi
+    n=$((n + 1))
+  done
+  [ "$n" -gt 0 ]
+}
+if [ "$CODE" = 1 ] && peer_lost_only; then
+  echo "dtlaunch: this node's ranks lost a peer: waiting 15 s for the node that failed to end first"
+  sleep 15
 fi
 mark_final "$CODE"
 exit "$CODE"

@@ -41,10 +41,10 @@ DTLAUNCH_ALLOCATION_START="$(date +%s.%N)"
 export DTLAUNCH_ALLOCATION_START
 export DTLAUNCH_RUN_DIR="${DTLAUNCH_RUN_DIR:-$HERE}"
 export DTLAUNCH_PLAN="$HERE/plan.json"
+export DTLAUNCH_CHECKPOINT_DIR="$DTLAUNCH_RUN_DIR/checkpoints"
 DTLAUNCH_ATTEMPT="${DTLAUNCH_ATTEMPT:-manual-$(date +%s)-$$}"
 export DTLAUNCH_ATTEMPT
 export DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"
-export DTLAUNCH_CHECKPOINT_DIR="$DTLAUNCH_RUN_DIR/checkpoints"
 # A collective timeout dumps the flight recorder here (per attempt), not into a node's /tmp.
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
 mkdir -p "$DTLAUNCH_STATUS"

@@ -16,6 +16,15 @@ mark_final() {
 }
 fail() { local rc=$1; shift; echo "dtlaunch: error: $*" >&2; mark_final "$rc"; exit "$rc"; }
 JOB_DIR="$PWD"
+# This launch's attempt, one name on every node (their records meet in checkpoint storage): SkyPilot's job id
+# on the cluster and the cluster's addresses, which a relaunch changes (a new job on the same cluster, new
+# nodes), and the attempts earlier launches recorded there (new nodes may reuse an old address and job id 1).
+sky_attempt() {
+  local ips seen
+  ips="$(printf '%s' "${SKYPILOT_NODE_IPS:-}" | cksum | cut -d' ' -f1)"
+  seen="$(ls "$DTLAUNCH_CHECKPOINT_DIR/status" 2>/dev/null | cksum | cut -d' ' -f1)"
+  echo "sky-${SKYPILOT_INTERNAL_JOB_ID:-0}-$ips-$seen"
+}
 # ---- identity: SKYPILOT_TASK_ID is stable across managed-job recoveries, so a recovered job resumes its
 # own checkpoints; export DTLAUNCH_RUN_ID (or set run_id in the recipe) to resume an earlier run.
 DEFAULT_RUN_ID="$SKYPILOT_TASK_ID"
@@ -25,10 +34,10 @@ DTLAUNCH_ALLOCATION_START="$(date +%s.%N)"
 export DTLAUNCH_ALLOCATION_START
 export DTLAUNCH_RUN_DIR="${DTLAUNCH_RUN_DIR:-$JOB_DIR/runs/$DTLAUNCH_RUN_ID}"
 export DTLAUNCH_PLAN="$JOB_DIR/plan.json"
-DTLAUNCH_ATTEMPT="sky-$(date +%s)-$$"
+export DTLAUNCH_CHECKPOINT_DIR="$DTLAUNCH_RUN_DIR/checkpoints"
+DTLAUNCH_ATTEMPT="$(sky_attempt)"
 export DTLAUNCH_ATTEMPT
 export DTLAUNCH_STATUS="$DTLAUNCH_RUN_DIR/status/$DTLAUNCH_ATTEMPT"
-export DTLAUNCH_CHECKPOINT_DIR="$DTLAUNCH_RUN_DIR/checkpoints"
 # A collective timeout dumps the flight recorder here (per attempt), not into a node's /tmp.
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$DTLAUNCH_STATUS/nccl_trace_rank_"
 # The VMs were this task's from their setup on, not from this run's start (a restart, a second run)
@@ -122,6 +131,20 @@ dtl_outcome() {
   echo "${worst:-$rc}"
 }
 CODE="$(dtl_outcome "$rc")"
+peer_lost_only() {  # every rank of this node that ended failed only because a peer's connection closed
+  local f code cause n=0
+  for f in "$DTLAUNCH_STATUS"/rank-*.code; do
+    [ -f "$f" ] || continue
+    read -r code _ _ cause _ < "$f" || return 1
+    if [ "$code" != 1 ] || [ "$cause" != peer ]; then return 1; fi
+    n=$((n + 1))
+  done
+  [ "$n" -gt 0 ]
+}
+if [ "$CODE" = 1 ] && peer_lost_only; then
+  echo "dtlaunch: this node's ranks lost a peer: waiting 15 s for the node that failed to end first"
+  sleep 15
+fi
 mark_final "$CODE"
 exit "$CODE"
 )
