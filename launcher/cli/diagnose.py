@@ -85,7 +85,7 @@ def _checks(run: Path) -> list[str]:
         f"node {r.get('node')} failed the check before training (attempt {r.get('attempt')}): "
         f"{ExitCode.name_of(int(r.get('code', 0)))} ({r.get('code')}): {str(r.get('message', '')).splitlines()[0]}"
         for _, r in sorted(found, key=lambda x: x[0])
-        if str(r.get("message", "")).strip()
+        if r.get("code") and str(r.get("message", "")).strip()
     ]
 
 

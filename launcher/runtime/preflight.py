@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 # NCCL needs shared memory for intra-node transport; Docker's 64 MB default breaks it.
 MIN_SHM_BYTES = 1 << 30
+# Below this much free space where a node keeps the run directory (logs, records), preflight names the node.
+MIN_NODE_FREE_BYTES = 1 << 30
 
 
 @dataclass
@@ -55,8 +57,34 @@ def measure_allreduce(device: torch.device, nbytes: int, iters: int = 5, group=N
     return float(dt)
 
 
+def _node_facts() -> dict:
+    """What one rank of each node reports of its node: its check before training (the record `train --check`
+    left in this attempt's status directory: the summary, or the failure) and the free space where the run
+    directory is (its logs and records)."""
+    import json
+    import shutil
+
+    from .. import jobenv
+
+    facts: dict = {}
+    status = os.environ.get(jobenv.STATUS)
+    record = Path(status) / f"{jobenv.CHECK_RECORD_PREFIX}{jobenv.node_name()}.json" if status else None
+    try:
+        if record is not None and record.is_file():
+            rec = json.loads(record.read_text())
+            facts["check"] = {"code": rec.get("code"), "summary": rec.get("message")}
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        facts["free_bytes"] = shutil.disk_usage(os.environ.get(jobenv.RUN_DIR) or ".").free
+    except OSError:
+        pass
+    return facts
+
+
 def check_rendezvous(world, rep: Report) -> None:
-    """Every rank is here (ranks 0..n-1 exactly), and which hosts they are on."""
+    """Every rank is here (ranks 0..n-1 exactly), and which hosts they are on; each node's own facts
+    (_node_facts) from its first local rank: in the record by node, a nearly full disk named."""
     n = world.world_size
     from ..jobenv import node_name
 
@@ -66,6 +94,7 @@ def check_rendezvous(world, rep: Report) -> None:
         "node": node_name(),
         "local_rank": world.proc.local_rank,
         "pid": os.getpid(),
+        "facts": _node_facts() if world.proc.local_rank == 0 else None,
     }
     everyone: list = [me]
     if world.distributed:
@@ -79,6 +108,20 @@ def check_rendezvous(world, rep: Report) -> None:
     rep.lines.append(f"rendezvous: {n} ranks on {len(hosts)} host(s): {', '.join(hosts[:8])}{more}")
     rep.figures["hosts"] = len(hosts)
     rep.nodes = [str(e.get("node") or e["host"]) for e in sorted(everyone, key=lambda e: e["rank"])]
+    rep.figures["nodes"] = rep.nodes  # each rank's node: the key to every figure recorded by rank
+    facts = {str(e.get("node") or e["host"]): e["facts"] for e in everyone if e.get("facts")}
+    checks = {k: f["check"] for k, f in facts.items() if f.get("check")}
+    if checks:
+        rep.figures["node_checks"] = checks
+    free = {k: f["free_bytes"] for k, f in facts.items() if isinstance(f.get("free_bytes"), int)}
+    if free:
+        rep.figures["node_free_bytes"] = free
+    for k, b in sorted(free.items()):
+        if b < MIN_NODE_FREE_BYTES:
+            rep.lines.append(
+                f"WARNING: node {k} has {b / 1e9:.2f} GB free where the run directory is: its logs and records "
+                "may not fit"
+            )
 
 
 def allreduce_bytes(is_gpu: bool, world_size: int) -> int:

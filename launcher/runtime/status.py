@@ -77,8 +77,9 @@ def write_status(
 
 
 def write_check_record(run_dir: Path, node: str, code: int, message: str) -> None:
-    """A node's failed check before training, in this attempt's status directory (jobenv.CHECK_RECORD_PREFIX +
-    node + .json): no rank of the node starts, so no rank record says why; `logs --diagnose` reads this one."""
+    """A node's check before training, in this attempt's status directory (jobenv.CHECK_RECORD_PREFIX + node +
+    .json): a failed one's message (no rank of the node starts, so no rank record says why: `logs --diagnose`
+    reads it), a passed one's summary (preflight puts each node's in the run's records)."""
     rec = {"node": node, "code": int(code), "message": message, "time": time.time()}
     rec["attempt"] = os.environ.get(jobenv.ATTEMPT)
     try:

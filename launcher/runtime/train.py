@@ -158,6 +158,7 @@ def check(plan_path: str, run_dir: str | None = None) -> int:
         )
         return ExitCode.FAILED
     print(f"dtlaunch: check ok: {summary}", flush=True)
+    write_check_record(_run_dir(plan_path, run_dir), jobenv.node_name(), ExitCode.OK, summary)
     return ExitCode.OK
 
 

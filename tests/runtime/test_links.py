@@ -28,23 +28,31 @@ def test_the_rings_rounds_cover_every_link_once_and_no_member_twice_in_a_round()
 NODES = [{"SLURMD_NODENAME": f"n{i}"} for i in (1, 2, 3)]
 
 
-def _links_run(run_dir, fault: str | None, fraction: float):
+def _links_run(run_dir, fault: str | None, fraction: float, nodes: int = 3, per_node: int = 1):
     rec = recipe_dict(
-        resources={"network": "loopback", "accelerator": "cpu:1", "nodes": 3},
+        resources={"network": "loopback", "accelerator": f"cpu:{per_node}", "nodes": nodes},
         training={"min_allreduce_fraction": fraction, "steps": 2},
     )
     env = {"DTLAUNCH_FAULT": fault} if fault else {}
-    return run_torchrun(write_plan(run_dir, rec), run_dir, nproc=1, nnodes=3, env=env, node_env=NODES, timeout=240)
+    return run_torchrun(
+        write_plan(run_dir, rec), run_dir, nproc=per_node, nnodes=nodes, env=env, node_env=NODES[:nodes], timeout=240
+    )
 
 
 @pytest.mark.slow
-def test_every_link_is_measured_and_recorded(run_dir):
-    res = _links_run(run_dir, None, 0.0)
+def test_every_link_and_node_is_measured_and_recorded(run_dir):
+    """Two nodes of two ranks: the preflight record holds each rank's node (the key to every figure by rank, the
+    GEMM burn-in's among them), the link between the nodes (their first local ranks'), the link inside each node, and each node's free space where the run directory is."""
+    res = _links_run(run_dir, None, 0.0, nodes=2, per_node=2)
     assert res.rc == 0, res.output[-3000:]
     (pre,) = res.events("preflight")
-    assert [ln["nodes"] for ln in pre["links"]] == [["n1", "n2"], ["n2", "n3"], ["n3", "n1"]]
-    assert all(ln["gbps"] > 0 for ln in pre["links"]) and "intra_links" not in pre  # one rank a node
-    assert "pairwise between nodes: 3 link(s), the slowest" in res.stdout
+    assert pre["nodes"] == ["n1", "n1", "n2", "n2"] and len(pre["gemm_tflops"]) == 4, pre
+    assert [(ln["ranks"], ln["nodes"]) for ln in pre["links"]] == [([0, 2], ["n1", "n2"])]  # the nodes' first ranks
+    assert [(ln["ranks"], ln["nodes"]) for ln in pre["intra_links"]] == [([0, 1], ["n1", "n1"]), ([2, 3], ["n2", "n2"])]
+    assert all(ln["gbps"] > 0 for ln in pre["links"] + pre["intra_links"]), pre
+    assert sorted(pre["node_free_bytes"]) == ["n1", "n2"] and all(b > 0 for b in pre["node_free_bytes"].values())
+    assert "pairwise between nodes: 1 link(s), the slowest" in res.stdout
+    assert "pairwise inside nodes: 2 link(s)" in res.stdout
 
 
 @pytest.mark.slow

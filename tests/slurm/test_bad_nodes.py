@@ -103,6 +103,12 @@ def test_a_node_that_fails_its_check_is_excluded_and_the_job_finishes_elsewhere(
     assert f"job {job.id}: excluded {bad} after attempt 0 and requeued: {why}" in said, said
     check = [line for line in said if line.startswith(f"node {bad} failed the check before training (attempt ")]
     assert len(check) == 1 and "PREFLIGHT (44): CUDA error: uncorrectable ECC error" in check[0], said
+    # the node that ran it passed its check, and the run's preflight record holds what that check found
+    good = second[2]
+    (pre,) = job.events("preflight")
+    assert pre["nodes"] == [good], pre  # one rank (cpu:1)
+    assert pre["node_checks"][good]["code"] == 0 and "plan: " in pre["node_checks"][good]["summary"], pre
+    assert pre["node_free_bytes"][good] > 0, pre
     assert status(job)["excluded"] == [{"attempt": "0", "nodes": bad, "why": why}]
 
 
