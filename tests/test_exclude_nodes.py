@@ -24,14 +24,28 @@ def script(overrides: tuple[str, ...] = ()) -> str:
     return job_script(recipe, make_plan(recipe))
 
 
-def run(tmp_path: Path, bad: list[str], excluded: list[str], why: str = Excluded.CHECK) -> tuple[int, list[str]]:
+def run(
+    tmp_path: Path,
+    bad: list[str],
+    excluded: list[str],
+    why: str = Excluded.CHECK,
+    partition: tuple[str, ...] = ("node1", "node2", "node3", "node4"),
+    job_nodes: int = 1,
+) -> tuple[int, list[str]]:
+    """exclude_bad_nodes in bash, its return code and the scontrol calls it made (the `show` ones left out). The
+    stubs answer as SLURM does: `scontrol show hostnames` expands a list, sinfo lists `partition`'s nodes."""
     fn = re.search(r"^exclude_bad_nodes\(\) \{.*?^\}$", script(), re.S | re.M)
     assert fn, "the job script has no exclude_bad_nodes()"
     stub = tmp_path / "bin"
     stub.mkdir()
     calls = tmp_path / "calls"
-    (stub / "scontrol").write_text(f'#!/bin/bash\necho "$*" >> {calls}\necho "JobId=7 ExcNodeList=(null)"\n')
-    (stub / "scontrol").chmod(0o755)
+    (stub / "scontrol").write_text(
+        f'#!/bin/bash\necho "$*" >> {calls}\n'
+        'if [ "$1 $2" = "show hostnames" ]; then echo "$3" | tr , "\\n"; else echo "JobId=7 ExcNodeList=(null)"; fi\n'
+    )
+    (stub / "sinfo").write_text("#!/bin/bash\n" + "".join(f"echo {n}\n" for n in partition))
+    for f in ("scontrol", "sinfo"):
+        (stub / f).chmod(0o755)
     (tmp_path / "bad_nodes").write_text("".join(f"{n}\n" for n in bad))
     (tmp_path / "excluded").write_text("".join(f"{i} 1700000000 {e}\n" for i, e in enumerate(excluded)))
     body = 'fail() { echo "fail $*"; exit "$1"; }\n' + fn.group(0) + f"\nexclude_bad_nodes {why}\necho returned\n"
@@ -40,19 +54,35 @@ def run(tmp_path: Path, bad: list[str], excluded: list[str], why: str = Excluded
         "DTLAUNCH_BAD_NODES": str(tmp_path / "bad_nodes"),
         "JOB_DIR": str(tmp_path),
         "SLURM_JOB_ID": "7",
+        "SLURM_JOB_PARTITION": "debug",
+        "SLURM_JOB_NUM_NODES": str(job_nodes),
         "ATTEMPT": "1",
     }
     p = subprocess.run(["bash", "-c", body], env=env, capture_output=True, text=True, timeout=60)
-    return p.returncode, calls.read_text().splitlines() if calls.exists() else []
+    made = calls.read_text().splitlines() if calls.exists() else []
+    return p.returncode, [c for c in made if not c.startswith("show ")]
 
 
 def test_a_new_bad_node_is_excluded_and_the_job_requeued(tmp_path):
     rc, calls = run(tmp_path, ["node1"], [], Excluded.HANG)
     assert rc == ExitCode.PREFLIGHT
-    assert calls[1:] == ["requeue 7", "update JobId=7 ExcNodeList=node1"], calls
+    assert calls == ["requeue 7", "update JobId=7 ExcNodeList=node1"], calls
     # the ledger line says why (the attempt, the time, the nodes, the reason), as status and --diagnose read it
     attempt, _, nodes, why = (tmp_path / "excluded").read_text().splitlines()[-1].split()
     assert (attempt, nodes, why) == ("1", "node1", "hang")
+
+
+@pytest.mark.parametrize(
+    "partition, job_nodes, requeued",
+    [
+        (("node1", "node2"), 2, False),  # a 2-node job on a 2-node partition: one node out leaves too few
+        (("node1", "node2", "node3"), 2, True),
+        ((), 2, True),  # sinfo said nothing: unknown, so no refusal on that ground
+    ],
+)
+def test_no_requeue_onto_a_partition_too_small_without_the_excluded_nodes(tmp_path, partition, job_nodes, requeued):
+    rc, calls = run(tmp_path, ["node1"], [], partition=partition, job_nodes=job_nodes)
+    assert (rc == ExitCode.PREFLIGHT and "requeue 7" in calls) if requeued else (rc == 0 and not calls), calls
 
 
 def test_every_exclusion_in_the_job_script_gives_a_reason_the_readers_know():

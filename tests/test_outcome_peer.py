@@ -115,3 +115,18 @@ def test_the_dump_of_a_rank_that_lost_a_peer_is_no_hang(tmp_path, monkeypatch):
     outcome is still the crash's (retried as one), not a hang whose culprit would be excluded."""
     monkeypatch.setenv("DTLAUNCH_STATUS", str(tmp_path / "attempt"))
     assert outcome(tmp_path, [PEER, PEER], lost_peer=(0, 1)) == ExitCode.FAILED
+
+
+@pytest.mark.parametrize("code", [ExitCode.PREFLIGHT, ExitCode.CONFIG, ExitCode.STORAGE])
+def test_a_nodes_failed_check_is_the_outcome_of_every_node_whose_task_srun_terminated(tmp_path, monkeypatch, code):
+    """A node's check before training fails (no rank starts anywhere); srun ends the other nodes' tasks (their
+    torchrun agents waited in the rendezvous: 143). Each of those reads the check's record on the shared status
+    and ends with its code, so that srun's exit code (its tasks' highest) is the check's, not 143."""
+    from launcher.runtime.status import write_check_record
+
+    monkeypatch.setenv("DTLAUNCH_STATUS", str(tmp_path / "attempt"))
+    write_check_record(tmp_path, "node1", code, "CUDA error: uncorrectable ECC error encountered")
+    assert outcome(tmp_path, [], rc=143) == code
+    write_check_record(tmp_path, "node2", ExitCode.OK, "dtlaunch 0.1.0, ...")  # a passed check changes nothing
+    assert outcome(tmp_path, [], rc=143) == code
+    assert not (tmp_path / "attempt" / "check-node2.code").exists()

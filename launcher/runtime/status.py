@@ -88,6 +88,11 @@ def write_check_record(run_dir: Path, node: str, code: int, message: str) -> Non
         tmp = d / f".{jobenv.CHECK_RECORD_PREFIX}{node}.json.tmp"
         tmp.write_text(json.dumps(rec, indent=2) + "\n")
         os.replace(tmp, d / f"{jobenv.CHECK_RECORD_PREFIX}{node}.json")
+        if code:  # and a failure's line for the job scripts, as a rank's (write_status): its node's task ends at
+            # once, srun terminates the others (143, the highest code), and each of them reads this one instead
+            tmp = d / f".{jobenv.CHECK_RECORD_PREFIX}{node}.code.tmp"
+            tmp.write_text(f"{int(code)} 0 0 own {node}\n")
+            os.replace(tmp, d / f"{jobenv.CHECK_RECORD_PREFIX}{node}.code")
     except OSError:
         pass  # the message is in the node's log too
 

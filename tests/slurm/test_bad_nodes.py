@@ -125,6 +125,17 @@ def test_exclusions_stop_at_the_cap(tmp_path, partition):
     assert rows[job.id] == ["FAILED", f"{ExitCode.PREFLIGHT}:0"], rows
 
 
+def test_no_requeue_when_the_partition_without_the_node_cannot_hold_the_job(tmp_path, partition):
+    """A 2-node job on the 2-node cluster whose node1 fails its check: without node1 the partition cannot hold the
+    job, which would wait for nodes that never come. It ends instead, saying so, with nothing excluded."""
+    render_to(tmp_path, "tiny", [*overrides(partition), "training.steps=2"])
+    job = Job(tmp_path, fault="bad_node:step=0:node=node1")
+    job.done(120)
+    assert job.ledger("state") == ["FAILED"] and job.ledger("excluded") == [], job.explain()
+    out = (tmp_path / f"tiny-{job.id}.out").read_text()
+    assert "without node(s) node1 partition" in out and "has 1 node(s) for this job's 2" in out, out[-3000:]
+
+
 def fails_on_node1_then_finishes_on_node2(
     tmp_path, partition, fault: str, extra: list[str], reference: dict, why: str, resume_at: int = 3
 ) -> tuple[Job, str]:

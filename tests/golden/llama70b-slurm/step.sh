@@ -22,7 +22,8 @@ while :; do
 done
 # The exit code of this node's share of the job: the workers' own codes for this attempt, not torchrun's
 # generic 1. The runtime writes "CODE STEP START_STEP CAUSE" to $DTLAUNCH_STATUS/rank-N.code as each rank ends
-# (CAUSE "peer": the rank failed only because a peer's connection closed under it).
+# (CAUSE "peer": the rank failed only because a peer's connection closed under it), and a node whose check before
+# training failed the same to check-NODE.code (on shared status, every node's share then ends with its code).
 # A rank killed after a collective timed out (NCCL's watchdog aborts it) writes no code, but leaves the
 # flight recorder's dump (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a collective timed out, so this is a hang (43)
 # even where other ranks then failed on the broken connection; but not over a rank's own error, which the
@@ -31,7 +32,7 @@ done
 dtl_outcome() {
   local rc=$1 f code cause worst="" peer="" own=""
   if [ "$rc" = 0 ]; then echo 0; return; fi
-  for f in "$DTLAUNCH_STATUS"/rank-*.code; do
+  for f in "$DTLAUNCH_STATUS"/rank-*.code "$DTLAUNCH_STATUS"/check-*.code; do
     [ -f "$f" ] || continue
     read -r code _ _ cause _ < "$f" || continue
     case "$code" in
