@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,17 +32,30 @@ def run(
     why: str = Excluded.CHECK,
     partition: tuple[str, ...] = ("node1", "node2", "node3", "node4"),
     job_nodes: int = 1,
+    exc_node_list: str = "(null)",
 ) -> tuple[int, list[str]]:
     """exclude_bad_nodes in bash, its return code and the scontrol calls it made (the `show` ones left out). The
-    stubs answer as SLURM does: `scontrol show hostnames` expands a list, sinfo lists `partition`'s nodes."""
+    stubs answer as SLURM does: `scontrol show hostnames` expands a hostlist (node[2-3],node1), `show job` gives
+    the job's ExcNodeList as scontrol prints it (compressed), sinfo lists `partition`'s nodes, once per
+    partition a node is in (so a node may come twice)."""
     fn = re.search(r"^exclude_bad_nodes\(\) \{.*?^\}$", script(), re.S | re.M)
     assert fn, "the job script has no exclude_bad_nodes()"
     stub = tmp_path / "bin"
     stub.mkdir()
     calls = tmp_path / "calls"
+    expand = (  # a hostlist such as node[2-3],node1, one name a line
+        "import re, sys\n"
+        "for pre, rng in re.findall(r'([^,\\[]+)(?:\\[([^\\]]*)\\])?', sys.argv[1]):\n"
+        "    for part in rng.split(',') if rng else ['']:\n"
+        "        a, _, b = part.partition('-')\n"
+        "        for i in range(int(a), int(b or a) + 1) if a else [None]:\n"
+        "            print(pre if i is None else f'{pre}{i}')\n"
+    )
+    (stub / "expand.py").write_text(expand)
     (stub / "scontrol").write_text(
         f'#!/bin/bash\necho "$*" >> {calls}\n'
-        'if [ "$1 $2" = "show hostnames" ]; then echo "$3" | tr , "\\n"; else echo "JobId=7 ExcNodeList=(null)"; fi\n'
+        f'if [ "$1 $2" = "show hostnames" ]; then {sys.executable} {stub / "expand.py"} "$3"; '
+        f'else echo "JobId=7 ExcNodeList={exc_node_list}"; fi\n'
     )
     (stub / "sinfo").write_text("#!/bin/bash\n" + "".join(f"echo {n}\n" for n in partition))
     for f in ("scontrol", "sinfo"):
@@ -72,17 +86,28 @@ def test_a_new_bad_node_is_excluded_and_the_job_requeued(tmp_path):
     assert (attempt, nodes, why) == ("1", "node1", "hang")
 
 
+FOUR_TWICE = ("node1", "node2", "node3", "node4", "node1", "node2")  # two partitions sharing node1 and node2
+
+
 @pytest.mark.parametrize(
-    "partition, job_nodes, requeued",
+    "partition, job_nodes, exc_node_list, requeued",
     [
-        (("node1", "node2"), 2, False),  # a 2-node job on a 2-node partition: one node out leaves too few
-        (("node1", "node2", "node3"), 2, True),
-        ((), 2, True),  # sinfo said nothing: unknown, so no refusal on that ground
+        (("node1", "node2"), 2, "(null)", False),  # a 2-node job on a 2-node partition: one node out leaves too few
+        (("node1", "node2", "node3"), 2, "(null)", True),
+        ((), 2, "(null)", True),  # sinfo said nothing: unknown, so no refusal on that ground
+        (FOUR_TWICE, 2, "node[2-3]", False),  # node4 alone is left once node1 joins the job's excluded nodes
+        (FOUR_TWICE, 1, "node[2-3]", True),
     ],
 )
-def test_no_requeue_onto_a_partition_too_small_without_the_excluded_nodes(tmp_path, partition, job_nodes, requeued):
-    rc, calls = run(tmp_path, ["node1"], [], partition=partition, job_nodes=job_nodes)
-    assert (rc == ExitCode.PREFLIGHT and "requeue 7" in calls) if requeued else (rc == 0 and not calls), calls
+def test_no_requeue_onto_a_partition_too_small_without_the_excluded_nodes(
+    tmp_path, partition, job_nodes, exc_node_list, requeued
+):
+    rc, calls = run(tmp_path, ["node1"], [], partition=partition, job_nodes=job_nodes, exc_node_list=exc_node_list)
+    if not requeued:
+        assert rc == 0 and not calls, calls
+    else:
+        excluded = "node1" if exc_node_list == "(null)" else f"{exc_node_list},node1"
+        assert rc == ExitCode.PREFLIGHT and calls == ["requeue 7", f"update JobId=7 ExcNodeList={excluded}"], calls
 
 
 def test_every_exclusion_in_the_job_script_gives_a_reason_the_readers_know():

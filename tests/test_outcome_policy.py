@@ -198,3 +198,32 @@ def test_the_sky_extra_requires_a_skypilot_that_takes_recover_on_exit_codes():
     assert not req.specifier.contains(Version("0.11.1")) and req.specifier.contains(Version("0.11.2"))
     art = rendered("sky", "targets.sky.managed=true")
     assert "recover_on_exit_codes" in art.files["task.yaml"]
+
+
+@pytest.mark.parametrize(
+    "checks, rc, expect",
+    [
+        ({"node1": ExitCode.PREFLIGHT}, 143, ExitCode.PREFLIGHT),  # srun's highest code hid the bad node's
+        ({"node1": ExitCode.STORAGE}, 143, ExitCode.STORAGE),
+        ({}, 143, 143),
+        ({"node1": ExitCode.PREFLIGHT}, 0, 0),  # the job went on without it (another attempt's record)
+    ],
+)
+def test_sbatch_and_submitit_take_a_failed_checks_code_over_sruns_alike(tmp_path, monkeypatch, checks, rc, expect):
+    """After srun, a node's failed check (its check-NODE.code) is the attempt's code, not the 143 of the tasks
+    srun terminated because of it: job.sbatch's lines and the submitit path's JobFiles.check_failed agree."""
+    from launcher.runtime.status import write_check_record
+    from launcher.targets.slurm_decisions import JobFiles
+
+    job = rendered("slurm").files["job.sbatch"]
+    block = job[job.index('if [ "$rc" -ne 0 ] && [ -z "${SIGNALLED:-}" ]; then') : job.index('echo "$ATTEMPT $rc')]
+    status = tmp_path / "status"
+    monkeypatch.setenv("DTLAUNCH_STATUS", str(status))
+    for node, code in checks.items():
+        write_check_record(tmp_path, node, code, "failed")
+    status.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    p = subprocess.run(["bash", "-c", f"rc={rc}\n{block}echo $rc"], env=env, capture_output=True, text=True)
+    files = JobFiles.__new__(JobFiles)
+    files.status = status
+    assert int(p.stdout.strip()) == files.check_failed(rc) == expect, p.stderr

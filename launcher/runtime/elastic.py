@@ -156,6 +156,7 @@ def _check_first(argv: list[str]) -> tuple[int, list[str]]:
         import torch  # noqa: F401 - imported before the fork: the check and torchrun share the one import
     except ImportError as e:
         print(f"dtlaunch: node {node_name()}: cannot import torch: {e}", file=sys.stderr, flush=True)
+        _record_check(ExitCode.CONFIG, f"cannot import torch: {e}")
         return ExitCode.CONFIG, argv
 
     # The check runs in a forked child: it may initialise CUDA (a GPU's name, its health), and a context the
@@ -173,8 +174,18 @@ def _check_first(argv: list[str]) -> tuple[int, list[str]]:
     if code not in (0, ExitCode.CONFIG, ExitCode.PREFLIGHT, ExitCode.STORAGE):
         # an environment that cannot import what training needs, a crash: no retry mends these
         print(f"dtlaunch: the pre-start check failed (exit {code}, see above)", file=sys.stderr, flush=True)
+        _record_check(ExitCode.CONFIG, f"the pre-start check failed (exit {code}): see the node's log")
         code = ExitCode.CONFIG
     return code, argv[1:]
+
+
+def _record_check(code: int, message: str) -> None:
+    """A check that could not say why itself (torch missing, a crash) recorded as one that failed: the job
+    script reads the code of a node whose task srun ended first (status.write_check_record)."""
+    from .. import jobenv
+    from .status import write_check_record
+
+    write_check_record(Path(os.environ.get(jobenv.RUN_DIR) or "."), node_name(), code, message)
 
 
 CHECK_ENVIRONMENT = "--check-environment"  # the batch shell's question: can this interpreter run the agent at all?

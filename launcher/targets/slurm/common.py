@@ -156,6 +156,8 @@ def batch_context(recipe: Recipe, array: bool) -> dict:
         container_cleanup=cleanup_command(c),
         # in the image when there is one (the host may have no dtlaunch), else the batch shell's own Python
         max_excluded=recipe.targets.slurm.max_excluded_nodes,
+        # the partitions a requeued job may start in (a list a,b); the one it runs in when the recipe names none
+        partitions=recipe.targets.slurm.partition or ShellExpr("${SLURM_JOB_PARTITION:-}"),
         hang_culprits=diagnose_command(c, ShellExpr("$SUBMIT_DIR/" + STEP_SCRIPT)) if c else list(DIAGNOSE_WORDS),
     )
 

@@ -189,9 +189,8 @@ class StepJob(Checkpointable):
             while self._rc is None:
                 time.sleep(0.5)  # submitit's USR2 handler, and so checkpoint(), runs here in the main thread
             self._busy = True
-            outcome = Outcome(
-                self._rc, "TERM" if self._term else None, progress=files.progress(self._checkpoint_at_start)
-            )
+            rc = self._rc if self._term else files.check_failed(self._rc)
+            outcome = Outcome(rc, "TERM" if self._term else None, progress=files.progress(self._checkpoint_at_start))
             return self._act(files, outcome, in_handler=False)
         except _Finished as f:
             return f.summary

@@ -22,7 +22,7 @@ JOB_DIR="$PWD"
 sky_attempt() {
   local ips seen
   ips="$(printf '%s' "${SKYPILOT_NODE_IPS:-}" | cksum | cut -d' ' -f1)"
-  seen="$(ls "$DTLAUNCH_CHECKPOINT_DIR/status" 2>/dev/null | cksum | cut -d' ' -f1)"
+  seen="$(LC_ALL=C ls "$DTLAUNCH_CHECKPOINT_DIR/status" 2>/dev/null | cksum | cut -d' ' -f1)"
   echo "sky-${SKYPILOT_INTERNAL_JOB_ID:-0}-$ips-$seen"
 }
 # ---- identity: SKYPILOT_TASK_ID is stable across managed-job recoveries, so a recovered job resumes its
@@ -70,9 +70,13 @@ mkdir -p "$DTLAUNCH_STATUS"
 # the run's metrics.jsonl (the runtime copies that one) whenever this run ends: a recovery onto fresh nodes
 # deletes this disk, and there they survive it, laid out as a run directory (`dtlaunch logs DIR --diagnose`
 # reads a copy of it). Each node writes only its own files.
+# A node with no record of its own yet copies nothing: the other nodes name their attempt from what is there.
+RECORDS_KEPT=""
 keep_records() {
   local kept="$DTLAUNCH_CHECKPOINT_DIR" logs="${PET_LOG_DIR:-}"
-  [ "$kept" != "$DTLAUNCH_RUN_DIR/checkpoints" ] || return 0
+  [ -z "$RECORDS_KEPT" ] && [ "$kept" != "$DTLAUNCH_RUN_DIR/checkpoints" ] || return 0
+  [ -n "$(find "$DTLAUNCH_RUN_DIR/status" -type f -print -quit 2>/dev/null)" ] || return 0
+  RECORDS_KEPT=1
   { mkdir -p "$kept/status" && cp -R "$DTLAUNCH_RUN_DIR/status/." "$kept/status/" \
     && { [ ! -d "$logs" ] || { mkdir -p "$kept/logs/attempt-$DTLAUNCH_ATTEMPT" \
       && cp -R "$logs" "$kept/logs/attempt-$DTLAUNCH_ATTEMPT/"; }; }; } \
@@ -159,6 +163,7 @@ peer_lost_only() {  # every rank of this node that ended failed only because a p
 }
 if [ "$CODE" = 1 ] && peer_lost_only; then
   echo "dtlaunch: this node's ranks lost a peer: waiting 15 s for the node that failed to end first"
+  keep_records  # now: SkyPilot ends this node once the other has (TERM, then KILL after 30 s)
   sleep 15
 fi
 mark_final "$CODE"

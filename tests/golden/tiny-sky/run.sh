@@ -22,7 +22,7 @@ JOB_DIR="$PWD"
 sky_attempt() {
   local ips seen
   ips="$(printf '%s' "${SKYPILOT_NODE_IPS:-}" | cksum | cut -d' ' -f1)"
-  seen="$(ls "$DTLAUNCH_CHECKPOINT_DIR/status" 2>/dev/null | cksum | cut -d' ' -f1)"
+  seen="$(LC_ALL=C ls "$DTLAUNCH_CHECKPOINT_DIR/status" 2>/dev/null | cksum | cut -d' ' -f1)"
   echo "sky-${SKYPILOT_INTERNAL_JOB_ID:-0}-$ips-$seen"
 }
 # ---- identity: SKYPILOT_TASK_ID is stable across managed-job recoveries, so a recovered job resumes its
