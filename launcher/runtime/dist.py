@@ -371,8 +371,15 @@ def init_distributed(
         try:
             dist.init_process_group(backend, **kwargs)
         except Exception as e:  # rendezvous failures are environment problems, not bugs
-            from .failures import PreflightError
+            from .failures import PreflightError, RuntimeFailure
 
+            if "EADDRINUSE" in str(e):  # rank 0's store port, free when torchrun chose it, was taken since:
+                # transient, not the node's fault (44 would exclude it); torchrun's restart chooses another
+                raise RuntimeFailure(
+                    f"rank {proc.rank} could not open the process group's store at {proc.master_addr}:"
+                    f"{proc.master_port}: the port was taken after it was chosen ({e})",
+                    fix="nothing: a restart of the workers chooses another port",
+                ) from None
             raise PreflightError(
                 f"rank {proc.rank} could not join the process group at "
                 f"{proc.master_addr}:{proc.master_port} ({proc.source}): {e}",

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from launcher import catalog
+from launcher.jobenv import ExitCode
 from launcher.plan import make_plan
 from launcher.plan.params import count_params
 from launcher.recipe import load_text
@@ -725,3 +726,32 @@ def test_a_checkpoint_of_another_recipe_is_refused_unless_allowed():
     longer = {**base, "training": {**base["training"], "steps": 400}}
     # no ConfigError: a longer run on another world size is the same run
     check_compatible(meta(base), meta(longer), world_size=4, deepspeed=False, allow_changed_recipe=False, fmt=1)
+
+
+def test_a_store_port_taken_since_torchrun_chose_it_is_a_retry_not_a_bad_node(tmp_path):
+    """torchrun picks rank 0's store port free and rank 0 binds it moments later; another process can take it in
+    between (seen on the local cluster: EADDRINUSE after a requeue). That is transient: FAILED, which torchrun's
+    restart meets with another port, not PREFLIGHT, which would exclude a good node. A real bind on a port held
+    here, in a process of its own (the process group is global)."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    code = (
+        "import os\n"
+        f"os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT='{held.getsockname()[1]}')\n"
+        "from launcher.runtime.dist import init_distributed\n"
+        "try:\n"
+        "    init_distributed(init_timeout_s=10, verbose=False)\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, int(e.exit_code), str(e).splitlines()[0])\n"
+    )
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    finally:
+        held.close()
+    assert p.stdout.startswith(
+        f"RuntimeFailure {int(ExitCode.FAILED)} rank 0 could not open the process group's store"
+    ), p.stdout + p.stderr
+    assert "the port was taken after it was chosen" in p.stdout
