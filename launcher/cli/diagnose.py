@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..jobenv import CHECK_RECORD_PREFIX, Excluded, ExitCode, read_metrics
+from ..jobenv import Excluded, ExitCode, read_metrics
 from ..runtime import hangs
-from ..runtime.status import TIMED_OUT, UNREPORTED
+from ..runtime.status import TIMED_OUT, UNREPORTED, check_records
 
 
 def run_dirs(where: Path) -> list[Path]:
@@ -74,17 +74,11 @@ def diagnose(where: Path) -> list[str]:
 
 def _checks(run: Path) -> list[str]:
     """The nodes that failed the check before training, in any attempt (no rank of theirs left a record)."""
-    found = []
-    for p in (run / "status").glob(f"*/{CHECK_RECORD_PREFIX}*.json"):
-        try:
-            rec = json.loads(p.read_text())
-            found.append((float(rec.get("time") or 0), rec))
-        except (OSError, ValueError, AttributeError):
-            continue
+    found = [r for d in (run / "status").glob("*/") for r in check_records(d)]
     return [
         f"node {r.get('node')} failed the check before training (attempt {r.get('attempt')}): "
         f"{ExitCode.name_of(int(r.get('code', 0)))} ({r.get('code')}): {str(r.get('message', '')).splitlines()[0]}"
-        for _, r in sorted(found, key=lambda x: x[0])
+        for r in sorted(found, key=lambda r: float(r.get("time") or 0))
         if r.get("code") and str(r.get("message", "")).strip()
     ]
 

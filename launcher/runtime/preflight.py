@@ -61,20 +61,15 @@ def _node_facts() -> dict:
     """What one rank of each node reports of its node: its check before training (the record `train --check`
     left in this attempt's status directory: the summary, or the failure) and the free space where the run
     directory is (its logs and records)."""
-    import json
     import shutil
 
     from .. import jobenv
+    from .status import check_records
 
     facts: dict = {}
     status = os.environ.get(jobenv.STATUS)
-    record = Path(status) / f"{jobenv.CHECK_RECORD_PREFIX}{jobenv.node_name()}.json" if status else None
-    try:
-        if record is not None and record.is_file():
-            rec = json.loads(record.read_text())
-            facts["check"] = {"code": rec.get("code"), "summary": rec.get("message")}
-    except (OSError, ValueError, AttributeError):
-        pass
+    for rec in check_records(Path(status), jobenv.node_name()) if status else []:
+        facts["check"] = {"code": rec.get("code"), "summary": rec.get("message")}
     try:
         facts["free_bytes"] = shutil.disk_usage(os.environ.get(jobenv.RUN_DIR) or ".").free
     except OSError:

@@ -55,25 +55,33 @@ def write_status(
             "start_step": start_step,
             "time": time.time(),
             "attempt": os.environ.get(jobenv.ATTEMPT),
-            "node": jobenv.node_name(),
+            "node": (node := jobenv.node_name()),
             # the world it ran in, so that a diagnosis can place a rank that left no record (torchrun's variables)
             "world_size": int(os.environ.get("WORLD_SIZE", "0") or 0) or None,
             "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None,
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         }
-        tmp = d / f".rank-{rank:05d}.json.tmp"
-        tmp.write_text(json.dumps(rec, indent=2) + "\n")
-        os.replace(tmp, d / f"rank-{rank:05d}.json")
+        _replace(d / f"rank-{rank:05d}.json", json.dumps(rec, indent=2) + "\n")
         if not code_file:
             return
         a = status_dir(run_dir)
         a.mkdir(parents=True, exist_ok=True)
-        tmp = a / f".rank-{rank:05d}.code.tmp"
         cause = "peer" if code == ExitCode.FAILED and message.startswith(PEER_LOST) else "own"
-        tmp.write_text(f"{int(code)} {int(step or 0)} {int(start_step or 0)} {cause} {rec['node']}\n")
-        os.replace(tmp, a / f"rank-{rank:05d}.code")
+        _replace(a / f"rank-{rank:05d}.code", _code_line(code, step, start_step, cause, node))
     except OSError:
         pass  # the exit code still tells the story
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a reader never sees half a record)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _code_line(code: int, step: int | None, start_step: int | None, cause: str, node: str) -> str:
+    """The job scripts' one-line record: "CODE STEP START_STEP CAUSE NODE" (read with nothing but `read`)."""
+    return f"{int(code)} {int(step or 0)} {int(start_step or 0)} {cause} {node}\n"
 
 
 def write_check_record(run_dir: Path, node: str, code: int, message: str) -> None:
@@ -85,16 +93,26 @@ def write_check_record(run_dir: Path, node: str, code: int, message: str) -> Non
     try:
         d = status_dir(run_dir)
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{jobenv.CHECK_RECORD_PREFIX}{node}.json.tmp"
-        tmp.write_text(json.dumps(rec, indent=2) + "\n")
-        os.replace(tmp, d / f"{jobenv.CHECK_RECORD_PREFIX}{node}.json")
+        _replace(d / f"{jobenv.CHECK_RECORD_PREFIX}{node}.json", json.dumps(rec, indent=2) + "\n")
         if code:  # and a failure's line for the job scripts, as a rank's (write_status): its node's task ends at
             # once, srun terminates the others (143, the highest code), and each of them reads this one instead
-            tmp = d / f".{jobenv.CHECK_RECORD_PREFIX}{node}.code.tmp"
-            tmp.write_text(f"{int(code)} 0 0 own {node}\n")
-            os.replace(tmp, d / f"{jobenv.CHECK_RECORD_PREFIX}{node}.code")
+            _replace(d / f"{jobenv.CHECK_RECORD_PREFIX}{node}.code", _code_line(code, 0, 0, "own", node))
     except OSError:
         pass  # the message is in the node's log too
+
+
+def check_records(directory: Path, node: str = "*") -> list[dict]:
+    """The check records (write_check_record) of `node` (every node's by default) in an attempt's status
+    directory; unreadable ones skipped."""
+    out = []
+    for p in sorted(directory.glob(f"{jobenv.CHECK_RECORD_PREFIX}{node}.json")):
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
 
 
 # A GPU's hardware failing under the job: the node must be excluded, so these are PREFLIGHT (a node fault), not an
