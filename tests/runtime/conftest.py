@@ -3,6 +3,7 @@ reference runs that the restart/resume tests compare against (run once per sessi
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,24 @@ def reference(tmp_path_factory):
         return cache[strategy]
 
     return get
+
+
+@pytest.fixture
+def trained(reference, run_dir):
+    """trained(dest=run_dir, keep=None) -> the plan of the reference ddp run written in `dest`, with that run's
+    checkpoints copied into `dest/checkpoints` (`keep`: only those steps). For a test that damages or resumes a
+    finished run's checkpoints: the directory a fresh 12-step run leaves (its checkpoints hold no path of their
+    run), without training it again."""
+
+    def make(dest: Path = run_dir, keep: tuple[int, ...] | None = None) -> Path:
+        from launcher.runtime.checkpoint import disk
+
+        root = dest / "checkpoints"
+        shutil.copytree(reference("ddp").run_dir / "checkpoints", root, symlinks=True)
+        if keep is not None:
+            for step in set(disk.complete_steps(root)) - set(keep):
+                shutil.rmtree(disk.step_path(root, step))
+            assert disk.complete_steps(root) == sorted(keep)
+        return write_plan(dest, det_recipe("ddp"))
+
+    return make

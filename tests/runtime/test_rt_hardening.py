@@ -41,15 +41,13 @@ def truncate(f) -> None:
 # ----------------------------------------------------------------------------- R01
 
 
-def test_r01_no_usable_checkpoint_ends_the_job_despite_torchruns_restarts(run_dir):
+def test_r01_no_usable_checkpoint_ends_the_job_despite_torchruns_restarts(run_dir, trained):
     """The reviewer's case with the local target's default max_restarts (3): attempt 0 stops CONFIG, and the
     agent must not restart it (a restart found the step marked CORRUPT, trained from step 0 and ended 0)."""
-    plan = write_plan(run_dir, det_recipe("ddp", checkpoint={"every": 6, "keep": 1}))
-    assert run_torchrun(plan, run_dir, elastic=True, max_restarts=3).rc == 0
+    plan = trained(keep=(DET_STEPS,))  # a finished run that kept one checkpoint
     root = run_dir / "checkpoints"
     (only,) = disk.complete_steps(root)
     truncate(disk.step_path(root, only) / "__1_0.distcp")
-    (run_dir / "metrics.jsonl").unlink()
     res = run_torchrun(plan, run_dir, elastic=True, max_restarts=3)
     assert res.rc != 0 and set(res.worker_codes) == {ExitCode.CONFIG}, res.output[-3000:]
     assert "never retried: not restarting the workers" in res.stderr
@@ -83,12 +81,8 @@ def verified_by_rank(path, rank: int, world: int) -> str:
 
 
 @pytest.fixture
-def finished(run_dir):
-    plan = write_plan(run_dir, det_recipe("ddp"))
-    assert run_torchrun(plan, run_dir, elastic=True).rc == 0
-    (run_dir / "model.safetensors").unlink()
-    (run_dir / "metrics.jsonl").unlink()
-    return plan, run_dir / "checkpoints"
+def finished(run_dir, trained):
+    return trained(), run_dir / "checkpoints"
 
 
 def test_r02_a_transient_read_error_is_retried_and_marks_nothing(reference, run_dir, finished):
@@ -130,11 +124,11 @@ def test_r02_a_read_error_inside_dcp_load_is_a_storage_error(run_dir, finished):
 # ----------------------------------------------------------------------------- R03
 
 
-def test_r03_a_linked_step_directory_is_refused_and_the_other_run_untouched(run_dir, tmp_path):
+def test_r03_a_linked_step_directory_is_refused_and_the_other_run_untouched(run_dir, tmp_path, trained):
     """Run B seeded with a link to run A's newest checkpoint used to resume from it, prune through the link
     (unlinking A's COMPLETE) and log "pruned"; A then lost that checkpoint."""
     a = tmp_path / "a"
-    assert run_torchrun(write_plan(a, det_recipe("ddp")), a, elastic=True).rc == 0
+    trained(a)
     a_root, a_newest = a / "checkpoints", disk.step_path(a / "checkpoints", DET_STEPS)
     before = {p.name: p.stat().st_size for p in a_newest.iterdir()}
     b_root = run_dir / "checkpoints"

@@ -28,11 +28,9 @@ def newest_data_file(root, step):
 
 
 @pytest.mark.parametrize("damage", ["same-size", "truncated"])
-def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(reference, run_dir, damage):
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(reference, run_dir, trained, damage):
     ref = reference("ddp")
-    plan = write_plan(run_dir, det_recipe("ddp"))
-    first = run_torchrun(plan, run_dir)
-    assert first.rc == 0, first.output[-3000:]
+    plan = trained()  # a finished run's checkpoints
     root = run_dir / "checkpoints"
     assert disk.complete_steps(root)[-1] == DET_STEPS
     f = newest_data_file(root, DET_STEPS)
@@ -43,7 +41,6 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(reference, 
         f.write_bytes(bytes(data))
     else:
         f.write_bytes(bytes(data[: len(data) // 2]))
-    (run_dir / "model.safetensors").unlink()
     again = run_torchrun(plan, run_dir)
     assert again.rc == 0, again.output[-3000:]
     previous = DET_STEPS - DET_EVERY
@@ -65,9 +62,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(reference, 
     assert all(losses[s] == ref.losses()[s] for s in range(previous + 1, DET_STEPS + 1))
 
 
-def test_no_usable_checkpoint_stops_instead_of_starting_over(run_dir):
-    plan = write_plan(run_dir, det_recipe("ddp", checkpoint={"every": 6, "keep": 1}))
-    assert run_torchrun(plan, run_dir).rc == 0
+def test_no_usable_checkpoint_stops_instead_of_starting_over(run_dir, trained):
+    plan = trained(keep=(DET_STEPS,))  # a finished run that kept one checkpoint
     root = run_dir / "checkpoints"
     (only,) = disk.complete_steps(root)
     newest_data_file(root, only).write_bytes(b"")
