@@ -130,6 +130,26 @@ def test_the_readme_in_order_in_one_workspace(tmp_path):
     assert len(ordered) >= 5
     for block in ordered:
         _run_block(block, ws, env, where=" (run in order, after the blocks above it)")
+    _the_4_rank_run_is_tensor_and_pipeline_parallel(ws / "runs" / "tiny-tp2-pp2")
+
+
+def _the_4_rank_run_is_tensor_and_pipeline_parallel(run: Path) -> None:
+    """The README's `dtlaunch up ... tensor=2 ... pipeline=2` (through the local target's launch script): 4 ranks in
+    that layout, a falling loss, and the stages' weights gathered over tensor ranks and stages into one file."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from launcher.catalog import PRESETS
+    from launcher.plan.params import count_params
+
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    start = [m for m in rows if m.get("event") == "start"][0]
+    assert start["layout"]["tp"] == 2 and start["layout"]["pp"] == 2 and start["world_size"] == 4, start
+    losses = [m["loss"] for m in rows if "loss" in m]
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses
+    weights = load_file(str(run / "model.safetensors"))
+    assert sum(t.numel() for t in weights.values()) == count_params(PRESETS["tiny"])
 
 
 def test_the_shipped_recipes_table_is_what_plan_says(run_cli):

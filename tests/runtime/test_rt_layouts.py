@@ -29,10 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.catalog import PRESETS
 from launcher.jobenv import ExitCode
 from launcher.plan import Plan, make_plan
-from launcher.plan.params import count_params
 from launcher.plan.parts import part_of, rank_params
 from launcher.plan.states import model_states
 from launcher.recipe import load
@@ -42,7 +40,6 @@ from rt_harness import (
     deep_merge,
     free_port,
     kill_tree,
-    load_safetensors,
     recipe_dict,
     torchrun_env,
     write_plan,
@@ -375,40 +372,6 @@ def test_the_runs_print_none_of_the_third_party_warnings_the_runtime_quiets(runs
     for nproc, log in logs.items():
         for text in quieted:
             assert text not in log, f"{nproc}-rank world: {text!r}"
-
-
-@pytest.mark.slow
-def test_dtlaunch_up_trains_tiny_at_tp2_pp2(run_cli, tmp_path):
-    """The command the README gives, through `dtlaunch up` and the local target's rendered launch script (the
-    recipe's own 40 steps cut to 6 here)."""
-    out_dir = tmp_path / "tiny"
-    code, out, err = run_cli(
-        "up",
-        RECIPES / "tiny.yaml",
-        "--target",
-        "local",
-        "-o",
-        out_dir,
-        "--set",
-        "resources.accelerator=cpu:4",
-        "--set",
-        "parallelism.tensor=2",
-        "--set",
-        "parallelism.pipeline=2",
-        "--set",
-        "training.steps=6",
-        "--set",
-        "training.log_every=1",
-    )
-    assert code == 0, out + err
-    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    start = [m for m in rows if m.get("event") == "start"][0]
-    assert start["layout"]["tp"] == 2 and start["layout"]["pp"] == 2 and start["world_size"] == 4
-    losses = [m["loss"] for m in rows if "loss" in m]
-    assert len(losses) == 6 and losses[-1] < losses[0]
-    # the stages' weights, gathered over tensor ranks and pipeline stages into one file
-    weights = load_safetensors(out_dir / "model.safetensors")
-    assert sum(t.numel() for t in weights.values()) == count_params(PRESETS["tiny"])
 
 
 # Layouts whose every rank's peak under MemTracker (real tensors, the runtime's own wrapping) is compared with the
