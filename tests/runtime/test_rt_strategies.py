@@ -36,7 +36,10 @@ from rt_harness import (
     write_plan,
 )
 
-STEPS = 20
+STEPS = 12
+# the loss's fall over STEPS, at least: every strategy falls ~1.35 (6.25 -> 4.9); an update lost or mis-scaled
+# leaves it near ln(512)
+FALL = 1.0
 CASES = [
     # (strategy, precision, activation checkpointing, offload)
     ("ddp", "fp32", "none", "none"),
@@ -74,7 +77,7 @@ def _case_recipe(name: str) -> dict:
     return recipe_dict(
         parallelism={"strategy": strategy, "precision": precision, "activation_checkpointing": ac, "offload": offload},
         training={"steps": STEPS},
-        checkpoint={"every": 10},
+        checkpoint={"every": STEPS // 2},
     )
 
 
@@ -147,8 +150,8 @@ def test_strategy_trains(matrix, strategy, precision, ac, offload):
     assert all(math.isfinite(v) for v in losses.values())
     first, last = losses[1], sum(losses[s] for s in (STEPS - 2, STEPS - 1, STEPS)) / 3
     assert first > 6.0  # ~ln(512): an untrained model
-    assert last < first - 1.5, f"loss did not fall enough: {first:.3f} -> {last:.3f}"
-    assert disk.complete_steps(d / "checkpoints") == [10, 20]
+    assert last < first - FALL, f"loss did not fall enough: {first:.3f} -> {last:.3f}"
+    assert disk.complete_steps(d / "checkpoints") == [STEPS // 2, STEPS]
     weights = load_safetensors(d / "model.safetensors")
     assert sum(t.numel() for t in weights.values()) == count_params(catalog.PRESETS["tiny"])
     assert all(str(t.dtype) == "torch.float32" for t in weights.values())
@@ -249,7 +252,7 @@ def test_fsdp_reducing_once_per_step_trains_as_reducing_every_micro_step(matrix)
     a, b = [r["loss"] for r in once], [r["loss"] for r in every]
     assert len(a) == len(b) == STEPS
     assert a == pytest.approx(b, rel=1e-4)
-    assert a[-1] < a[0] - 1.5
+    assert a[-1] < a[0] - FALL
 
 
 @pytest.mark.slow
@@ -261,7 +264,7 @@ def test_a_run_driven_step_by_step_trains_as_run_does(matrix):
     d, res, stepped = _result(matrix, "stepwise:ddp:fp32:none:none")
     assert res["stepwise"]["yielded"] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in stepped] == pytest.approx([r["loss"] for r in by_run], rel=1e-6)
-    assert disk.complete_steps(d / "checkpoints") == [10, 20]
+    assert disk.complete_steps(d / "checkpoints") == [STEPS // 2, STEPS]
     assert (d / "model.safetensors").exists()
     assert res["stepwise"]["handlers_restored"] and res_run["stepwise"]["handlers_restored"]
 
