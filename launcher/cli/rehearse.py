@@ -124,9 +124,13 @@ def rehearse(recipe, plan, root: Path, max_ranks: int, only: tuple[str, ...] = C
             checks.append(Check("control", False, f"the one-rank run ended {_code(control.rc)}: see {control.log}"))
             return r, checks
     if {"parity", "preemption", "reshard", "memory"} & set(only):
-        # USR2 at the last step a check asks for: the preemption and the reshard a step past the checkpoint at FIRST,
-        # parity its FIRST steps, the memory check its traced step (an 8-rank step takes seconds on a CPU)
-        stop_at = FIRST + 1 if {"preemption", "reshard"} & set(only) else FIRST if "parity" in only else TRACKED_STEP
+        # USR2 at the last step a check asks for (an 8-rank step takes seconds on a CPU): the preemption and the
+        # reshard a step past the checkpoint at FIRST, parity its FIRST steps, the memory check its traced step
+        stop_at = TRACKED_STEP
+        if "parity" in only:
+            stop_at = FIRST
+        if {"preemption", "reshard"} & set(only):
+            stop_at = FIRST + 1
         first = run_one(
             root,
             "layout",

@@ -68,8 +68,9 @@ def _node_facts() -> dict:
 
     facts: dict = {}
     status = os.environ.get(jobenv.STATUS)
-    for rec in check_records(Path(status), jobenv.node_name()) if status else []:
-        facts["check"] = {"code": rec.get("code"), "summary": rec.get("message")}
+    records = check_records(Path(status), jobenv.node_name()) if status else []  # one file per node, or none
+    if records:
+        facts["check"] = {"code": records[0].get("code"), "summary": records[0].get("message")}
     try:
         facts["free_bytes"] = shutil.disk_usage(os.environ.get(jobenv.RUN_DIR) or ".").free
     except OSError:

@@ -6,6 +6,7 @@ its own exit code (and how far it got) where the job scripts read it with nothin
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import time
@@ -101,11 +102,12 @@ def write_check_record(run_dir: Path, node: str, code: int, message: str) -> Non
         pass  # the message is in the node's log too
 
 
-def check_records(directory: Path, node: str = "*") -> list[dict]:
+def check_records(directory: Path, node: str | None = None) -> list[dict]:
     """The check records (write_check_record) of `node` (every node's by default) in an attempt's status
     directory; unreadable ones skipped."""
     out = []
-    for p in sorted(directory.glob(f"{jobenv.CHECK_RECORD_PREFIX}{node}.json")):
+    name = "*" if node is None else glob.escape(node)  # a node's name is data, not a pattern
+    for p in sorted(directory.glob(f"{jobenv.CHECK_RECORD_PREFIX}{name}.json")):
         try:
             rec = json.loads(p.read_text())
         except (OSError, ValueError):

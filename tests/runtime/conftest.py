@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.runtime.checkpoint import disk
 from rt_harness import det_recipe, free_port, run_torchrun, write_plan
 
 
@@ -47,8 +48,6 @@ def trained(reference, run_dir):
     run), without training it again."""
 
     def make(dest: Path = run_dir, keep: tuple[int, ...] | None = None) -> Path:
-        from launcher.runtime.checkpoint import disk
-
         root = dest / "checkpoints"
         shutil.copytree(reference("ddp").run_dir / "checkpoints", root, symlinks=True)
         if keep is not None:
