@@ -105,7 +105,11 @@ def test_a_slow_rank_is_named_checkpointed_and_the_resumed_run_matches_an_undist
     shown = progress({**row, "job_id": "1", "created": 0.0}, now=1.0)["state"]
     assert "straggler: rank 1 on" in shown and f"others wait {waited:.2g} s/step" in shown, shown
 
-    again = run_torchrun(plan, run_dir)  # the fault gone (the node excluded): resume from the straggler's save
+    # the fault gone (the node excluded): resume from the straggler's save. The resume only warns: identical
+    # ranks on this shared 2-core machine can differ by 1.4x for a few log steps (noise the verdict is right to
+    # name, and which must not end the run this checks for its weights).
+    calm = write_plan(run_dir, det_recipe("ddp"))
+    again = run_torchrun(calm, run_dir)
     assert again.rc == 0, again.output[-4000:]
     assert f"resumed from step {stop}" in again.stdout
     assert again.losses() == ref.losses()
