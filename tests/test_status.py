@@ -107,3 +107,62 @@ def test_down_all_with_nothing_running_and_its_usage(run_cli, tmp_path):
 def test_forget_of_an_unknown_job_is_named(run_cli, key):
     code, _, err = run_cli("forget", key)
     assert code == 2 and f"no job named {key!r}" in err
+
+
+class _LaggingAccounting:
+    """Stands in for the SLURM commands at one moment that cannot be produced on demand here: the job has left
+    squeue, and slurmdbd has not yet recorded its end (sacct still says RUNNING, exit 0:0)."""
+
+    def __init__(self, job_dir: Path):
+        self.job_dir = job_dir
+
+    def run(self, argv, cwd=None, timeout=120):
+        if argv[0] == "squeue":
+            return 0, "", ""
+        assert argv[0] == "sacct", argv
+        return 0, "RUNNING|0:0\n", ""
+
+    def read(self, path):
+        p = Path(path)
+        return p.read_bytes() if p.exists() else None
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("written", "codes", "shown"),
+    [("COMPLETED", "0 0 none\n", ("COMPLETED", 0)), ("STOPPED", "0 42 TERM\n", ("STOPPED", 42)), ("RUNNING", "", None)],
+)
+def test_a_slurm_job_gone_from_squeue_ends_as_its_own_files_say_while_accounting_lags(tmp_path, written, codes, shown):
+    """`dtlaunch status` right after a SLURM job ended once read `RUNNING exit=0`: accounting lags the job's end.
+    The job script's final state (jobs/ID/state) answers then; a state it writes while the job lives does not."""
+    from launcher.targets.slurm.backend import SlurmBackend
+    from launcher.targets.slurm.request import SlurmHandle
+
+    job_dir = tmp_path / "jobs" / "31"
+    job_dir.mkdir(parents=True)
+    (job_dir / "state").write_text(written + "\n")
+    (job_dir / "exit_codes").write_text(codes)
+    rec = JobRecord("tiny", "slurm", "31", str(tmp_path), SlurmHandle(str(tmp_path), "tiny"))
+    st = SlurmBackend()._status(_LaggingAccounting(job_dir), rec).to_dict()
+    if shown is None:
+        assert (st["state"], st["source"]) == ("RUNNING", "sacct"), st
+    else:
+        assert (st["state"], st["exit_code"], st["source"]) == (*shown, "job files"), st
+        assert st["detail"] == "accounting has not recorded the end yet"
+
+
+def test_the_job_scripts_live_states_are_the_ones_status_waits_past():
+    """What the SLURM job scripts write to jobs/ID/state before the job's end is what the backend treats as not
+    final; every other state they write (COMPLETED, STOPPED, FAILED, the decision's) is an end."""
+    import re
+
+    from launcher.targets.slurm import backend
+
+    templates = Path(backend.__file__).parent / "templates"
+    written = set()
+    for t in templates.glob("*.j2"):
+        written |= set(re.findall(r'echo ([A-Z]+) > "\$JOB_DIR/state"', t.read_text()))
+    ends = {"COMPLETED", "STOPPED", "FAILED"}
+    assert written == set(backend._LIVE_FILE_STATES) | ends, written

@@ -1,8 +1,8 @@
 """Tensor, sequence and pipeline parallel layouts train for real on gloo ranks under torchrun, and their
 losses are the single-rank run's: tp=2, pp=2 (1F1B), tp=2 x dp=2, pp=2 x dp=2 (interleaved 1F1B, ddp's
 replicated FSDP2), tp=2 x pp=2 (sequence parallel), on 8 ranks tp=2 x pp=2 x dp=2 and tp=2 x HSDP (2 x 2),
-a Hugging Face Llama with biases at tp=2, and the layout
-the planner picks for recipes/llama3-405b.yaml scaled down to the tiny model on 4 ranks. A run resumes across
+and a Hugging Face Llama with biases at tp=2 (the layout the planner picks for recipes/llama3-405b.yaml trains at
+its own tensor degree in tests/test_rehearse.py, through `dtlaunch rehearse`). A run resumes across
 layout changes, tp2 x pp2 -> dp4 -> tp2 x dp2, with the loss continuing as the uninterrupted single-rank run's.
 Every rank's parameter and optimizer bytes, read off the wrapped model, are the planner's for that rank.
 
@@ -30,10 +30,8 @@ from pathlib import Path
 import pytest
 
 from launcher.jobenv import ExitCode
-from launcher.plan import Plan, make_plan
 from launcher.plan.parts import part_of, rank_params
 from launcher.plan.states import model_states
-from launcher.recipe import load
 from launcher.runtime.checkpoint import disk
 from rt_harness import (
     TORCHRUN,
@@ -44,7 +42,6 @@ from rt_harness import (
     torchrun_env,
     write_plan,
 )
-from testpaths import RECIPES
 
 TOL = 1e-5  # loss, absolute (see the module docstring)
 GRAD_RTOL = 1e-4  # gradient norms in the first steps, relative (~1e-5 seen: ~800k fp32 squares summed in another order)
@@ -79,26 +76,6 @@ def resume_chain(accelerator: str, strategy: str, tp: int, pp: int, shared: Path
 
 def preempt_at(step: int) -> dict:
     return {"DTLAUNCH_FAULT": f"signal:rank=0:step={step}:sig=USR2"}
-
-
-def scaled_405b() -> tuple[Plan, dict]:
-    """The plan of recipes/llama3-405b.yaml, and its layout on the tiny model and 4 CPU ranks: the same
-    strategy, checkpointing, precision, sequence parallelism and schedule; tensor 8 -> 2, pipeline -> 2 if any."""
-    plan = make_plan(load(RECIPES / "llama3-405b.yaml"))
-    lay = plan.layout
-    rec = base(
-        "cpu:4",
-        lay.strategy,
-        2,
-        2 if lay.pp > 1 else 1,
-        6,
-        precision=lay.precision,
-        activation_checkpointing=lay.activation_checkpointing,
-        sequence_parallel=lay.sequence_parallel,
-        pipeline_schedule=lay.pp_schedule,
-        offload="none",
-    )
-    return plan, rec
 
 
 def hf_recipe(model: Path, accelerator: str, tp: int) -> dict:
@@ -141,7 +118,6 @@ def worlds_cases(root: Path) -> dict[int, list[tuple[str, dict, dict, int]]]:
             ),
             ("dp4", resume_chain("cpu:4", "fsdp", 1, 1, shared), preempt_at(2 * FIRST), ExitCode.PREEMPTED),
             ("tp2xdp2-resumed", resume_chain("cpu:4", "fsdp", 2, 1, shared), {}, 0),
-            ("405b-scaled", scaled_405b()[1], {}, 0),
         ],
         # 3D: 8 ranks on 2 cores is slow but works (~25 s a case)
         8: [
@@ -289,21 +265,6 @@ def test_resume_across_layout_changes_continues_the_loss(runs):
     assert disk.read_meta(disk.step_path(shared, 2 * FIRST))["layout"]["dp"] == 4
 
 
-@pytest.mark.slow
-def test_the_405b_recipes_layout_trains_scaled_down(runs):
-    plan, rec = scaled_405b()
-    assert plan.layout.tp == 8 and plan.world_size == 128
-    d, rows = result(runs, "405b-scaled")
-    losses = [rows[s]["loss"] for s in sorted(rows)]
-    assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
-    assert losses[-1] < losses[0] - 0.3, losses
-    print(
-        f"\n405b layout ({plan.layout.strategy}, tp 8 -> 2, pp {plan.layout.pp}, "
-        f"sp {plan.layout.sequence_parallel}, ac {plan.layout.activation_checkpointing}, {plan.layout.precision}) "
-        f"on the tiny model: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
-    )
-
-
 BYTES_CASES = [
     "tp2",
     "pp2",
@@ -312,7 +273,6 @@ BYTES_CASES = [
     "pp2xdp2",
     "dp4",
     "tp2xdp2-resumed",
-    "405b-scaled",
     "tp2xpp2xdp2",
     "tp2xhsdp",
 ]

@@ -160,6 +160,15 @@ class SlurmBackend:
         if rc == 0 and rows:
             state = _merge([r[0].split()[0] for r in rows])
             code: int | None = max(int(r[1].split(":")[0]) for r in rows)
+            if state in _LIVE and files.get("job_state") not in (None, *_LIVE_FILE_STATES):
+                # Gone from squeue, yet accounting says it still runs: slurmdbd records a job's end some seconds
+                # after the job has left. The job script's own final state says how it ended.
+                return JobStatus(
+                    files["job_state"],
+                    files.get("last_exit_code"),
+                    "accounting has not recorded the end yet",
+                    extra={"source": "job files", **files},
+                )
             if state == "CANCELLED":
                 # SLURM records the batch shell's 0:15; what the workers did (42: checkpointed) is in the job files.
                 code = files.get("last_exit_code")
@@ -245,6 +254,11 @@ class SlurmBackend:
         if rc != 0:
             raise BackendError(f"scancel {job.job_id} failed: {err.strip() or out.strip()}")
         return f"cancelled {job.name} (slurm job {job.job_id}); its workers checkpoint on SIGTERM"
+
+
+# squeue/sacct states of a job that has not ended, and what the job script writes to jobs/ID/state before its end
+_LIVE = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "SUSPENDED")
+_LIVE_FILE_STATES = ("STARTING", "RUNNING", "REQUEUED")
 
 
 def _merge(states: list[str]) -> str:
