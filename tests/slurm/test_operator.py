@@ -71,8 +71,10 @@ def test_a_run_longer_than_its_time_limit_continues_past_max_requeues(tmp_path, 
             partition,
             [
                 "training.steps=5000",
-                "targets.slurm.time=2",
-                "targets.slurm.signal_seconds=60",
+                # USR2 45 s before a 1-minute limit: slurmctld sends it on its next 30-s pass over the time limits,
+                # 15-45 s into the job, after the first steps and with 15 s or more left to save and requeue
+                "targets.slurm.time=1",
+                "targets.slurm.signal_seconds=45",
                 "targets.slurm.max_requeues=0",
             ],
         ),
