@@ -71,10 +71,11 @@ def test_a_run_longer_than_its_time_limit_continues_past_max_requeues(tmp_path, 
             partition,
             [
                 "training.steps=5000",
-                # USR2 45 s before a 1-minute limit: slurmctld sends it on its next 30-s pass over the time limits,
-                # 15-45 s into the job, after the first steps and with 15 s or more left to save and requeue
+                # slurmctld passes over the time limits every 30 s and signals a job that will be within --signal's
+                # seconds of its limit by the next pass: USR2 15-45 s into this 1-minute job, after its first steps,
+                # with 15 s or more left to save and requeue
                 "targets.slurm.time=1",
-                "targets.slurm.signal_seconds=45",
+                "targets.slurm.signal_seconds=15",
                 "targets.slurm.max_requeues=0",
             ],
         ),
