@@ -30,12 +30,10 @@ goodput >= 0.8 is the target of the full run.
 
 from __future__ import annotations
 
-import atexit
 import errno
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -45,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import _torchrun as T
-from common import result
+from common import result, scratch
 
 KINDS = (
     "rank_kill",
@@ -305,8 +303,7 @@ def _reference(rec: dict, where: Path, limit: float):
     wanted = T.write_plan(where, rec).read_text()
     if not given:
         if wanted not in _MADE:  # one per recipe and process: the SLURM chaos run compares with the same run
-            _MADE[wanted] = T.ours(rec, Path(tempfile.mkdtemp(prefix="dtlaunch-chaos-ref-")), hwm=False, timeout=limit)
-            atexit.register(shutil.rmtree, _MADE[wanted].run_dir, True)
+            _MADE[wanted] = T.ours(rec, scratch("dtlaunch-chaos-ref-"), hwm=False, timeout=limit)
         return _MADE[wanted].check()
     ref = Path(given)
     if not (ref / "plan.json").is_file() or (ref / "plan.json").read_text() != wanted:

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
 import _torchrun as T
-from common import bootstrap_band, result, stats
+from common import bootstrap_band, result, scratch, stats
 
 TARGET = 0.2
 THROUGHPUT_TARGET = 0.8
@@ -85,7 +84,7 @@ def run(quick: bool = False) -> dict:
     every, n_ckpt = 3, 2
     steps = every * n_ckpt + 1
     repeat = 1 if quick else 3
-    base = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    base = scratch("bench-ckpt-")
     res = {"sync": [], "async": [], "torch_save": []}
     for i in range(repeat):
         for mode in ("sync", "async"):

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import compileall
 import os
-import tempfile
 
-from common import PY, ROOT, bootstrap_band, interleaved, result, stats, time_command
+from common import PY, ROOT, bootstrap_band, interleaved, result, scratch, stats, time_command
 
 TARGET = 5.0
 CLI = [PY, "-m", "launcher.cli"]
@@ -31,7 +30,7 @@ def _ratio(pairs: list) -> float:
 def run(quick: bool = False) -> dict:
     repeat = 3 if quick else 15
     compileall.compile_dir(str(ROOT / "launcher"), quiet=1)
-    out = tempfile.mkdtemp()
+    out = str(scratch("bench-cli-"))
     cmds = {
         "baseline": [PY, "-c", "import yaml"],
         "help": [*CLI, "--help"],

@@ -6,19 +6,30 @@ one run and reports their ratio; absolute seconds are kept in `detail` for refer
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+
+
+def scratch(prefix: str) -> Path:
+    """A directory for a benchmark's runs, removed when its process exits: the figures go to results.json, and
+    the runs' checkpoints and logs would otherwise pile up in the temp directory at every `make bench`."""
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, d, True)
+    return d
 
 
 def stats(xs: list[float]) -> dict:

@@ -9,13 +9,11 @@ median(ours)/median(minimal); target <= 1.05.
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 
 from trainer_overhead import STRATEGIES
 
 import _torchrun as T
-from common import abba, result, stats
+from common import abba, result, scratch, stats
 
 TARGET = 1.05
 
@@ -23,7 +21,7 @@ TARGET = 1.05
 def collect(quick: bool) -> dict:
     """`repeat` runs of each arm per strategy, alternating which goes first."""
     strategies, steps, repeat = (["ddp"], 6, 1) if quick else (STRATEGIES, 20, 2)
-    base = Path(tempfile.mkdtemp(prefix="bench-memory-"))
+    base = scratch("bench-memory-")
     runs = {s: {"ours": [], "minimal": []} for s in strategies}
     for i in range(repeat):
         for s in strategies:

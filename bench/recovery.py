@@ -13,11 +13,9 @@ DDP on the tiny preset, a sync checkpoint every EVERY steps. Targets: ratio <= 1
 from __future__ import annotations
 
 import re
-import tempfile
-from pathlib import Path
 
 import _torchrun as T
-from common import result, stats
+from common import result, scratch, stats
 
 TARGET = 1.5
 EVERY = 5
@@ -52,7 +50,7 @@ def _analyse(run: T.Run) -> dict:
 
 def run(quick: bool = False) -> dict:
     repeat = 1 if quick else 3
-    base = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    base = scratch("bench-recovery-")
     rec = T.recipe(training={"steps": KILL_STEP + 3, "log_every": 1}, checkpoint={"every": EVERY, "keep": 2})
     runs = []
     for i in range(repeat):

@@ -12,9 +12,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from common import scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -54,7 +55,7 @@ def fill(home: Path, rows: int, live: int) -> list[subprocess.Popen]:
 
 def main() -> None:
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
-    home = Path(tempfile.mkdtemp(prefix="dtlaunch-status-bench-"))
+    home = scratch("dtlaunch-status-bench-")
     os.environ["DTLAUNCH_HOME"] = str(home)
     procs = fill(home, rows, live=5)
     others = [subprocess.Popen(["sleep", "600"]) for _ in range(20)]  # a busier process table

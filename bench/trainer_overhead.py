@@ -40,11 +40,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
 import _torchrun as T
-from common import bootstrap_band, quantile, result
+from common import bootstrap_band, quantile, result, scratch
 
 TARGET = 0.97
 Q = 0.2  # the quantile of block durations of the secondary estimator (an arm's unloaded speed)
@@ -66,7 +65,7 @@ def collect(quick: bool) -> dict:
         return CACHE[quick]
     cfg = _config(quick)
     steps = cfg["warmup"] + cfg["blocks"] * cfg["block"]
-    base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    base = scratch("bench-overhead-")
     blocks, losses = {}, {}
     for s in cfg["strategies"]:
         d = base / s
