@@ -116,16 +116,19 @@ def test_resubmitting_a_run_by_id_resumes_its_checkpoints(tmp_path, partition):
     assert again.ledger("state") == ["COMPLETED"]
 
 
+SLOW_SAVE_S = 34  # longer than torchrun's default 30 s between SIGTERM and SIGKILL
+
+
 def test_a_checkpoint_slower_than_torchruns_default_grace_survives_term(tmp_path, partition):
     """TERM reaches torchrun and the workers (as a site's preemption or KillWait would); the save it starts
-    takes 34 s, longer than torchrun's default 30 s before SIGKILL. With the rendered --shutdown-timeout
+    takes SLOW_SAVE_S, longer than torchrun's default 30 s before SIGKILL. With the rendered --shutdown-timeout
     (checkpoint.grace_seconds) the checkpoint is committed and every rank reports PREEMPTED."""
     render_to(
         tmp_path,
         "tiny",
         activating(partition, ["training.steps=2000", "checkpoint.every=100000", "checkpoint.grace_seconds=90"]),
     )
-    job = Job(tmp_path, env={**BARE, "DTLAUNCH_FAULT": "slow_checkpoint:step=any:seconds=34"})
+    job = Job(tmp_path, env={**BARE, "DTLAUNCH_FAULT": f"slow_checkpoint:step=any:seconds={SLOW_SAVE_S}"})
     try:
         wait_for(lambda: job.max_step() >= 3, 180, "step 3")
         t_term = time.time()
@@ -133,11 +136,11 @@ def test_a_checkpoint_slower_than_torchruns_default_grace_survives_term(tmp_path
         wait_for(lambda: job.events("preempt"), 120, "the checkpoint after TERM")
         took = time.time() - t_term
         (pre,) = job.events("preempt")
-        assert took > 31, f"the slow checkpoint took only {took:.0f}s: the fault did not fire"
+        assert took > SLOW_SAVE_S - 3, f"the slow checkpoint took only {took:.0f}s: the fault did not fire"
         assert pre["step"] in complete_steps(job.run / "checkpoints")
         wait_for(lambda: len(job.status()) == 2, 60, "both ranks' exit records")
         assert {s["code"] for s in job.status().values()} == {ExitCode.PREEMPTED}, job.status()
-        print(f"\nTERM -> 34 s checkpoint committed after {took:.1f}s (torchrun's default grace is 30 s)")
+        print(f"\nTERM -> {SLOW_SAVE_S} s checkpoint committed after {took:.1f}s (torchrun's default grace is 30 s)")
     finally:
         sh("scancel", job.id, check=False)
 

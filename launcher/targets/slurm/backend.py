@@ -160,7 +160,7 @@ class SlurmBackend:
         if rc == 0 and rows:
             state = _merge([r[0].split()[0] for r in rows])
             code: int | None = max(int(r[1].split(":")[0]) for r in rows)
-            if state in _LIVE and files.get("job_state") not in (None, *_LIVE_FILE_STATES):
+            if state in _UNFINISHED and files.get("job_state") not in (None, *_LIVE_FILE_STATES):
                 # Gone from squeue, yet accounting says it still runs: slurmdbd records a job's end some seconds
                 # after the job has left. The job script's own final state says how it ended.
                 return JobStatus(
@@ -256,14 +256,15 @@ class SlurmBackend:
         return f"cancelled {job.name} (slurm job {job.job_id}); its workers checkpoint on SIGTERM"
 
 
-# squeue/sacct states of a job that has not ended, and what the job script writes to jobs/ID/state before its end
-_LIVE = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "SUSPENDED")
+# squeue/sacct states of a job that has not ended, the least finished first; and what the job script writes to
+# jobs/ID/state before its end
+_UNFINISHED = ("RUNNING", "REQUEUED", "PENDING", "CONFIGURING", "COMPLETING", "SUSPENDED")
 _LIVE_FILE_STATES = ("STARTING", "RUNNING", "REQUEUED")
 
 
 def _merge(states: list[str]) -> str:
     """Array jobs have one state per task: report the least finished one."""
-    for s in ("RUNNING", "REQUEUED", "PENDING", "CONFIGURING", "COMPLETING", "SUSPENDED"):
+    for s in _UNFINISHED:
         if s in states:
             return s
     for s in states:
