@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from launcher.render.package import wheel_name
-from slurmkit import REPO, VENV_ACTIVATE, render_to, sacct_rows, sh, shared_dir, wait_gone
+from slurmkit import REPO, VENV_ACTIVATE, render_to, result, sacct_rows, sh, shared_dir, wait_gone
 
 IMAGE = "nvcr.io/nvidia/pytorch:24.05-py3"
 STEPS = 4
@@ -315,7 +315,7 @@ def test_submitit_runs_the_same_container_step(tmp_path, partition, stubs):
         target_dir=tmp_path / "out",
         overrides=container_overrides(partition, tmp_path, "pyxis"),
     )
-    summary = job.result()
+    summary = result(job)
     assert summary["state"] == "COMPLETED" and summary["step"] == STEPS, summary
     got = calls(stubs)
     submit = str((tmp_path / "out").resolve())

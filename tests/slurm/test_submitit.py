@@ -28,7 +28,17 @@ from launcher.targets.registry import Registry
 from launcher.targets.slurm import submitit_job
 from launcher.targets.slurm.request import SubmititSpec
 from launcher.targets.slurm_decisions import Outcome, decide
-from slurmkit import REPO, release_after_requeue, render_to, sacct_rows, sh, shared_dir, squeue_state, wait_for
+from slurmkit import (
+    REPO,
+    release_after_requeue,
+    render_to,
+    result,
+    sacct_rows,
+    sh,
+    shared_dir,
+    squeue_state,
+    wait_for,
+)
 
 TINY = REPO / "recipes" / "tiny.yaml"
 VENV_ACTIVATE = str(Path(sys.executable).parent / "activate")
@@ -290,7 +300,7 @@ def test_two_nodes_complete_and_the_result_is_the_runs_summary(tmp_path, partiti
     t0 = time.time()
     job = launcher.submit(TINY, target_dir=tmp_path / "out", overrides=cluster_overrides(partition, tmp_path))
     assert isinstance(job, submitit.Job) and job.num_tasks == 1
-    summary = job.result()
+    summary = result(job)
     took = time.time() - t0
     r = Run(job, tmp_path / "out")
     assert summary["state"] == "COMPLETED" and summary["exit_code"] == 0, r.log()
@@ -341,7 +351,7 @@ def test_usr2_checkpoints_requeues_through_submitit_and_resumes(tmp_path, partit
     assert pre["signal"] == "SIGUSR2" and 3 <= saved < STEPS, pre
     assert saved in complete_steps(shared_dir(tmp_path) / "ckpt" / r.id)
     release_after_requeue(r.id, requeued_at)
-    summary = job.result()
+    summary = result(job)
     took = time.time() - t0
     assert (summary["attempts"], summary["requeues"], summary["continuations"], summary["step"]) == (2, 1, 0, STEPS)
     (resumed,) = r.events("resume")
@@ -398,7 +408,7 @@ def test_a_hangs_culprit_node_is_left_out_through_submitit_too(tmp_path, partiti
         explain=r.state,
     )
     release_after_requeue(r.id, requeued_at)
-    summary = job.result()
+    summary = result(job)
     assert summary["step"] == 6 and [a.split()[2] for a in r.ledger("attempts")] == ["node1", "node2"], summary
     assert [e["step"] for e in r.events("resume")] == [3]
     assert r.ledger("failures") == []  # left out, not counted as a failure (as job.sbatch)
@@ -416,7 +426,7 @@ def test_cancel_of_a_running_job_ends_it_for_good(tmp_path, partition, login_she
     t_cancel = time.time()
     job.cancel()
     with pytest.raises(submitit.core.utils.UncompletedJobError):
-        job.result()
+        result(job)
     took = time.time() - t_cancel
     assert r.sacct()[0][1].startswith("CANCELLED"), r.sacct()
     time.sleep(3)  # a requeued job would be back in squeue by now (held, PENDING)
@@ -448,7 +458,7 @@ def test_a_failure_raises_from_result_with_the_ranks_codes(tmp_path, partition, 
     assert rec.handle.submit == "submitit" and rec.handle.submitit_folder == str(tmp_path / "out" / "submitit")
     job = submitit_job.job(rec.handle.submitit_folder, rec.job_id)
     with pytest.raises(submitit.core.utils.FailedJobError) as e:
-        job.result()
+        result(job)
     took = time.time() - t0
     r = Run(job, tmp_path / "out")
     msg = str(e.value)
@@ -479,7 +489,7 @@ def test_preempted_without_requeues_left_exits_42(tmp_path, partition, login_she
         match=r"exit 42 \(PREEMPTED\): preempted, but "
         r"max_requeues=0 is used up",
     ):
-        job.result()
+        result(job)
     took = time.time() - t0
     r = Run(job, tmp_path / "out")
     rows = {row[0]: row[1:] for row in r.sacct()}
@@ -497,7 +507,7 @@ def test_without_setup_the_job_fails_once_and_result_says_what_to_do(tmp_path, p
     over = [o for o in cluster_overrides(partition, tmp_path) if not o.startswith("targets.slurm.setup")]
     job = launcher.submit(TINY, target_dir=tmp_path / "out", overrides=over)
     with pytest.raises(submitit.core.utils.UncompletedJobError, match="cannot run this plan") as e:
-        job.result()
+        result(job)
     assert "targets.slurm.setup" in str(e.value)
     r = Run(job, tmp_path / "out")
     assert [row[1:] for row in r.sacct() if row[0] == r.id] == [["FAILED", "2:0"]]
