@@ -297,13 +297,14 @@ def test_status_of_1000_jobs_takes_well_under_a_second(run_cli, tmp_path, procs)
 
 
 def test_down_in_a_jobs_first_second_is_a_stop_not_a_lost_job(run_cli, tmp_path):
-    """`down` while the job still runs its pre-start check (before torchrun and its traps): the launch script's
-    early trap records the stop, so status reads PREEMPTED (nothing trained, nothing lost), never LOST, and
+    """`down` while the job is still starting (before torchrun's workers and their traps): the launch script's
+    early trap, or the torchrun agent's (launcher.runtime.elastic, which checks the plan, importing torch),
+    records the stop, so status reads PREEMPTED (nothing trained, nothing lost), never LOST, and
     `down` says what happened rather than claiming a checkpoint; `up` then starts it."""
     run_dir = tmp_path / "early"
     code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=4", "--detach")
     assert code == 0, err
-    time.sleep(0.5)  # the check imports torch: seconds
+    time.sleep(0.5)  # the agent imports torch and checks the plan: seconds
     code, out, err = run_cli("down", "tiny")
     assert code == 0 and "stopped tiny: stopped before training began (nothing to checkpoint)" in out, out + err
     assert states(run_cli) == ["PREEMPTED"]

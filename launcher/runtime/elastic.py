@@ -11,7 +11,12 @@ comes before `gpu2` and `10.0.0.12` before `10.0.0.9`, so global rank 0 could la
 store and pipeline stages would ignore the scheduler's topology-aware order (see `_ranks_follow_scheduler`).
 
 With `--check-plan=PLAN` first, the agent checks its node against the plan before the rendezvous
-(see `_check_first`): the SLURM job scripts' pre-start check, without a process of its own.
+(see `_check_first`): the job scripts' pre-start check, without a process (and a torch import) of its own.
+
+Until the workers start, a stop signal (one of --signals-to-handle: `dtlaunch down`, a cancel, a preemption)
+ends the agent with the PREEMPTED code, as a job stopped before training began: nothing has trained, so nothing
+is lost (see `_stop_before_training`). torchrun installs its own handlers, which pass signals to the workers,
+only as it starts them; until then a signal would kill the agent, and the job would read as lost.
 
 A worker that ends with a final code (jobenv.OUTCOMES: a bad recipe, a diverged loss, no usable checkpoint,
 failing storage), or with a node's fault (PREFLIGHT: jobenv.restarts_in_place), is not restarted: torchrun restarts on any failure while max_restarts lasts, and a restart
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -164,13 +170,17 @@ def _check_first(argv: list[str]) -> tuple[int, list[str]]:
     pid = os.fork()
     if pid == 0:
         code: int = ExitCode.FAILED
+        for sig in _STOPPING:  # the agent stops the child (_stop_before_training); alone, it dies by a signal
+            signal.signal(sig, signal.SIG_DFL)
         try:
             code = check(argv[0].split("=", 1)[1])
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+    _CHECKING.append(pid)
     code = int(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    _CHECKING.remove(pid)
     if code not in (0, ExitCode.CONFIG, ExitCode.PREFLIGHT, ExitCode.STORAGE):
         # an environment that cannot import what training needs, a crash: no retry mends these
         print(f"dtlaunch: the pre-start check failed (exit {code}, see above)", file=sys.stderr, flush=True)
@@ -186,6 +196,34 @@ def _record_check(code: int, message: str) -> None:
     from .status import write_check_record
 
     write_check_record(Path(os.environ.get(jobenv.RUN_DIR) or "."), node_name(), code, message)
+
+
+_STOPPING: list[signal.Signals] = []  # the signals _stop_before_training handles
+_CHECKING: list[int] = []  # the pid of the check's child while it runs
+
+
+def _stop_before_training(argv: list[str]) -> None:
+    """Until torchrun starts the workers, end the agent on each signal of its --signals-to-handle as a job
+    stopped before training began: the check's child (if running) killed, one line, exit PREEMPTED. torchrun
+    replaces these handlers with its own (which pass the signal to the workers) as it starts them."""
+    names = [a.split("=", 1)[1] for a in argv if a.startswith(("--signals-to-handle=", "--signals_to_handle="))]
+    known = signal.Signals.__members__  # an unknown name is torchrun's to refuse
+    _STOPPING[:] = [known[n.strip()] for n in (names[-1].split(",") if names else []) if n.strip() in known]
+
+    def stop(signum, _frame):
+        for pid in _CHECKING:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        name = signal.Signals(signum).name
+        print(f"dtlaunch: stopped by {name} before training began", file=sys.stderr, flush=True)
+        from ..jobenv import ExitCode
+
+        os._exit(ExitCode.PREEMPTED)
+
+    for sig in _STOPPING:
+        signal.signal(sig, stop)
 
 
 CHECK_ENVIRONMENT = "--check-environment"  # the batch shell's question: can this interpreter run the agent at all?
@@ -208,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         return _check_environment()
     from .signals import die_with_parent
 
+    _stop_before_training(argv)
     die_with_parent()  # if the job script that started us is killed, stop the workers (gracefully) too
     code, argv = _check_first(argv)
     if code:

@@ -76,3 +76,49 @@ def test_a_plan_the_node_cannot_read_ends_its_agent_with_config(tmp_path):
     p, trained = _agent(tmp_path, plan)
     assert p.returncode == ExitCode.CONFIG, p.stdout + p.stderr
     assert "cannot read the plan" in p.stderr and not trained.exists()
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether the process has a handler for `sig` (the kernel's SigCgt mask in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR2"])
+def test_a_stop_before_the_workers_start_ends_the_agent_as_preempted(tmp_path, sig):
+    """`dtlaunch down`, a cancel or a preemption while the agent is still starting (importing torch, checking the
+    node, in the rendezvous): torchrun's own handlers come only with the workers; without the agent's, the signal
+    would kill it, which the job scripts read as a lost job. It ends with PREEMPTED and one line, no worker
+    started: nothing trained, so nothing is lost."""
+    import signal
+    import time
+
+    worker, trained = tmp_path / "worker.py", tmp_path / "trained"
+    worker.write_text(WORKER)
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher.runtime.elastic",
+        f"--check-plan={_plan(tmp_path)}",
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--max-restarts=0",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
+        str(worker),
+        str(trained),
+    ]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DTLAUNCH_")}
+    p = subprocess.Popen(argv, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    signum = signal.Signals[sig]
+    t0 = time.monotonic()
+    while not _catches(p.pid, signum) and p.poll() is None and time.monotonic() - t0 < 30:
+        time.sleep(0.01)
+    p.send_signal(signum)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == ExitCode.PREEMPTED, out + err
+    assert f"dtlaunch: stopped by {sig} before training began" in err and "Traceback" not in err, err
+    assert not trained.exists()

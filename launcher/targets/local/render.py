@@ -35,6 +35,7 @@ def launch_script(recipe: Recipe, plan: Plan, python: str | None = None) -> str:
         is_host="1",
         local_addr="127.0.0.1",
         entry=entry_args(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR")),
+        check_plan=ShellExpr("$DTLAUNCH_PLAN"),
     )
     return render_template(
         "local_launch.sh.j2",

@@ -11,8 +11,9 @@ fail() {
   if [ -d "${DTLAUNCH_STATUS:-}" ]; then echo "$rc" > "$DTLAUNCH_STATUS/exit_code"; fi
   exit "$rc"
 }
-# Stopped before torchrun starts (`dtlaunch down` in the job's first seconds, during the check below): nothing
-# has trained, so nothing is lost; record it as stopped, not as a vanished job. torchrun's traps replace these.
+# Stopped before torchrun starts (`dtlaunch down` in the job's first second): nothing has trained, so nothing is
+# lost; record it as stopped, not as a vanished job. Then torchrun's agent does the same until its workers start
+# (launcher.runtime.elastic), and passes the signal to them after.
 stop_early() {
   echo "dtlaunch: stopped by SIG$1 before training began" >&2
   if [ -n "${DTLAUNCH_STATUS:-}" ]; then
@@ -60,8 +61,11 @@ if [ -z "$PYTHON" ]; then
   fail 2 "no python3 on PATH;" 'set DTLAUNCH_PYTHON to the python of an environment that has dtlaunch[train] (or activate it)'
 fi
 export PYTHON
+# The plan is checked by the torchrun agent, before it joins the rendezvous and in the process (and the torch
+# import) it has anyway. Here only what the agent cannot say for itself: that this environment has dtlaunch and
+# torch at all (exit 2 with what to do), without importing torch.
 CHECK_RC=0 CHECK_RUNNER="$PYTHON"
-"$PYTHON" -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?
+"$PYTHON" -m launcher.runtime.elastic --check-environment || CHECK_RC=$?
 if [ "$CHECK_RC" -eq 44 ]; then
   fail 44 "a node cannot run the plan (see above): exclude it and resubmit"
 elif [ "$CHECK_RC" -eq 2 ] || [ "$CHECK_RC" -eq 46 ]; then
@@ -77,7 +81,7 @@ NODE_NAME="${SLURMD_NODENAME:-$(hostname)}"
 export PET_TEE=3 PET_LOG_DIR="$DTLAUNCH_RUN_DIR/logs/attempt-$DTLAUNCH_ATTEMPT/$NODE_NAME"
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[$NODE_NAME rank \${rank}] "
 # torchrun in a session of its own: a signal to this script reaches it once, through the trap below.
-setsid "$PYTHON" -m launcher.runtime.elastic --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d "--rdzv-endpoint=127.0.0.1:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" --rdzv-conf=join_timeout=120,is_host=1 --local-addr=127.0.0.1 --max-restarts=3 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=31 -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
+setsid "$PYTHON" -m launcher.runtime.elastic "--check-plan=$DTLAUNCH_PLAN" --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d "--rdzv-endpoint=127.0.0.1:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" --rdzv-conf=join_timeout=120,is_host=1 --local-addr=127.0.0.1 --max-restarts=3 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=31 -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
 TORCHRUN=$!
 forward() { kill "-$1" "$TORCHRUN" 2>/dev/null || true; }
 trap 'forward TERM' TERM
@@ -118,6 +122,18 @@ dtl_outcome() {
   done
   echo "${worst:-$rc}"
 }
+# The agent's check of the plan failed: its record says how, and no rank started.
+CHECK_RC=0 CHECK_RUNNER="$PYTHON"
+for f in "$DTLAUNCH_STATUS"/check-*.code; do
+  if [ -f "$f" ]; then read -r CHECK_RC _ < "$f" || CHECK_RC=2; fi
+done
+if [ "$CHECK_RC" -eq 44 ]; then
+  fail 44 "a node cannot run the plan (see above): exclude it and resubmit"
+elif [ "$CHECK_RC" -eq 2 ] || [ "$CHECK_RC" -eq 46 ]; then
+  fail "$CHECK_RC" "the pre-start check failed: its message above says what and how to fix it"
+elif [ "$CHECK_RC" -ne 0 ]; then
+  fail 2 "$CHECK_RUNNER cannot run this plan (exit $CHECK_RC, see above);" 'set DTLAUNCH_PYTHON to the python of an environment that has dtlaunch[train] (or activate it)'
+fi
 rc="$(dtl_outcome "$rc")"
 echo "$rc" > "$DTLAUNCH_STATUS/exit_code"
 exit "$rc"
