@@ -38,7 +38,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..jobenv import node_name
+from ..jobenv import ExitCode, node_name
 
 
 def _record_unreported(failures: dict) -> None:
@@ -70,7 +70,7 @@ def _final_codes_stop_restarts() -> None:
     instead of restarting theirs."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from ..jobenv import ExitCode, restarts_in_place
+    from ..jobenv import restarts_in_place
 
     monitor = LocalElasticAgent._monitor_workers
 
@@ -155,7 +155,6 @@ def _check_first(argv: list[str]) -> tuple[int, list[str]]:
     other nodes' agents, and the step's exit code is that node's (srun exits with the highest task status)."""
     if not argv or not argv[0].startswith(CHECK_PLAN + "="):
         return 0, argv
-    from ..jobenv import ExitCode
     from .train import check
 
     try:
@@ -218,8 +217,6 @@ def _stop_before_training(argv: list[str]) -> None:
                 pass
         name = signal.Signals(signum).name
         print(f"dtlaunch: stopped by {name} before training began", file=sys.stderr, flush=True)
-        from ..jobenv import ExitCode
-
         os._exit(ExitCode.PREEMPTED)
 
     for sig in _STOPPING:
