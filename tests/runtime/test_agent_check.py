@@ -17,6 +17,7 @@ from launcher.jobenv import ExitCode
 from launcher.plan import make_plan
 from launcher.recipe import load
 from launcher.render import render
+from launcher.render.torchrun import SIGNALS
 from rt_harness import free_port
 from testpaths import RECIPES
 
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.slow
 WORKER = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('trained')"
 
 
-def _agent(tmp_path: Path, plan: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _agent_cmd(tmp_path: Path, plan: Path, *extra: str) -> tuple[list[str], dict, Path]:
+    """The agent as the job scripts start it, one node and one worker that marks `trained`: (argv, env, trained)."""
     worker, trained = tmp_path / "worker.py", tmp_path / "trained"
     worker.write_text(WORKER)
     argv = [
@@ -38,10 +40,15 @@ def _agent(tmp_path: Path, plan: Path, **env: str) -> tuple[subprocess.Completed
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "--max-restarts=0",
+        *extra,
         str(worker),
         str(trained),
     ]
-    base = {k: v for k, v in os.environ.items() if not k.startswith("DTLAUNCH_")}
+    return argv, {k: v for k, v in os.environ.items() if not k.startswith("DTLAUNCH_")}, trained
+
+
+def _agent(tmp_path: Path, plan: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    argv, base, trained = _agent_cmd(tmp_path, plan)
     p = subprocess.run(argv, env={**base, **env}, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     return p, trained
 
@@ -95,23 +102,7 @@ def test_a_stop_before_the_workers_start_ends_the_agent_as_preempted(tmp_path, s
     import signal
     import time
 
-    worker, trained = tmp_path / "worker.py", tmp_path / "trained"
-    worker.write_text(WORKER)
-    argv = [
-        sys.executable,
-        "-m",
-        "launcher.runtime.elastic",
-        f"--check-plan={_plan(tmp_path)}",
-        "--nnodes=1",
-        "--nproc-per-node=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--max-restarts=0",
-        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
-        str(worker),
-        str(trained),
-    ]
-    base = {k: v for k, v in os.environ.items() if not k.startswith("DTLAUNCH_")}
+    argv, base, trained = _agent_cmd(tmp_path, _plan(tmp_path), f"--signals-to-handle={SIGNALS}")
     p = subprocess.Popen(argv, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     signum = signal.Signals[sig]
     t0 = time.monotonic()
