@@ -78,3 +78,20 @@ def test_logs_node_and_rank_through_the_cli(run_cli, tmp_path):
     assert code == 0 and out == log_line_prefix("node1", 0) + "step 1\n", out + err
     code, out, err = run_cli("logs", "x", "--node", "node3")
     assert code == 0 and out == "" and "no line of node node3 in the job's log" in err, out + err
+
+
+def test_a_slurm_jobs_log_read_in_one_piece_is_tailed_and_filtered_by_line(run_cli, tmp_path):
+    """The SLURM backend reads its job's log as what was written since the last read, many lines in one piece:
+    --tail and --node count and pick lines all the same (they printed the whole piece)."""
+    from launcher.targets.registry import JobRecord, Registry
+    from launcher.targets.slurm.request import SlurmHandle
+
+    lines = ["dtlaunch: job 7 on node[1-2]\n"] + [
+        log_line_prefix(f"node{1 + r}", r) + f"step {s}\n" for s in range(1, 4) for r in range(2)
+    ]
+    (tmp_path / "x-7.out").write_text("".join(lines) + "dtlaunch: COMPLETED")  # the last line not yet ended
+    Registry().add(JobRecord("x", "slurm", "7", str(tmp_path), SlurmHandle(str(tmp_path), "x")))
+    code, out, err = run_cli("logs", "x", "--tail", "2")
+    assert code == 0 and out == lines[-1] + "dtlaunch: COMPLETED", out + err
+    code, out, err = run_cli("logs", "x", "--node", "node2", "--tail", "2")
+    assert code == 0 and out == "".join(lines[-3::2]), out + err

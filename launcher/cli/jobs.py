@@ -226,6 +226,19 @@ def resolve(reg, key: str, rows: list | None = None):
     )
 
 
+def as_lines(chunks):
+    """Whole lines, each with its newline (the last perhaps without), from a log read in pieces of any size: a
+    SLURM job's log comes as what was written since the last read, so --tail and the rank filter count lines."""
+    part = ""
+    for chunk in chunks:
+        part += chunk
+        *whole, part = part.split("\n")
+        for line in whole:
+            yield line + "\n"
+    if part:
+        yield part
+
+
 def of_ranks(lines, node: str | None, rank: int | None):
     """The lines a node's or a rank's processes wrote, by the label every line of a job's ranks carries
     (jobenv.LOG_LINE); unlabelled lines (the job script's, torchrun's own) are left out."""
@@ -275,7 +288,7 @@ def logs_cmd(job, follow, tail, diagnose, node, rank):
         return
     rec = resolve(Registry(), job)
     try:
-        lines = backend(rec.target).logs(rec, follow=follow)
+        lines = as_lines(backend(rec.target).logs(rec, follow=follow))
         if node is not None or rank is not None:
             lines = of_ranks(lines, node, rank)
         shown = 0
