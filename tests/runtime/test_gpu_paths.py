@@ -830,10 +830,12 @@ def test_5_6_the_export_is_written_in_place_one_tensor_at_a_time(tmp_path):
     assert not list(tmp_path.glob("x.safetensors*"))
 
 
-def test_deepspeed_is_told_the_jobs_device_rather_than_left_to_guess():
+def test_deepspeed_is_told_the_jobs_device_rather_than_left_to_guess(monkeypatch):
     """Left to guess, DeepSpeed warns on every rank of a CPU job that it found no GPU; the runtime names the
     job's device first (a DS_ACCELERATOR the user set still wins)."""
     import os
+
+    from launcher.runtime.engines.deepspeed import name_the_accelerator
 
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     probe = "import deepspeed; from deepspeed.accelerator import get_accelerator; print('accelerator', get_accelerator()._name)"
@@ -843,7 +845,14 @@ def test_deepspeed_is_told_the_jobs_device_rather_than_left_to_guess():
     assert "accelerator cpu" in told.stdout, told.stdout + told.stderr
     assert "Setting accelerator to CPU" not in told.stdout + told.stderr
     assert "Setting accelerator to CPU" in guessed.stdout + guessed.stderr  # what the runtime spares its users
-    mine = subprocess.run(
-        [sys.executable, "-c", named + probe], capture_output=True, text=True, env={**env, "DS_ACCELERATOR": "cpu"}
-    )
-    assert "accelerator cpu" in mine.stdout
+    # A value the user set wins over the job's device, either way round (the variable is what DeepSpeed reads, as
+    # `told` shows); unset, a GPU job names cuda.
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    name_the_accelerator(False)
+    assert os.environ["DS_ACCELERATOR"] == "cuda"
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    name_the_accelerator(True)
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.delenv("DS_ACCELERATOR")
+    name_the_accelerator(True)
+    assert os.environ["DS_ACCELERATOR"] == "cuda"

@@ -50,6 +50,7 @@ def test_r01_no_usable_checkpoint_ends_the_job_despite_torchruns_restarts(run_di
     truncate(disk.step_path(root, only) / "__1_0.distcp")
     res = run_torchrun(plan, run_dir, elastic=True, max_restarts=3)
     assert res.rc != 0 and set(res.worker_codes) == {ExitCode.CONFIG}, res.output[-3000:]
+    assert "no checkpoint in" in res.stderr and "can be used" in res.stderr and "move the directory aside" in res.stderr
     assert "never retried: not restarting the workers" in res.stderr
     assert len(res.events("start")) == 1, "the agent restarted the workers"
     assert trained_steps(res) == [] and "starting from step 0" not in res.stdout
