@@ -179,15 +179,15 @@ def submit(out: Path, partition: str, fault: str | None = None) -> Job:
     return Job(out, fault)
 
 
-def assert_completed(job: Job, attempts: int) -> None:
+def assert_completed(job: Job, attempts: int, steps: int = STEPS) -> None:
     assert job.ledger("state") == ["COMPLETED"], job.explain()
     assert (job.jobdir / "finished").exists()
     assert len(job.ledger("attempts")) == attempts, job.ledger("attempts")
     end = job.events("end")
-    assert [e["step"] for e in end] == [STEPS], job.explain()
+    assert [e["step"] for e in end] == [steps], job.explain()
     st = job.status()
-    assert sorted(st) == [0, 1] and all(s["code"] == 0 and s["step"] == STEPS for s in st.values()), st
-    assert complete_steps(job.run / "checkpoints")[-1] == STEPS
+    assert sorted(st) == [0, 1] and all(s["code"] == 0 and s["step"] == steps for s in st.values()), st
+    assert complete_steps(job.run / "checkpoints")[-1] == steps
 
 
 def assert_same_losses(records: list[dict], reference: dict[int, float]) -> None:

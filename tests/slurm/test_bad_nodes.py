@@ -239,6 +239,7 @@ def test_a_slow_nodes_straggler_is_named_excluded_and_the_run_resumes_elsewhere(
     (event,) = job.events("straggler")
     assert event["step"] == 4 and event["stragglers"][0]["node"] == "node1" and event["saved"]
     said = "\n".join(diagnose(tmp_path))
+    assert "finished at step 6" in said.splitlines(), said  # what `dtlaunch logs NAME --diagnose` prints
     assert "straggler ended the attempt at step 4: rank 1 on node1" in said, said
     # every line of the ranks names its node and rank (what `dtlaunch logs NAME --node node1 --rank 1` prints)
     mine = list(of_ranks(out.splitlines(keepends=True), "node1", 1))

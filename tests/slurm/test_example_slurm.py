@@ -12,7 +12,8 @@ import pytest
 from launcher.plan import make_plan
 from launcher.recipe import load
 from launcher.render import render
-from slurmkit import VENV_ACTIVATE, Job, release_after_requeue, sh, wait_for
+from launcher.runtime.checkpoint.disk import complete_steps
+from slurmkit import VENV_ACTIVATE, Job, assert_completed, release_after_requeue, sh, wait_for
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plain-pytorch" / "recipe.yaml"
 STEPS = 24
@@ -60,12 +61,20 @@ def test_user_script_survives_a_preemption_on_slurm(tmp_path, partition, referen
     st = job.status()
     assert sorted(st) == [0, 1] and {s["code"] for s in st.values()} == {42}, st
     saved = st[0]["step"]
+    (pre,) = job.events("preempt")
+    assert pre["step"] == saved and 12 <= saved < STEPS and pre["signal"] == "SIGUSR2", pre
+    assert saved in complete_steps(job.run / "checkpoints")
     release_after_requeue(job.id, requeued_at)
     job.done()
     assert job.ledger("state") == ["COMPLETED"], job.explain()
     (resumed,) = job.events("resume")
-    assert resumed["step"] == saved
+    assert resumed["step"] == saved and resumed["world_size"] == 2, resumed
+    assert [e["attempt"] for e in job.events("start")] == [0, 0]  # torchrun restart count: a new allocation
+    assert [a.split()[0] for a in job.ledger("attempts")] == ["0", "1"]  # SLURM_RESTART_COUNT
+    # Nothing lost, nothing redone: steps 1..saved, then saved+1..STEPS, with the reference's losses.
+    assert [r["step"] for r in job.steps()] == list(range(1, STEPS + 1))
     got = losses(job)
-    assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert got[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+    assert job.ledger("exit_codes") == ["0 42 USR2", "1 0 none"]
+    assert_completed(job, attempts=2, steps=STEPS)

@@ -192,7 +192,8 @@ def test_a_new_job_with_an_earlier_jobs_id_trains_its_own_run_and_keeps_the_earl
     job.run = tmp_path / "runs" / run_id
     wait_for(lambda: job.max_step() >= EVERY + 2, 180, f"step {EVERY + 2}", explain=job.explain)
     sh("scontrol", "requeue", job.id)
-    release_after_requeue(job.id, time.time())
+    t_requeue = time.time()
+    release_after_requeue(job.id, t_requeue)
     job.done()
     (moved,) = tmp_path.glob(f"jobs/{job.id}.earlier-*")
     assert _tree(moved) == earlier_ledgers  # the earlier job's ledgers and logs, moved aside whole
@@ -206,6 +207,18 @@ def test_a_new_job_with_an_earlier_jobs_id_trains_its_own_run_and_keeps_the_earl
     assert EVERY <= resumed["step"] < STEPS, resumed
     assert [r["step"] for r in job.steps(after=0)][:EVERY] == list(range(1, EVERY + 1))
     assert_same_losses(job.steps(), ref_losses)
+    # The requeue SIGTERMs the steps; the runtime may still finish a step (and save it) before it stops. It resumes
+    # from the newest complete checkpoint (at most checkpoint.every steps redone) and trains every step after it.
+    before = max(r["step"] for r in job.steps() if r["time"] < resumed["time"])
+    saved_on_term = [e["step"] for e in job.events("preempt")]
+    assert before - EVERY <= resumed["step"] <= before, (before, resumed)
+    assert all(s == resumed["step"] for s in saved_on_term), (saved_on_term, resumed)
+    assert [r["step"] for r in job.steps(after=resumed["time"])] == list(range(resumed["step"] + 1, STEPS + 1))
     assert (job.jobdir / "run_id").read_text().strip() == run_id  # the requeue kept the run
     assert [a.split()[0] for a in job.ledger("attempts")] == ["0", "1"]
     assert_completed(job, attempts=2)
+    # Two allocations: the time between them the job was queued, holding no nodes (goodput's allocated time)
+    first, second = (e["allocation_start"] for e in start)
+    assert t_requeue - 120 < first < t_requeue < second < resumed["time"], (first, t_requeue, second)
+    led = ledger(job.metrics())
+    assert led["queue"] > 0 and led["allocated"] == pytest.approx(led["elapsed"] - led["queue"])

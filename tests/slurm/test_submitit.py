@@ -512,6 +512,7 @@ def test_without_setup_the_job_fails_once_and_result_says_what_to_do(tmp_path, p
     r = Run(job, tmp_path / "out")
     assert [row[1:] for row in r.sacct() if row[0] == r.id] == [["FAILED", "2:0"]]
     assert r.ledger("state") == ["FAILED"] and len(r.ledger("attempts")) == 1
+    assert r.ledger("failures") == [] and r.ledger("requeues") == []  # not a failure to retry
 
 
 @slow
