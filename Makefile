@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install system check test test-gpu golden lint typecheck fmt demo bench bench-smoke clean
+.PHONY: install system check test test-repeats test-gpu golden lint typecheck fmt demo bench bench-smoke clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -63,15 +63,20 @@ golden: install
 	DTLAUNCH_UPDATE_GOLDEN=1 $(PY) -m pytest -q tests/test_templates.py -k golden_files $(PYTEST_ARGS)
 	git diff --stat tests/golden
 
-# The whole suite. `make test PYTEST_WORKERS=2` runs two test files at a time (each file whole on one worker,
-# the SLURM tests together: tests/conftest.py), but timing-sensitive SLURM tests then failed now and then, so CI
-# runs one. pytest's exit code 5 (no tests collected) is not a pass: it means nothing ran. The 40 slowest tests
-# are listed at the end, to keep the suite short. Then every benchmark end to end in quick mode (bench-smoke: the
-# SLURM chaos run's 5-minute version among them).
+# The whole suite, less the repeat tier (below). `make test PYTEST_WORKERS=2` runs two test files at a time (each
+# file whole on one worker, the SLURM tests together: tests/conftest.py), but timing-sensitive SLURM tests then
+# failed now and then, so CI runs one. pytest's exit code 5 (no tests collected) is not a pass: it means nothing
+# ran. The 40 slowest tests are listed at the end, to keep the suite short. Then every benchmark end to end in
+# quick mode (bench-smoke: the SLURM chaos run's 5-minute version among them).
 PYTEST_WORKERS ?= 0
 test: install system lint
-	$(PY) -m pytest -q -ra --durations=40 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=40 -n $(PYTEST_WORKERS) --dist loadgroup -m "not repeat" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -ra bench/test_smoke.py
+
+# The repeat tier: the tests that tests/conftest.py's REPEATS maps each to a test in `make test` proving the same
+# behaviour through the same code. CI runs it after `make test`, so nothing goes unrun there.
+test-repeats: install system
+	$(PY) -m pytest -q -ra -m repeat $(PYTEST_ARGS)
 
 # The GPU suite (tests/gpu): run it on a machine with CUDA GPUs, and record what ran in docs/gpu.md. Without CUDA
 # every test is skipped with the reason (so is every 8-GPU test on a smaller machine).

@@ -35,6 +35,44 @@ FULL_SUITE_ONLY = {
 }
 
 
+# The repeat tier (`make test-repeats`, which CI runs after `make test`): tests whose behaviour a cheaper or
+# kept test in `make test` already proves through the same product code, each mapped to that test (a key is a
+# test, every parametrization, or one parametrization; tests/test_dev_loop.py checks that both exist). What the
+# repeat still adds is said beside it; it is not what a change is likely to break unseen.
+REPEATS = {
+    # The same exclusion path (bad_nodes_after: rc 44 under the job -> ExcNodeList, node1 -> node2, weights,
+    # diagnose, status) through the same helper; the runtime's GPU-fault code is test_rt_failures's. Adds: a
+    # one-rank variant.
+    "tests/slurm/test_bad_nodes.py::test_a_gpu_that_fails_under_the_job_takes_its_node_out_and_the_run_resumes_elsewhere": (
+        "tests/slurm/test_bad_nodes.py::test_a_slow_nodes_straggler_is_named_excluded_and_the_run_resumes_elsewhere"
+    ),
+    # The missing setup fails once with exit 2 and the fix, through the batch part submitit's preamble shares
+    # with job.sbatch (test_the_preamble_is_job_sbatchs_batch_part_from_one_template); a bare PATH made whole by
+    # setup is test_resubmitting_a_run_by_id_resumes_its_checkpoints's. Adds: the same on job.sbatch itself.
+    "tests/slurm/test_operator.py::test_the_environment_comes_from_setup_not_from_the_rendering_machine": (
+        "tests/slurm/test_submitit.py::test_without_setup_the_job_fails_once_and_result_says_what_to_do"
+    ),
+    # USR2 to the batch shell -> checkpoint, 42, requeue, resume with the reference's losses, on job.sbatch: the
+    # example's user script goes through the same job.sbatch. Adds: the built-in trainer instead of user code.
+    "tests/slurm/test_job_lifecycle.py::test_usr2_to_batch_shell_checkpoints_requeues_and_resumes": (
+        "tests/slurm/test_example_slurm.py::test_user_script_survives_a_preemption_on_slurm"
+    ),
+    # scontrol requeue mid-run -> resume from the checkpoint, the same losses, the goodput ledger's queue time:
+    # all asserted by the earlier-job-id test, which requeues the same way. Adds: a run without an earlier job.
+    "tests/slurm/test_job_lifecycle.py::test_scontrol_requeue_resumes_from_checkpoint": (
+        "tests/slurm/test_job_lifecycle.py::test_a_new_job_with_an_earlier_jobs_id_trains_its_own_run_and_keeps_the_earlier_one"
+    ),
+    # A truncated newest checkpoint: once found (disk.size_problems, test_rt_units), the path is [same-size]'s;
+    # a truncated file ending a job is r01's. Adds: the two together in one world.
+    "tests/runtime/test_rt_integrity.py::test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one[truncated]": (
+        "tests/runtime/test_rt_hardening.py::test_r01_no_usable_checkpoint_ends_the_job_despite_torchruns_restarts"
+    ),
+    # No usable checkpoint ends the job with CONFIG and the fix: r01 asserts the same message and codes.
+    "tests/runtime/test_rt_integrity.py::test_no_usable_checkpoint_stops_instead_of_starting_over": (
+        "tests/runtime/test_rt_hardening.py::test_r01_no_usable_checkpoint_ends_the_job_despite_torchruns_restarts"
+    ),
+}
+
 README_IN_ORDER = "test_the_readme_in_order_in_one_workspace"  # tests/test_readme.py
 
 
@@ -101,6 +139,8 @@ def pytest_collection_modifyitems(config, items):
         else:
             group = path
         item.add_marker(pytest.mark.xdist_group(group))
+        if item.nodeid in REPEATS or item.nodeid.split("[")[0] in REPEATS:
+            item.add_marker(pytest.mark.repeat)
         if not (
             item.get_closest_marker("slow")
             or item.get_closest_marker("gpu")

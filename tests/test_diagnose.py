@@ -23,7 +23,7 @@ def test_a_hang_names_the_rank_that_never_reached_the_collective(run_cli, tmp_pa
     run = tmp_path / "run"
     sets = (
         "training.steps=4",
-        "training.timeout_seconds=8",
+        "training.timeout_seconds=5",
         "training.preflight=false",
         "env.DTLAUNCH_FAULT=hang:rank=1:step=2",
         "targets.local.max_restarts=0",
