@@ -26,12 +26,12 @@ BUCKET = "targets.sky.checkpoint_storage={bucket: 's3://b/ckpt'}"
 
 
 def recording_python(tmp_path: Path) -> Path:
-    """An interpreter stand-in: `--check` passes, a launch records its argv (one call per line) and exits 0;
+    """An interpreter stand-in: the checks (`--check`, `--check-environment`) pass, a launch records its argv (one call per line) and exits 0;
     `-c` and the head-only DeepSpeed launch's value check (launcher.pdsh) run for real."""
     stub = tmp_path / "py"
     stub.write_text(f"""#!/bin/sh
 if [ "$1" = -c ] || [ "$2" = launcher.pdsh ]; then exec {sys.executable} "$@"; fi
-case " $* " in *" --check "*) exit 0 ;; esac
+case " $* " in *" --check "*|*" --check-environment "*) exit 0 ;; esac
 printf '%s\\0' "$@" >> {tmp_path}/argv.$SKYPILOT_NODE_RANK
 echo >> {tmp_path}/argv.$SKYPILOT_NODE_RANK
 """)
@@ -214,7 +214,7 @@ def test_the_run_inside_skypilots_wrapper_waits_for_the_upload_and_keeps_its_cod
         (
             "py",
             f'if [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
-            f'case " $* " in *" --check "*) exit 0 ;; esac\nexit {launch_rc}',
+            f'case " $* " in *" --check "*|*" --check-environment "*) exit 0 ;; esac\nexit {launch_rc}',
         ),
     ):
         (stubs / name).write_text(f"#!/bin/sh\n{body}\n")

@@ -203,6 +203,7 @@ _DEEPSPEED: list[Word] = [ShellExpr("$PYTHON"), "-m", "deepspeed.launcher.runner
 def run_script(recipe: Recipe, plan: Plan) -> str:
     job_dir, _ = _job_paths(recipe)
     entry = entry_args(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR"))
+    deepspeed = recipe.parallelism.launcher == "deepspeed"
     torchrun = torchrun_command(
         recipe,
         plan,
@@ -215,6 +216,9 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
         is_host=ShellExpr("$IS_HOST"),
         local_addr=ShellExpr("$NODE_ADDR"),
         entry=entry,
+        # torchrun's agent checks its node against the plan in the torch import it makes anyway; DeepSpeed's
+        # launchers start the workers without it, so there the script checks in a python of its own
+        check_plan=ShellExpr("$DTLAUNCH_PLAN"),
     )
     module, module_args = entry_module(recipe, ShellExpr("$DTLAUNCH_PLAN"), ShellExpr("$DTLAUNCH_RUN_DIR"))
     ds_args: list[Word] = [
@@ -238,7 +242,8 @@ def run_script(recipe: Recipe, plan: Plan) -> str:
         port=DEFAULT_PORT,
         setup_hint=SETUP_HINT,
         default_python=None,
-        deepspeed=recipe.parallelism.launcher == "deepspeed",
+        deepspeed=deepspeed,
+        check="process" if deepspeed else "agent",
         deepspeed_ssh=recipe.targets.sky.deepspeed_ssh,
         nproc=_nproc(recipe, plan),
         ds_env=envs(recipe),

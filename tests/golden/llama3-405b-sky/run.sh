@@ -94,8 +94,11 @@ if [ -z "$PYTHON" ]; then
   fail 2 "no python3 on PATH;" 'the task'"'"'s setup installs dtlaunch from the wheel next to task.yaml; check the setup log (sky logs)'
 fi
 export PYTHON
+# The plan is checked by the torchrun agent, before it joins the rendezvous and in the process (and the torch
+# import) it has anyway. Here only what the agent cannot say for itself: that this environment has dtlaunch and
+# torch at all (exit 2 with what to do), without importing torch.
 CHECK_RC=0 CHECK_RUNNER="$PYTHON"
-"$PYTHON" -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --check || CHECK_RC=$?
+"$PYTHON" -m launcher.runtime.elastic --check-environment || CHECK_RC=$?
 if [ "$CHECK_RC" -eq 44 ]; then
   fail 44 "a node cannot run the plan (see above): exclude it and resubmit"
 elif [ "$CHECK_RC" -eq 2 ] || [ "$CHECK_RC" -eq 46 ]; then
@@ -114,7 +117,7 @@ export DTLAUNCH_NODE_RANK="$SKYPILOT_NODE_RANK"  # node ranks in SkyPilot's orde
 NODE_NAME="${SLURMD_NODENAME:-$(hostname)}"
 export PET_TEE=3 PET_LOG_DIR="$DTLAUNCH_RUN_DIR/logs/attempt-$DTLAUNCH_ATTEMPT/$NODE_NAME"
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[$NODE_NAME rank \${rank}] "
-"$PYTHON" -m launcher.runtime.elastic "--nnodes=$SKYPILOT_NUM_NODES" "--nproc-per-node=$SKYPILOT_NUM_GPUS_PER_NODE" --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$NODE_ADDR" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=765 -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
+"$PYTHON" -m launcher.runtime.elastic "--check-plan=$DTLAUNCH_PLAN" "--nnodes=$SKYPILOT_NUM_NODES" "--nproc-per-node=$SKYPILOT_NUM_GPUS_PER_NODE" --rdzv-backend=c10d "--rdzv-endpoint=$MASTER_ADDR:$PORT" "--rdzv-id=$DTLAUNCH_RUN_ID" "--rdzv-conf=join_timeout=900,is_host=$IS_HOST" "--local-addr=$NODE_ADDR" --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=765 -m launcher.runtime.train --plan "$DTLAUNCH_PLAN" --run-dir "$DTLAUNCH_RUN_DIR" &
 LAUNCHER=$!
 rc=0
 while :; do
@@ -150,6 +153,18 @@ dtl_outcome() {
   done
   echo "${worst:-$rc}"
 }
+# The agent's check of the plan failed: its record says how, and no rank started.
+CHECK_RC=0 CHECK_RUNNER="$PYTHON"
+for f in "$DTLAUNCH_STATUS"/check-*.code; do
+  if [ -f "$f" ]; then read -r CHECK_RC _ < "$f" || CHECK_RC=2; fi
+done
+if [ "$CHECK_RC" -eq 44 ]; then
+  fail 44 "a node cannot run the plan (see above): exclude it and resubmit"
+elif [ "$CHECK_RC" -eq 2 ] || [ "$CHECK_RC" -eq 46 ]; then
+  fail "$CHECK_RC" "the pre-start check failed: its message above says what and how to fix it"
+elif [ "$CHECK_RC" -ne 0 ]; then
+  fail 2 "$CHECK_RUNNER cannot run this plan (exit $CHECK_RC, see above);" 'the task'"'"'s setup installs dtlaunch from the wheel next to task.yaml; check the setup log (sky logs)'
+fi
 CODE="$(dtl_outcome "$rc")"
 peer_lost_only() {  # every rank of this node that ended failed only because a peer's connection closed
   local f code cause n=0
