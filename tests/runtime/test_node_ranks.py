@@ -83,5 +83,5 @@ def test_job_scripts_pass_the_schedulers_node_rank(tmp_path, target, script, sou
     files = prepare(RECIPES / "tiny.yaml", target=target).artifacts.files
     text = yaml.safe_load(files["task.yaml"])["run"] if target == "sky" else files[script]
     assert f'export {NODE_RANK}="{source}"' in text
-    # set before torchrun starts
-    assert text.index(f"export {NODE_RANK}=") < text.index("-m launcher.runtime.elastic")
+    # set before torchrun starts (the agent's line: an environment check may run launcher.runtime.elastic before)
+    assert text.index(f"export {NODE_RANK}=") < text.index("--nproc-per-node=")
