@@ -159,7 +159,7 @@ def _check_first(argv: list[str]) -> tuple[int, list[str]]:
 
     try:
         import torch  # noqa: F401 - imported before the fork: the check and torchrun share the one import
-    except ImportError as e:
+    except Exception as e:  # ImportError, or OSError for a CUDA library torch cannot load: no retry mends either
         print(f"dtlaunch: node {node_name()}: cannot import torch: {e}", file=sys.stderr, flush=True)
         _record_check(ExitCode.CONFIG, f"cannot import torch: {e}")
         return ExitCode.CONFIG, argv

@@ -85,6 +85,27 @@ def test_a_plan_the_node_cannot_read_ends_its_agent_with_config(tmp_path):
     assert "cannot read the plan" in p.stderr and not trained.exists()
 
 
+def test_a_torch_that_cannot_load_its_libraries_ends_the_agent_with_config_and_a_record(tmp_path):
+    """torch's import raises OSError, not ImportError, for a CUDA library it cannot load (an image without
+    libcudart): that is the environment's fault, a final CONFIG with a record, not a crash to retry."""
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        'raise OSError("libcudart.so.12: cannot open shared object file: No such file or directory")\n'
+    )
+    run = tmp_path / "run"
+    p, trained = _agent(
+        tmp_path,
+        _plan(tmp_path),
+        PYTHONPATH=os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")]),
+        **{jobenv.RUN_DIR: str(run), "SLURMD_NODENAME": "gpu17"},
+    )
+    assert p.returncode == ExitCode.CONFIG, p.stdout + p.stderr
+    assert "node gpu17: cannot import torch: libcudart.so.12" in p.stderr and not trained.exists()
+    (record,) = run.rglob(f"{jobenv.CHECK_RECORD_PREFIX}gpu17.code")
+    assert record.read_text().split()[0] == str(int(ExitCode.CONFIG))
+
+
 def _catches(pid: int, sig: int) -> bool:
     """Whether the process has a handler for `sig` (the kernel's SigCgt mask in /proc/PID/status)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
