@@ -229,14 +229,16 @@ def resolve(reg, key: str, rows: list | None = None):
 def as_lines(chunks):
     """Whole lines, each with its newline (the last perhaps without), from a log read in pieces of any size: a
     SLURM job's log comes as what was written since the last read, so --tail and the rank filter count lines."""
-    part = ""
+    pending: list[str] = []
     for chunk in chunks:
-        part += chunk
-        *whole, part = part.split("\n")
-        for line in whole:
-            yield line + "\n"
-    if part:
-        yield part
+        *ends, rest = chunk.split("\n")
+        for end in ends:
+            yield "".join(pending) + end + "\n"
+            pending.clear()
+        if rest:
+            pending.append(rest)
+    if pending:
+        yield "".join(pending)
 
 
 def of_ranks(lines, node: str | None, rank: int | None):
@@ -288,7 +290,9 @@ def logs_cmd(job, follow, tail, diagnose, node, rank):
         return
     rec = resolve(Registry(), job)
     try:
-        lines = as_lines(backend(rec.target).logs(rec, follow=follow))
+        lines = backend(rec.target).logs(rec, follow=follow)
+        if tail or node is not None or rank is not None:  # plain output streams as written, a partial line too
+            lines = as_lines(lines)
         if node is not None or rank is not None:
             lines = of_ranks(lines, node, rank)
         shown = 0
