@@ -121,6 +121,8 @@ def test_skypilot_ends_a_final_codes_later_launches_at_once(tmp_path, final):
 
     first = launch_task("task-1")
     assert first.returncode == final, first.stdout + first.stderr
+    if final == ExitCode.CONFIG:  # the script read the agent's record and says what it means
+        assert "the pre-start check failed: its message above says what" in first.stderr, first.stderr
     marker = ckpt / "task-1" / jobenv.FINAL_MARKER
     assert marker.read_text().split() == [str(int(final)), "task-1"]
     calls = log.read_text()

@@ -26,8 +26,9 @@ BUCKET = "targets.sky.checkpoint_storage={bucket: 's3://b/ckpt'}"
 
 
 def recording_python(tmp_path: Path) -> Path:
-    """An interpreter stand-in: the checks (`--check`, `--check-environment`) pass, a launch records its argv (one call per line) and exits 0;
-    `-c` and the head-only DeepSpeed launch's value check (launcher.pdsh) run for real."""
+    """An interpreter stand-in: the checks (`--check`, `--check-environment`) pass, a launch records its argv
+    (one call per line) and exits 0; `-c` and the head-only DeepSpeed launch's value check (launcher.pdsh) run
+    for real."""
     stub = tmp_path / "py"
     stub.write_text(f"""#!/bin/sh
 if [ "$1" = -c ] || [ "$2" = launcher.pdsh ]; then exec {sys.executable} "$@"; fi

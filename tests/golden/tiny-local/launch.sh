@@ -127,6 +127,7 @@ CHECK_RC=0 CHECK_RUNNER="$PYTHON"
 for f in "$DTLAUNCH_STATUS"/check-*.code; do
   if [ -f "$f" ]; then read -r CHECK_RC _ < "$f" || CHECK_RC=2; fi
 done
+case "$CHECK_RC" in ''|*[!0-9]*) CHECK_RC=2 ;; esac
 if [ "$CHECK_RC" -eq 44 ]; then
   fail 44 "a node cannot run the plan (see above): exclude it and resubmit"
 elif [ "$CHECK_RC" -eq 2 ] || [ "$CHECK_RC" -eq 46 ]; then
