@@ -67,7 +67,8 @@ golden: install
 # file whole on one worker, the SLURM tests together: tests/conftest.py), but timing-sensitive SLURM tests then
 # failed now and then, so CI runs one. pytest's exit code 5 (no tests collected) is not a pass: it means nothing
 # ran. The 40 slowest tests are listed at the end, to keep the suite short. Then every benchmark end to end in
-# quick mode (bench-smoke: the SLURM chaos run's 5-minute version among them).
+# quick mode (bench-smoke: the SLURM chaos run's 5-minute version among them). pytest keeps the last -m it is
+# given: a -m in PYTEST_ARGS replaces "not repeat" (`make test-repeats PYTEST_ARGS=...` for the repeats).
 PYTEST_WORKERS ?= 0
 test: install system lint
 	$(PY) -m pytest -q -ra --durations=40 -n $(PYTEST_WORKERS) --dist loadgroup -m "not repeat" $(PYTEST_ARGS)

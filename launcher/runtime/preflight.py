@@ -58,7 +58,7 @@ def measure_allreduce(device: torch.device, nbytes: int, iters: int = 5, group=N
 
 
 def _node_facts() -> dict:
-    """What one rank of each node reports of its node: its check before training (the record `train --check`
+    """What one rank of each node reports of its node: its check before training (the record the check
     left in this attempt's status directory: the summary, or the failure) and the free space where the run
     directory is (its logs and records)."""
     import shutil
