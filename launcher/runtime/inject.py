@@ -28,8 +28,9 @@ Set DTLAUNCH_FAULT to one or more `;`-separated faults, each `KIND:key=value:key
     slow_link:step=0:node=n2:seconds=0.05
                                        preflight's pairwise test: each exchange of n2's ranks takes 0.05 s more
                                        (a slow cable or NIC on n2)
-    bad_node:step=0:node=node1         node1 fails the pre-start check (the agent's --check-plan, or train --check) with PREFLIGHT;
-                                       without node=, any node; attempt= counts SLURM's requeues here
+    bad_node:step=0:node=node1         node1 fails the pre-start check (the agent's --check-plan, or train
+                                       --check) with PREFLIGHT; without node=, any node; attempt= counts SLURM's
+                                       requeues here
 
 `rank` defaults to every rank; `attempt` (default 0) restricts the fault to that torchrun restart count,
 so a restarted job does not crash again at the same step; `node` (default: every node) to the ranks on that
