@@ -100,11 +100,13 @@ def test_skypilot_ends_a_final_codes_later_launches_at_once(tmp_path, final):
     out = art.write(tmp_path / "job")
     log = tmp_path / "calls"
     py = tmp_path / "py"
-    env_check = 'case " $* " in *" --check-environment "*) exit 0 ;; esac\nmkdir -p "$DTLAUNCH_STATUS"\n'
+    status = f'"${jobenv.STATUS}"'
+    env_check = f'case " $* " in *" --check-environment "*) exit 0 ;; esac\nmkdir -p {status}\n'
     if final == ExitCode.CONFIG:  # torchrun's agent checks the node and refuses the plan, recording it as it does
-        launch = env_check + 'echo "2 0 0 own node1" > "$DTLAUNCH_STATUS/check-node1.code"\nexit 2'
+        record = f"{status}/{jobenv.CHECK_RECORD_PREFIX}node1.code"
+        launch = env_check + f'echo "{int(ExitCode.CONFIG)} 0 0 own node1" > {record}\nexit {int(ExitCode.CONFIG)}'
     else:  # the ranks stop on a diverged loss, each writing its code where dtl_outcome reads it
-        launch = env_check + 'echo "45 9 0" > "$DTLAUNCH_STATUS/rank-00000.code"\nexit 1'
+        launch = env_check + f'echo "45 9 0" > {status}/rank-00000.code\nexit 1'
     assert "--check-plan=" in task["run"]  # the agent's check, which the CONFIG case stands in for
     py.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\necho "$*" >> {log}\n{launch}\n')
     py.chmod(0o755)
