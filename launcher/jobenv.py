@@ -376,9 +376,17 @@ def tail_records(path: str | os.PathLike, tail_bytes: int = 1 << 16) -> list[dic
     return _records(lines)
 
 
-def last_logged_step(path: str | os.PathLike, tail_bytes: int = 1 << 16) -> dict | None:
-    """The newest logged step's record of a metrics.jsonl; None if there is none."""
-    return next((r for r in reversed(tail_records(path, tail_bytes)) if "step" in r and "loss" in r), None)
+def last_logged_step(path: str | os.PathLike, tail_bytes: int = 1 << 16, before: float | None = None) -> dict | None:
+    """The newest logged step's record of a metrics.jsonl (logged before `before`, a time, if given); None if
+    there is none."""
+    return next(
+        (
+            r
+            for r in reversed(tail_records(path, tail_bytes))
+            if "step" in r and "loss" in r and (before is None or (r.get("time") or 0) < before)
+        ),
+        None,
+    )
 
 
 # ----------------------------------------------------------------------------- formatting

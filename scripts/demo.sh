@@ -70,11 +70,12 @@ echo "== render: the SLURM job script and the SkyPilot task for it (neither need
 "$DTLAUNCH" render recipes/llama70b.yaml --target sky -o rendered/llama70b-sky
 
 step "up: train recipes/tiny.yaml on this machine (2 CPU ranks, torchrun), then resume it"
-# runs/demo, not the recipe's own runs/tiny: the README's first run then starts fresh. --fresh: a demo run again
-# starts over, its previous run's files kept under runs/demo/previous/.
-"$DTLAUNCH" up recipes/tiny.yaml --target local -o runs/demo --fresh --set training.steps=20
+# runs/demo, not the recipe's own runs/tiny, and a job named demo: the README's first run then starts fresh, and
+# its `dtlaunch logs tiny` names one job. --fresh: a demo run again starts over, its previous run's files kept
+# under runs/demo/previous/.
+"$DTLAUNCH" up recipes/tiny.yaml --target local -o runs/demo --fresh --set name=demo --set training.steps=20
 echo "== up again with more steps: resumes from the step-20 checkpoint"
-"$DTLAUNCH" up recipes/tiny.yaml --target local -o runs/demo --set training.steps=30
+"$DTLAUNCH" up recipes/tiny.yaml --target local -o runs/demo --set name=demo --set training.steps=30
 "$DTLAUNCH" status
 "$DTLAUNCH" plot runs/demo
 done_step

@@ -61,7 +61,10 @@ def test_up_status_logs_plot_and_history_per_attempt(run_cli, tmp_path):
     code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=6")
     assert code == 0, err
     assert "this run is complete (its newest checkpoint is step 6, the recipe trains 6 steps)" in out
-    assert "nothing submitted" in out and "--fresh" in out and "submitted tiny" not in out
+    assert "nothing submitted" in out and "submitted tiny" not in out
+    # its hints are this command again (its -o and --set), not the recipe's default run directory
+    assert f"dtlaunch up {TINY} -o {run_dir} --set training.steps=6 --fresh\n" in out, out
+    assert f"e.g. dtlaunch up {TINY} -o {run_dir} --set training.steps=12\n" in out, out
     assert sorted((run_dir / "logs").iterdir()) == logs_before and len(status_rows(run_cli)) == 1
     # A longer run in the same directory resumes; `up` streams only the new attempt's log.
     code, out, err = run_cli("up", TINY, "-o", run_dir, "--set", "training.steps=8")
@@ -85,11 +88,10 @@ def test_up_status_logs_plot_and_history_per_attempt(run_cli, tmp_path):
         "env.DTLAUNCH_FAULT=exit:rank=1:step=9:code=3",
     )
     assert code == 1, out + err
-    assert [(r["state"], r["exit_code"]) for r in status_rows(run_cli)] == [
-        ("COMPLETED", 0),
-        ("COMPLETED", 0),
-        ("FAILED", 1),
-    ]
+    rows = status_rows(run_cli)
+    assert [(r["state"], r["exit_code"]) for r in rows] == [("COMPLETED", 0), ("COMPLETED", 0), ("FAILED", 1)]
+    # each job's progress is its own steps, though all three wrote to the same metrics.jsonl
+    assert [r["last_step"]["step"] for r in rows[:2]] == [6, 8], rows
     code, out, _ = run_cli("logs", status_rows(run_cli)[0]["job_id"])
     assert code == 0 and "done: 6 steps" in out and "done: 8 steps" not in out
     # every rank's lines carry its node and rank, here as on a cluster: one rank's are picked out

@@ -58,11 +58,12 @@ def test_spans_read_as_people_write_them():
 def test_a_name_in_two_run_directories_asks_which(run_cli, tmp_path):
     a = _job(tmp_path, "tiny", "one/runs/tiny", "201", age=100)
     _job(tmp_path, "tiny", "two/runs/tiny", "202", age=50)
-    for cmd in (("status", "tiny"), ("logs", "tiny"), ("plot", "tiny")):
+    for cmd in (("status", "tiny"), ("logs", "tiny"), ("plot", "tiny"), ("forget", "tiny")):
         code, _, err = run_cli(*cmd)
         assert code == 2, (cmd, err)
         assert "'tiny' names jobs in 2 run directories" in err and "local:201" in err and "local:202" in err
         assert "name one by its id" in err
+    assert len(Registry().all()) == 2  # forget dropped neither
     code, out, _ = run_cli("status", "local:201")
     assert code == 0 and "local:201" in out and "local:202" not in out
     code, out, _ = run_cli("status", a)  # by its run directory
@@ -101,6 +102,29 @@ def test_down_all_with_nothing_running_and_its_usage(run_cli, tmp_path):
     assert code == 0 and "no running jobs" in out
     code, _, err = run_cli("down")
     assert code == 2 and "name one job, or pass --all" in err
+
+
+def test_plot_of_a_missing_directory_says_so(run_cli, tmp_path):
+    code, _, err = run_cli("plot", tmp_path / "runs" / "nope")
+    assert code == 2 and "no such run directory or file" in err and "registry" not in err, err
+
+
+def test_a_slurm_jobs_records_are_the_run_its_job_script_named(tmp_path):
+    """jobs/ID/run_id (written by the job script's first attempt) names the job's run, runs/RUN_ID/; before it
+    exists, or when it names no valid run id, the job's directory is all there is."""
+    from launcher.targets.slurm.backend import SlurmBackend
+    from launcher.targets.slurm.request import SlurmHandle
+
+    rec = JobRecord("t", "slurm", "77", str(tmp_path), SlurmHandle(str(tmp_path), "t"))
+    be = SlurmBackend()
+    assert be.records_dir(rec) == str(tmp_path)
+    named = tmp_path / "jobs" / "77" / "run_id"
+    named.parent.mkdir(parents=True)
+    named.write_text("77-1700000000\n")
+    assert be.records_dir(rec) == f"{tmp_path}/runs/77-1700000000"
+    for bad in ("../../elsewhere\n", "\n", "a/b\n"):
+        named.write_text(bad)
+        assert be.records_dir(rec) == str(tmp_path), bad
 
 
 @pytest.mark.parametrize("key", ["nope", "local:999"])

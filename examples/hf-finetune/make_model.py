@@ -8,8 +8,11 @@ script stands in for one you already have (a checkpoint you trained, or one fetc
 """
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+try:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+except ImportError as e:
+    raise SystemExit(f"error: {e}\n  fix: install the hf extra: .venv/bin/pip install -c constraints.txt -e '.[hf]'") from None
 
 config = Qwen2Config(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True)

@@ -32,13 +32,19 @@ LIVE = frozenset(
 )
 
 
-def status_rows(recs) -> list[dict]:
-    """`status`'s rows; each run directory's newest step and planned length are read once."""
-    steps, rows = {}, []
+def status_rows(recs, everyone=None) -> list[dict]:
+    """`status`'s rows. A job's progress is the newest step in its own records (Backend.records_dir) logged before
+    the next job of the same records started (of `everyone` recorded; `recs` by default): a later `up` into the same
+    run directory trains on in the same metrics.jsonl, and its steps are its own row's, not the earlier job's."""
+    everyone = recs if everyone is None else everyone
+    where = {id(r): records_dir(r) for r in {id(r): r for r in (*everyone, *recs)}.values()}
+    starts: dict[str, list[float]] = {}
+    for o in everyone:
+        starts.setdefault(where[id(o)], []).append(o.created)
+    rows = []
     for r, st in zip(recs, job_states(recs), strict=True):
-        if r.run_dir not in steps:
-            here = r.run_dir and Path(r.run_dir).is_dir()
-            steps[r.run_dir] = (last_logged_step(r.run_dir), planned_steps(r.run_dir)) if here else (None, None)
+        here = Path(where[id(r)]).is_dir()
+        until = min((t for t in starts.get(where[id(r)], ()) if t > r.created), default=None)
         rows.append(
             {
                 "name": r.name,
@@ -47,11 +53,21 @@ def status_rows(recs) -> list[dict]:
                 "run_dir": r.run_dir,
                 "created": r.created,
                 **st.to_dict(),
-                "last_step": steps[r.run_dir][0],
-                "total_steps": steps[r.run_dir][1],
+                "last_step": last_logged_step(where[id(r)], before=until) if here else None,
+                "total_steps": planned_steps(r.run_dir) if here else None,
             }
         )
     return rows
+
+
+def records_dir(rec) -> str:
+    """Where a recorded job's training records are (metrics.jsonl, status/): Backend.records_dir."""
+    from ..targets import backend
+
+    try:
+        return backend(rec.target).records_dir(rec)
+    except (DtlaunchError, KeyError):  # a target this dtlaunch does not know: its run directory as recorded
+        return rec.run_dir
 
 
 def job_states(recs) -> list:
@@ -174,12 +190,13 @@ def status_cmd(job, as_json, watch, interval, goodput):
         from ..runtime.goodput import report
 
         rec = resolve(reg, job)
-        for line in report(Path(rec.run_dir), created=rec.created):
+        for line in report(Path(records_dir(rec)), created=rec.created, plan_dir=Path(rec.run_dir)):
             click.echo(line)
         return
 
     def rows():
-        return status_rows([resolve(reg, job)] if job else reg.all())
+        everyone = reg.all()
+        return status_rows([resolve(reg, job)], everyone) if job else status_rows(everyone)
 
     if as_json:
         click.echo(json.dumps(rows(), indent=2))
@@ -215,10 +232,14 @@ def resolve(reg, key: str, rows: list | None = None):
     """The one job `key` names: a job id, a name, or a run directory. A name used in several run directories
     (two checkouts, or one recipe run with different -o) is ambiguous: the command asks which, by id or by
     directory, rather than silently taking the newest."""
-    hits = reg.matching(key)
+    return in_one_dir(reg.matching(key), key)[-1]
+
+
+def in_one_dir(hits: list, key: str) -> list:
+    """The jobs `key` names, when they are all of one run directory; else the error that asks which."""
     dirs = {r.run_dir for r in hits}
     if len(dirs) <= 1:
-        return hits[-1]
+        return hits
     listing = "; ".join(f"{r.target}:{r.job_id} in {r.run_dir}" for r in {r.run_dir: r for r in hits}.values())
     raise DtlaunchError(
         f"{key!r} names jobs in {len(dirs)} run directories: {listing}",
@@ -278,7 +299,7 @@ def logs_cmd(job, follow, tail, diagnose, node, rank):
         from .diagnose import diagnose as explain
 
         try:
-            where = Path(resolve(Registry(), job).run_dir)
+            where = Path(records_dir(resolve(Registry(), job)))
         except DtlaunchError:
             # or a directory no recorded job ran in: a copy of a SkyPilot run's records from its checkpoint
             # storage (the nodes that wrote them may be gone), another machine's run directory
@@ -345,7 +366,7 @@ def forget_cmd(jobs):
     from ..targets.registry import Registry
 
     reg = Registry()
-    recs = [r for key in jobs for r in reg.matching(key)]
+    recs = [r for key in jobs for r in in_one_dir(reg.matching(key), key)]
     running = live_jobs(recs)
     if running:
         raise DtlaunchError(
@@ -393,10 +414,16 @@ def running_one(hits: list, key: str):
 def plot_cmd(run, out_png, goodput):
     """Draw the loss curve of a run directory (or its metrics.jsonl) as a PNG."""
     run_path = Path(run)
-    if not run_path.exists():
+    if run_path.is_dir():  # a SLURM job's directory holds its runs: the newest (logs --diagnose reads the same)
+        from .diagnose import run_dirs
+
+        run_path = (run_dirs(run_path) or [run_path])[-1]
+    elif not run_path.exists():
+        if "/" in run:
+            raise DtlaunchError(f"{run}: no such run directory or file", fix="`dtlaunch status` lists each job's")
         from ..targets.registry import Registry
 
-        run_path = Path(resolve(Registry(), run).run_dir)
+        run_path = Path(records_dir(resolve(Registry(), run)))
     try:
         from .plot import plot_goodput, plot_metrics
     except ImportError as e:

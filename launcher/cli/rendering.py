@@ -189,6 +189,7 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, show, detach, force
     from ..targets.local.backend import claim_run_dir
     from ..targets.registry import Registry
 
+    again = _again(recipe_path, target, out_dir, overrides)
     if after:
         overrides = (*overrides, _after(recipe_path, overrides, target, after))
     prep = prepare(recipe_path, overrides, target, sweeps)
@@ -209,8 +210,8 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, show, detach, force
             click.echo(
                 f"{out}: this run is complete (its newest checkpoint is step {done:,}, the recipe trains "
                 f"{prep.plan.steps:,} steps); nothing to train, nothing submitted.\n"
-                f"  to train further: raise training.steps, e.g. --set training.steps={2 * prep.plan.steps}\n"
-                f"  to start over from step 0, keeping this run's files: dtlaunch up {recipe_path} --fresh"
+                f"  to train further: raise training.steps, e.g. {again('--set', f'training.steps={2 * prep.plan.steps}')}\n"
+                f"  to start over from step 0, keeping this run's files: {again('--fresh')}"
             )
             return
         if fresh and not dry_run:
@@ -247,13 +248,40 @@ def up_cmd(recipe_path, target, overrides, out_dir, dry_run, show, detach, force
     click.echo(f"submitted {rec.name} ({art.target} job {rec.job_id}); files in {rec.run_dir}")
     wait = (not detach) if detach is not None else art.target == "local"
     if not wait:
-        click.echo(
-            f"follow it: dtlaunch status {rec.name}; dtlaunch logs -f {rec.name}; stop it: dtlaunch down {rec.name}"
-        )
+        key = _key(registry, rec)
+        click.echo(f"follow it: dtlaunch status {key}; dtlaunch logs -f {key}; stop it: dtlaunch down {key}")
         return
     rc = be.wait(rec)
     click.echo(f"{rec.name}: {be.status(rec).state} (exit code {rc})")
     sys.exit(rc)
+
+
+def _again(recipe_path: str, target: str | None, out_dir: str | None, overrides: tuple[str, ...]):
+    """This `up` command line again (its target, run directory and --set overrides) with more arguments: the
+    hints `up` prints must act on this run, not on the recipe's default one. A training.steps given again
+    replaces the one given here."""
+    import shlex
+
+    def line(*extra: str) -> str:
+        steps = "training.steps=" if any(e.startswith("training.steps=") for e in extra) else None
+        sets = [a for o in overrides if not (steps and o.startswith(steps)) for a in ("--set", o)]
+        where = [*(["-t", target] if target else []), *(["-o", out_dir] if out_dir else [])]
+        return shlex.join(["dtlaunch", "up", recipe_path, *where, *sets, *extra])
+
+    return line
+
+
+def _key(registry, rec) -> str:
+    """How to name this job to status/logs/down: its name, unless jobs in other run directories have it too."""
+    try:
+        if len({r.run_dir for r in registry.matching(rec.name)}) <= 1:
+            return rec.name
+    except DtlaunchError:  # not recorded (up said so): its name is all there is
+        return rec.name
+    try:
+        return "./" + str(Path(rec.run_dir).relative_to(Path.cwd()))
+    except ValueError:
+        return rec.run_dir
 
 
 def register(cli: click.Group) -> None:

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..jobenv import EXITED_EVENT, read_metrics, span
+from ..jobenv import EXITED_EVENT, METRICS_FILE, read_metrics, span
 
 CAUSES = (
     ("queue", "queued, holding no nodes (not allocated)"),
@@ -229,14 +229,15 @@ def _span(seconds: float) -> str:
     return f"{seconds:.1f}s" if seconds < 60 else span(seconds)
 
 
-def report(run_dir: Path, created: float | None = None) -> list[str]:
-    """The ledger as lines: each cause's time, share of the allocated time and cost; then goodput."""
-    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+def report(run_dir: Path, created: float | None = None, plan_dir: Path | None = None) -> list[str]:
+    """The ledger as lines: each cause's time, share of the allocated time and cost; then goodput. The prices are
+    the plan's in `plan_dir` (a SLURM job's submit directory, above its run), run_dir by default."""
+    records = read_metrics(run_dir) if (run_dir / METRICS_FILE).exists() else []
     led = ledger(records, created)
     n = len(attempts(records))
     if not n:
-        return [f"{run_dir}: no records yet (metrics.jsonl): the job has not started"]
-    plan = _plan(run_dir)
+        return [f"{run_dir}: no records yet ({METRICS_FILE}): the job has not started"]
+    plan = _plan(plan_dir or run_dir)
     rate = usd_per_second(plan)
     alloc = led["allocated"] or 1.0
     lines = [f"goodput of {run_dir} ({n} attempt(s)):"]

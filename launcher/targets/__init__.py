@@ -83,6 +83,10 @@ class Backend(Protocol):
 
     def cancel(self, job: JobRecord) -> str: ...
 
+    # Where the job's training records are (metrics.jsonl, status/): the run directory, or the run inside it that
+    # this job trains (a SLURM job's runs/RUN_ID/), so that jobs sharing a directory each read their own.
+    def records_dir(self, job: JobRecord) -> str: ...
+
 
 def backend(name: str) -> Backend:
     return target(name).load("backend")()

@@ -9,6 +9,7 @@ here uses a GPU. Node names (node1, node2), the reservation and the held job are
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from pathlib import Path
@@ -279,3 +280,14 @@ def test_up_after_chains_an_evaluation_behind_training(tmp_path, partition, run_
         assert (tmp_path / name / "jobs" / job / "state").read_text().strip() == "COMPLETED", name
     code, out, _ = run_cli("status", "chain-eval")
     assert "COMPLETED" in out, out
+    # status, --goodput and plot read each job's own run: runs/RUN_ID/ in its directory, named by its job script
+    run = (tmp_path / "train" / "runs" / train).resolve()
+    code, out, _ = run_cli("status", "chain-train", "--json")
+    (row,) = json.loads(out)
+    assert row["last_step"]["step"] == 3 and row["total_steps"] == 3, row
+    code, out, err = run_cli("status", "chain-train", "--goodput")
+    assert code == 0 and f"goodput of {run} (1 attempt(s)):" in out, out + err
+    code, out, err = run_cli("plot", "chain-train")
+    assert code == 0 and f"wrote {run / 'loss.png'}" in out, out + err
+    code, out, err = run_cli("plot", tmp_path / "eval")  # a job's directory: its newest run
+    assert code == 0 and f"wrote {tmp_path / 'eval' / 'runs' / ev / 'loss.png'}" in out, out + err

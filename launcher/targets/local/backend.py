@@ -222,6 +222,9 @@ class LocalBackend:
             return JobStatus("STOPPING", detail="the launcher is gone; its workers are checkpointing and stopping")
         return JobStatus("LOST", detail="the launcher is gone without an exit code (killed?)")
 
+    def records_dir(self, job: JobRecord) -> str:
+        return job.run_dir
+
     def logs(self, job: JobRecord, *, follow: bool, skip: int = 0) -> Iterator[str]:
         """The job's log, from its `skip`-th character on; with `follow`, until the job ends."""
         h = job.handle

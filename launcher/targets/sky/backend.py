@@ -267,6 +267,9 @@ class SkyBackend:
         with _sky_errors("get the job's status"):
             return self._api().status(h.cluster, h.job_id, h.managed)
 
+    def records_dir(self, job: JobRecord) -> str:
+        return job.run_dir  # the records are on the nodes and in the bucket; here only what `up` wrote
+
     def logs(self, job: JobRecord, *, follow: bool) -> Iterator[str]:
         h = job.handle
         with _sky_errors("fetch logs"):
