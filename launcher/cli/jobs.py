@@ -37,7 +37,10 @@ def status_rows(recs, everyone=None) -> list[dict]:
     the next job of the same records started (of `everyone` recorded; `recs` by default): a later `up` into the same
     run directory trains on in the same metrics.jsonl, and its steps are its own row's, not the earlier job's."""
     everyone = recs if everyone is None else everyone
-    where = {id(r): records_dir(r) for r in {id(r): r for r in (*everyone, *recs)}.values()}
+    where: dict[int, str] = {}
+    for r in (*everyone, *recs):
+        if id(r) not in where:
+            where[id(r)] = records_dir(r)
     starts: dict[str, list[float]] = {}
     for o in everyone:
         starts.setdefault(where[id(o)], []).append(o.created)
