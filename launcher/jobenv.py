@@ -376,14 +376,17 @@ def tail_records(path: str | os.PathLike, tail_bytes: int = 1 << 16) -> list[dic
     return _records(lines)
 
 
-def last_logged_step(path: str | os.PathLike, tail_bytes: int = 1 << 16, before: float | None = None) -> dict | None:
-    """The newest logged step's record of a metrics.jsonl (logged before `before`, a time, if given); None if
-    there is none."""
+def last_logged_step(
+    path: str | os.PathLike, tail_bytes: int = 1 << 16, between: tuple[float, float | None] | None = None
+) -> dict | None:
+    """The newest logged step's record of a metrics.jsonl (logged `between` two times, the second open, if
+    given); None if there is none."""
+    lo, hi = between or (0.0, None)
     return next(
         (
             r
             for r in reversed(tail_records(path, tail_bytes))
-            if "step" in r and "loss" in r and (before is None or (r.get("time") or 0) < before)
+            if "step" in r and "loss" in r and lo <= (r.get("time") or 0) and (hi is None or r["time"] < hi)
         ),
         None,
     )

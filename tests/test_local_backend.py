@@ -92,6 +92,7 @@ def test_up_status_logs_plot_and_history_per_attempt(run_cli, tmp_path):
     assert [(r["state"], r["exit_code"]) for r in rows] == [("COMPLETED", 0), ("COMPLETED", 0), ("FAILED", 1)]
     # each job's progress is its own steps, though all three wrote to the same metrics.jsonl
     assert [r["last_step"]["step"] for r in rows[:2]] == [6, 8], rows
+    assert [r["total_steps"] for r in rows] == [6, 8, 10], rows  # each its own length, not the newest plan's
     code, out, _ = run_cli("logs", status_rows(run_cli)[0]["job_id"])
     assert code == 0 and "done: 6 steps" in out and "done: 8 steps" not in out
     # every rank's lines carry its node and rank, here as on a cluster: one rank's are picked out

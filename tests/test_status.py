@@ -111,20 +111,20 @@ def test_plot_of_a_missing_directory_says_so(run_cli, tmp_path):
 
 def test_a_slurm_jobs_records_are_the_run_its_job_script_named(tmp_path):
     """jobs/ID/run_id (written by the job script's first attempt) names the job's run, runs/RUN_ID/; before it
-    exists, or when it names no valid run id, the job's directory is all there is."""
+    exists, or when it names no valid run id, the job has no records (not the newest run of another job)."""
     from launcher.targets.slurm.backend import SlurmBackend
     from launcher.targets.slurm.request import SlurmHandle
 
     rec = JobRecord("t", "slurm", "77", str(tmp_path), SlurmHandle(str(tmp_path), "t"))
     be = SlurmBackend()
-    assert be.records_dir(rec) == str(tmp_path)
+    assert be.records_dir(rec) is None
     named = tmp_path / "jobs" / "77" / "run_id"
     named.parent.mkdir(parents=True)
     named.write_text("77-1700000000\n")
     assert be.records_dir(rec) == f"{tmp_path}/runs/77-1700000000"
     for bad in ("../../elsewhere\n", "\n", "a/b\n"):
         named.write_text(bad)
-        assert be.records_dir(rec) == str(tmp_path), bad
+        assert be.records_dir(rec) is None, bad
 
 
 @pytest.mark.parametrize("key", ["nope", "local:999"])

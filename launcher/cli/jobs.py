@@ -10,44 +10,30 @@ import click
 
 from ..errors import DtlaunchError
 from ..jobenv import last_logged_step, span
-
-# States in which a job still runs (or waits to), on any target: `down NAME` acts on such a job.
-LIVE = frozenset(
-    {
-        "RUNNING",
-        "STOPPING",
-        "PENDING",
-        "CONFIGURING",
-        "COMPLETING",
-        "REQUEUED",
-        "RESIZING",
-        "SUSPENDED",
-        "INIT",
-        "STARTING",
-        "SETTING_UP",
-        "RECOVERING",
-        "CANCELLING",
-        "SUBMITTED",
-    }
-)
+from ..targets import LIVE
 
 
 def status_rows(recs, everyone=None) -> list[dict]:
-    """`status`'s rows. A job's progress is the newest step in its own records (Backend.records_dir) logged before
-    the next job of the same records started (of `everyone` recorded; `recs` by default): a later `up` into the same
-    run directory trains on in the same metrics.jsonl, and its steps are its own row's, not the earlier job's."""
+    """`status`'s rows. A job's progress is the newest step in its own records (Backend.records_dir) logged after
+    it was submitted and before the next job of the same records was (of `everyone` recorded; `recs` by default):
+    each `up` into a run directory trains on in the same metrics.jsonl, and a row shows its own job's steps only.
+    The total is the one that step was trained towards (a later `up` may have changed the plan in the directory)."""
     everyone = recs if everyone is None else everyone
-    where: dict[int, str] = {}
+    where: dict[int, str | None] = {}
     for r in (*everyone, *recs):
         if id(r) not in where:
             where[id(r)] = records_dir(r)
     starts: dict[str, list[float]] = {}
     for o in everyone:
-        starts.setdefault(where[id(o)], []).append(o.created)
+        if (w := where[id(o)]) is not None:
+            starts.setdefault(w, []).append(o.created)
     rows = []
     for r, st in zip(recs, job_states(recs), strict=True):
-        here = Path(where[id(r)]).is_dir()
-        until = min((t for t in starts.get(where[id(r)], ()) if t > r.created), default=None)
+        mine = where[id(r)]
+        last = None
+        if mine is not None and Path(mine).is_dir():
+            until = min((t for t in starts.get(mine, ()) if t > r.created), default=None)
+            last = last_logged_step(mine, between=(r.created, until))
         rows.append(
             {
                 "name": r.name,
@@ -56,21 +42,26 @@ def status_rows(recs, everyone=None) -> list[dict]:
                 "run_dir": r.run_dir,
                 "created": r.created,
                 **st.to_dict(),
-                "last_step": last_logged_step(where[id(r)], before=until) if here else None,
-                "total_steps": planned_steps(r.run_dir) if here else None,
+                "last_step": last,
+                "total_steps": (last or {}).get("steps") or planned_steps(r.run_dir),
             }
         )
     return rows
 
 
-def records_dir(rec) -> str:
-    """Where a recorded job's training records are (metrics.jsonl, status/): Backend.records_dir."""
+def records_dir(rec) -> str | None:
+    """Where a recorded job's training records are (metrics.jsonl, status/), None before it has any:
+    Backend.records_dir."""
     from ..targets import backend
 
     try:
         return backend(rec.target).records_dir(rec)
     except (DtlaunchError, KeyError):  # a target this dtlaunch does not know: its run directory as recorded
         return rec.run_dir
+
+
+def not_started(rec) -> str:
+    return f"{rec.name} ({rec.target}:{rec.job_id}) has no training records yet: it has not started training"
 
 
 def job_states(recs) -> list:
@@ -193,7 +184,8 @@ def status_cmd(job, as_json, watch, interval, goodput):
         from ..runtime.goodput import report
 
         rec = resolve(reg, job)
-        for line in report(Path(records_dir(rec)), created=rec.created, plan_dir=Path(rec.run_dir)):
+        mine = records_dir(rec)
+        for line in [not_started(rec)] if mine is None else report(Path(mine), rec.created, Path(rec.run_dir)):
             click.echo(line)
         return
 
@@ -302,7 +294,12 @@ def logs_cmd(job, follow, tail, diagnose, node, rank):
         from .diagnose import diagnose as explain
 
         try:
-            where = Path(records_dir(resolve(Registry(), job)))
+            rec = resolve(Registry(), job)
+            mine = records_dir(rec)
+            if mine is None:
+                click.echo(not_started(rec))
+                return
+            where = Path(mine)
         except DtlaunchError:
             # or a directory no recorded job ran in: a copy of a SkyPilot run's records from its checkpoint
             # storage (the nodes that wrote them may be gone), another machine's run directory
@@ -426,7 +423,11 @@ def plot_cmd(run, out_png, goodput):
             raise DtlaunchError(f"{run}: no such run directory or file", fix="`dtlaunch status` lists each job's")
         from ..targets.registry import Registry
 
-        run_path = Path(records_dir(resolve(Registry(), run)))
+        rec = resolve(Registry(), run)
+        mine = records_dir(rec)
+        if mine is None:
+            raise DtlaunchError(not_started(rec), fix="plot it once it has logged a step")
+        run_path = Path(mine)
     try:
         from .plot import plot_goodput, plot_metrics
     except ImportError as e:

@@ -313,6 +313,7 @@ class Metrics:
                 self._mfu_error_shown = True
         eta = max(0, self.total_steps - step) * step_time  # at the rate of the last log window
         rec["eta_s"] = round(eta, 1)
+        rec["steps"] = self.total_steps  # the run's length as this attempt trains it (`status` shows step/steps)
         self._write(rec)
         line = (
             f"step {step}/{self.total_steps} ({step / max(1, self.total_steps):.0%}) | loss {loss:.4f} | lr {lr:.2e} | "

@@ -34,6 +34,7 @@ __all__ = [
     "Renderer",
     "Backend",
     "JobStatus",
+    "LIVE",
     "require_secrets",
 ]
 
@@ -56,6 +57,27 @@ class Renderer(Protocol):
     def __call__(
         self, recipe: Recipe, plan: Plan, files: dict[str, str | bytes], *, choices: Choices | None = None
     ) -> Artifacts: ...
+
+
+# States in which a job still runs (or waits to), on any target: `down NAME` acts on such a job.
+LIVE = frozenset(
+    {
+        "RUNNING",
+        "STOPPING",
+        "PENDING",
+        "CONFIGURING",
+        "COMPLETING",
+        "REQUEUED",
+        "RESIZING",
+        "SUSPENDED",
+        "INIT",
+        "STARTING",
+        "SETTING_UP",
+        "RECOVERING",
+        "CANCELLING",
+        "SUBMITTED",
+    }
+)
 
 
 @dataclass
@@ -84,8 +106,9 @@ class Backend(Protocol):
     def cancel(self, job: JobRecord) -> str: ...
 
     # Where the job's training records are (metrics.jsonl, status/): the run directory, or the run inside it that
-    # this job trains (a SLURM job's runs/RUN_ID/), so that jobs sharing a directory each read their own.
-    def records_dir(self, job: JobRecord) -> str: ...
+    # this job trains (a SLURM job's runs/RUN_ID/), so that jobs sharing a directory each read their own; None
+    # while that is not known yet (the job has not started).
+    def records_dir(self, job: JobRecord) -> str | None: ...
 
 
 def backend(name: str) -> Backend:

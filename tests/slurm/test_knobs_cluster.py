@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.errors import BackendError
 from launcher.targets.slurm.request import SubmititSpec
 from slurmkit import REPO, VENV_ACTIVATE, render_to, sh, wait_for, wait_gone
 
@@ -264,6 +265,18 @@ def test_up_after_chains_an_evaluation_behind_training(tmp_path, partition, run_
         wait_for(lambda: "(Dependency)" in run_cli("status", "chain-eval")[1], 60, "the reason Dependency")
         code, out, _ = run_cli("status", "chain-eval")
         assert "PENDING" in out and f"after afterok:{train}" in out and "(Dependency)" in out, out
+        # a job that has not started has no records of its own: no other run's are shown for it
+        for cmd in (("logs", "chain-eval", "--diagnose"), ("status", "chain-eval", "--goodput")):
+            code, out, err = run_cli(*cmd)
+            assert code == 0 and f"chain-eval (slurm:{ev}) has no training records yet" in out, (cmd, out + err)
+        # while the held job waits, its directory is its own: a second `up` there would rewrite the plan it runs
+        plan = (tmp_path / "train" / "plan.json").read_bytes()
+        code, out, err = run_cli(
+            "up", tiny, "-t", "slurm", "-o", tmp_path / "train", "--detach", *base, "--set", "name=chain-train"
+        )
+        assert code == BackendError.exit_code, out + err
+        assert f"is in use by job chain-train (slurm {train}, PENDING" in err and "nothing was changed" in err, err
+        assert (tmp_path / "train" / "plan.json").read_bytes() == plan
         sh("scontrol", "release", train)
         wait_gone(train, 120)
         wait_for(

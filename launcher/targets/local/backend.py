@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import BackendError
+from ...errors import BackendError, DtlaunchError
 from ...jobenv import ATTEMPT, ExitCode, tail_records
-from .. import JobStatus, require_secrets
+from .. import LIVE, JobStatus, backend, require_secrets
 from ..registry import JobRecord, Registry
 from .request import LocalHandle, LocalRequest
 
@@ -110,23 +110,32 @@ def job_processes(attempt: str) -> list:
 
 
 def refuse_if_active(run_dir: str, registry: Registry) -> None:
-    """Refuse a run directory a local job is still using: two jobs would write one run's checkpoints."""
+    """Refuse a run directory a job still uses: a local job writes its checkpoints there, and a SLURM job's next
+    attempt (a requeue) starts from the plan and scripts there, which a new `up` would rewrite under it. A
+    SkyPilot job took its files at launch; a job whose state cannot be read now (no squeue here) is not known
+    to be live."""
     if not registry.path.exists():  # nothing recorded yet (and a dry run creates no registry)
         return
-    be = LocalBackend()
     for rec in registry.of_run_dir(run_dir):
-        if rec.target == "local" and be.status(rec).state in ("RUNNING", "STOPPING"):
+        if rec.target == "sky":
+            continue
+        try:
+            state = (LocalBackend() if rec.target == "local" else backend(rec.target)).status(rec).state
+        except DtlaunchError:
+            continue
+        if state in LIVE:
             raise BackendError(
-                f"{run_dir} is in use by job {rec.name} (local {rec.job_id}, started "
-                f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(rec.created))}): two jobs would "
-                "write one run's checkpoints; nothing was changed",
-                fix=f"wait for it, stop it with `dtlaunch down {rec.job_id}`, or use -o for another run directory",
+                f"{run_dir} is in use by job {rec.name} ({rec.target} {rec.job_id}, {state}, submitted "
+                f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(rec.created))}): a second job would rewrite the "
+                "plan it runs and write the same run's checkpoints; nothing was changed",
+                fix=f"wait for it, stop it with `dtlaunch down {rec.target}:{rec.job_id}`, or use -o for another "
+                "run directory",
             )
 
 
 @contextmanager
 def claim_run_dir(out: str | os.PathLike, registry: Registry, *, lock: bool = True) -> Iterator[None]:
-    """Before anything is written into `out`: refuse it if a local job uses it; with `lock`, hold its lock until
+    """Before anything is written into `out`: refuse it if a job still uses it (refuse_if_active); with `lock`, hold its lock until
     the block ends (after the new job is recorded), so the check and the record are one step."""
     run_dir = str(Path(out).resolve())
     if not lock:

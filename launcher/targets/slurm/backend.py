@@ -205,16 +205,17 @@ class SlurmBackend:
             info["last_exit_code"] = int(last[1])
         return info
 
-    def records_dir(self, job: JobRecord) -> str:
+    def records_dir(self, job: JobRecord) -> str | None:
         """The run this job trains, runs/RUN_ID/ in its submit directory: the job script names it in jobs/ID/run_id
-        when the job's first attempt starts (the job id, or the run it was told to resume). Until then, for an
-        array (a run per task) and over SSH (the files are on the login node, not here): the submit directory."""
+        when the job's first attempt starts (the job id, or the run it was told to resume); None before that (or
+        once `up --fresh` set the job's files aside). An array (a run per task) and a job submitted over SSH (its
+        files are on the login node, not here): the submit directory."""
         if job.handle.array or job.handle.ssh:
             return job.run_dir
         raw = LocalShell().read(f"{job.run_dir}/{JOBS_DIR}/{job.job_id}/run_id")
         run_id = raw.decode(errors="replace").strip() if raw else ""
         if not RUN_ID.match(run_id):  # a path component, never a way out of runs/
-            return job.run_dir
+            return None
         return f"{job.run_dir}/{RUNS_DIR}/{run_id}"
 
     # ---------------------------------------------------------------- logs, wait, cancel
