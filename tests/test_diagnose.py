@@ -157,3 +157,27 @@ def test_logs_diagnose_reads_a_directory_of_records_no_recorded_job_ran_in(run_c
     assert "the node(s) to exclude: vm-2" in text, text
     code, text, err = run_cli("logs", str(tmp_path / "nowhere"), "--diagnose")
     assert code != 0 and "no job named" in err and "Traceback" not in err, (code, text, err)
+
+
+def test_a_culprit_that_left_no_record_is_placed_by_its_nodes_check_before_training():
+    """Two nodes, a rank each: rank 1 hung and its node's task was killed, so neither it nor a neighbour on its
+    node left a record with the node's name. Each node's check before training recorded its place in the job
+    (node_rank, which its torchrun's ranks follow), so rank 1 is on the node whose place is 1."""
+    from launcher.cli.diagnose import hang_culprits
+    from launcher.runtime.status import TIMED_OUT
+
+    mine = [
+        {
+            "rank": 0,
+            "code": 43,
+            "message": f"{TIMED_OUT} during step 4",
+            "step": 4,
+            "node": "gpu-a",
+            "world_size": 2,
+            "local_world_size": 1,
+            "time": 1_800_000_000.0,
+        }
+    ]
+    checks = [{"node": "gpu-b", "code": 0, "node_rank": 1}, {"node": "gpu-a", "code": 0, "node_rank": 0}]
+    assert hang_culprits(mine, {}, checks)[:2] == ([1], ["gpu-b"])
+    assert hang_culprits(mine, {})[:2] == ([1], [])  # without the checks there is no telling where it ran

@@ -204,29 +204,47 @@ def test_the_sky_extra_requires_a_skypilot_that_takes_recover_on_exit_codes():
 
 
 @pytest.mark.parametrize(
-    "checks, rc, expect",
+    "checks, ranks, rc, expect",
     [
-        ({"node1": ExitCode.PREFLIGHT}, 143, ExitCode.PREFLIGHT),  # srun's highest code hid the bad node's
-        ({"node1": ExitCode.STORAGE}, 143, ExitCode.STORAGE),
-        ({}, 143, 143),
-        ({"node1": ExitCode.PREFLIGHT}, 0, 0),  # the job went on without it (another attempt's record)
+        ({"node1": ExitCode.PREFLIGHT}, {}, 143, ExitCode.PREFLIGHT),  # srun's highest code hid the bad node's
+        ({"node1": ExitCode.STORAGE}, {}, 143, ExitCode.STORAGE),
+        ({}, {}, 143, 143),
+        ({"node1": ExitCode.PREFLIGHT}, {}, 0, 0),  # the job went on without it (another attempt's record)
+        # rank 1 hung on node2: rank 0 timed out (43) and ended node1's task; srun killed node2's (137)
+        ({}, {0: f"{ExitCode.HANG} 12 0 own node1"}, 137, ExitCode.HANG),
+        # a node's task killed from outside (the OOM killer) while its peer only lost the connection: a failure
+        ({}, {0: f"{ExitCode.FAILED} 12 0 peer node1"}, 137, ExitCode.FAILED),
     ],
 )
-def test_sbatch_and_submitit_take_a_failed_checks_code_over_sruns_alike(tmp_path, monkeypatch, checks, rc, expect):
-    """After srun, a node's failed check (its check-NODE.code) is the attempt's code, not the 143 of the tasks
-    srun terminated because of it: job.sbatch's lines and the submitit path's JobFiles.check_failed agree."""
+def test_sbatch_and_submitit_take_the_attempts_records_over_sruns_code_alike(
+    tmp_path, monkeypatch, checks, ranks, rc, expect
+):
+    """After srun, what the attempt's records say (a node's failed check, the ranks' own codes) is the attempt's
+    code, not that of a task srun ended itself: the 143 of tasks it terminated after a failed check, the 137 of
+    a hung rank's node it killed after the others' hang. job.sbatch's lines and the submitit path's attempt_code
+    (the same dtl_outcome, which submitit_setup.sh exports to it) agree."""
     from launcher.runtime.status import write_check_record
-    from launcher.targets.slurm_decisions import JobFiles
 
     job = rendered("slurm").files["job.sbatch"]
+    setup = rendered("slurm", "targets.slurm.submit=submitit").files["submitit_setup.sh"]
+    at = job.index("dtl_outcome() {")
+    defn = job[at : job.index("\n}\n", at) + 3]
+    assert defn in setup and re.search(r"^export -f .*\bdtl_outcome\b", setup, flags=re.M)
     block = job[job.index('if [ "$rc" -ne 0 ] && [ -z "${SIGNALLED:-}" ]; then') : job.index('echo "$ATTEMPT $rc')]
     status = tmp_path / "status"
     monkeypatch.setenv("DTLAUNCH_STATUS", str(status))
     for node, code in checks.items():
         write_check_record(tmp_path, node, code, "failed")
     status.mkdir(exist_ok=True)
+    for rank, line in ranks.items():
+        (status / f"rank-{rank:05d}.code").write_text(line + "\n")
     env = dict(os.environ)
-    p = subprocess.run(["bash", "-c", f"rc={rc}\n{block}echo $rc"], env=env, capture_output=True, text=True)
-    files = JobFiles.__new__(JobFiles)
-    files.status = status
-    assert int(p.stdout.strip()) == files.check_failed(rc) == expect, p.stderr
+    p = subprocess.run(["bash", "-c", f"{defn}rc={rc}\n{block}echo $rc"], env=env, capture_output=True, text=True)
+    call = f"from launcher.targets.slurm.submitit_job import attempt_code; print(attempt_code({rc}))"
+    q = subprocess.run(
+        ["bash", "-c", f'{defn}export -f dtl_outcome\nexec "$0" -c {call!r}', sys.executable],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert int(p.stdout.strip()) == int(q.stdout.strip()) == expect, p.stderr + q.stderr

@@ -108,6 +108,11 @@ def _dumps(run: Path, attempt: str | None) -> dict[int, dict]:
     return hangs.read_dumps(run / "status" / attempt) if attempt else {}
 
 
+def _attempt_checks(run: Path, attempt: str | None) -> list[dict]:
+    """The nodes' checks before training of one attempt (each with its place in the job, node_rank)."""
+    return check_records(run / "status" / attempt) if attempt else []
+
+
 def _last_attempt(run: Path, records: list[dict]) -> list[str]:
     if not records:
         return []
@@ -129,7 +134,7 @@ def _last_attempt(run: Path, records: list[dict]) -> list[str]:
             + f": {rs[0].get('message', '')}"
         )
     if ExitCode.HANG in by_code:
-        out += _culprits(mine, _dumps(run, attempt))
+        out += _culprits(mine, _dumps(run, attempt), _attempt_checks(run, attempt))
         out += _stacks(run, attempt)
     if ExitCode.PREFLIGHT in by_code:
         nodes = sorted({str(r.get("node")) for r in by_code[ExitCode.PREFLIGHT] if r.get("node")})
@@ -138,7 +143,9 @@ def _last_attempt(run: Path, records: list[dict]) -> list[str]:
     return out
 
 
-def hang_culprits(mine: list[dict], dumps: dict[int, dict] | None = None) -> tuple[list[int], list[str], str] | None:
+def hang_culprits(
+    mine: list[dict], dumps: dict[int, dict] | None = None, checks: list[dict] | None = None
+) -> tuple[list[int], list[str], str] | None:
     """(ranks, their nodes, why) the hung ranks waited for: from the flight-recorder dumps when they tell (the
     ranks that never entered the collective the others waited in), else those that left no record of their own
     in this attempt (none at all, or only torchrun's report of their exit: stopped, or ended by the no-progress
@@ -162,16 +169,18 @@ def hang_culprits(mine: list[dict], dumps: dict[int, dict] | None = None) -> tup
         if least is None or len(culprits) == len(hung):
             return None
         why = f"it got only to step {least}; the others timed out waiting for it in a later step"
-    # a culprit's node: its own record's (torchrun's report carries the node), else its torchrun's neighbours'
+    # a culprit's node: its own record's (torchrun's report carries the node), else its torchrun's neighbours', else
+    # the node whose check before training (`checks`, the attempt's) says it holds that place in the job
     per_node = max((int(r.get("local_world_size") or 0) for r in mine), default=0)
-    node_of = {r["rank"] // per_node: r.get("node") for r in mine if per_node and r.get("node")}
+    node_of = {c["node_rank"]: c.get("node") for c in checks or () if isinstance(c.get("node_rank"), int)}
+    node_of.update({r["rank"] // per_node: r.get("node") for r in mine if per_node and r.get("node")})
     named = {r["rank"]: r.get("node") for r in mine if r.get("node")}
     nodes = {named.get(k) or (node_of.get(k // per_node) if per_node else None) for k in culprits}
     return culprits, sorted(str(n) for n in nodes if n), why
 
 
-def _culprits(mine: list[dict], dumps: dict[int, dict]) -> list[str]:
-    found = hang_culprits(mine, dumps)
+def _culprits(mine: list[dict], dumps: dict[int, dict], checks: list[dict]) -> list[str]:
+    found = hang_culprits(mine, dumps, checks)
     if found is None:
         return [
             "  no culprit can be told: every rank reported the hang at the same step, and no flight-recorder "
@@ -208,7 +217,7 @@ def culprit_nodes(run: Path) -> list[str]:
     attempt, mine = _newest_attempt(records)
     if not any(int(r["code"]) == ExitCode.HANG for r in mine):
         return []
-    found = hang_culprits(mine, _dumps(run, attempt))
+    found = hang_culprits(mine, _dumps(run, attempt), _attempt_checks(run, attempt))
     return found[1] if found else []
 
 

@@ -91,6 +91,9 @@ def write_check_record(run_dir: Path, node: str, code: int, message: str) -> Non
     reads it), a passed one's summary (preflight puts each node's in the run's records)."""
     rec = {"node": node, "code": int(code), "message": message, "time": time.time()}
     rec["attempt"] = os.environ.get(jobenv.ATTEMPT)
+    # the node's place in the job (its torchrun's ranks follow it): a diagnosis places a rank that left no record
+    rank = os.environ.get(jobenv.NODE_RANK, "")
+    rec["node_rank"] = int(rank) if rank.isdigit() else None
     try:
         d = status_dir(run_dir)
         d.mkdir(parents=True, exist_ok=True)

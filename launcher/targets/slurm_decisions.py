@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DtlaunchError
-from ..jobenv import CHECK_RECORD_PREFIX, ExitCode, outcome
+from ..jobenv import ExitCode, outcome
 from .slurm.timelimit import parse_time
 
 # ----------------------------------------------------------------------------- the decisions (pure)
@@ -123,20 +123,6 @@ class JobFiles:
 
     def set_state(self, state: str) -> None:
         (self.job_dir / "state").write_text(state + "\n")
-
-    def check_failed(self, rc: int) -> int:
-        """The attempt's code after srun's `rc`: a node's failed check before training (its record's code: the
-        plan, the node or the storage) over the 143 of the tasks srun terminated because of it, as job.sbatch."""
-        if rc == 0:
-            return rc
-        for p in sorted(self.status.glob(f"{CHECK_RECORD_PREFIX}*.code")):
-            try:
-                code = int(p.read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                continue
-            if code in (ExitCode.CONFIG, ExitCode.PREFLIGHT, ExitCode.STORAGE):
-                return code
-        return rc
 
     def codes(self) -> list[tuple[int, int, int]]:
         """This attempt's "CODE STEP START_STEP" per rank (what step.sh's dtl_outcome reads)."""

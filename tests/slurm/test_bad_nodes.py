@@ -220,6 +220,26 @@ def test_a_hangs_culprit_node_is_excluded_and_the_run_resumes_elsewhere(
         )  # enroot's spelling, calls(log)
 
 
+def test_a_hang_on_another_node_is_the_attempts_43_though_srun_killed_that_nodes_task(tmp_path, partition):
+    """Two nodes, a rank each: rank 1 (node2) stops at step 4, rank 0 (node1) times out in the collective (43) and
+    its node's task ends; srun then kills node2's task, whose hung rank ignores its TERM (137, srun's code, over
+    node1's 43). The attempt's code is the ranks' own, 43, so the job script names node2 as the culprit's node and
+    would leave it out (here the partition cannot hold the job without it, which the job says)."""
+    extra = [
+        "training.steps=8",
+        "training.timeout_seconds=10",
+        "targets.slurm.max_restarts=0",
+        "targets.slurm.max_failures=0",
+    ]
+    render_to(tmp_path, "tiny", [*overrides(partition), *extra])
+    job = Job(tmp_path, fault="hang:rank=1:step=4")
+    job.done(240)
+    out = (tmp_path / f"tiny-{job.id}.out").read_text()
+    assert job.ledger("exit_codes")[0].split()[:2] == ["0", str(ExitCode.HANG)], job.explain()
+    assert "dtlaunch: the hang's likely culprit ran on node2" in out, out[-3000:]
+    assert "without node(s) node2 partition" in out, out[-3000:]
+
+
 def test_a_slow_nodes_straggler_is_named_excluded_and_the_run_resumes_elsewhere(tmp_path, partition, undisturbed):
     """Rank 1 (of 2, on node1) runs every forward 0.5 s slower from step 2 (the test-only `slow` fault: a throttled
     GPU). From step 2 (the first step warms up) it is named at each log step; at step 4, the third in a row, with

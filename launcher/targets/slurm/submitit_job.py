@@ -189,7 +189,7 @@ class StepJob(Checkpointable):
             while self._rc is None:
                 time.sleep(0.5)  # submitit's USR2 handler, and so checkpoint(), runs here in the main thread
             self._busy = True
-            rc = self._rc if self._term else files.check_failed(self._rc)
+            rc = self._rc if self._term else attempt_code(self._rc)
             outcome = Outcome(rc, "TERM" if self._term else None, progress=files.progress(self._checkpoint_at_start))
             return self._act(files, outcome, in_handler=False)
         except _Finished as f:
@@ -284,6 +284,21 @@ def _record_exit(rc: int) -> None:
                 f.write(exited_record(rc, time.time()))
         except OSError:
             pass
+
+
+def attempt_code(rc: int) -> int:
+    """The attempt's code after srun's `rc`, as job.sbatch takes it: what this attempt's records say, read by
+    the step script's own function (dtl_outcome, exported by submitit_setup.sh), over the code of a task srun
+    ended itself (a node's failed check, a hung rank's node killed after the others' hang)."""
+    if rc == 0:
+        return rc
+    p = subprocess.run(
+        ["bash", "-c", 'dtl_outcome "$1"', "dtl_outcome", str(rc)], capture_output=True, text=True, timeout=120
+    )
+    try:
+        return int(p.stdout.strip())
+    except ValueError:  # the function is not there (not run from submitit_setup.sh): srun's own code
+        return rc
 
 
 def _leave_out_bad_nodes(rc: int) -> None:
