@@ -164,7 +164,9 @@ def test_the_preamble_is_job_sbatchs_batch_part_from_one_template(tmp_path):
         assert line in pre
     assert pre.index("source /opt/venv/bin/activate") < pre.index("--check-environment") < pre.index("import submitit")
     assert 'SUBMIT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"' in pre
-    assert pre.rstrip().endswith("export SUBMIT_DIR JOB_DIR ATTEMPT\nexport -f fail exclude_bad_nodes bad_nodes_after")
+    assert pre.rstrip().endswith(
+        "export SUBMIT_DIR JOB_DIR ATTEMPT\nexport -f fail exclude_bad_nodes bad_nodes_after dtl_outcome"
+    )
     # the bad-node policy: job.sbatch runs it in its batch shell, submitit's python in a child bash (exported)
     a = job.index("# ---- bad nodes:")
     policy = job[a : job.index("\n}\n", job.index("bad_nodes_after() {")) + 3]
