@@ -120,7 +120,7 @@ def refuse_if_active(run_dir: str, registry: Registry) -> None:
         if rec.target == "sky":
             continue
         try:
-            state = (LocalBackend() if rec.target == "local" else backend(rec.target)).status(rec).state
+            state = backend(rec.target).status(rec).state
         except DtlaunchError:
             continue
         if state in LIVE:
